@@ -1,0 +1,33 @@
+"""orbax-mtc: multi-tier checkpointing for JAX, as an Orbax CheckpointManager subclass.
+
+Public API::
+
+  import orbax_mtc as mtc
+  mgr = mtc.CheckpointManager(local_directory, persistent_directory, global_mesh,
+                              abstract_state, options=mtc.CheckpointManagerOptions(...))
+"""
+
+from orbax_mtc import distributed
+from orbax_mtc.local_tier import AbstractStateMismatchError, CorruptStepError, LocalTierError
+from orbax_mtc.manager import CheckpointManager, RestoreInfo
+from orbax_mtc.options import (
+    CheckpointManagerOptions,
+    LocalCheckpointOptions,
+    PersistentCheckpointOptions,
+    ReplicationOptions,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AbstractStateMismatchError",
+    "CheckpointManager",
+    "CheckpointManagerOptions",
+    "CorruptStepError",
+    "LocalCheckpointOptions",
+    "LocalTierError",
+    "PersistentCheckpointOptions",
+    "ReplicationOptions",
+    "RestoreInfo",
+    "distributed",
+]

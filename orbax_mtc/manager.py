@@ -1,0 +1,518 @@
+"""`orbax_mtc.CheckpointManager`: an `ocp.CheckpointManager` with a RAM-disk tier in front.
+
+The parent class *is* the persistent tier: it is constructed on `persistent_directory` with the
+persistent options, so the persistent tier is a standard Orbax checkpoint written by Orbax's
+own code, and every parent API keeps its meaning there. On top of it this class adds the local
+tier (this node's RAM-disk folder) and decides, per step, what each tier does.
+
+Choices where the parent's meaning needs one for two tiers (also in docs/api.md):
+- `save` returns True when either tier saved; `should_save` is True when either tier would.
+- `all_steps`/`latest_step` cover both tiers as seen from this process (its committed and
+  in-flight local steps plus the persistent steps); they issue no collective.
+- `restore(None)` takes the newest step every process holds in RAM, else the newest
+  persistent step; `restore(step)` takes that step from RAM if every process has it.
+- `best_step`/`metrics` rank persistent steps (where Orbax keeps metrics), and fall back to
+  the local manifest for steps only in RAM.
+- `delete(step)` removes the step from both tiers; `directory` is the persistent directory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+from etils import epath
+from jax.experimental import multihost_utils
+from orbax.checkpoint import checkpoint_managers as policies
+
+from orbax_mtc import distributed, lkg, local_tier, restore_plan
+from orbax_mtc.options import CheckpointManagerOptions, replica_axis_name
+
+_PYTREE_SAVE = (ocp.args.PyTreeSave, ocp.args.StandardSave)
+_PYTREE_RESTORE = (ocp.args.PyTreeRestore, ocp.args.StandardRestore)
+_DEFAULT_ITEM = "default"  # Orbax's folder name for a single-item checkpoint
+_STATUS_OK, _STATUS_UNUSABLE, _STATUS_MISMATCH = 0, 1, 2
+
+
+def _persistent_view_when_nested(method):
+  """Runs the parent's method instead while the parent is running inside one of ours.
+
+  The parent's `save`/`restore`/`__init__` call `self.all_steps()`, `self.wait_until_finished()`
+  and friends; inside those calls they must see the persistent tier alone.
+  """
+  name = method.__name__
+
+  @functools.wraps(method)
+  def wrapper(self, *args, **kwargs):
+    if getattr(self._view, "persistent", False):
+      return getattr(super(CheckpointManager, self), name)(*args, **kwargs)
+    return method(self, *args, **kwargs)
+
+  return wrapper
+
+
+@dataclasses.dataclass
+class RestoreInfo:
+  """Where the last `restore` came from (for logs, the demo and `status`)."""
+
+  step: int | None
+  tier: str  # "local", "persistent" or "none"
+  seconds: float
+
+
+class CheckpointManager(ocp.CheckpointManager):
+  """Multi-tier checkpointing: RAM disk every few steps, persistent Orbax checkpoint rarely.
+
+  Usage::
+
+    mgr = orbax_mtc.CheckpointManager(
+        local_directory="/dev/shm/ckpt", persistent_directory="gs://bucket/run",
+        global_mesh=mesh, abstract_state=abstract_state, options=options)
+    mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+    restored = mgr.restore(None).state
+  """
+
+  def __init__(
+      self,
+      local_directory: epath.PathLike,
+      persistent_directory: epath.PathLike,
+      global_mesh: jax.sharding.Mesh,
+      abstract_state: Any,
+      *,
+      options: CheckpointManagerOptions | None = None,
+      metadata: Mapping[str, Any] | None = None,
+      logger: Any = None,
+      item_handlers: Any = None,
+      handler_registry: Any = None,
+  ):
+    self._view = threading.local()
+    options = CheckpointManagerOptions() if options is None else options
+    if not isinstance(options, CheckpointManagerOptions):
+      raise TypeError(
+          "options must be an orbax_mtc.CheckpointManagerOptions, got "
+          f"{type(options).__module__}.{type(options).__name__}. Build it with "
+          "orbax_mtc.CheckpointManagerOptions(local=..., persistent=...).")
+    if not isinstance(global_mesh, jax.sharding.Mesh):
+      raise TypeError(f"global_mesh must be a jax.sharding.Mesh, got {type(global_mesh)}.")
+    if local_directory is None or persistent_directory is None:
+      raise ValueError("Both local_directory (RAM disk) and persistent_directory are required.")
+    self._mtc_options = options
+    self._global_mesh = global_mesh
+    self._replica_axis = replica_axis_name(options, global_mesh.axis_names)
+    self._abstract_state = abstract_state
+    self._process_index = jax.process_index()
+    self._process_count = jax.process_count()
+    self._worker_index = (options.worker_index if options.worker_index is not None
+                          else distributed.worker_index())
+    local_path = Path(str(local_directory))
+    if str(local_path) == str(persistent_directory):
+      raise ValueError("local_directory and persistent_directory must be different folders.")
+    self._local = local_tier.LocalTier(local_path, max_to_keep=options.local.max_to_keep,
+                                       on_commit=self._after_local_commit)
+    self._local.prepare()
+    with self._persistent_view():
+      super().__init__(persistent_directory, options=options.persistent_manager_options(),
+                       metadata=metadata, logger=logger, item_handlers=item_handlers,
+                       handler_registry=handler_registry)
+    self._buffers = local_tier.BufferPool()
+    self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtc-local-write")
+    self._pending: concurrent.futures.Future | None = None
+    self._pending_step: int | None = None
+    self._local_error: BaseException | None = None
+    self._preemption_answers: dict[int, bool] = {}
+    self.last_restore: RestoreInfo | None = None
+    self.last_save_blocking_seconds: float | None = None
+    logging.info("orbax-mtc: process %d/%d, local %s, persistent %s, replica axis %r",
+                 self._process_index, self._process_count, local_path, self.directory,
+                 self._replica_axis)
+
+  # ------------------------------------------------------------------ helpers
+
+  @contextlib.contextmanager
+  def _persistent_view(self):
+    previous = getattr(self._view, "persistent", False)
+    self._view.persistent = True
+    try:
+      yield
+    finally:
+      self._view.persistent = previous
+
+  @property
+  def local_directory(self) -> Path:
+    return self._local.directory
+
+  @property
+  def global_mesh(self) -> jax.sharding.Mesh:
+    return self._global_mesh
+
+  @property
+  def replica_axis(self) -> str:
+    return self._replica_axis
+
+  @property
+  def options(self) -> CheckpointManagerOptions:
+    return self._mtc_options
+
+  def _after_local_commit(self, step: int) -> None:
+    # Runs on the writer thread after the rename: file I/O only.
+    lkg.update(self._local.directory, self._mtc_options.job_name, step, self._process_index,
+               self._worker_index)
+
+  def _persistent_steps(self) -> list[int]:
+    with self._persistent_view():
+      return list(super().all_steps())
+
+  def _local_steps(self) -> list[int]:
+    return self._local.steps()
+
+  def _allgather(self, row: np.ndarray) -> np.ndarray:
+    if self._process_count == 1:
+      return row[None]
+    return np.asarray(multihost_utils.process_allgather(row))
+
+  # ------------------------------------------------------------------ decisions
+
+  def _local_should_save(self, step: int) -> bool:
+    local = self._mtc_options.local
+    if local.read_only:
+      return False
+    steps = self._local_steps()
+    if self._pending_step is not None:
+      steps.append(self._pending_step)
+    last = max(steps) if steps else None
+    if last is not None and last >= step:
+      return False
+    if local.save_decision_policy is not None:
+      infos = [ocp.checkpoint_manager.CheckpointInfo(step=s, time=None, metrics=None)  # type: ignore[arg-type]
+               for s in sorted(steps)]
+      context = policies.DecisionContext(
+          is_saving_in_progress=self._pending is not None and not self._pending.done(),
+          reached_preemption=False)
+      current = ocp.checkpoint_manager.CheckpointInfo(step=step, time=None, metrics=None)  # type: ignore[arg-type]
+      return bool(local.save_decision_policy.should_save(current, infos, context=context))
+    if local.should_save_fn is not None:
+      return bool(local.should_save_fn(step, last))
+    return step % local.save_interval_steps == 0
+
+  def _persistent_should_save(self, step: int) -> bool:
+    with self._persistent_view():
+      return bool(super().should_save(step))
+
+  @_persistent_view_when_nested
+  def should_save(self, step: int) -> bool:
+    if self.reached_preemption(step):
+      return True
+    return self._local_should_save(step) or self._persistent_should_save(step)
+
+  @_persistent_view_when_nested
+  def reached_preemption(self, step: int) -> bool:
+    # Asking twice about one step must give one answer (save, then the loop's own check).
+    if step not in self._preemption_answers:
+      with self._persistent_view():
+        self._preemption_answers[step] = bool(super().reached_preemption(step))
+    return self._preemption_answers[step]
+
+  # ------------------------------------------------------------------ save
+
+  def _split_save_args(self, args: Any) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    """(pytree items, json items, default_item) from Orbax save args."""
+    if isinstance(args, _PYTREE_SAVE):
+      return {_DEFAULT_ITEM: args.item}, {}, True
+    if isinstance(args, ocp.args.Composite):
+      trees, jsons = {}, {}
+      for name, item in args.items():
+        if isinstance(item, _PYTREE_SAVE):
+          trees[name] = item.item
+        elif isinstance(item, ocp.args.JsonSave):
+          jsons[name] = item.item
+        else:
+          raise TypeError(
+              f"Item {name!r}: {type(item).__name__} cannot be saved to the RAM tier, which "
+              "holds PyTreeSave/StandardSave and JsonSave items. Save it with a plain "
+              "ocp.CheckpointManager, or convert it to a pytree of arrays.")
+      return trees, jsons, False
+    raise TypeError(
+        f"save() needs args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)) or "
+        f"ocp.args.PyTreeSave(state) / StandardSave(state); got {type(args).__name__}.")
+
+  @_persistent_view_when_nested
+  def save(self, step: int, items: Any = None, save_kwargs: Any = None, metrics: Any = None,
+           force: bool | None = False, args: Any = None,
+           custom_metadata: dict[str, Any] | None = None) -> bool:
+    """Saves `step` to the tiers whose schedule (or `force`, or a preemption) asks for it."""
+    if args is None:
+      if items is None:
+        raise ValueError("Must provide `args` for `save`.")
+      args = items if isinstance(items, ocp.args.CheckpointArgs) else ocp.args.PyTreeSave(items)
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+      raise ValueError(f"step must be a non-negative int, got {step!r}.")
+    step = int(step)
+    self.check_for_errors()
+    preempted = self.reached_preemption(step)
+    local_due = not self._mtc_options.local.read_only and (
+        force or preempted or self._local_should_save(step))
+    persistent_due = (force or preempted or self._persistent_should_save(step)) and (
+        step not in self._persistent_steps())
+    if not (local_due or persistent_due):
+      return False
+    if preempted:
+      logging.info("orbax-mtc: saving step %d on preemption", step)
+    if local_due:
+      self._save_local(step, args)
+    if persistent_due:
+      with self._persistent_view():
+        super().save(step, args=args, metrics=metrics, force=True,
+                     custom_metadata=custom_metadata)
+    return True
+
+  def _save_local(self, step: int, args: Any) -> None:
+    trees, jsons, default_item = self._split_save_args(args)
+    self._wait_local()  # one write in flight: the staging buffer is reused
+    started = time.perf_counter()
+    staged = local_tier.stage(step, trees, jsons, self._buffers, default_item=default_item)
+    self.last_save_blocking_seconds = time.perf_counter() - started
+    self._pending_step = step
+    if self._mtc_options.enable_async_checkpointing:
+      self._pending = self._writer.submit(self._write_local, staged)
+    else:
+      self._write_local(staged)
+      self._pending_step = None
+
+  def _write_local(self, staged: local_tier.StagedStep) -> None:
+    try:
+      self._local.write(staged, self._process_index, self._process_count)
+    except OSError as e:
+      raise OSError(
+          e.errno, f"orbax-mtc: local save of step {staged.step} to {self._local.directory} "
+          f"failed: {e.strerror}. Committed steps are untouched. If the RAM disk is full, "
+          "lower LocalCheckpointOptions.max_to_keep or enlarge the RAM disk (GKE sizing: "
+          "2.2x the per-node checkpoint on TPU).") from e
+
+  def _wait_local(self) -> None:
+    pending, self._pending = self._pending, None
+    if pending is None:
+      return
+    try:
+      pending.result()
+    except BaseException as e:  # surfaced once, on the main thread
+      self._local_error = e
+    finally:
+      self._pending_step = None
+    self._raise_local_error()
+
+  def _raise_local_error(self) -> None:
+    if self._local_error is not None:
+      error, self._local_error = self._local_error, None
+      raise error
+
+  # ------------------------------------------------------------------ restore
+
+  def _restore_targets(self, args: Any) -> tuple[dict[str, Any], bool | None]:
+    """Item name -> restore target (pytree or None for JSON); single-item flag if known."""
+    if args is None:
+      if self._abstract_state is None:
+        raise ValueError("restore() needs args or an abstract_state given to the manager.")
+      return {"state": self._abstract_state}, None
+    if isinstance(args, _PYTREE_RESTORE):
+      return {_DEFAULT_ITEM: args.item if args.item is not None else self._abstract_state}, True
+    if isinstance(args, ocp.args.Composite):
+      targets = {}
+      for name, item in args.items():
+        if isinstance(item, _PYTREE_RESTORE):
+          targets[name] = item.item if item.item is not None else self._abstract_state
+        elif isinstance(item, ocp.args.JsonRestore):
+          targets[name] = None
+        else:
+          raise TypeError(f"Item {name!r}: {type(item).__name__} is not supported by the "
+                          "RAM tier restore (PyTreeRestore/StandardRestore/JsonRestore).")
+        if targets[name] is None and not isinstance(item, ocp.args.JsonRestore):
+          raise ValueError(f"Item {name!r}: give PyTreeRestore(item=abstract_tree) or an "
+                           "abstract_state to the manager.")
+      return targets, False
+    raise TypeError(f"restore() args must be Composite, PyTreeRestore or StandardRestore; got "
+                    f"{type(args).__name__}.")
+
+  @staticmethod
+  def _local_item_names(manifest: local_tier.StepManifest, targets: dict[str, Any],
+                        single: bool | None) -> dict[str, Any]:
+    if single is None:  # args omitted: follow how the step was saved
+      if manifest.default_item:
+        return {_DEFAULT_ITEM: targets["state"]}
+      return targets
+    return targets
+
+  def _try_local(self, step: int, targets: dict[str, Any], single: bool | None
+                 ) -> tuple[int, Any, str]:
+    try:
+      manifest = self._local.manifest(step)
+      wanted = self._local_item_names(manifest, targets, single)
+      restored = local_tier.read_step(self._local.directory / str(step), manifest, wanted)
+      return _STATUS_OK, (restored, manifest.default_item), ""
+    except local_tier.AbstractStateMismatchError as e:
+      return _STATUS_MISMATCH, None, str(e)
+    except (local_tier.LocalTierError, OSError) as e:
+      return _STATUS_UNUSABLE, None, str(e)
+
+  @_persistent_view_when_nested
+  def restore(self, step: int | None = None, items: Any = None, restore_kwargs: Any = None,
+              directory: epath.PathLike | None = None, args: Any = None) -> Any:
+    """Restores the newest step the whole cluster can assemble (see module docstring)."""
+    if items is not None and args is None:
+      args = items if isinstance(items, ocp.args.CheckpointArgs) else \
+          ocp.args.PyTreeRestore(items)
+    if directory is not None:  # an explicit folder is a plain Orbax restore
+      with self._persistent_view():
+        return super().restore(step, directory=directory, args=args)
+    started = time.perf_counter()
+    self._wait_local()
+    targets, single = self._restore_targets(args)
+    rows = self._allgather(restore_plan.encode_inventory(self._local_steps()))
+    plan = restore_plan.plan_restore(restore_plan.decode_inventories(rows),
+                                     self._persistent_steps(), step)
+    for candidate in plan.local_candidates:
+      status, value, message = self._try_local(candidate, targets, single)
+      statuses = self._allgather(np.asarray([status], dtype=np.int64)).reshape(-1)
+      if (statuses == _STATUS_OK).all():
+        restored, default_item = value
+        self._finish_restore(candidate, "local", started)
+        if default_item and single is None or single:
+          return restored[_DEFAULT_ITEM]
+        return ocp.args.Composite(**restored)
+      if (statuses == _STATUS_MISMATCH).any():
+        culprit = int(np.argmax(statuses == _STATUS_MISMATCH))
+        raise local_tier.AbstractStateMismatchError(
+            message or f"process {culprit} found that the restore target does not match "
+            f"local step {candidate}; see its log for the leaf.")
+      bad = [i for i, s in enumerate(statuses) if s != _STATUS_OK]
+      logging.warning("orbax-mtc: local step %d unusable on process(es) %s%s; trying an older "
+                      "step or the persistent tier.", candidate, bad,
+                      f" ({message})" if message else "")
+    if plan.persistent_step is not None:
+      restored = self._restore_persistent(plan.persistent_step, targets, single)
+      self._finish_restore(plan.persistent_step, "persistent", started)
+      return restored
+    if step is not None:
+      raise FileNotFoundError(
+          f"Step {step} is in neither tier: local steps (this process) {self._local_steps()}, "
+          f"persistent steps {self._persistent_steps()}.")
+    logging.info("orbax-mtc: no checkpoint in RAM (%s) or in %s: starting from scratch.",
+                 self._local.directory, self.directory)
+    self.last_restore = RestoreInfo(step=None, tier="none",
+                                    seconds=time.perf_counter() - started)
+    return None
+
+  def _restore_persistent(self, step: int, targets: dict[str, Any], single: bool | None) -> Any:
+    step_dir = Path(str(self._get_read_step_directory(step, self.directory)))
+    saved_items = sorted(p.name for p in step_dir.iterdir() if p.is_dir()) \
+        if step_dir.is_dir() else []
+    saved_single = saved_items == [_DEFAULT_ITEM]
+    if single is None:
+      single = saved_single
+      if single:
+        targets = {_DEFAULT_ITEM: targets["state"]}
+
+    def restore_arg(target):
+      if target is None:
+        return ocp.args.JsonRestore()
+      return ocp.args.PyTreeRestore(
+          item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+
+    with self._persistent_view():
+      if single:
+        return super().restore(step, args=restore_arg(targets[_DEFAULT_ITEM]))
+      return super().restore(step, args=ocp.args.Composite(
+          **{name: restore_arg(t) for name, t in targets.items()}))
+
+  def _finish_restore(self, step: int, tier: str, started: float) -> None:
+    # Local steps newer than the restored one belong to an abandoned timeline: drop them so
+    # a later save of the same step number cannot be mistaken for them.
+    for stale in self._local_steps():
+      if stale > step:
+        self._local.delete(stale)
+    self.last_restore = RestoreInfo(step=step, tier=tier, seconds=time.perf_counter() - started)
+    logging.info("orbax-mtc: restored step %d from the %s tier in %.2fs", step, tier,
+                 self.last_restore.seconds)
+
+  # ------------------------------------------------------------------ steps and metadata
+
+  @_persistent_view_when_nested
+  def all_steps(self, read: bool = False) -> list[int]:
+    steps = set(self._local_steps()) | set(self._persistent_steps())
+    if self._pending_step is not None:
+      steps.add(self._pending_step)
+    return sorted(steps)
+
+  @_persistent_view_when_nested
+  def latest_step(self) -> int | None:
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  @_persistent_view_when_nested
+  def reload(self):
+    with self._persistent_view():
+      super().reload()
+
+  @_persistent_view_when_nested
+  def delete(self, step: int):
+    """Deletes `step` from this node's RAM tier and from the persistent tier."""
+    if self._pending_step == step:
+      self._wait_local()
+    self._local.delete(step)
+    if step in self._persistent_steps():
+      with self._persistent_view():
+        super().delete(step)
+
+  @_persistent_view_when_nested
+  def item_metadata(self, step: int) -> Any:
+    if step in self._persistent_steps():
+      with self._persistent_view():
+        return super().item_metadata(step)
+    manifest = self._local.manifest(step)
+    return local_tier.item_metadata(manifest)
+
+  @_persistent_view_when_nested
+  def metadata(self, step: int | None = None) -> Any:
+    with self._persistent_view():
+      if step is None or step in self._persistent_steps():
+        return super().metadata(step)
+    manifest = self._local.manifest(step)
+    return ocp.metadata.StepMetadata(
+        item_metadata=local_tier.item_metadata(manifest),
+        commit_timestamp_nsecs=int(manifest.created_at * 1e9))
+
+  # ------------------------------------------------------------------ lifecycle
+
+  @_persistent_view_when_nested
+  def wait_until_finished(self):
+    self._wait_local()
+    with self._persistent_view():
+      super().wait_until_finished()
+
+  @_persistent_view_when_nested
+  def check_for_errors(self):
+    if self._pending is not None and self._pending.done():
+      self._wait_local()
+    self._raise_local_error()
+    with self._persistent_view():
+      super().check_for_errors()
+
+  @_persistent_view_when_nested
+  def close(self):
+    try:
+      self.wait_until_finished()
+    finally:
+      self._writer.shutdown(wait=True)
+      self._local.close()
+      with self._persistent_view():
+        super().close()

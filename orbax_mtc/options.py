@@ -1,0 +1,235 @@
+"""Option dataclasses for the multi-tier CheckpointManager, validated on construction.
+
+Names mirror `orbax.checkpoint.experimental.emergency.checkpoint_manager` so that switching from
+Orbax's emergency manager is a change of import. Where we add options (naming the replica axis,
+peers, the job name for LKG links) the Orbax spelling is still accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from orbax.checkpoint import checkpoint_manager as ocp_manager
+from orbax.checkpoint import checkpoint_managers as policies
+from orbax.checkpoint import path as ocp_path
+
+_JOB_NAME_FORBIDDEN = ("/", "\0")
+
+
+def _check_interval(owner: str, name: str, value: int | None, *, allow_none: bool) -> None:
+  if value is None:
+    if allow_none:
+      return
+    raise ValueError(f"{owner}.{name} must be a positive integer, got None.")
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError(
+        f"{owner}.{name} must be an int, got {type(value).__name__} ({value!r})."
+    )
+  if value <= 0:
+    raise ValueError(
+        f"{owner}.{name} must be a positive number of steps, got {value}. "
+        "Use a value >= 1 (1 saves every step)."
+    )
+
+
+def _check_max_to_keep(owner: str, value: int | None) -> None:
+  if value is None:
+    return
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError(f"{owner}.max_to_keep must be an int or None, got {value!r}.")
+  if value < 1:
+    raise ValueError(
+        f"{owner}.max_to_keep must be >= 1 (or None to keep every step), got {value}: "
+        "the newest committed step is always kept."
+    )
+
+
+@dataclasses.dataclass
+class LocalCheckpointOptions:
+  """When to save to the RAM-disk tier and how many steps to keep there.
+
+  save_interval_steps: save every N steps (Orbax default: 10).
+  max_to_keep: committed steps kept per node (default 1, as in Orbax's emergency manager); the
+    step being written is extra, so at most `max_to_keep + 1` step folders exist at once.
+  read_only: never save locally (restore still reads the RAM tier).
+  should_save_fn: `fn(step, last_saved_step) -> bool`; overrides `save_interval_steps`.
+  save_decision_policy: an Orbax `SaveDecisionPolicy`; overrides everything above.
+  """
+
+  save_interval_steps: int = 10
+  max_to_keep: int | None = None
+  read_only: bool = False
+  should_save_fn: Callable[[int, int | None], bool] | None = None
+  save_decision_policy: policies.SaveDecisionPolicy | None = None
+
+  def __post_init__(self):
+    _check_interval("LocalCheckpointOptions", "save_interval_steps", self.save_interval_steps,
+                    allow_none=False)
+    _check_max_to_keep("LocalCheckpointOptions", self.max_to_keep)
+    if self.max_to_keep is None:
+      self.max_to_keep = 1
+    if self.should_save_fn is not None and not callable(self.should_save_fn):
+      raise TypeError("LocalCheckpointOptions.should_save_fn must be callable.")
+
+
+@dataclasses.dataclass
+class PersistentCheckpointOptions:
+  """When to back up to the persistent tier (a standard Orbax checkpoint) and what to keep.
+
+  save_interval_steps: back up every N steps (Orbax default: 1000).
+  max_to_keep: persistent steps kept; None keeps all.
+  keep_period: also keep every step that is a multiple of this.
+  should_save_fn / save_decision_policy / preservation_policy: as in Orbax; each overrides the
+    simpler options above.
+  best_fn / best_mode: rank checkpoints by the `metrics` passed to `save` (Orbax semantics).
+  """
+
+  save_interval_steps: int = 1000
+  max_to_keep: int | None = None
+  keep_period: int | None = None
+  should_save_fn: Callable[[int, int | None], bool] | None = None
+  save_decision_policy: policies.SaveDecisionPolicy | None = None
+  preservation_policy: policies.PreservationPolicy | None = None
+  best_fn: Callable[[Any], float] | None = None
+  best_mode: str = "max"
+
+  def __post_init__(self):
+    _check_interval("PersistentCheckpointOptions", "save_interval_steps",
+                    self.save_interval_steps, allow_none=False)
+    _check_max_to_keep("PersistentCheckpointOptions", self.max_to_keep)
+    _check_interval("PersistentCheckpointOptions", "keep_period", self.keep_period,
+                    allow_none=True)
+    if self.preservation_policy is not None and (
+        self.max_to_keep is not None or self.keep_period is not None):
+      raise ValueError(
+          "PersistentCheckpointOptions: set either `preservation_policy` or "
+          "`max_to_keep`/`keep_period`, not both (the policy decides alone)."
+      )
+    if self.best_mode not in ("max", "min"):
+      raise ValueError(f"PersistentCheckpointOptions.best_mode must be 'max' or 'min', "
+                       f"got {self.best_mode!r}.")
+
+
+@dataclasses.dataclass
+class ReplicationOptions:
+  """Where the data-parallel replicas are in the mesh (peers come with the peers issue).
+
+  replica_axis: name of the mesh axis along which the model is replicated (e.g. "data").
+    Named, never guessed: MaxText meshes may put another axis first.
+  peers_per_node / peer_ranks: how many other nodes hold a copy of each node's RAM checkpoint,
+    or the explicit list per node; mutually exclusive, as in the GKE replicator's yaml.
+  """
+
+  replica_axis: str | None = None
+  peers_per_node: int | None = None
+  peer_ranks: Sequence[Sequence[int]] | None = None
+
+  def __post_init__(self):
+    if self.replica_axis is not None and (
+        not isinstance(self.replica_axis, str) or not self.replica_axis):
+      raise ValueError(
+          f"ReplicationOptions.replica_axis must be a mesh axis name, got {self.replica_axis!r}.")
+    if self.peers_per_node is not None and self.peer_ranks is not None:
+      raise ValueError(
+          "ReplicationOptions: set either `peers_per_node` or `peer_ranks`, not both "
+          "(the GKE replicator accepts only one of them too).")
+    if self.peers_per_node is not None:
+      if isinstance(self.peers_per_node, bool) or not isinstance(self.peers_per_node, int) \
+          or self.peers_per_node < 0:
+        raise ValueError(
+            f"ReplicationOptions.peers_per_node must be an int >= 0, got {self.peers_per_node!r}.")
+
+
+@dataclasses.dataclass
+class CheckpointManagerOptions:
+  """Options of `orbax_mtc.CheckpointManager`.
+
+  local / persistent / replication: per-tier options (see their classes).
+  job_name: first part of the `<job>-s<step>-n<rank>-w<worker>.restore` LKG links.
+  replica_axis_index: Orbax's way to say where replicas are; used when
+    `replication.replica_axis` is not set.
+  worker_index: this process's index inside its host; None reads it from the environment.
+  step_name_format: persistent-tier step folder naming (Orbax `NameFormat`).
+  enable_async_checkpointing: local writes and persistent backups run in the background.
+  async_options: Orbax `AsyncOptions` for the persistent tier.
+  cleanup_tmp_directories: remove leftovers of interrupted saves when the manager starts.
+  """
+
+  local: LocalCheckpointOptions = dataclasses.field(default_factory=LocalCheckpointOptions)
+  persistent: PersistentCheckpointOptions = dataclasses.field(
+      default_factory=PersistentCheckpointOptions)
+  replication: ReplicationOptions = dataclasses.field(default_factory=ReplicationOptions)
+  job_name: str = "orbax"
+  replica_axis_index: int | None = None
+  worker_index: int | None = None
+  step_name_format: ocp_path.step.NameFormat | None = None
+  enable_async_checkpointing: bool = True
+  async_options: ocp_manager.AsyncOptions | None = None
+  cleanup_tmp_directories: bool = True
+
+  def __post_init__(self):
+    for name, cls in (("local", LocalCheckpointOptions),
+                      ("persistent", PersistentCheckpointOptions),
+                      ("replication", ReplicationOptions)):
+      value = getattr(self, name)
+      if not isinstance(value, cls):
+        raise TypeError(
+            f"CheckpointManagerOptions.{name} must be an orbax_mtc.{cls.__name__}, got "
+            f"{type(value).__module__}.{type(value).__name__}.")
+    if not isinstance(self.job_name, str) or not self.job_name or any(
+        c in self.job_name for c in _JOB_NAME_FORBIDDEN):
+      raise ValueError(
+          f"CheckpointManagerOptions.job_name must be a non-empty name without '/', "
+          f"got {self.job_name!r}.")
+    if self.replica_axis_index is not None and (
+        isinstance(self.replica_axis_index, bool) or not isinstance(self.replica_axis_index, int)
+        or self.replica_axis_index < 0):
+      raise ValueError(
+          "CheckpointManagerOptions.replica_axis_index must be an int >= 0, got "
+          f"{self.replica_axis_index!r}.")
+    if self.worker_index is not None and (
+        not isinstance(self.worker_index, int) or self.worker_index < 0):
+      raise ValueError(
+          f"CheckpointManagerOptions.worker_index must be an int >= 0, got {self.worker_index!r}.")
+
+  def persistent_manager_options(self) -> ocp_manager.CheckpointManagerOptions:
+    """The plain Orbax options the persistent tier is run with."""
+    persistent = self.persistent
+    kwargs: dict[str, Any] = dict(
+        save_interval_steps=persistent.save_interval_steps,
+        max_to_keep=persistent.max_to_keep,
+        keep_period=persistent.keep_period,
+        should_save_fn=persistent.should_save_fn,
+        save_decision_policy=persistent.save_decision_policy,
+        preservation_policy=persistent.preservation_policy,
+        best_fn=persistent.best_fn,
+        best_mode=persistent.best_mode,
+        enable_async_checkpointing=self.enable_async_checkpointing,
+        async_options=self.async_options,
+        cleanup_tmp_directories=self.cleanup_tmp_directories,
+        create=True,
+    )
+    if self.step_name_format is not None:
+      kwargs["step_name_format"] = self.step_name_format
+    return ocp_manager.CheckpointManagerOptions(**kwargs)
+
+
+def replica_axis_name(options: CheckpointManagerOptions, mesh_axis_names: Sequence[str]) -> str:
+  """The mesh axis that indexes data-parallel replicas, with a clear error when unknown."""
+  names = tuple(mesh_axis_names)
+  axis = options.replication.replica_axis
+  if axis is not None:
+    if axis not in names:
+      raise ValueError(
+          f"ReplicationOptions.replica_axis={axis!r} is not an axis of the global mesh "
+          f"(axes: {names}). Name the data-parallel axis of your mesh, e.g. "
+          f"ReplicationOptions(replica_axis={names[0]!r}).")
+    return axis
+  index = options.replica_axis_index if options.replica_axis_index is not None else 0
+  if index >= len(names):
+    raise ValueError(
+        f"CheckpointManagerOptions.replica_axis_index={index} is out of range for a mesh with "
+        f"axes {names}. Prefer naming the axis: ReplicationOptions(replica_axis=...).")
+  return names[index]
