@@ -1,0 +1,64 @@
+"""The `orbax-mtc` command: launch, demo, status, verify.
+
+`launch` and `demo` take the rest of the command line as their own arguments; their modules
+(and JAX) are imported only when the verb is used, so `orbax-mtc --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+# Verbs whose arguments are parsed by their own module.
+_PASSTHROUGH = ("launch", "demo")
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="orbax-mtc",
+      description="Multi-tier checkpointing for JAX: tools.",
+  )
+  verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+  verbs.add_parser(
+      "launch", add_help=False,
+      help="run a command as N local processes of one jax.distributed job "
+      "(orbax-mtc launch --help)",
+  )
+  verbs.add_parser(
+      "demo", add_help=False, help="run the end-to-end demonstration (orbax-mtc demo --help)"
+  )
+  status = verbs.add_parser("status", help="show the checkpoints held in a directory")
+  status.add_argument("directory", help="a local (RAM-disk) or persistent checkpoint directory")
+  verify = verbs.add_parser(
+      "verify", help="check every checkpoint in a directory against its manifest"
+  )
+  verify.add_argument("directory", help="a local (RAM-disk) or persistent checkpoint directory")
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs one `orbax-mtc` verb and returns its exit code."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv and argv[0] in _PASSTHROUGH:
+    verb, rest = argv[0], argv[1:]
+    if verb == "launch":
+      from orbax_mtc import launch
+
+      return launch.main(rest)
+    from orbax_mtc import demo
+
+    return int(demo.main(rest) or 0)
+
+  args = _parser().parse_args(argv)
+  from orbax_mtc import inspection
+
+  if args.verb == "status":
+    return int(inspection.status_main(args.directory))
+  if args.verb == "verify":
+    return int(inspection.verify_main(args.directory))
+  raise AssertionError(f"unhandled verb {args.verb!r}")  # argparse rejects unknown verbs
+
+
+if __name__ == "__main__":
+  sys.exit(main())

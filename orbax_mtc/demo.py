@@ -1,0 +1,122 @@
+"""`orbax-mtc demo`: train, lose a process to SIGKILL, restart, resume from RAM, summarise.
+
+Embedded defaults: RAM tier under /dev/shm/orbax-mtc-demo/local/node<i>, persistent tier in
+/tmp/orbax-mtc-demo/persistent, 4 processes of one CPU device each on a 2x2 (data, model) mesh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from orbax_mtc import launch
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="orbax-mtc demo", description=__doc__)
+  p.add_argument("--nprocs", type=int, default=4)
+  p.add_argument("--steps", type=int, default=60)
+  p.add_argument("--local-every", type=int, default=5)
+  p.add_argument("--persistent-every", type=int, default=25)
+  p.add_argument("--kill-at-step", type=int, default=38)
+  p.add_argument("--kill-rank", type=int, default=None, help="default: the last process")
+  p.add_argument("--local-root", default="/dev/shm/orbax-mtc-demo")
+  p.add_argument("--persistent-dir", default="/tmp/orbax-mtc-demo/persistent")
+  p.add_argument("--keep", action="store_true", help="keep both tiers' folders afterwards")
+  p.add_argument("--timeout", type=float, default=300.0)
+  return p
+
+
+def _reports(report_dir: Path, phase: int) -> list[dict]:
+  return [json.loads(p.read_text()) for p in sorted(report_dir.glob(f"phase{phase}-node*.json"))]
+
+
+def _mib(n: float) -> str:
+  return f"{n / 2**20:.2f} MiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  if args.nprocs % 2:
+    raise SystemExit("--nprocs must be even: the demo mesh has a data axis of 2.")
+  kill_rank = args.nprocs - 1 if args.kill_rank is None else args.kill_rank
+  local_root = Path(args.local_root)
+  persistent = Path(args.persistent_dir)
+  report_dir = local_root / "reports"
+  for path in (local_root, persistent):
+    shutil.rmtree(path, ignore_errors=True)
+  persistent.mkdir(parents=True, exist_ok=True)
+  train = [sys.executable, "-m", "orbax_mtc.demo_train", "--persistent-dir", str(persistent),
+           "--report-dir", str(report_dir), "--steps", str(args.steps),
+           "--local-every", str(args.local_every),
+           "--persistent-every", str(args.persistent_every)]
+  env = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+  started = time.perf_counter()
+  try:
+    print(f"== phase 1: {args.nprocs} processes train; process {kill_rank} is SIGKILLed at "
+          f"step {args.kill_at_step}", flush=True)
+    first = launch.run_processes(
+        train + ["--phase", "1", "--kill-rank", str(kill_rank),
+                 "--kill-at-step", str(args.kill_at_step)],
+        args.nprocs, devices_per_process=1, local_root=local_root / "local", env=env,
+        timeout_s=args.timeout)
+    if first.returncode == 0:
+      print("demo: phase 1 was expected to lose a process but exited 0", file=sys.stderr)
+      return 1
+    print(f"== job failed as planned (exit {first.returncode}); restarting it", flush=True)
+    second = launch.run_processes(
+        train + ["--phase", "2"], args.nprocs, devices_per_process=1,
+        local_root=local_root / "local", env=env, timeout_s=args.timeout)
+    if second.returncode != 0:
+      print(f"demo: the restarted job failed (exit {second.returncode})", file=sys.stderr)
+      return second.returncode
+    phase1, phase2 = _reports(report_dir, 1), _reports(report_dir, 2)
+    if len(phase2) != args.nprocs:
+      print("demo: missing reports from the restarted job", file=sys.stderr)
+      return 1
+    killed = next((r for r in phase1 if r["process"] == kill_rank), None)
+    last_before = killed["last_step"] if killed else args.kill_at_step
+    restores = {(r["restore"]["tier"], r["restore"]["step"]) for r in phase2}
+    if len(restores) != 1:
+      print(f"demo: processes disagree on the restored step: {restores}", file=sys.stderr)
+      return 1
+    tier, step = restores.pop()
+    blocking = [b for r in phase1 + phase2 for b in r["blocking_s"]]
+    restore_s = max(r["restore"]["seconds"] for r in phase2)
+    local_bytes = sum(r["local_bytes"] for r in phase2)
+    persistent_bytes = max(r["persistent_bytes"] for r in phase2)
+    rows = [
+        ("processes x devices", f"{args.nprocs} x 1 (mesh data=2, model={args.nprocs // 2})"),
+        ("failure", f"SIGKILL of process {kill_rank} at step {last_before}"),
+        ("restored from", f"{tier} tier, step {step}"),
+        ("steps lost", str(last_before - step)),
+        ("restore time", f"{restore_s:.3f} s"),
+        ("save blocking (median)", f"{statistics.median(blocking) * 1e3:.2f} ms"
+         if blocking else "n/a"),
+        ("RAM tier bytes (all nodes)", _mib(local_bytes)),
+        ("persistent tier bytes", _mib(persistent_bytes)),
+        ("final step / loss", f"{phase2[0]['last_step']} / {phase2[0]['final_loss']:.5f}"),
+        ("wall time", f"{time.perf_counter() - started:.1f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\norbax-mtc demo summary")
+    for key, value in rows:
+      print(f"  {key:<{width}}  {value}")
+    if tier != "local":
+      print("demo: expected a restore from RAM", file=sys.stderr)
+      return 1
+    return 0
+  finally:
+    if not args.keep:
+      shutil.rmtree(local_root, ignore_errors=True)
+      shutil.rmtree(persistent.parent if persistent.name == "persistent" else persistent,
+                    ignore_errors=True)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
