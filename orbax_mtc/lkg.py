@@ -46,12 +46,24 @@ def parse_link_name(name: str) -> LkgEntry:
                   worker_index=int(match["worker"]), name=name)
 
 
-def list_entries(directory: Path) -> list[LkgEntry]:
-  """All `.restore` entries of a local directory (malformed names raise ValueError)."""
+def list_entries(directory: Path, *, strict: bool = True) -> list[LkgEntry]:
+  """All `.restore` entries of a local directory.
+
+  Malformed names raise ValueError when `strict`; otherwise they are skipped (upkeep of our
+  own links must not fail because someone else left a stray file).
+  """
   if not directory.is_dir():
     return []
-  return sorted((parse_link_name(p.name) for p in directory.iterdir()
-                 if p.name.endswith(RESTORE_SUFFIX)), key=lambda e: e.step)
+  entries = []
+  for p in directory.iterdir():
+    if not p.name.endswith(RESTORE_SUFFIX):
+      continue
+    try:
+      entries.append(parse_link_name(p.name))
+    except ValueError:
+      if strict:
+        raise
+  return sorted(entries, key=lambda e: e.step)
 
 
 def update(directory: Path, job_name: str, step: int, node_rank: int, worker_index: int) -> Path:
@@ -65,7 +77,7 @@ def update(directory: Path, job_name: str, step: int, node_rank: int, worker_ind
   tmp = directory / f".{name}.{uuid.uuid4().hex}.tmp"
   os.symlink(str(step), tmp)  # relative: the local directory may be mounted elsewhere later
   os.replace(tmp, final)
-  for entry in list_entries(directory):
+  for entry in list_entries(directory, strict=False):
     if (entry.name != name and entry.job_name == job_name and entry.node_rank == node_rank
         and entry.worker_index == worker_index):
       (directory / entry.name).unlink(missing_ok=True)
@@ -73,7 +85,7 @@ def update(directory: Path, job_name: str, step: int, node_rank: int, worker_ind
 
 
 def remove_all(directory: Path, job_name: str, node_rank: int, worker_index: int) -> None:
-  for entry in list_entries(directory):
+  for entry in list_entries(directory, strict=False):
     if (entry.job_name == job_name and entry.node_rank == node_rank
         and entry.worker_index == worker_index):
       (directory / entry.name).unlink(missing_ok=True)

@@ -55,7 +55,9 @@ def _persistent_view_when_nested(method):
 
   @functools.wraps(method)
   def wrapper(self, *args, **kwargs):
-    if getattr(self._view, "persistent", False):
+    # Before our __init__ completes (the parent's __init__ runs first, partly on worker
+    # threads) there is only the parent.
+    if not self.__dict__.get("_mtc_ready") or getattr(self._view, "persistent", False):
       return getattr(super(CheckpointManager, self), name)(*args, **kwargs)
     return method(self, *args, **kwargs)
 
@@ -133,6 +135,7 @@ class CheckpointManager(ocp.CheckpointManager):
     self._preemption_answers: dict[int, bool] = {}
     self.last_restore: RestoreInfo | None = None
     self.last_save_blocking_seconds: float | None = None
+    self._mtc_ready = True
     logging.info("orbax-mtc: process %d/%d, local %s, persistent %s, replica axis %r",
                  self._process_index, self._process_count, local_path, self.directory,
                  self._replica_axis)
@@ -168,6 +171,15 @@ class CheckpointManager(ocp.CheckpointManager):
     # Runs on the writer thread after the rename: file I/O only.
     lkg.update(self._local.directory, self._mtc_options.job_name, step, self._process_index,
                self._worker_index)
+
+  def _refresh_lkg(self) -> None:
+    """Re-points the LKG link after steps were removed (main thread, no write in flight)."""
+    steps = self._local_steps()
+    if steps:
+      self._after_local_commit(steps[-1])
+    else:
+      lkg.remove_all(self._local.directory, self._mtc_options.job_name, self._process_index,
+                     self._worker_index)
 
   def _persistent_steps(self) -> list[int]:
     with self._persistent_view():
@@ -266,6 +278,11 @@ class CheckpointManager(ocp.CheckpointManager):
         step not in self._persistent_steps())
     if not (local_due or persistent_due):
       return False
+    if local_due and step in self.all_steps():
+      # As Orbax: a step is never silently replaced (the tiers would then disagree on it).
+      raise ocp.checkpoint_manager.StepAlreadyExistsError(
+          f"Step {step} already exists (RAM tier {self._local.directory} or persistent tier "
+          f"{self.directory}). Delete it first with mgr.delete({step}) to save it again.")
     if preempted:
       logging.info("orbax-mtc: saving step %d on preemption", step)
     if local_due:
@@ -385,7 +402,7 @@ class CheckpointManager(ocp.CheckpointManager):
       statuses = self._allgather(np.asarray([status], dtype=np.int64)).reshape(-1)
       if (statuses == _STATUS_OK).all():
         restored, default_item = value
-        self._finish_restore(candidate, "local", started)
+        self._finish_restore(candidate, "local", started, drop_newer=step is None)
         if default_item and single is None or single:
           return restored[_DEFAULT_ITEM]
         return ocp.args.Composite(**restored)
@@ -400,9 +417,13 @@ class CheckpointManager(ocp.CheckpointManager):
                       f" ({message})" if message else "")
     if plan.persistent_step is not None:
       restored = self._restore_persistent(plan.persistent_step, targets, single)
-      self._finish_restore(plan.persistent_step, "persistent", started)
+      self._finish_restore(plan.persistent_step, "persistent", started, drop_newer=step is None)
       return restored
     if step is not None:
+      if plan.local_candidates:
+        raise local_tier.LocalTierError(
+            f"Step {step} is in the RAM tier of every process but could not be used (corrupt "
+            "or incomplete; see the warnings above) and the persistent tier does not have it.")
       raise FileNotFoundError(
           f"Step {step} is in neither tier: local steps (this process) {self._local_steps()}, "
           f"persistent steps {self._persistent_steps()}.")
@@ -422,6 +443,10 @@ class CheckpointManager(ocp.CheckpointManager):
       if single:
         targets = {_DEFAULT_ITEM: targets["state"]}
 
+    for name, target in targets.items():
+      if target is not None:
+        self._check_persistent_item(step_dir / name, name, target)
+
     def restore_arg(target):
       if target is None:
         return ocp.args.JsonRestore()
@@ -434,12 +459,44 @@ class CheckpointManager(ocp.CheckpointManager):
       return super().restore(step, args=ocp.args.Composite(
           **{name: restore_arg(t) for name, t in targets.items()}))
 
-  def _finish_restore(self, step: int, tier: str, started: float) -> None:
-    # Local steps newer than the restored one belong to an abandoned timeline: drop them so
-    # a later save of the same step number cannot be mistaken for them.
-    for stale in self._local_steps():
-      if stale > step:
-        self._local.delete(stale)
+  @staticmethod
+  def _check_persistent_item(item_dir: Path, name: str, target: Any) -> None:
+    """Same clear error as the RAM tier for a target that does not match the saved tree.
+
+    Orbax alone would raise an error that does not name the leaf, or silently cast dtypes.
+    """
+    with ocp.PyTreeCheckpointer() as checkpointer:
+      saved = checkpointer.metadata(item_dir)
+    saved_tree = getattr(getattr(saved, "item_metadata", None), "tree", saved)
+    saved_leaves = {jax.tree_util.keystr(p): leaf
+                    for p, leaf in jax.tree_util.tree_flatten_with_path(saved_tree)[0]}
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
+      path = jax.tree_util.keystr(key_path)
+      meta = saved_leaves.get(path)
+      if meta is None:
+        raise local_tier.AbstractStateMismatchError(
+            f"Leaf {name}{path} of the restore target is not in the persistent checkpoint "
+            f"{item_dir} (it holds {sorted(saved_leaves)[:8]}).")
+      if not hasattr(leaf, "shape") or not hasattr(meta, "shape"):
+        continue  # Python scalars and other non-array leaves carry no shape to compare
+      want_shape, want_dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+      have_shape, have_dtype = tuple(meta.shape), np.dtype(meta.dtype)
+      if want_shape != have_shape or want_dtype != have_dtype:
+        raise local_tier.AbstractStateMismatchError(
+            f"Leaf {name}{path}: the persistent checkpoint holds shape {have_shape} dtype "
+            f"{have_dtype.name}, but the target asks for shape {want_shape} dtype "
+            f"{want_dtype.name}. Pass an abstract state that matches the saved one.")
+
+  def _finish_restore(self, step: int, tier: str, started: float, *, drop_newer: bool) -> None:
+    # After restore(None), local steps newer than the agreed one exist on some nodes only and
+    # belong to a timeline the job abandons: drop them so that they can neither be restored
+    # later nor block saving those step numbers again. An explicit restore(step) keeps them.
+    if drop_newer:
+      stale = [s for s in self._local_steps() if s > step]
+      for s in stale:
+        self._local.delete(s)
+      if stale:
+        self._refresh_lkg()
     self.last_restore = RestoreInfo(step=step, tier=tier, seconds=time.perf_counter() - started)
     logging.info("orbax-mtc: restored step %d from the %s tier in %.2fs", step, tier,
                  self.last_restore.seconds)
@@ -466,9 +523,10 @@ class CheckpointManager(ocp.CheckpointManager):
   @_persistent_view_when_nested
   def delete(self, step: int):
     """Deletes `step` from this node's RAM tier and from the persistent tier."""
-    if self._pending_step == step:
-      self._wait_local()
-    self._local.delete(step)
+    self._wait_local()  # the writer must not race the link update below
+    if step in self._local_steps():
+      self._local.delete(step)
+      self._refresh_lkg()
     if step in self._persistent_steps():
       with self._persistent_view():
         super().delete(step)
@@ -490,6 +548,13 @@ class CheckpointManager(ocp.CheckpointManager):
     return ocp.metadata.StepMetadata(
         item_metadata=local_tier.item_metadata(manifest),
         commit_timestamp_nsecs=int(manifest.created_at * 1e9))
+
+  @_persistent_view_when_nested
+  def is_saving_in_progress(self) -> bool:
+    if self._pending is not None and not self._pending.done():
+      return True
+    with self._persistent_view():
+      return super().is_saving_in_progress()
 
   # ------------------------------------------------------------------ lifecycle
 

@@ -190,7 +190,8 @@ class CheckpointManagerOptions:
           "CheckpointManagerOptions.replica_axis_index must be an int >= 0, got "
           f"{self.replica_axis_index!r}.")
     if self.worker_index is not None and (
-        not isinstance(self.worker_index, int) or self.worker_index < 0):
+        isinstance(self.worker_index, bool) or not isinstance(self.worker_index, int)
+        or self.worker_index < 0):
       raise ValueError(
           f"CheckpointManagerOptions.worker_index must be an int >= 0, got {self.worker_index!r}.")
 

@@ -1,0 +1,154 @@
+"""`orbax-mtc status DIR` / `orbax-mtc verify DIR` on local (RAM) and persistent folders."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import orbax.checkpoint as ocp
+import pytest
+from conftest import abstract_of, make_state
+
+import orbax_mtc as mtc
+from orbax_mtc import cli, inspection, local_tier
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run_cli(*args):
+  env = dict(os.environ)
+  path = env.get("PYTHONPATH")
+  env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT)
+  env["JAX_PLATFORMS"] = "cpu"
+  return subprocess.run([sys.executable, "-m", "orbax_mtc", *map(str, args)], env=env,
+                        capture_output=True, text=True, timeout=90, check=False)
+
+
+@pytest.fixture
+def saved(shm_dir, mesh):
+  """Steps 0..6 saved: local holds 4 and 6, persistent holds 0 and 4."""
+  local, persistent = shm_dir / "local", shm_dir / "persistent"
+  options = mtc.CheckpointManagerOptions(
+      local=mtc.LocalCheckpointOptions(save_interval_steps=2, max_to_keep=2),
+      persistent=mtc.PersistentCheckpointOptions(save_interval_steps=4))
+  with mtc.CheckpointManager(local, persistent, mesh, abstract_of(make_state(mesh)),
+                             options=options) as mgr:
+    for step in range(7):
+      mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(make_state(mesh, step))))
+  assert local_tier.committed_steps(local) == [4, 6]
+  return local, persistent
+
+
+def _flip_first_shard(step_dir):
+  manifest = local_tier.read_manifest(step_dir)
+  shard = manifest.items["state"].leaves[0].shards[0]
+  with open(step_dir / local_tier.DATA, "r+b") as f:
+    f.seek(shard.offset + shard.nbytes - 1)
+    byte = f.read(1)
+    f.seek(shard.offset + shard.nbytes - 1)
+    f.write(bytes([byte[0] ^ 0x80]))
+
+
+def _lines_for(output, name):
+  return [line for line in output.splitlines() if line.rstrip().endswith(f"  {name}")
+          or f"  {name}  " in line]
+
+
+def test_status_lists_local_steps_and_lkg(saved):
+  local, _ = saved
+  result = _run_cli("status", local)
+  assert result.returncode == 0, result.stderr
+  assert "local tier" in result.stdout
+  assert _lines_for(result.stdout, "4") and _lines_for(result.stdout, "6")
+  assert "orbax-s6-n0-w0.restore -> step 6" in result.stdout
+
+
+def test_verify_clean_local_exits_0(saved):
+  local, _ = saved
+  result = _run_cli("verify", local)
+  assert result.returncode == 0, result.stdout + result.stderr
+  for step in ("4", "6"):
+    (line,) = _lines_for(result.stdout, step)
+    assert " ok " in line
+
+
+def test_verify_corrupt_local_step_exits_1_and_names_it(saved):
+  local, _ = saved
+  _flip_first_shard(local / "6")
+  result = _run_cli("verify", local)
+  assert result.returncode == 1, result.stdout + result.stderr
+  (line,) = _lines_for(result.stdout, "6")
+  assert "corrupt" in line and "checksum mismatch" in line
+  (line,) = _lines_for(result.stdout, "4")
+  assert " ok " in line
+  assert "1 corrupt or partial" in result.stderr
+
+
+def test_verify_reports_leftover_tmp_as_partial(saved, capsys):
+  local, _ = saved
+  shutil.copytree(local / "6", local / ".tmp-8-0123abcd")
+  assert inspection.verify_main(str(local)) == 1
+  out = capsys.readouterr().out
+  (line,) = _lines_for(out, ".tmp-8-0123abcd")
+  assert "partial" in line
+  assert cli.main(["status", str(local)]) == 0  # status only lists
+
+
+def test_verify_truncated_and_missing_data(saved, capsys):
+  local, _ = saved
+  os.truncate(local / "6" / local_tier.DATA, 10)
+  (local / "4" / local_tier.DATA).unlink()
+  assert cli.main(["verify", str(local)]) == 1
+  out = capsys.readouterr().out
+  assert "corrupt" in _lines_for(out, "6")[0]
+  assert "corrupt" in _lines_for(out, "4")[0]
+
+
+def test_status_and_verify_persistent(saved, capsys):
+  _, persistent = saved
+  assert cli.main(["status", str(persistent)]) == 0
+  out = capsys.readouterr().out
+  assert "persistent tier" in out
+  assert _lines_for(out, "0") and _lines_for(out, "4")
+  assert cli.main(["verify", str(persistent)]) == 0
+  out = capsys.readouterr().out
+  assert " ok " in _lines_for(out, "4")[0] and " ok " in _lines_for(out, "0")[0]
+
+
+def test_verify_persistent_unfinished_and_damaged(saved, capsys):
+  _, persistent = saved
+  (persistent / "8.orbax-checkpoint-tmp-1234").mkdir()
+  shutil.copytree(persistent / "0", persistent / "12")
+  (persistent / "12" / "_CHECKPOINT_METADATA").unlink()
+  assert cli.main(["verify", str(persistent)]) == 1
+  out = capsys.readouterr().out
+  assert "partial" in _lines_for(out, "8.orbax-checkpoint-tmp-1234")[0]
+  assert "partial" in _lines_for(out, "12")[0]
+  shutil.rmtree(persistent / "8.orbax-checkpoint-tmp-1234")
+  shutil.rmtree(persistent / "12")
+  # Damage the array data of step 4.
+  for data in (persistent / "4").rglob("d/*"):
+    data.unlink()
+  assert cli.main(["verify", str(persistent)]) == 1
+  out = capsys.readouterr().out
+  assert "corrupt" in _lines_for(out, "4")[0]
+  assert " ok " in _lines_for(out, "0")[0]
+
+
+def test_not_a_directory(shm_dir):
+  path = shm_dir / "afile"
+  path.write_text("x")
+  with pytest.raises(SystemExit, match="not a directory"):
+    cli.main(["verify", str(path)])
+  with pytest.raises(SystemExit):
+    cli.main(["status", str(shm_dir / "missing")])
+
+
+def test_empty_directory(shm_dir, capsys):
+  assert cli.main(["verify", str(shm_dir)]) == 0
+  assert "no steps" in capsys.readouterr().out

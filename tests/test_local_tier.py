@@ -1,0 +1,313 @@
+"""The RAM-disk tier on its own: staging, atomic commit, manifest, verify, retention, read."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import uuid
+
+import jax
+import numpy as np
+import pytest
+from conftest import abstract_of, assert_trees_equal, make_state
+
+from orbax_mtc import local_tier as lt
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _write(tier, mesh, step, seed=None, pool=None, default_item=False):
+  state = make_state(mesh, seed=step if seed is None else seed)
+  staged = lt.stage(step, {"state": state}, {"meta": {"step": step}}, pool or lt.BufferPool(),
+                    default_item=default_item)
+  return state, tier.write(staged, process_index=0, process_count=1)
+
+
+def _flip_byte(path, offset):
+  with open(path, "r+b") as f:
+    f.seek(offset)
+    byte = f.read(1)
+    f.seek(offset)
+    f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _first_shard(manifest):
+  leaf = manifest.items["state"].leaves[0]
+  return leaf, leaf.shards[0]
+
+
+@pytest.fixture
+def tier(shm_dir):
+  tier = lt.LocalTier(shm_dir / "local", max_to_keep=2)
+  tier.prepare()
+  yield tier
+  tier.close()
+
+
+def test_write_commit_read_round_trip(tier, mesh):
+  state, step_dir = _write(tier, mesh, 3)
+  assert step_dir == tier.directory / "3"
+  assert sorted(p.name for p in step_dir.iterdir()) == [lt.DATA, lt.MANIFEST]
+  assert lt.committed_steps(tier.directory) == [3]
+  manifest = lt.read_manifest(step_dir)
+  assert manifest.step == 3 and manifest.process_count == 1 and not manifest.default_item
+  assert manifest.data_size == (step_dir / lt.DATA).stat().st_size
+  assert manifest.items["meta"].kind == "json" and manifest.items["meta"].value == {"step": 3}
+  restored = lt.read_step(step_dir, manifest, {"state": abstract_of(state), "meta": None})
+  assert restored["meta"] == {"step": 3}
+  assert_trees_equal(restored["state"], state)
+  # verify_step agrees and returns the same manifest.
+  assert lt.verify_step(step_dir) == manifest
+
+
+def test_manifest_json_round_trip(tier, mesh):
+  _, step_dir = _write(tier, mesh, 1)
+  manifest = lt.read_manifest(step_dir)
+  assert lt.StepManifest.from_json(manifest.to_json()) == manifest
+  paths = [leaf.path for leaf in manifest.items["state"].leaves]
+  assert "['params']['w']" in paths and "['layers'][0]" in paths
+  w = next(leaf for leaf in manifest.items["state"].leaves if leaf.path == "['params']['w']")
+  assert w.shape == (8, 6) and w.dtype == "float32" and w.kind == "array"
+  # P("data", "model") on 2x2: four distinct shards of 4x3, each with its own checksum.
+  assert sorted(s.index for s in w.shards) == [((0, 4), (0, 3)), ((0, 4), (3, 6)),
+                                               ((4, 8), (0, 3)), ((4, 8), (3, 6))]
+  assert all(s.nbytes == 4 * 3 * 4 for s in w.shards)
+  b = next(leaf for leaf in manifest.items["state"].leaves if leaf.path == "['params']['b']")
+  assert b.dtype == "bfloat16" and len(b.shards) == 2  # P("model"): twins along "data"
+  ids = next(leaf for leaf in manifest.items["state"].leaves if leaf.path == "['ids']")
+  assert len(ids.shards) == 1  # replicated: written once
+  step = next(leaf for leaf in manifest.items["state"].leaves if leaf.path == "['step']")
+  assert step.kind == "host" and step.python_type == "int"
+
+
+def test_item_metadata_from_manifest(tier, mesh):
+  state, step_dir = _write(tier, mesh, 2)
+  meta = lt.item_metadata(lt.read_manifest(step_dir))
+  assert meta.meta == {"step": 2}
+  tree = meta.state
+  assert tree["params"]["w"] == jax.ShapeDtypeStruct((8, 6), np.float32)
+  assert tree["params"]["b"].dtype == jax.numpy.bfloat16
+  assert isinstance(tree["layers"], list) and tree["layers"][0].shape == (4, 2)
+  assert tree["scale"].shape == ()
+  assert tree["host"].shape == state["host"].shape
+
+
+def test_default_item_metadata_is_bare_tree(tier, mesh):
+  pool = lt.BufferPool()
+  state = make_state(mesh, 1)
+  staged = lt.stage(1, {"default": state}, {}, pool, default_item=True)
+  step_dir = tier.write(staged, 0, 1)
+  meta = lt.item_metadata(lt.read_manifest(step_dir))
+  assert set(meta) == set(state)
+
+
+def test_committed_steps_ignores_everything_but_committed_folders(tier, mesh):
+  _write(tier, mesh, 4)
+  root = tier.directory
+  (root / ".tmp-6-abc").mkdir()
+  shutil.copytree(root / "4", root / ".tmp-8-def")  # complete, but never renamed
+  (root / "10").mkdir()  # no manifest
+  (root / "12").write_text("not a folder")
+  (root / "abc").mkdir()
+  assert lt.committed_steps(root) == [4]
+  assert lt.committed_steps(root / "missing") == []
+  with pytest.raises(lt.LocalTierError, match="not a committed step"):
+    lt.read_manifest(root / "10")
+
+
+def test_prepare_removes_interrupted_saves_and_extra_spares(shm_dir, mesh):
+  tier = lt.LocalTier(shm_dir / "local", max_to_keep=1)
+  tier.prepare()
+  _write(tier, mesh, 2)
+  root = tier.directory
+  for name in (".tmp-4-x", ".spare-a", ".spare-b"):
+    (root / name).mkdir()
+    (root / name / lt.DATA).write_bytes(b"x" * 100)
+  tier.close()
+  again = lt.LocalTier(root, max_to_keep=1)
+  again.prepare()
+  names = sorted(p.name for p in root.iterdir())
+  assert "2" in names
+  assert not [n for n in names if n.startswith(".tmp-")]
+  assert len([n for n in names if n.startswith(".spare-")]) == 1
+  again.close()
+
+
+def test_retention_keeps_max_to_keep_and_reuses_a_spare(tier, mesh):
+  pool = lt.BufferPool()
+  saved = {}
+  for step in range(0, 12, 2):
+    saved[step], _ = _write(tier, mesh, step, pool=pool)
+    steps = lt.committed_steps(tier.directory)
+    assert steps == sorted(saved)[-2:]
+    names = [p.name for p in tier.directory.iterdir()]
+    assert len([n for n in names if n.startswith(".spare-")]) <= 1
+    assert not [n for n in names if n.startswith(".tmp-")]
+  # Steps written into a reused spare data file read back exactly.
+  for step in (8, 10):
+    manifest = tier.manifest(step)
+    restored = lt.read_step(tier.directory / str(step), manifest,
+                            {"state": abstract_of(saved[step])})
+    assert_trees_equal(restored["state"], saved[step])
+
+
+def test_retention_never_drops_the_newest(shm_dir, mesh):
+  tier = lt.LocalTier(shm_dir / "local", max_to_keep=1)
+  tier.prepare()
+  try:
+    for step in (5, 6, 7):
+      _write(tier, mesh, step)
+      assert lt.committed_steps(tier.directory) == [step]
+  finally:
+    tier.close()
+
+
+def test_spare_reuse_with_a_smaller_state_truncates(tier, mesh):
+  big = make_state(mesh, 1, scale=8)
+  pool = lt.BufferPool()
+  for step in (1, 2, 3):
+    tier.write(lt.stage(step, {"state": big}, {}, pool, default_item=False), 0, 1)
+  small = make_state(mesh, 4)
+  step_dir = tier.write(lt.stage(4, {"state": small}, {}, pool, default_item=False), 0, 1)
+  manifest = lt.verify_step(step_dir)
+  assert (step_dir / lt.DATA).stat().st_size == manifest.data_size
+  restored = lt.read_step(step_dir, manifest, {"state": abstract_of(small)})
+  assert_trees_equal(restored["state"], small)
+
+
+def test_commit_existing_step_fails_and_keeps_it(tier, mesh):
+  state, _ = _write(tier, mesh, 2)
+  with pytest.raises(FileExistsError):
+    _write(tier, mesh, 2, seed=99)
+  restored = lt.read_step(tier.directory / "2", tier.manifest(2), {"state": abstract_of(state)})
+  assert_trees_equal(restored["state"], state)
+  assert not [p for p in tier.directory.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_flipped_byte_detected_by_verify_and_read(tier, mesh):
+  state, step_dir = _write(tier, mesh, 2)
+  manifest = lt.read_manifest(step_dir)
+  leaf, shard = _first_shard(manifest)
+  _flip_byte(step_dir / lt.DATA, shard.offset + shard.nbytes // 2)
+  with pytest.raises(lt.CorruptStepError, match=r"checksum mismatch") as info:
+    lt.verify_step(step_dir)
+  assert leaf.path in str(info.value)
+  with pytest.raises(lt.CorruptStepError, match="checksum mismatch"):
+    lt.read_step(step_dir, manifest, {"state": abstract_of(state)})
+
+
+def test_truncated_data_detected(tier, mesh):
+  state, step_dir = _write(tier, mesh, 2)
+  manifest = lt.read_manifest(step_dir)
+  os.truncate(step_dir / lt.DATA, manifest.data_size // 2)
+  with pytest.raises(lt.CorruptStepError):
+    lt.verify_step(step_dir)
+  with pytest.raises(lt.LocalTierError):
+    lt.read_step(step_dir, manifest, {"state": abstract_of(state)})
+  (step_dir / lt.DATA).unlink()
+  with pytest.raises(lt.LocalTierError):
+    lt.verify_step(step_dir)
+  with pytest.raises(lt.LocalTierError):
+    lt.read_step(step_dir, manifest, {"state": abstract_of(state)})
+
+
+def test_garbage_manifest_is_a_local_tier_error(tier, mesh):
+  _, step_dir = _write(tier, mesh, 2)
+  (step_dir / lt.MANIFEST).write_text("{not json")
+  with pytest.raises(lt.LocalTierError, match="unreadable"):
+    lt.read_manifest(step_dir)
+  (step_dir / lt.MANIFEST).write_text('{"format": "something/else"}')
+  with pytest.raises(lt.LocalTierError, match="format"):
+    lt.read_manifest(step_dir)
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "missing_leaf", "extra_leaf", "item"])
+def test_read_step_rejects_mismatched_target(tier, mesh, change):
+  state, step_dir = _write(tier, mesh, 2)
+  target = abstract_of(state)
+  w = target["params"]["w"]
+  if change == "shape":
+    target["params"]["w"] = jax.ShapeDtypeStruct((8, 12), w.dtype, sharding=w.sharding)
+    expected = [r"\['params'\]\['w'\]", r"\(8, 6\)", r"\(8, 12\)"]
+  elif change == "dtype":
+    target["params"]["w"] = jax.ShapeDtypeStruct(w.shape, np.float16, sharding=w.sharding)
+    expected = [r"\['params'\]\['w'\]", "float32", "float16"]
+  elif change == "missing_leaf":
+    del target["params"]["b"]
+    expected = [r"\['params'\]\['b'\]"]
+  elif change == "extra_leaf":
+    target["params"]["extra"] = w
+    expected = [r"\['params'\]\['extra'\]"]
+  else:
+    target = {"other": target}
+    expected = ["'other'"]
+  targets = target if change == "item" else {"state": target}
+  with pytest.raises(lt.AbstractStateMismatchError) as info:
+    lt.read_step(step_dir, lt.read_manifest(step_dir), targets)
+  for pattern in expected:
+    assert re.search(pattern, str(info.value)), (pattern, str(info.value))
+  assert lt.verify_step(step_dir)  # nothing was touched
+
+
+def test_read_onto_host_targets(tier, mesh):
+  """A target without sharding reads a replicated array as numpy (the node holds it whole)."""
+  state, step_dir = _write(tier, mesh, 2)
+  target = abstract_of(state)
+  target["ids"] = np.zeros((4, 4), np.int32)
+  restored = lt.read_step(step_dir, lt.read_manifest(step_dir), {"state": target})["state"]
+  assert isinstance(restored["ids"], np.ndarray)
+  assert np.array_equal(restored["ids"], np.asarray(state["ids"]))
+  # A sharded leaf has no whole copy here: a clear LocalTierError, not garbage.
+  target["params"]["w"] = np.zeros((8, 6), np.float32)
+  with pytest.raises(lt.LocalTierError, match="does not hold the whole array"):
+    lt.read_step(step_dir, lt.read_manifest(step_dir), {"state": target})
+
+
+def test_unsupported_leaf_type_rejected(mesh):
+  with pytest.raises(TypeError, match="cannot store"):
+    lt.stage(0, {"state": {"x": "a string"}}, {}, lt.BufferPool(), default_item=False)
+  with pytest.raises(TypeError, match="not JSON-serialisable"):
+    lt.stage(0, {}, {"meta": {"x": object()}}, lt.BufferPool(), default_item=False)
+
+
+def test_prepare_rejects_a_file(shm_dir):
+  path = shm_dir / "afile"
+  path.write_text("x")
+  with pytest.raises(ValueError, match="not a directory"):
+    lt.LocalTier(path, max_to_keep=1).prepare()
+
+
+@pytest.fixture
+def read_only_dir(shm_dir):
+  """A read-only tmpfs mount (enforced for root too); skipped where mounting is not allowed."""
+  mount = shm_dir / f"ro-{uuid.uuid4().hex[:8]}"
+  mount.mkdir()
+  result = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount)],
+                          capture_output=True, text=True, check=False)
+  if result.returncode != 0:
+    pytest.skip(f"cannot mount a read-only tmpfs here: {result.stderr.strip()}")
+  try:
+    yield mount
+  finally:
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_prepare_rejects_read_only_directory(read_only_dir):
+  with pytest.raises(ValueError, match="not writable"):
+    lt.LocalTier(read_only_dir, max_to_keep=1).prepare()
+  with pytest.raises(ValueError, match="Cannot create local_directory"):
+    lt.LocalTier(read_only_dir / "sub", max_to_keep=1).prepare()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores permission bits (chmod 0o500)")
+def test_prepare_rejects_non_writable_directory(shm_dir):
+  path = shm_dir / "ro"
+  path.mkdir()
+  path.chmod(0o500)
+  try:
+    with pytest.raises(ValueError, match="not writable"):
+      lt.LocalTier(path, max_to_keep=1).prepare()
+  finally:
+    path.chmod(0o700)

@@ -1,0 +1,626 @@
+"""orbax_mtc.CheckpointManager in one process (no jax.distributed) on a 2x2 CPU mesh."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import subprocess
+import uuid
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from conftest import abstract_of, assert_host_equal, assert_trees_equal, make_state
+
+import orbax_mtc as mtc
+from orbax_mtc import lkg, local_tier
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _options(local_every=2, persistent_every=4, local_keep=2, persistent_keep=None, **kwargs):
+  return mtc.CheckpointManagerOptions(
+      local=mtc.LocalCheckpointOptions(save_interval_steps=local_every, max_to_keep=local_keep),
+      persistent=mtc.PersistentCheckpointOptions(save_interval_steps=persistent_every,
+                                                 max_to_keep=persistent_keep),
+      replication=mtc.ReplicationOptions(replica_axis="data"), **kwargs)
+
+
+@pytest.fixture
+def dirs(shm_dir):
+  return shm_dir / "local", shm_dir / "persistent"
+
+
+@pytest.fixture
+def open_manager(dirs, mesh):
+  """`open_manager(**options)` -> a manager on `dirs`, closed at teardown."""
+  managers = []
+
+  def make(options=None, abstract=None, local=None, persistent=None):
+    mgr = mtc.CheckpointManager(local or dirs[0], persistent or dirs[1], mesh,
+                                abstract if abstract is not None
+                                else abstract_of(make_state(mesh)),
+                                options=options or _options())
+    managers.append(mgr)
+    return mgr
+
+  yield make
+  for mgr in managers:
+    with contextlib.suppress(Exception):
+      mgr.close()
+
+
+def _composite(state):
+  return ocp.args.Composite(state=ocp.args.PyTreeSave(state))
+
+
+def _save_range(mgr, mesh, steps, single=False):
+  """Saves make_state(seed=step) at each step; returns {step: state} and the save results."""
+  states, results = {}, {}
+  for step in steps:
+    states[step] = make_state(mesh, step)
+    args = ocp.args.PyTreeSave(states[step]) if single else _composite(states[step])
+    results[step] = mgr.save(step, args=args)
+  mgr.wait_until_finished()
+  return states, results
+
+
+def _persistent_steps(persistent_dir):
+  return sorted(int(p.name) for p in persistent_dir.iterdir() if p.name.isdigit())
+
+
+def _links(local_dir):
+  return {p.name: os.readlink(p) for p in local_dir.iterdir() if p.name.endswith(".restore")}
+
+
+def _flip_first_shard(step_dir):
+  manifest = local_tier.read_manifest(step_dir)
+  shard = manifest.items["state"].leaves[0].shards[0]
+  with open(step_dir / local_tier.DATA, "r+b") as f:
+    f.seek(shard.offset)
+    byte = f.read(1)
+    f.seek(shard.offset)
+    f.write(bytes([byte[0] ^ 0x01]))
+
+
+# ----------------------------------------------------------------------------- basics
+
+
+def test_is_an_orbax_checkpoint_manager(open_manager, dirs):
+  mgr = open_manager()
+  assert isinstance(mgr, ocp.CheckpointManager)
+  assert mgr.local_directory == dirs[0]
+  assert str(mgr.directory) == str(dirs[1])
+  assert dirs[0].is_dir() and dirs[1].is_dir()
+  assert mgr.all_steps() == [] and mgr.latest_step() is None
+  assert mgr.restore(None) is None
+  assert mgr.last_restore.tier == "none" and mgr.last_restore.step is None
+
+
+def test_context_manager_closes(dirs, mesh):
+  with mtc.CheckpointManager(dirs[0], dirs[1], mesh, abstract_of(make_state(mesh)),
+                             options=_options()) as mgr:
+    assert mgr.save(0, args=_composite(make_state(mesh, 0)))
+  assert local_tier.committed_steps(dirs[0]) == [0]
+
+
+def test_round_trip_composite(open_manager, mesh):
+  mgr = open_manager()
+  states, _ = _save_range(mgr, mesh, range(0, 9))
+  restored = mgr.restore(None)
+  assert isinstance(restored, ocp.args.Composite)
+  assert mgr.last_restore.step == 8 and mgr.last_restore.tier == "local"
+  assert_trees_equal(restored.state, states[8])
+  assert_trees_equal(restored["state"], states[8])
+  explicit = mgr.restore(None, args=ocp.args.Composite(
+      state=ocp.args.PyTreeRestore(item=abstract_of(states[8]))))
+  assert_trees_equal(explicit.state, states[8])
+  # An older step still held locally.
+  older = mgr.restore(6)
+  assert mgr.last_restore.step == 6 and mgr.last_restore.tier == "local"
+  assert_trees_equal(older.state, states[6])
+
+
+@pytest.mark.parametrize("save_cls", [ocp.args.PyTreeSave, ocp.args.StandardSave])
+def test_round_trip_single_item(open_manager, mesh, save_cls):
+  mgr = open_manager()
+  state = make_state(mesh, 2)
+  assert mgr.save(2, args=save_cls(state))
+  mgr.wait_until_finished()
+  restored = mgr.restore(None)
+  assert mgr.last_restore.tier == "local" and mgr.last_restore.step == 2
+  assert_trees_equal(restored, state)  # the bare tree, as plain Orbax returns it
+  explicit = mgr.restore(2, args=ocp.args.PyTreeRestore(item=abstract_of(state)))
+  assert_trees_equal(explicit, state)
+
+
+def test_synchronous_mode(open_manager, mesh):
+  mgr = open_manager(_options(enable_async_checkpointing=False))
+  states, _ = _save_range(mgr, mesh, range(0, 5))
+  assert local_tier.committed_steps(mgr.local_directory) == [2, 4]
+  assert_trees_equal(mgr.restore(None).state, states[4])
+
+
+def test_json_item_round_trip(open_manager, dirs, mesh):
+  mgr = open_manager()
+  state = make_state(mesh, 4)
+  args = ocp.args.Composite(state=ocp.args.PyTreeSave(state),
+                            meta=ocp.args.JsonSave({"lr": 0.5, "tags": ["a"]}))
+  assert mgr.save(4, args=args)
+  mgr.wait_until_finished()
+  restore_args = ocp.args.Composite(state=ocp.args.PyTreeRestore(item=abstract_of(state)),
+                                    meta=ocp.args.JsonRestore())
+  restored = mgr.restore(4, args=restore_args)
+  assert mgr.last_restore.tier == "local"
+  assert restored.meta == {"lr": 0.5, "tags": ["a"]}
+  assert_trees_equal(restored.state, state)
+  mgr.close()
+  shutil.rmtree(dirs[0])
+  again = open_manager()
+  restored = again.restore(4, args=restore_args)
+  assert again.last_restore.tier == "persistent"
+  assert restored.meta == {"lr": 0.5, "tags": ["a"]}
+  assert_trees_equal(restored.state, state)
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+def test_saving_schedule(open_manager, dirs, mesh):
+  mgr = open_manager()
+  expected = {0: True, 1: False, 2: True, 3: False, 4: True, 5: False, 6: True, 7: False,
+              8: True}
+  assert mgr.should_save(0)
+  _, results = _save_range(mgr, mesh, range(0, 9))
+  assert results == expected
+  assert {s: mgr.should_save(s) for s in (8, 9, 10, 12)} == \
+      {8: False, 9: False, 10: True, 12: True}
+  assert local_tier.committed_steps(dirs[0]) == [6, 8]
+  assert _persistent_steps(dirs[1]) == [0, 4, 8]
+  assert mgr.all_steps() == [0, 4, 6, 8]
+  assert mgr.latest_step() == 8
+
+
+def test_force_saves_off_schedule(open_manager, dirs, mesh):
+  mgr = open_manager()
+  # Like plain Orbax, the very first save of a fresh run is always taken (InitialSavePolicy).
+  assert mgr.save(1, args=_composite(make_state(mesh, 1))) is True
+  state = make_state(mesh, 3)
+  assert mgr.should_save(3) is False
+  assert mgr.save(3, args=_composite(state)) is False
+  assert mgr.save(3, args=_composite(state), force=True) is True
+  mgr.wait_until_finished()
+  assert local_tier.committed_steps(dirs[0]) == [3]  # step 1 was off the local schedule
+  assert _persistent_steps(dirs[1]) == [1, 3]
+  assert_trees_equal(mgr.restore(3).state, state)
+
+
+def test_save_rejects_bad_step_and_args(open_manager, mesh):
+  mgr = open_manager()
+  with pytest.raises(ValueError, match="step"):
+    mgr.save(-2, args=_composite(make_state(mesh)))
+  with pytest.raises(TypeError, match="Composite"):
+    mgr.save(2, args=ocp.args.JsonSave({"a": 1}))
+  assert mgr.all_steps() == []
+
+
+def test_retention_and_lkg(open_manager, dirs, mesh):
+  mgr = open_manager(_options(local_keep=2, persistent_keep=2))
+  for last in range(0, 13, 2):
+    mgr.save(last, args=_composite(make_state(mesh, last)))
+    mgr.wait_until_finished()
+    committed = local_tier.committed_steps(dirs[0])
+    assert committed == list(range(0, last + 1, 2))[-2:]
+    # Never more than one spare, never a leftover temporary folder.
+    names = [p.name for p in dirs[0].iterdir()]
+    assert len([n for n in names if n.startswith(".spare-")]) <= 1
+    assert not [n for n in names if n.startswith(".tmp-")]
+    assert _links(dirs[0]) == {lkg.link_name("orbax", last, 0, 0): str(last)}
+    assert (dirs[0] / lkg.link_name("orbax", last, 0, 0)).resolve() == dirs[0] / str(last)
+  assert _persistent_steps(dirs[1]) == [8, 12]
+  assert mgr.all_steps() == [8, 10, 12]
+
+
+def test_retention_keeps_only_newest_with_max_to_keep_1(open_manager, dirs, mesh):
+  mgr = open_manager(_options(local_every=1, persistent_every=1000, local_keep=1))
+  states, _ = _save_range(mgr, mesh, range(1, 6))
+  assert local_tier.committed_steps(dirs[0]) == [5]
+  assert_trees_equal(mgr.restore(None).state, states[5])
+
+
+def test_reached_preemption_is_stable(open_manager):
+  mgr = open_manager()
+  assert mgr.reached_preemption(3) is False
+  assert mgr.reached_preemption(3) is False
+
+
+def test_force_save_of_existing_local_step(open_manager, dirs, mesh):
+  """Saving a step that is already committed locally must not fail later with a misleading
+  "failed: None ... RAM disk is full" OSError; the committed bytes stay as they were.
+
+  Plain Orbax raises StepAlreadyExistsError from save() itself; either that or a successful
+  save is acceptable.
+  """
+  mgr = open_manager()
+  states, _ = _save_range(mgr, mesh, [0, 2])
+  assert _persistent_steps(dirs[1]) == [0] and local_tier.committed_steps(dirs[0]) == [0, 2]
+  with contextlib.suppress(ocp.checkpoint_manager.StepAlreadyExistsError):
+    mgr.save(2, args=_composite(make_state(mesh, 99)), force=True)
+  mgr.wait_until_finished()
+  assert_trees_equal(mgr.restore(2).state, states[2])
+  mgr.close()
+  # The tiers never disagree about what step 2 holds.
+  if 2 in _persistent_steps(dirs[1]):
+    shutil.rmtree(dirs[0])
+    again = open_manager()
+    assert_trees_equal(again.restore(2).state, states[2])
+    assert again.last_restore.tier == "persistent"
+
+
+# ----------------------------------------------------------------------------- restart
+
+
+def test_restart_restores_newest_local_step(open_manager, dirs, mesh):
+  mgr = open_manager()
+  states, _ = _save_range(mgr, mesh, range(0, 7))
+  mgr.close()
+  again = open_manager()
+  restored = again.restore(None)
+  assert again.last_restore.tier == "local" and again.last_restore.step == 6
+  assert_trees_equal(restored.state, states[6])
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["composite", "single"])
+def test_restart_without_local_restores_persistent(open_manager, dirs, mesh, single):
+  mgr = open_manager()
+  states, _ = _save_range(mgr, mesh, range(0, 7), single=single)
+  mgr.close()
+  shutil.rmtree(dirs[0])
+  again = open_manager()
+  assert again.all_steps() == [0, 4]
+  restored = again.restore(None)
+  assert again.last_restore.tier == "persistent" and again.last_restore.step == 4
+  assert_trees_equal(restored if single else restored.state, states[4])
+  if single:
+    explicit = again.restore(None, args=ocp.args.PyTreeRestore(item=abstract_of(states[4])))
+    assert_trees_equal(explicit, states[4])
+  else:
+    explicit = again.restore(None, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(item=abstract_of(states[4]))))
+    assert_trees_equal(explicit.state, states[4])
+  # Training goes on from the restored step: the next local save works.
+  again.save(6, args=_composite(make_state(mesh, 60)))
+  again.wait_until_finished()
+  assert local_tier.committed_steps(dirs[0]) == [6]
+
+
+def test_nothing_anywhere_restores_none(open_manager, dirs):
+  mgr = open_manager()
+  assert mgr.restore(None) is None
+  assert mgr.last_restore.tier == "none"
+  with pytest.raises(FileNotFoundError, match="Step 4"):
+    mgr.restore(4)
+
+
+def test_persistent_tier_is_plain_orbax(open_manager, dirs, mesh):
+  mgr = open_manager()
+  states, _ = _save_range(mgr, mesh, range(0, 9))
+  mgr.close()
+  plain = ocp.CheckpointManager(dirs[1])
+  try:
+    assert plain.all_steps() == [0, 4, 8]
+    for step in (4, 8):
+      host = jax.tree.map(np.asarray, states[step])
+      restore_args = ocp.checkpoint_utils.construct_restore_args(host)
+      out = plain.restore(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(restore_args=restore_args)))
+      assert_host_equal(out.state, host)
+    # With sharded targets it gives back the same jax arrays too.
+    abstract = abstract_of(states[8])
+    out = plain.restore(8, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))))
+    assert_trees_equal(out.state, states[8])
+  finally:
+    plain.close()
+
+
+def test_persistent_single_item_is_plain_orbax(open_manager, dirs, mesh):
+  mgr = open_manager()
+  states, _ = _save_range(mgr, mesh, [4], single=True)
+  mgr.close()
+  with ocp.CheckpointManager(dirs[1]) as plain:
+    host = jax.tree.map(np.asarray, states[4])
+    out = plain.restore(4, args=ocp.args.PyTreeRestore(
+        restore_args=ocp.checkpoint_utils.construct_restore_args(host)))
+    assert_host_equal(out, host)
+
+
+# ----------------------------------------------------------------------------- corruption
+
+
+def test_corrupt_newest_local_step_falls_back_to_older_local(open_manager, dirs, mesh):
+  mgr = open_manager()
+  states, _ = _save_range(mgr, mesh, range(0, 7))
+  assert local_tier.committed_steps(dirs[0]) == [4, 6]
+  _flip_first_shard(dirs[0] / "6")
+  with pytest.raises(mtc.CorruptStepError, match="checksum"):
+    local_tier.verify_step(dirs[0] / "6")
+  local_tier.verify_step(dirs[0] / "4")
+  restored = mgr.restore(None)
+  assert mgr.last_restore.step == 4 and mgr.last_restore.tier == "local"
+  assert_trees_equal(restored.state, states[4])
+
+
+def test_corrupt_local_steps_fall_back_to_persistent(open_manager, dirs, mesh):
+  mgr = open_manager()
+  states, _ = _save_range(mgr, mesh, range(0, 7))
+  for step in (4, 6):
+    _flip_first_shard(dirs[0] / str(step))
+  restored = mgr.restore(None)
+  assert mgr.last_restore.step == 4 and mgr.last_restore.tier == "persistent"
+  assert_trees_equal(restored.state, states[4])
+
+
+def test_leftover_tmp_folder_is_never_restored(open_manager, dirs, mesh):
+  mgr = open_manager()
+  states, _ = _save_range(mgr, mesh, range(0, 7))
+  # A complete-looking copy of a newer step that never got its commit rename.
+  shutil.copytree(dirs[0] / "6", dirs[0] / ".tmp-8-deadbeef")
+  assert mgr.latest_step() == 6
+  restored = mgr.restore(None)
+  assert mgr.last_restore.step == 6
+  assert_trees_equal(restored.state, states[6])
+  mgr.close()
+  # A new manager clears interrupted saves at start.
+  again = open_manager()
+  assert not (dirs[0] / ".tmp-8-deadbeef").exists()
+  assert again.all_steps() == [0, 4, 6]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _bad_abstract(state, change):
+  abstract = abstract_of(state)
+  w = abstract["params"]["w"]
+  if change == "shape":
+    abstract["params"]["w"] = jax.ShapeDtypeStruct((8, 12), w.dtype, sharding=w.sharding)
+    return abstract, ["['params']['w']", "(8, 6)", "(8, 12)"]
+  abstract["params"]["w"] = jax.ShapeDtypeStruct(w.shape, jax.numpy.float16, sharding=w.sharding)
+  return abstract, ["['params']['w']", "float32", "float16"]
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+@pytest.mark.parametrize("how", ["args", "abstract_state"])
+def test_mismatched_abstract_state_local(open_manager, dirs, mesh, change, how):
+  mgr = open_manager()
+  states, _ = _save_range(mgr, mesh, range(0, 7))
+  bad, fragments = _bad_abstract(states[6], change)
+  if how == "args":
+    target_mgr = mgr
+    call = lambda: mgr.restore(None, args=ocp.args.Composite(  # noqa: E731
+        state=ocp.args.PyTreeRestore(item=bad)))
+  else:
+    mgr.close()
+    target_mgr = open_manager(abstract=bad)
+    call = lambda: target_mgr.restore(None)  # noqa: E731
+  with pytest.raises(mtc.AbstractStateMismatchError) as info:
+    call()
+  assert isinstance(info.value, ValueError)
+  for fragment in fragments:
+    assert fragment in str(info.value), (fragment, str(info.value))
+  # Nothing committed was lost, and the right target restores it.
+  assert local_tier.committed_steps(dirs[0]) == [4, 6]
+  assert target_mgr.all_steps() == [0, 4, 6]
+  restored = target_mgr.restore(None, args=ocp.args.Composite(
+      state=ocp.args.PyTreeRestore(item=abstract_of(states[6]))))
+  assert target_mgr.last_restore.step == 6
+  assert_trees_equal(restored.state, states[6])
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+def test_mismatched_abstract_state_persistent(open_manager, dirs, mesh, change):
+  """From the persistent tier too, a mismatch is an AbstractStateMismatchError naming the leaf
+  (Orbax alone raises a plain ValueError without the leaf for a shape, and silently casts a
+  different dtype)."""
+  mgr = open_manager()
+  states, _ = _save_range(mgr, mesh, range(0, 5))
+  mgr.close()
+  shutil.rmtree(dirs[0])
+  again = open_manager()
+  bad, fragments = _bad_abstract(states[4], change)
+  with pytest.raises(mtc.AbstractStateMismatchError) as info:
+    again.restore(None, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(item=bad)))
+  for fragment in fragments:
+    assert fragment in str(info.value), (fragment, str(info.value))
+  assert _persistent_steps(dirs[1]) == [0, 4]
+  restored = again.restore(None)
+  assert again.last_restore.tier == "persistent"
+  assert_trees_equal(restored.state, states[4])
+
+
+def test_local_directory_is_a_file(open_manager, shm_dir):
+  path = shm_dir / "afile"
+  path.write_text("x")
+  with pytest.raises(ValueError, match="not a directory"):
+    open_manager(local=path)
+
+
+def test_same_local_and_persistent_directory(open_manager, shm_dir):
+  with pytest.raises(ValueError, match="different"):
+    open_manager(local=shm_dir / "same", persistent=shm_dir / "same")
+
+
+def _mount_tmpfs(path, options):
+  path.mkdir()
+  result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                          capture_output=True, text=True, check=False)
+  if result.returncode != 0:
+    pytest.skip(f"cannot mount a tmpfs here ({options}): {result.stderr.strip()}")
+
+
+@pytest.fixture
+def tmpfs_mount(shm_dir):
+  """`tmpfs_mount(options)` mounts a tmpfs under shm_dir; unmounted at teardown."""
+  mounts = []
+
+  def mount(options):
+    path = shm_dir / f"mnt-{uuid.uuid4().hex[:8]}"
+    _mount_tmpfs(path, options)
+    mounts.append(path)
+    return path
+
+  try:
+    yield mount
+  finally:
+    for path in reversed(mounts):
+      subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
+
+
+def test_local_directory_not_writable_read_only_mount(tmpfs_mount, open_manager):
+  mount = tmpfs_mount("ro,size=64k")
+  with pytest.raises(ValueError, match="not writable"):
+    open_manager(local=mount)
+  with pytest.raises(ValueError, match="Cannot create local_directory"):
+    open_manager(local=mount / "sub")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores permission bits (chmod 0o500)")
+def test_local_directory_not_writable_permissions(open_manager, shm_dir):
+  path = shm_dir / "ro"
+  path.mkdir()
+  path.chmod(0o500)
+  try:
+    with pytest.raises(ValueError, match="not writable"):
+      open_manager(local=path)
+  finally:
+    path.chmod(0o700)
+
+
+def test_full_ram_disk(tmpfs_mount, open_manager, dirs, mesh):
+  local = tmpfs_mount("size=512k") / "local"
+  small = make_state(mesh, 0)
+  mgr = open_manager(_options(persistent_every=1000, local_keep=1), local=local)
+  assert mgr.save(0, args=_composite(small))
+  mgr.wait_until_finished()
+  big = make_state(mesh, 2, scale=1024)  # w alone is 8192 x 6 float32 = 192 KiB ...
+  big["params"]["w2"] = big["params"]["w"] + 1  # ... and more than the 512 KiB disk in all
+  big["params"]["w3"] = big["params"]["w"] + 2
+  with pytest.raises(OSError) as info:
+    mgr.save(2, args=_composite(big))
+    mgr.wait_until_finished()
+  message = str(info.value)
+  assert info.value.errno == errno.ENOSPC
+  assert "step 2" in message and "Committed steps are untouched" in message
+  assert local_tier.committed_steps(local) == [0]
+  assert not [p for p in local.iterdir() if p.name.startswith(".tmp-")]
+  restored = mgr.restore(None)
+  assert mgr.last_restore.step == 0 and mgr.last_restore.tier == "local"
+  assert_trees_equal(restored.state, small)
+  # The manager is still usable: a state that fits saves and restores.
+  assert mgr.save(4, args=_composite(make_state(mesh, 4)))
+  mgr.wait_until_finished()
+  assert_trees_equal(mgr.restore(None).state, make_state(mesh, 4))
+
+
+# ----------------------------------------------------------------------------- steps, metadata
+
+
+def test_steps_metadata_and_delete(open_manager, dirs, mesh):
+  mgr = open_manager()
+  states, _ = _save_range(mgr, mesh, range(0, 7))
+  assert mgr.all_steps() == [0, 4, 6]
+  assert mgr.latest_step() == 6
+  assert mgr.best_step() == 6
+
+  local_only = mgr.item_metadata(6)  # only in RAM
+  tree = local_only.state
+  assert tree["params"]["w"].shape == (8, 6) and tree["params"]["w"].dtype == np.float32
+  assert tree["params"]["b"].dtype == jax.numpy.bfloat16
+  assert tree["ids"].shape == (4, 4) and tree["ids"].dtype == np.int32
+  assert isinstance(tree["layers"], list) and tree["layers"][0].shape == (4, 2)
+  step_meta = mgr.metadata(6)
+  assert step_meta.item_metadata.state["params"]["w"].shape == (8, 6)
+  assert step_meta.commit_timestamp_nsecs > 0
+
+  persistent = mgr.item_metadata(4).state  # persistent (and local)
+  persistent_tree = getattr(persistent, "tree", persistent)
+  assert persistent_tree["params"]["w"].shape == (8, 6)
+  assert persistent_tree["params"]["w"].dtype == np.float32
+  assert mgr.metadata(4) is not None
+  assert mgr.item_metadata(0).state is not None  # persistent only
+
+  mgr.delete(6)  # local only
+  assert local_tier.committed_steps(dirs[0]) == [4]
+  assert mgr.all_steps() == [0, 4] and mgr.latest_step() == 4
+  mgr.delete(4)  # both tiers
+  assert local_tier.committed_steps(dirs[0]) == []
+  assert _persistent_steps(dirs[1]) == [0]
+  assert mgr.all_steps() == [0] and mgr.latest_step() == 0
+  mgr.delete(5)  # nowhere: a no-op
+  restored = mgr.restore(None)
+  assert mgr.last_restore.step == 0 and mgr.last_restore.tier == "persistent"
+  assert_trees_equal(restored.state, states[0])
+
+
+def test_single_item_local_metadata_is_bare_tree(open_manager, mesh):
+  mgr = open_manager(_options(persistent_every=1000))
+  _save_range(mgr, mesh, [2], single=True)
+  meta = mgr.item_metadata(2)
+  assert set(meta) == set(make_state(mesh))
+  assert meta["params"]["w"].shape == (8, 6)
+
+
+def test_pending_step_counts_and_delete_waits(open_manager, dirs, mesh):
+  mgr = open_manager()
+  mgr.save(2, args=_composite(make_state(mesh, 2)))
+  assert 2 in mgr.all_steps()  # in flight or committed
+  mgr.delete(2)
+  assert mgr.all_steps() == []
+  assert local_tier.committed_steps(dirs[0]) == []
+
+
+def _lkg_consistent(local_dir):
+  """Every LKG link of the directory points at a committed step, the newest one."""
+  committed = local_tier.committed_steps(local_dir)
+  links = _links(local_dir)
+  for name, target in links.items():
+    assert (local_dir / target / local_tier.MANIFEST).is_file(), \
+        f"LKG link {name} -> {target} points at no committed step (committed: {committed})"
+    assert lkg.parse_link_name(name).step == int(target)
+  if committed:
+    assert list(links.values()) == [str(committed[-1])]
+
+
+def test_lkg_follows_delete_of_newest(open_manager, dirs, mesh):
+  mgr = open_manager()
+  _save_range(mgr, mesh, range(0, 7))
+  _lkg_consistent(dirs[0])
+  mgr.delete(6)
+  _lkg_consistent(dirs[0])
+
+
+def test_lkg_follows_fallback_from_corrupt_step(open_manager, dirs, mesh):
+  mgr = open_manager()
+  _save_range(mgr, mesh, range(0, 7))
+  _flip_first_shard(dirs[0] / "6")
+  mgr.restore(None)
+  assert mgr.last_restore.step == 4
+  _lkg_consistent(dirs[0])
+
+
+def test_restore_of_an_older_step_keeps_newer_steps(open_manager, dirs, mesh):
+  """restore(step) reads; like plain Orbax it must not delete committed newer steps (here
+  step 8 is only in RAM, so deleting it loses it for good)."""
+  mgr = open_manager(_options(local_keep=3, persistent_every=1000))
+  states, _ = _save_range(mgr, mesh, range(0, 9))
+  assert local_tier.committed_steps(dirs[0]) == [4, 6, 8]
+  assert _persistent_steps(dirs[1]) == [0]
+  assert_trees_equal(mgr.restore(6).state, states[6])
+  assert local_tier.committed_steps(dirs[0]) == [4, 6, 8]
+  assert mgr.latest_step() == 8
+  assert_trees_equal(mgr.restore(None).state, states[8])
+  assert mgr.last_restore.tier == "local"
