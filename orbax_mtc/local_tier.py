@@ -380,6 +380,9 @@ class LocalTier:
     self.directory = Path(directory)
     self.max_to_keep = max_to_keep
     self._on_commit = on_commit
+    # Newest step that every process had committed at the last save: kept even beyond
+    # max_to_keep, so a crash between two nodes' commits still leaves a common RAM step.
+    self.keep_floor: int | None = None
     self._lock = threading.Lock()  # guards folder renames between writer and main thread
     self._crc_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtc-crc")
     self.last_write_seconds: float | None = None
@@ -485,7 +488,7 @@ class LocalTier:
     if self.max_to_keep is None:
       return []
     steps = committed_steps(self.directory)
-    victims = steps[: max(0, len(steps) - self.max_to_keep)]
+    victims = [s for s in steps[: max(0, len(steps) - self.max_to_keep)] if s != self.keep_floor]
     for step in victims:
       self.retire(step)
     return victims

@@ -296,6 +296,16 @@ class CheckpointManager(ocp.CheckpointManager):
   def _save_local(self, step: int, args: Any) -> None:
     trees, jsons, default_item = self._split_save_args(args)
     self._wait_local()  # one write in flight: the staging buffer is reused
+    if self._process_count > 1:
+      # Every process saves the same steps, so this all-gather is issued in the same order
+      # everywhere (main thread, rule 2). Its minimum is the newest step all nodes hold.
+      steps = self._local_steps()
+      newest = np.asarray([steps[-1] if steps else -1], dtype=np.int64)
+      floor = int(self._allgather(newest).min())
+      self._local.keep_floor = floor if floor >= 0 else None
+      # Steps kept only as the previous floor can go now, before this write reuses their file:
+      # the RAM footprint stays at max_to_keep committed steps plus the one being written.
+      self._local.apply_retention()
     started = time.perf_counter()
     staged = local_tier.stage(step, trees, jsons, self._buffers, default_item=default_item)
     self.last_save_blocking_seconds = time.perf_counter() - started
@@ -429,6 +439,13 @@ class CheckpointManager(ocp.CheckpointManager):
           f"persistent steps {self._persistent_steps()}.")
     logging.info("orbax-mtc: no checkpoint in RAM (%s) or in %s: starting from scratch.",
                  self._local.directory, self.directory)
+    # Local steps no other process shares belong to an earlier run: drop them, or this node
+    # would skip saving those step numbers and a later restore could mix the two runs.
+    leftovers = self._local_steps()
+    for s in leftovers:
+      self._local.delete(s)
+    if leftovers:
+      self._refresh_lkg()
     self.last_restore = RestoreInfo(step=None, tier="none",
                                     seconds=time.perf_counter() - started)
     return None

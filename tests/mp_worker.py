@@ -1,0 +1,551 @@
+"""Child program of the multi-process tests: one JAX process of a `jax.distributed` job.
+
+Started by `orbax_mtc.launch.Job` (which sets ORBAX_MTC_*; `orbax_mtc.distributed.initialize()`
+joins the job), or alone for `plain-restore`. Every state is a pure function of (seed, step,
+mesh shape), so a process that restores step S recomputes what was saved at S and compares it
+bit for bit, on its own shards only. Output is one machine-readable line per event::
+
+  @@mtc SAVING step=6                  just before mgr.save(6)
+  @@mtc SAVED step=6 saved=1
+  @@mtc COMMITTED process=0 local=4,6 persistent=0,4
+  @@mtc RESULT process=0 step=6 tier=local ok=1 leaves=6 detail=-
+  @@mtc DONE
+
+Sub-commands:
+  save           save steps [--start, --steps) (optionally restore first and resume), then close.
+  restore        restore(None) and compare; --expect-step/--expect-tier make a mismatch an error.
+  chaos          restore (if anything) and compare, then save every step until killed.
+  plain-restore  one process, no jax.distributed: read the persistent tier with a plain
+                 `ocp.CheckpointManager` (numpy and single-device targets) and compare.
+
+Exit codes: 0 ok, 3 wrong data / wrong step or tier, 4 bad usage.
+
+The helpers at the bottom (`LineCollector`, `parse_results`) are imported by the tests; this
+module imports JAX lazily so that importing it from pytest is cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+EXIT_MISMATCH = 3
+EXIT_USAGE = 4
+
+# Leaf name -> (dtype, PartitionSpec axes, shape as a function of (data, model, rows)).
+# "data" spans processes (one row of the mesh per process), "model" spans a process's devices.
+_LEAVES: dict[str, tuple[str, tuple, Any]] = {
+    "params/w": ("float32", ("data", "model"), lambda d, m, r: (d * r, 64)),
+    "params/b": ("bfloat16", ("model",), lambda d, m, r: (16 * m,)),
+    "opt/mu": ("float32", (None, "model"), lambda d, m, r: (4 * d, 4 * m)),
+    "idx": ("int32", ("data",), lambda d, m, r: (8 * d, 3)),
+    "count": ("int32", (), lambda d, m, r: ()),
+    "lr": ("float32", (), lambda d, m, r: ()),
+}
+
+
+MARK = "@@mtc"
+
+
+def _out(line: str) -> None:
+  """One event line, written with one write(2): stdout and stderr share the launcher's pipe,
+  and print() would write the text and its newline separately, letting a log line from a C++
+  thread land between them. Lines carry MARK so that a parser finds them even after a partial
+  log line."""
+  data = f"{MARK} {line}\n".encode()
+  while data:
+    data = data[os.write(1, data):]
+
+
+# ----------------------------------------------------------------------------- values
+
+
+_HASH_CACHE: dict[tuple, Any] = {}
+
+
+def _hash_bits(leaf: str, shape: tuple[int, ...], index: tuple[slice, ...], seed: int):
+  """uint64 pseudo-random bits of the global positions `index` of a leaf (step-independent)."""
+  import numpy as np
+
+  key = (leaf, shape, tuple((s.start, s.stop) for s in index), seed)
+  cached = _HASH_CACHE.get(key)
+  if cached is not None:
+    return cached
+  bounds = [sl.indices(dim)[:2] for sl, dim in zip(index, shape, strict=True)]
+  strides = [int(np.prod(shape[k + 1:])) for k in range(len(shape))]
+  lin = np.zeros([b - a for a, b in bounds], dtype=np.uint64)
+  for k, ((a, b), stride) in enumerate(zip(bounds, strides, strict=True)):
+    axis = np.arange(a, b, dtype=np.uint64) * np.uint64(stride)
+    lin = lin + axis.reshape([-1 if j == k else 1 for j in range(len(shape))])
+  leaf_id = sum(ord(c) * 131 ** i for i, c in enumerate(leaf)) % (1 << 31)
+  x = lin + np.uint64((seed * 1_000_003 + leaf_id) % (1 << 62))
+  # splitmix64
+  x = x + np.uint64(0x9E3779B97F4A7C15)
+  x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+  x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+  x = x ^ (x >> np.uint64(31))
+  _HASH_CACHE[key] = x
+  return x
+
+
+def leaf_values(leaf: str, shape: tuple[int, ...], index: tuple[slice, ...], seed: int,
+                step: int):
+  """The values of global positions `index` of `leaf` at `step` (numpy, exact dtype)."""
+  import ml_dtypes
+  import numpy as np
+
+  dtype = _LEAVES[leaf][0]
+  if leaf == "count":
+    return np.asarray(step, dtype=np.int32)
+  if leaf == "lr":
+    return np.asarray(1.0 / (step + 3), dtype=np.float32)
+  h = _hash_bits(leaf, shape, index, seed)
+  if dtype == "float32":
+    # 24 random bits in [-4, 4), shifted by the step: exact, and different at every step.
+    base = (h >> np.uint64(40)).astype(np.float64) * 2.0 ** -21 - 4.0
+    return (base + step).astype(np.float32)
+  if dtype == "bfloat16":
+    k = ((h >> np.uint64(56)).astype(np.int64) + step) % 256 - 128
+    return (k / 16.0).astype(ml_dtypes.bfloat16)  # k/16 with |k| <= 128 is exact in bf16
+  if dtype == "int32":
+    return ((h >> np.uint64(33)).astype(np.int64) - (1 << 30) + 7 * step).astype(np.int32)
+  raise AssertionError(dtype)
+
+
+def global_state_numpy(seed: int, step: int, data: int, model: int, rows: int) -> dict:
+  """The whole state at `step` as nested dicts of numpy arrays (what any topology restores)."""
+  out: dict[str, Any] = {}
+  for leaf, (_, _, shape_fn) in _LEAVES.items():
+    shape = shape_fn(data, model, rows)
+    value = leaf_values(leaf, shape, tuple(slice(0, d) for d in shape), seed, step)
+    _set(out, leaf, value)
+  return out
+
+
+def _set(tree: dict, path: str, value: Any) -> None:
+  *parents, last = path.split("/")
+  for p in parents:
+    tree = tree.setdefault(p, {})
+  tree[last] = value
+
+
+def _get(tree: Any, path: str) -> Any:
+  for p in path.split("/"):
+    tree = tree[p]
+  return tree
+
+
+# ----------------------------------------------------------------------------- JAX side
+
+
+def make_mesh():
+  """(data, model) = (process_count, local devices): "data" spans processes."""
+  import jax
+  import numpy as np
+
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  grid = np.array(devices, dtype=object).reshape(jax.process_count(), jax.local_device_count())
+  return jax.sharding.Mesh(grid, ("data", "model"))
+
+
+def _dims(mesh) -> tuple[int, int]:
+  return mesh.shape["data"], mesh.shape["model"]
+
+
+def abstract_state(mesh, rows: int) -> dict:
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  data, model = _dims(mesh)
+  out: dict[str, Any] = {}
+  for leaf, (dtype, axes, shape_fn) in _LEAVES.items():
+    sharding = NamedSharding(mesh, PartitionSpec(*axes))
+    _set(out, leaf, jax.ShapeDtypeStruct(shape_fn(data, model, rows), dtype, sharding=sharding))
+  return out
+
+
+def make_state(mesh, rows: int, seed: int, step: int) -> dict:
+  import jax
+
+  out: dict[str, Any] = {}
+  abstract = abstract_state(mesh, rows)
+  for leaf in _LEAVES:
+    spec = _get(abstract, leaf)
+    array = jax.make_array_from_callback(
+        spec.shape, spec.sharding,
+        lambda index, leaf=leaf, shape=spec.shape: leaf_values(leaf, shape, index, seed, step))
+    _set(out, leaf, array)
+  return out
+
+
+def _bits(x):
+  import numpy as np
+
+  x = np.ascontiguousarray(np.asarray(x))
+  return x.reshape(-1).view(np.uint8)
+
+
+def compare_state(restored: Any, expected: dict) -> list[str]:
+  """Problems found comparing this process's shards of `restored` with `expected` (bit-exact)."""
+  import jax
+  import numpy as np
+
+  problems = []
+  if jax.tree_util.tree_structure(restored) != jax.tree_util.tree_structure(expected):
+    return [f"tree structure {jax.tree_util.tree_structure(restored)} != "
+            f"{jax.tree_util.tree_structure(expected)}"]
+  for leaf in _LEAVES:
+    got, want = _get(restored, leaf), _get(expected, leaf)
+    if not isinstance(got, jax.Array):
+      problems.append(f"{leaf}: restored a {type(got).__name__}, not a jax.Array")
+      continue
+    if got.dtype != want.dtype or got.shape != want.shape:
+      problems.append(f"{leaf}: {got.dtype}{got.shape} != {want.dtype}{want.shape}")
+      continue
+    if got.sharding != want.sharding:
+      problems.append(f"{leaf}: sharding {got.sharding} != {want.sharding}")
+      continue
+    got_shards = {s.device: s for s in got.addressable_shards}
+    want_shards = {s.device: s for s in want.addressable_shards}
+    if set(got_shards) != set(want_shards):
+      problems.append(f"{leaf}: shards on {sorted(map(str, got_shards))}, expected "
+                      f"{sorted(map(str, want_shards))}")
+      continue
+    for device, w in want_shards.items():
+      g = got_shards[device]
+      if g.index != w.index:
+        problems.append(f"{leaf}@{device}: index {g.index} != {w.index}")
+      elif not np.array_equal(_bits(g.data), _bits(w.data)):
+        problems.append(f"{leaf}@{device}: bytes differ")
+  return problems
+
+
+def _manager(args, mesh):
+  import orbax_mtc as mtc
+  from orbax_mtc import distributed
+
+  local_dir = args.local_dir or distributed.local_directory()
+  if not local_dir:
+    raise SystemExit("no --local-dir and no ORBAX_MTC_LOCAL_DIR")
+  options = mtc.CheckpointManagerOptions(
+      local=mtc.LocalCheckpointOptions(save_interval_steps=args.local_interval,
+                                       max_to_keep=args.local_keep),
+      persistent=mtc.PersistentCheckpointOptions(save_interval_steps=args.persistent_interval,
+                                                 max_to_keep=args.persistent_keep),
+      replication=mtc.ReplicationOptions(replica_axis="data"))
+  return mtc.CheckpointManager(local_dir, args.persistent_dir, mesh,
+                               abstract_state(mesh, args.rows), options=options)
+
+
+def _fmt(steps) -> str:
+  return ",".join(str(s) for s in sorted(steps)) or "-"
+
+
+def _restore_and_check(args, mgr, mesh) -> tuple[int | None, bool]:
+  """Restores, compares, prints RESULT; returns (step, ok) where ok includes expectations."""
+  import jax
+  import orbax.checkpoint as ocp
+
+  if args.explicit_args:
+    restored = mgr.restore(None, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(item=abstract_state(mesh, args.rows))))
+  else:
+    restored = mgr.restore(None)
+  info = mgr.last_restore
+  step, tier = (info.step, info.tier) if info is not None else (None, "?")
+  problems: list[str] = []
+  if restored is None:
+    if step is not None:
+      problems.append(f"restore returned None but last_restore says step {step}")
+  else:
+    state = restored.state if isinstance(restored, ocp.args.Composite) else restored
+    problems += compare_state(state, make_state(mesh, args.rows, args.seed, step))
+  ok = not problems
+  expect_ok = True
+  if args.expect_step is not None and str(step) != args.expect_step:
+    expect_ok = False
+  if args.expect_tier is not None and tier != args.expect_tier:
+    expect_ok = False
+  detail = "; ".join(problems)[:2000].replace("\n", " ") or "-"
+  _out(f"RESULT process={jax.process_index()} step={step} tier={tier} ok={int(ok)} "
+       f"leaves={len(_LEAVES)} detail={detail}")
+  return step, ok and expect_ok
+
+
+def _committed(args, mgr) -> None:
+  """Prints this process's committed local steps and the persistent steps (from the folders)."""
+  import jax
+
+  from orbax_mtc import local_tier
+
+  persistent = sorted(int(p.name) for p in pathlib.Path(args.persistent_dir).iterdir()
+                      if p.name.isdigit()) if os.path.isdir(args.persistent_dir) else []
+  _out(f"COMMITTED process={jax.process_index()} "
+       f"local={_fmt(local_tier.committed_steps(pathlib.Path(mgr.local_directory)))} "
+       f"persistent={_fmt(persistent)}")
+
+
+_REDUCE: Any = None
+
+
+def _train_step(state: dict) -> float:
+  """A global reduction over every shard: like a training step, an all-reduce across all
+  processes, so no process runs more than a step ahead of the others."""
+  global _REDUCE
+  import jax
+  import jax.numpy as jnp
+
+  if _REDUCE is None:
+    _REDUCE = jax.jit(lambda tree: sum(jnp.sum(x.astype(jnp.float32))
+                                       for x in jax.tree.leaves(tree)))
+  return float(_REDUCE(state))
+
+
+def _save_loop(args, mgr, mesh, start: int, stop: int) -> None:
+  import jax
+  import orbax.checkpoint as ocp
+  from jax.experimental import multihost_utils
+
+  me = jax.process_index()
+  for step in range(start, stop):
+    state = make_state(mesh, args.rows, args.seed, step)
+    _train_step(state)
+    if args.die_at_step == step:
+      # Deterministic divergence: every process calls save(step), as a real job does, but
+      # the local write of `--die-process` never completes (fault injection: its writer
+      # blocks, standing for a node killed mid-write); the others commit `step`. Then that
+      # process is SIGKILLed while the others wait (the launcher kills them).
+      if me == args.die_process:
+        mgr._local.write = lambda *a, **k: threading.Event().wait()
+      mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+      if me != args.die_process:
+        mgr.wait_until_finished()
+      multihost_utils.sync_global_devices(f"mp-worker-die-{step}")
+      _committed(args, mgr)
+      if me == args.die_process:
+        _out(f"DYING process={me} step={step}")
+        os.kill(os.getpid(), signal.SIGKILL)
+      threading.Event().wait()  # until the launcher kills us
+    _out(f"SAVING step={step}")
+    saved = mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+    _out(f"SAVED step={step} saved={int(saved)}")
+  mgr.wait_until_finished()
+  _committed(args, mgr)
+
+
+def cmd_save(args) -> int:
+  from orbax_mtc import distributed
+
+  distributed.initialize()
+  mesh = make_mesh()
+  with _manager(args, mesh) as mgr:
+    start, ok = args.start, True
+    if args.restore_first:
+      step, ok = _restore_and_check(args, mgr, mesh)
+      start = 0 if step is None else step + 1
+    _save_loop(args, mgr, mesh, start, args.steps)
+  _out("DONE")
+  return 0 if ok else EXIT_MISMATCH
+
+
+def cmd_restore(args) -> int:
+  from orbax_mtc import distributed
+
+  distributed.initialize()
+  mesh = make_mesh()
+  with _manager(args, mesh) as mgr:
+    _, ok = _restore_and_check(args, mgr, mesh)
+  _out("DONE")
+  return 0 if ok else EXIT_MISMATCH
+
+
+def cmd_chaos(args) -> int:
+  """Restore + check, then save every step until killed (or --steps more steps)."""
+  from orbax_mtc import distributed
+
+  distributed.initialize()
+  mesh = make_mesh()
+  with _manager(args, mesh) as mgr:
+    step, ok = _restore_and_check(args, mgr, mesh)
+    if not ok:
+      return EXIT_MISMATCH
+    start = 0 if step is None else step + 1
+    _save_loop(args, mgr, mesh, start, start + args.steps)
+  _out("DONE")
+  return 0
+
+
+def cmd_plain_restore(args) -> int:
+  """Reads the persistent tier with a plain Orbax manager in one process, any device count."""
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+
+  expected = global_state_numpy(args.seed, args.step, args.data, args.model, args.rows)
+  mgr = ocp.CheckpointManager(args.persistent_dir)
+  ok = True
+  try:
+    steps = list(mgr.all_steps())
+    if args.step not in steps:
+      _out(f"RESULT mode=steps step={args.step} ok=0 detail=steps {steps}")
+      return EXIT_MISMATCH
+    device = jax.devices()[0]
+    targets = {
+        "numpy": jax.tree.map(lambda x: ocp.RestoreArgs(restore_type=np.ndarray), expected),
+        "device": jax.tree.map(
+            lambda x: ocp.ArrayRestoreArgs(
+                sharding=jax.sharding.SingleDeviceSharding(device),
+                global_shape=x.shape, dtype=x.dtype), expected),
+    }
+    for mode, restore_args in targets.items():
+      restored = mgr.restore(args.step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(restore_args=restore_args))).state
+      problems = []
+      if jax.tree_util.tree_structure(restored) != jax.tree_util.tree_structure(expected):
+        problems.append("tree structure differs")
+      else:
+        for leaf in _LEAVES:
+          got, want = _get(restored, leaf), _get(expected, leaf)
+          if mode == "device" and not isinstance(got, jax.Array):
+            problems.append(f"{leaf}: {type(got).__name__}, not a jax.Array")
+            continue
+          got = np.asarray(got)
+          if got.dtype != want.dtype or got.shape != want.shape:
+            problems.append(f"{leaf}: {got.dtype}{got.shape} != {want.dtype}{want.shape}")
+          elif not np.array_equal(_bits(got), _bits(want)):
+            problems.append(f"{leaf}: bytes differ")
+      ok = ok and not problems
+      _out(f"RESULT mode={mode} devices={jax.device_count()} step={args.step} "
+           f"ok={int(not problems)} detail={'; '.join(problems) or '-'}")
+  finally:
+    mgr.close()
+  _out("DONE")
+  return 0 if ok else EXIT_MISMATCH
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  sub = parser.add_subparsers(dest="cmd", required=True)
+
+  def common(p):
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rows", type=int, default=8,
+                   help="rows of params/w per process (256 bytes each)")
+    p.add_argument("--persistent-dir", required=True)
+    p.add_argument("--local-dir", default=None, help="default: ORBAX_MTC_LOCAL_DIR")
+    p.add_argument("--local-interval", type=int, default=2)
+    p.add_argument("--local-keep", type=int, default=2)
+    p.add_argument("--persistent-interval", type=int, default=4)
+    p.add_argument("--persistent-keep", type=int, default=None)
+    p.add_argument("--explicit-args", action="store_true",
+                   help="restore with Composite(state=PyTreeRestore(item=abstract))")
+    p.add_argument("--expect-step", default=None, help="a step number, or 'None'")
+    p.add_argument("--expect-tier", default=None, choices=("local", "persistent", "none"))
+    return p
+
+  p = common(sub.add_parser("save"))
+  p.add_argument("--start", type=int, default=0)
+  p.add_argument("--steps", type=int, required=True, help="save steps [start, steps)")
+  p.add_argument("--restore-first", action="store_true")
+  p.add_argument("--die-at-step", type=int, default=None)
+  p.add_argument("--die-process", type=int, default=1)
+  p.set_defaults(fn=cmd_save)
+
+  p = common(sub.add_parser("restore"))
+  p.set_defaults(fn=cmd_restore)
+
+  p = common(sub.add_parser("chaos"))
+  p.add_argument("--steps", type=int, default=10_000, help="steps to save after the restore")
+  p.set_defaults(fn=cmd_chaos, die_at_step=None, die_process=None)
+
+  p = sub.add_parser("plain-restore")
+  p.add_argument("--persistent-dir", required=True)
+  p.add_argument("--step", type=int, required=True)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--rows", type=int, default=8)
+  p.add_argument("--data", type=int, required=True, help="data axis size when saved")
+  p.add_argument("--model", type=int, required=True, help="model axis size when saved")
+  p.set_defaults(fn=cmd_plain_restore)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  return args.fn(args)
+
+
+# ----------------------------------------------------------------------------- test helpers
+
+_LINE = re.compile(r"^(?:\[node (\d+)\] )?.*?" + re.escape(MARK) + r" (\w+) ?(.*)$")
+
+
+class LineCollector:
+  """A text stream for `Job(output=...)` that keeps every line and lets a test wait for one."""
+
+  def __init__(self):
+    self._cond = threading.Condition()
+    self._partial = ""
+    self.lines: list[str] = []
+
+  def write(self, text: str) -> int:
+    with self._cond:
+      text = self._partial + text
+      *complete, self._partial = text.split("\n")
+      self.lines.extend(complete)
+      if complete:
+        self._cond.notify_all()
+    return len(text)
+
+  def flush(self) -> None:
+    pass
+
+  def text(self) -> str:
+    with self._cond:
+      return "\n".join(self.lines + ([self._partial] if self._partial else []))
+
+  def wait_for(self, predicate, timeout_s: float) -> bool:
+    """Waits until predicate(lines) is true; False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    with self._cond:
+      while not predicate(self.lines):
+        left = deadline - time.monotonic()
+        if left <= 0:
+          return False
+        self._cond.wait(left)
+      return True
+
+
+def events(lines: list[str], kind: str) -> list[tuple[int, dict[str, str]]]:
+  """(node, {key: value}) of every `[node i] @@mtc KIND k=v ...` line (detail= takes the rest).
+
+  Lines without the launcher's `[node i] ` prefix (a process run alone) count as node 0.
+  """
+  out = []
+  for line in lines:
+    m = _LINE.match(line)
+    if not m or m.group(2) != kind:
+      continue
+    rest, fields = m.group(3), {}
+    if " detail=" in rest or rest.startswith("detail="):
+      rest, _, fields["detail"] = rest.partition("detail=")
+    for token in rest.split():
+      key, _, value = token.partition("=")
+      fields[key] = value
+    out.append((int(m.group(1) or 0), fields))
+  return out
+
+
+def parse_results(lines: list[str]) -> dict[int, dict[str, str]]:
+  """node -> fields of its last RESULT line."""
+  return {node: fields for node, fields in events(lines, "RESULT")}
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,224 @@
+"""SIGKILL at random moments of real saves, then a real restore: never a partial step.
+
+One chain of launcher jobs per test (1 process x 2 devices, and 2 processes x 2 devices). A
+first job saves step 0 to both tiers uninterrupted. Each following job (`mp_worker.py chaos`)
+restores whatever the previous one left, checks it bit for bit in every process against the
+state recomputed for the restored step, then runs "training steps" (an all-reduce over every
+shard) and saves after each one (local every step, 16 MiB of shards per process on the RAM
+disk, keep 2; a persistent backup every 4 steps, keep 2) until the test SIGKILLs one of its
+processes a seeded-random 0-40 ms after its seeded-random n-th "SAVING step=..." line. Saves
+never stop, so the kill lands anywhere in a save's life: staging, the background write, between
+data and manifest, around the commit rename, retention, a persistent backup. After each kill
+the test checks, from the folders alone, that
+  * every step `committed_steps` lists passes `verify_step` (checksums, sizes, its manifest
+    names the step, process and process count),
+  * no step was lost that a returned `save()` had already committed, and none appeared that
+    was never saved,
+and predicts what the next job must restore: the newest step every node committed, unless the
+newest persistent step is newer. The next job's RESULT lines must show exactly that step and
+tier, with bit-exact data in every process; a last job only restores, to check the last kill.
+After about a third of the kills one node's RAM folder is also deleted (node replaced), which
+forces the next restore onto the persistent tier, whose backups get SIGKILLed mid-write too.
+
+Set ORBAX_MTC_KILL_SEED to replay another sequence of kill points; run with -s to see them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import random
+import shutil
+import signal
+import sys
+import time
+import uuid
+
+import pytest
+
+from orbax_mtc import launch, local_tier
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKER = REPO_ROOT / "tests" / "mp_worker.py"
+LAUNCH_TIMEOUT_S = 90
+SEED = int(os.environ.get("ORBAX_MTC_KILL_SEED", "20241122"))
+ROWS = 65536  # params/w rows per process: 65536 x 64 float32 = 16 MiB of shards per process
+CHAOS_ARGS = ["--rows", str(ROWS), "--seed", "3", "--local-interval", "1", "--local-keep", "2",
+              "--persistent-interval", "4", "--persistent-keep", "2"]
+
+_spec = importlib.util.spec_from_file_location("mp_worker", WORKER)
+mp_worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mp_worker)
+
+
+def _child_env() -> dict[str, str]:
+  path = os.environ.get("PYTHONPATH")
+  return {"PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT)}
+
+
+@pytest.fixture
+def shm_root(request):
+  shm = pathlib.Path("/dev/shm")
+  base = shm if shm.is_dir() and os.access(shm, os.W_OK) else pathlib.Path("/tmp")
+  root = base / f"orbax-mtc-killtest-{request.node.name[-12:].strip('[]')}-{os.getpid()}-" \
+                f"{uuid.uuid4().hex[:8]}"
+  yield root
+  shutil.rmtree(root, ignore_errors=True)
+
+
+def _tail(out, n: int = 60) -> str:
+  return "\n".join(out.text().splitlines()[-n:])
+
+
+def _steps_of(out, kind: str, node: int) -> list[int]:
+  return [int(f["step"]) for n, f in mp_worker.events(out.lines, kind) if n == node]
+
+
+def expected_restore(root: pathlib.Path, nprocs: int, persistent: pathlib.Path):
+  """(step, tier) the next job must restore, predicted from the folders alone."""
+  common = set.intersection(*(set(local_tier.committed_steps(root / f"node{n}"))
+                              for n in range(nprocs)))
+  backups = [int(p.name) for p in persistent.iterdir() if p.name.isdigit()] \
+      if persistent.is_dir() else []
+  newest_local = max(common, default=None)
+  newest_backup = max(backups, default=None)
+  if newest_local is not None and (newest_backup is None or newest_local >= newest_backup):
+    return newest_local, "local"
+  if newest_backup is not None:
+    return newest_backup, "persistent"
+  return None, "none"
+
+
+def check_results(out, nprocs: int, expected) -> None:
+  results = mp_worker.parse_results(out.lines)
+  assert sorted(results) == list(range(nprocs)), f"missing RESULT lines:\n{_tail(out)}"
+  for node, fields in results.items():
+    assert fields["ok"] == "1", f"node {node}: restored data differs: {fields['detail']}"
+    assert (fields["step"], fields["tier"]) == (str(expected[0]), expected[1]), (
+        f"node {node} restored step {fields['step']} from {fields['tier']}, expected step "
+        f"{expected[0]} from {expected[1]}\n{_tail(out)}")
+
+
+def node_steps(root: pathlib.Path, nprocs: int) -> list[list[int]]:
+  return [local_tier.committed_steps(root / f"node{n}") for n in range(nprocs)]
+
+
+def check_folders_after_kill(root: pathlib.Path, nprocs: int, out, restored: int | None):
+  """Committed steps verify; none lost that a returned save() committed; none invented."""
+  start = -1 if restored is None else restored
+  for node in range(nprocs):
+    node_dir = root / f"node{node}"
+    steps = local_tier.committed_steps(node_dir)
+    for step in steps:
+      try:
+        manifest = local_tier.verify_step(node_dir / str(step))
+      except local_tier.LocalTierError as e:
+        pytest.fail(f"node {node}: committed step {step} does not verify: {e}")
+      assert (manifest.step, manifest.process_index, manifest.process_count) == (
+          step, node, nprocs)
+    saving = _steps_of(out, "SAVING", node)
+    saved = _steps_of(out, "SAVED", node)
+    newest = max(steps, default=None)
+    # Never a step that was not being saved (older timelines were dropped by the restore).
+    assert newest is None or newest <= max(saving + [start]), (
+        f"node {node} holds steps {steps} but only started saving {saving} (restored "
+        f"{restored})")
+    # save(k) returns only after the write of k-1 committed (one write in flight at a time).
+    if saved and saved[-1] - 1 > start:
+      assert newest is not None and newest >= saved[-1] - 1, (
+          f"node {node}: save({saved[-1]}) returned, so step {saved[-1] - 1} was committed, "
+          f"but the folder holds {steps}")
+
+
+def run_chain(nprocs: int, kills: int, root: pathlib.Path, logs: pathlib.Path) -> list[str]:
+  """`kills` jobs, each SIGKILLed at a random point, then a last restore; returns a summary."""
+  rng = random.Random(f"{SEED}-{nprocs}")
+  persistent = logs / "persistent"
+  command = [sys.executable, str(WORKER), "chaos", "--persistent-dir", str(persistent),
+             *CHAOS_ARGS]
+  # A first uninterrupted job commits step 0 in both tiers, so that every later restore finds
+  # something: a restore that finds nothing leaves abandoned local steps behind (a known bug,
+  # see test_multiprocess.test_restart_from_scratch_drops_abandoned_local_steps), which this
+  # chain would otherwise trip over at random.
+  out = mp_worker.LineCollector()
+  result = launch.run_processes([*command[:2], "save", *command[3:], "--steps", "1"], nprocs,
+                                devices_per_process=2, local_root=root, env=_child_env(),
+                                output=out, timeout_s=LAUNCH_TIMEOUT_S)
+  assert result.returncode == 0, f"{result}\n{_tail(out)}"
+  expected = expected_restore(root, nprocs, persistent)
+  assert expected == (0, "local"), (expected, _tail(out))
+  summary = []
+  tiers = []
+  half_written = half_written_backups = 0  # kills that left a half-written step behind
+  victims = [i % nprocs for i in range(kills + 1)]  # every process gets killed
+  rng.shuffle(victims)
+  # After some kills a node is also replaced, which forces a restore from the persistent tier
+  # (backups are SIGKILLed mid-write too).
+  replace_node = [i % 3 == 2 for i in range(kills + 1)]
+  rng.shuffle(replace_node)
+  for iteration in range(kills + 1):
+    last = iteration == kills
+    victim = victims[iteration]
+    saves_before_kill = rng.randint(1, 6)
+    delay_s = rng.uniform(0.0, 0.04)
+    out = mp_worker.LineCollector()
+    log_file = logs / f"job{iteration}.log"
+    with launch.Job(command if not last else [*command[:2], "restore", *command[3:]], nprocs,
+                    devices_per_process=2, local_root=root, env=_child_env(),
+                    output=out) as job:
+      job.start()
+      if last:
+        seen = True
+      else:
+        seen = out.wait_for(
+            lambda lines, v=victim, k=saves_before_kill: sum(
+                1 for n, _ in mp_worker.events(lines, "SAVING") if n == v) >= k,
+            timeout_s=LAUNCH_TIMEOUT_S)
+        if seen:
+          time.sleep(delay_s)  # the random kill point, not a synchronisation
+          os.kill(job.pids[victim], signal.SIGKILL)
+      result = job.wait(timeout_s=LAUNCH_TIMEOUT_S)
+    log_file.write_text(out.text())
+    context = "\n".join([*summary, f"job {iteration} ({log_file}): {result}", _tail(out)])
+    assert seen, f"no SAVING line in {context}"
+    check_results(out, nprocs, expected)
+    if last:
+      assert result.returncode == 0, context
+      break
+    assert result.returncodes[victim] == 137 and not result.timed_out, context
+    restored = expected[0]
+    try:
+      check_folders_after_kill(root, nprocs, out, restored)
+    except AssertionError as e:
+      raise AssertionError(f"{e}\n{context}") from None
+    half_written += any(e.name.startswith(local_tier.TMP_PREFIX)
+                        for n in range(nprocs) for e in (root / f"node{n}").iterdir())
+    half_written_backups += persistent.is_dir() and any(
+        not p.name.isdigit() for p in persistent.iterdir())
+    replaced = None
+    if replace_node[iteration]:  # the node is replaced: its RAM disk comes back empty
+      replaced = rng.randrange(nprocs)
+      shutil.rmtree(root / f"node{replaced}")
+    expected = expected_restore(root, nprocs, persistent)
+    tiers.append(expected[1])
+    backups = sorted(int(p.name) for p in persistent.iterdir() if p.name.isdigit()) \
+        if persistent.is_dir() else []
+    summary.append(
+        f"kill {iteration}: node {victim} {delay_s * 1000:.0f} ms after its SAVING line "
+        f"#{saves_before_kill}; last SAVING per node "
+        f"{[(_steps_of(out, 'SAVING', n) or [None])[-1] for n in range(nprocs)]}; committed "
+        f"{node_steps(root, nprocs)}, persistent {backups}"
+        f"{'' if replaced is None else f', node {replaced} replaced'} -> restore {expected}")
+  summary.append(f"kills that left a half-written step: local {half_written}, persistent "
+                 f"{half_written_backups}")
+  # The chain exercised both tiers (node replacements force persistent restores).
+  assert {"local", "persistent"} <= set(tiers), "\n".join(summary)
+  return summary
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nprocs,kills", [(1, 10), (2, 8)], ids=["1proc", "2proc"])
+def test_sigkill_at_random_points_of_saves(nprocs, kills, shm_root, tmp_path):
+  summary = run_chain(nprocs, kills, shm_root, tmp_path)
+  print("\n".join(summary))

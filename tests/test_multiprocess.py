@@ -1,0 +1,366 @@
+"""Multi-process tests: real JAX processes joined by `jax.distributed` on localhost.
+
+Every job is started with our launcher (`orbax_mtc.launch`), 2 processes x 2 CPU devices (one
+test: 4 x 1), each process with its own folder under /dev/shm. The child is `tests/mp_worker.py`:
+it builds a mesh (data, model) = (processes, devices per process), so the "data" axis spans
+processes and each process holds different shards, saves a mixed-dtype state (float32, bfloat16,
+int32, scalars; nested) that is a pure function of (seed, step), and after a restore compares
+its own shards bit for bit (and dtype, shape, sharding) with the state recomputed for the
+restored step, printing `@@mtc RESULT process=i step=S tier=T ok=1`.
+
+Covered: round trip from RAM; restart after a SIGKILL that left nodes with different steps;
+all RAM folders wiped; one node replaced; a corrupt shard on one node; the persistent tier read
+by plain Orbax in one process with one device; 4 processes x 1 device. Two tests guard fixes
+for bugs found here (retention keeps the newest step every node holds; a restore that finds
+nothing drops abandoned local steps).
+
+Wall time on a 2-core machine: about 45 s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from orbax_mtc import launch, lkg, local_tier
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKER = REPO_ROOT / "tests" / "mp_worker.py"
+LAUNCH_TIMEOUT_S = 90  # the launcher's own limit: a hang shows as a failed launch ...
+pytestmark = pytest.mark.timeout(240)  # ... well before pytest-timeout fires
+
+_spec = importlib.util.spec_from_file_location("mp_worker", WORKER)
+mp_worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mp_worker)
+
+# The schedule of the shared run: local every 2 steps (keep 2), persistent every 4.
+SAVE_ARGS = ["--local-interval", "2", "--local-keep", "2", "--persistent-interval", "4"]
+
+
+def _child_env() -> dict[str, str]:
+  """Children import orbax_mtc from this checkout, installed or not; no stray job variables."""
+  path = os.environ.get("PYTHONPATH")
+  return {"PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT)}
+
+
+def _shm_base() -> pathlib.Path:
+  shm = pathlib.Path("/dev/shm")
+  return shm if shm.is_dir() and os.access(shm, os.W_OK) else pathlib.Path("/tmp")
+
+
+def _new_root(tag: str) -> pathlib.Path:
+  return _shm_base() / f"orbax-mtc-mptest-{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def shm_root(request):
+  """A unique RAM-disk folder for one test's node folders, removed even on failure."""
+  root = _new_root(request.node.name[:40].replace("[", "-").replace("]", ""))
+  yield root
+  shutil.rmtree(root, ignore_errors=True)
+
+
+def run_job(command: list[str], nprocs: int, root: pathlib.Path, *, devices: int = 2,
+            timeout_s: float = LAUNCH_TIMEOUT_S):
+  """Runs one launcher job of mp_worker; returns (LaunchResult, LineCollector)."""
+  out = mp_worker.LineCollector()
+  with launch.Job([sys.executable, str(WORKER), *command], nprocs, devices_per_process=devices,
+                  local_root=root, env=_child_env(), output=out) as job:
+    job.start()
+    result = job.wait(timeout_s)
+  return result, out
+
+
+def _tail(out, n: int = 60) -> str:
+  return "\n".join(out.text().splitlines()[-n:])
+
+
+def assert_ok(result, out) -> None:
+  assert result.returncode == 0 and not result.timed_out, (
+      f"job failed: {result}\n{_tail(out)}")
+
+
+def assert_results(out, nprocs: int, *, step: int, tier: str) -> None:
+  """Every process restored `step` from `tier` and its shards matched bit for bit."""
+  results = mp_worker.parse_results(out.lines)
+  assert sorted(results) == list(range(nprocs)), f"missing RESULT lines:\n{_tail(out)}"
+  for node, fields in sorted(results.items()):
+    assert fields["ok"] == "1", f"node {node}: restored data differs: {fields['detail']}"
+    assert (fields["step"], fields["tier"]) == (str(step), tier), (
+        f"node {node} restored step {fields['step']} from {fields['tier']}, expected step "
+        f"{step} from {tier}\n{_tail(out)}")
+    assert fields["process"] == str(node)
+
+
+def committed(out) -> dict[int, dict[str, str]]:
+  return {node: fields for node, fields in mp_worker.events(out.lines, "COMMITTED")}
+
+
+def persistent_steps(directory: pathlib.Path) -> list[int]:
+  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def verified_steps(node_dir: pathlib.Path) -> list[int]:
+  """committed_steps of a node folder, each of which must pass verify_step."""
+  steps = local_tier.committed_steps(node_dir)
+  for step in steps:
+    manifest = local_tier.verify_step(node_dir / str(step))
+    assert manifest.step == step
+  return steps
+
+
+def lkg_problems(node_dir: pathlib.Path) -> list[str]:
+  """LKG links of a node folder that do not name and point at its newest committed step."""
+  steps = local_tier.committed_steps(node_dir)
+  problems = []
+  for entry in lkg.list_entries(node_dir):
+    link = node_dir / entry.name
+    target = os.readlink(link) if link.is_symlink() else None
+    if target is None or not target.isdigit() or int(target) not in steps:
+      problems.append(f"{entry.name} -> {target}: not a committed step (committed: {steps})")
+    elif not steps or entry.step != steps[-1] or int(target) != steps[-1]:
+      problems.append(f"{entry.name} -> {target}: newest committed step is {steps[-1]}")
+  return problems
+
+
+# ----------------------------------------------------------------------------- shared run
+
+
+@pytest.fixture(scope="module")
+def saved_run(request, tmp_path_factory):
+  """One 2x2 job saving steps 0..10: local {8, 10} on each node, persistent {0, 4, 8}.
+
+  Tests restore from copies (`clone`), so each sees the pristine folders.
+  """
+  root = _new_root("saved")
+  request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
+  persistent = tmp_path_factory.mktemp("saved-persistent") / "ckpt"
+  result, out = run_job(["save", "--steps", "11", "--persistent-dir", str(persistent),
+                         *SAVE_ARGS], 2, root)
+  assert_ok(result, out)
+  for node in (0, 1):
+    assert committed(out)[node]["local"] == "8,10", _tail(out)
+    assert committed(out)[node]["persistent"] == "0,4,8", _tail(out)
+  return root, persistent
+
+
+def clone(saved_run, root: pathlib.Path, tmp_path: pathlib.Path, nodes=(0, 1)):
+  """Copies the shared run's node folders `nodes` (others left empty) and persistent dir."""
+  src_root, src_persistent = saved_run
+  for node in (0, 1):
+    dst = root / f"node{node}"
+    if node in nodes:
+      shutil.copytree(src_root / f"node{node}", dst, symlinks=True)
+    else:
+      dst.mkdir(parents=True)
+  persistent = tmp_path / "persistent"
+  shutil.copytree(src_persistent, persistent, symlinks=True)
+  return persistent
+
+
+def test_round_trip_restores_newest_local_step_bit_exact(saved_run, shm_root, tmp_path):
+  persistent = clone(saved_run, shm_root, tmp_path)
+  for node in (0, 1):
+    node_dir = shm_root / f"node{node}"
+    assert verified_steps(node_dir) == [8, 10]
+    manifest = local_tier.read_manifest(node_dir / "10")
+    assert (manifest.process_index, manifest.process_count) == (node, 2)
+    assert not lkg_problems(node_dir)
+  # Each process wrote only its own shards: the "data" axis splits params/w between them.
+  shards = [{s.index for leaf in local_tier.read_manifest(shm_root / f"node{n}" / "10")
+             .items["state"].leaves if leaf.path == "['params']['w']" for s in leaf.shards}
+            for n in (0, 1)]
+  assert shards[0] and shards[1] and not shards[0] & shards[1]
+
+  result, out = run_job(["restore", "--persistent-dir", str(persistent), "--expect-step", "10",
+                         "--expect-tier", "local"], 2, shm_root)
+  assert_ok(result, out)
+  assert_results(out, 2, step=10, tier="local")
+
+
+def test_all_local_folders_wiped_restores_newest_persistent_step(saved_run, shm_root, tmp_path):
+  persistent = clone(saved_run, shm_root, tmp_path, nodes=())
+  assert persistent_steps(persistent) == [0, 4, 8]
+  result, out = run_job(["restore", "--persistent-dir", str(persistent), "--explicit-args",
+                         "--expect-step", "8", "--expect-tier", "persistent"], 2, shm_root)
+  assert_ok(result, out)
+  assert_results(out, 2, step=8, tier="persistent")
+
+
+def test_replaced_node_makes_every_process_agree_on_persistent_step(saved_run, shm_root,
+                                                                    tmp_path):
+  # Node 1 was replaced: its RAM disk is empty. Node 0 still holds steps 8 and 10, but a step
+  # only one process holds cannot be assembled, so both must take persistent step 8.
+  persistent = clone(saved_run, shm_root, tmp_path, nodes=(0,))
+  result, out = run_job(["restore", "--persistent-dir", str(persistent)], 2, shm_root)
+  assert_ok(result, out)
+  assert_results(out, 2, step=8, tier="persistent")
+  # Node 0's step 10 belongs to an abandoned timeline and is dropped; step 8 stays.
+  assert verified_steps(shm_root / "node0") == [8]
+
+
+def test_corrupt_shard_on_one_node_makes_every_process_fall_back_to_older_step(
+    saved_run, shm_root, tmp_path):
+  # One flipped bit in node 1's copy of step 10: its checksum fails there only, so both
+  # processes must agree on the next step they all hold (8), not mix 10 and 8.
+  persistent = clone(saved_run, shm_root, tmp_path)
+  data = shm_root / "node1" / "10" / local_tier.DATA
+  raw = bytearray(data.read_bytes())
+  raw[len(raw) // 3] ^= 0x01
+  data.write_bytes(bytes(raw))
+  with pytest.raises(local_tier.CorruptStepError):
+    local_tier.verify_step(shm_root / "node1" / "10")
+  result, out = run_job(["restore", "--persistent-dir", str(persistent)], 2, shm_root)
+  assert_ok(result, out)
+  assert_results(out, 2, step=8, tier="local")
+
+
+def test_persistent_checkpoint_restores_in_one_process_with_one_device(saved_run, tmp_path):
+  persistent = tmp_path / "persistent"
+  shutil.copytree(saved_run[1], persistent, symlinks=True)
+  env = {k: v for k, v in os.environ.items() if not k.startswith("ORBAX_MTC_")}
+  env.update(_child_env(), JAX_PLATFORMS="cpu",
+             XLA_FLAGS=launch.merge_xla_flags(env.get("XLA_FLAGS"), 1))
+  proc = subprocess.run(
+      [sys.executable, str(WORKER), "plain-restore", "--persistent-dir", str(persistent),
+       "--step", "8", "--data", "2", "--model", "2"],
+      env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+  output = proc.stdout + proc.stderr
+  results = [fields for _, fields in mp_worker.events(proc.stdout.splitlines(), "RESULT")]
+  assert proc.returncode == 0, output[-4000:]
+  assert [r["mode"] for r in results] == ["numpy", "device"], output[-4000:]
+  for fields in results:
+    assert (fields["devices"], fields["step"]) == ("1", "8"), fields
+    assert fields["ok"] == "1", f"{fields['mode']}: {fields['detail']}"
+
+
+# ----------------------------------------------------------------------------- SIGKILL
+
+
+@pytest.fixture(scope="module")
+def crashed_run(request, tmp_path_factory):
+  """A 2x2 job in which process 1 is SIGKILLed at step 8, then a restarted job.
+
+  Schedule: local every 2 steps (keep 2), persistent every 5. At step 8 process 0 commits step
+  8 locally and process 1 does not, then process 1 kills itself: node 0 holds {6, 8}, node 1
+  {4, 6}, persistent {0, 5}. The newest step both committed is 6.
+  """
+  root = _new_root("crashed")
+  request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
+  persistent = tmp_path_factory.mktemp("crashed-persistent") / "ckpt"
+  args = ["--persistent-dir", str(persistent), "--local-interval", "2", "--local-keep", "2",
+          "--persistent-interval", "5"]
+  crash, crash_out = run_job(["save", "--steps", "20", "--die-at-step", "8",
+                              "--die-process", "1", *args], 2, root)
+  before = {node: verified_steps(root / f"node{node}") for node in (0, 1)}
+  before_persistent = persistent_steps(persistent)
+  restart, restart_out = run_job(["restore", *args], 2, root)
+  return dict(root=root, crash=crash, crash_out=crash_out, before=before,
+              before_persistent=before_persistent, restart=restart, restart_out=restart_out)
+
+
+def test_restart_after_sigkill_restores_newest_step_every_process_committed(crashed_run):
+  crash, out = crashed_run["crash"], crashed_run["crash_out"]
+  assert mp_worker.events(out.lines, "DYING") == [(1, {"process": "1", "step": "8"})], _tail(out)
+  # The launcher reports the death by SIGKILL (128+9) and killed the sibling.
+  assert crash.returncode == 137 and crash.returncodes == [137, 137], (crash, _tail(out))
+  assert not crash.timed_out
+  assert crashed_run["before"] == {0: [6, 8], 1: [4, 6]}
+  assert crashed_run["before_persistent"] == [0, 5]
+
+  restart, restart_out = crashed_run["restart"], crashed_run["restart_out"]
+  assert_ok(restart, restart_out)
+  assert_results(restart_out, 2, step=6, tier="local")
+  # Step 8, which only node 0 holds, is dropped: a later save of step 8 must not meet it.
+  root = crashed_run["root"]
+  assert verified_steps(root / "node0") == [6]
+  assert verified_steps(root / "node1") == [4, 6]
+
+
+def test_lkg_link_follows_restore_rollback(crashed_run):
+  """After the restart rolled node 0 back from step 8 to 6, its LKG link must name step 6.
+
+  (Regression: the link `orbax-s8-n0-w0.restore -> 8` used to stay, dangling, until the next
+  local commit; a GKE-style reader or `status` would be told to restore a deleted step.)
+  """
+  root = crashed_run["root"]
+  assert crashed_run["before"][0] == [6, 8]
+  assert_ok(crashed_run["restart"], crashed_run["restart_out"])
+  problems = lkg_problems(root / "node0") + lkg_problems(root / "node1")
+  assert not problems, problems
+
+
+def test_crash_between_nodes_commits_keeps_a_common_ram_step_with_max_to_keep_1(
+    shm_root, tmp_path):
+  """With the default max_to_keep=1, a crash while step 8 is committed on some nodes only must
+  still leave step 6 restorable from RAM.
+
+  Process 0 commits step 8 (and retires 6), process 1 is killed before committing 8: node 0
+  holds {8}, node 1 holds {6}; no step is in every node's RAM and the job falls back to
+  persistent step 5, losing the RAM tier exactly in the failure it exists for. Retention should
+  keep the newest step every process has committed until a newer one is committed everywhere.
+  """
+  args = ["--persistent-dir", str(tmp_path / "persistent"), "--local-interval", "2",
+          "--local-keep", "1", "--persistent-interval", "5"]
+  crash, out = run_job(["save", "--steps", "20", "--die-at-step", "8", "--die-process", "1",
+                        *args], 2, shm_root)
+  assert crash.returncodes[1] == 137, (crash, _tail(out))
+  # Node 1 never committed 8; it still holds 6, the newest step both nodes had committed.
+  assert verified_steps(shm_root / "node1")[-1] == 6
+  result, out = run_job(["restore", *args], 2, shm_root)
+  assert_ok(result, out)
+  assert_results(out, 2, step=6, tier="local")
+
+
+def test_restart_from_scratch_drops_abandoned_local_steps(shm_root, tmp_path):
+  """A restart that restores nothing must not keep (or later restore) the old local steps.
+
+  Run A (seed 1) commits steps 8, 9 on both nodes. Node 1 is replaced and the first backup
+  never completed, so run B finds nothing to restore and starts from scratch (seed 2: a new
+  timeline). B saves steps 0..9. Expected: both nodes hold B's steps 8, 9; a restart restores
+  B's step 9 bit for bit. Found by these tests: `restore()` drops abandoned local steps only
+  when it restored something (`_finish_restore`), so node 0 keeps A's steps 8, 9,
+  `_local_should_save` skips every step <= 9 on node 0 (no RAM copy of B at all there), and
+  the restart restores step 9 from A's shards on node 0 and B's on node 1.
+  """
+  args = ["--local-interval", "1", "--local-keep", "2", "--persistent-interval", "1000"]
+  persistent_a = tmp_path / "persistent-a"
+  result, out = run_job(["save", "--steps", "10", "--seed", "1", "--persistent-dir",
+                         str(persistent_a), *args], 2, shm_root)
+  assert_ok(result, out)
+  assert verified_steps(shm_root / "node0") == [8, 9]
+  shutil.rmtree(shm_root / "node1")
+  persistent_b = tmp_path / "persistent-b"  # run A's backup never completed
+  b_args = ["--seed", "2", "--persistent-dir", str(persistent_b), *args]
+  result, out = run_job(["save", "--restore-first", "--steps", "10", *b_args], 2, shm_root)
+  assert_ok(result, out)
+  assert_results(out, 2, step=None, tier="none")
+  # The restart must not hand back run A's shards on node 0 as step 9.
+  result, out = run_job(["restore", *b_args], 2, shm_root)
+  assert_results(out, 2, step=9, tier="local")
+  assert_ok(result, out)
+
+
+# ----------------------------------------------------------------------------- 4 x 1
+
+
+def test_four_processes_one_device_each_round_trip(shm_root, tmp_path):
+  persistent = tmp_path / "persistent"
+  args = ["--persistent-dir", str(persistent), "--seed", "7", *SAVE_ARGS]
+  result, out = run_job(["save", "--steps", "7", *args], 4, shm_root, devices=1)
+  assert_ok(result, out)
+  for node in range(4):
+    assert verified_steps(shm_root / f"node{node}") == [4, 6]
+  assert persistent_steps(persistent) == [0, 4]
+
+  result, out = run_job(["restore", "--expect-step", "6", "--expect-tier", "local", *args], 4,
+                        shm_root, devices=1)
+  assert_ok(result, out)
+  assert_results(out, 4, step=6, tier="local")
