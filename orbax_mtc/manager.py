@@ -540,7 +540,8 @@ class CheckpointManager(ocp.CheckpointManager):
   @_persistent_view_when_nested
   def delete(self, step: int):
     """Deletes `step` from this node's RAM tier and from the persistent tier."""
-    self._wait_local()  # the writer must not race the link update below
+    # Neither the local writer nor Orbax's finalize thread may still be writing the step.
+    self.wait_until_finished()
     if step in self._local_steps():
       self._local.delete(step)
       self._refresh_lkg()
