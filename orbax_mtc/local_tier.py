@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from orbax.checkpoint import args as ocp_args
 
 FORMAT = "orbax-mtc/local/1"
 MANIFEST = "manifest.json"
@@ -238,7 +239,7 @@ def item_metadata(manifest: StepManifest) -> Any:
     result[name] = _lists_from_int_keys(root)
   if manifest.default_item and list(result) == ["default"]:
     return result["default"]
-  return ocp_args_composite(result)
+  return ocp_args.Composite(**result)
 
 
 def _lists_from_int_keys(node: Any) -> Any:
@@ -247,11 +248,6 @@ def _lists_from_int_keys(node: Any) -> Any:
     if node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
       return [node[i] for i in range(len(node))]
   return node
-
-
-def ocp_args_composite(items: dict[str, Any]) -> Any:
-  from orbax.checkpoint import args as ocp_args  # late: keeps this module light for the CLI
-  return ocp_args.Composite(**items)
 
 
 class BufferPool:
@@ -385,7 +381,6 @@ class LocalTier:
     self.keep_floor: int | None = None
     self._lock = threading.Lock()  # guards folder renames between writer and main thread
     self._crc_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtc-crc")
-    self.last_write_seconds: float | None = None
 
   # -- set-up
 
@@ -418,7 +413,6 @@ class LocalTier:
 
   def write(self, staged: StagedStep, process_index: int, process_count: int) -> Path:
     """Writes and commits one staged step; returns the committed folder."""
-    started = time.perf_counter()
     root = self.directory
     final = root / str(staged.step)
     tmp = root / f"{TMP_PREFIX}{staged.step}-{uuid.uuid4().hex}"
@@ -470,7 +464,6 @@ class LocalTier:
     except BaseException:
       shutil.rmtree(tmp, ignore_errors=True)
       raise
-    self.last_write_seconds = time.perf_counter() - started
     if self._on_commit is not None:
       self._on_commit(staged.step)
     self.apply_retention()

@@ -370,21 +370,13 @@ class CheckpointManager(ocp.CheckpointManager):
     raise TypeError(f"restore() args must be Composite, PyTreeRestore or StandardRestore; got "
                     f"{type(args).__name__}.")
 
-  @staticmethod
-  def _local_item_names(manifest: local_tier.StepManifest, targets: dict[str, Any],
-                        single: bool | None) -> dict[str, Any]:
-    if single is None:  # args omitted: follow how the step was saved
-      if manifest.default_item:
-        return {_DEFAULT_ITEM: targets["state"]}
-      return targets
-    return targets
-
   def _try_local(self, step: int, targets: dict[str, Any], single: bool | None
                  ) -> tuple[int, Any, str]:
     try:
       manifest = self._local.manifest(step)
-      wanted = self._local_item_names(manifest, targets, single)
-      restored = local_tier.read_step(self._local.directory / str(step), manifest, wanted)
+      if single is None and manifest.default_item:  # args omitted: follow how it was saved
+        targets = {_DEFAULT_ITEM: targets["state"]}
+      restored = local_tier.read_step(self._local.directory / str(step), manifest, targets)
       return _STATUS_OK, (restored, manifest.default_item), ""
     except local_tier.AbstractStateMismatchError as e:
       return _STATUS_MISMATCH, None, str(e)
@@ -413,7 +405,7 @@ class CheckpointManager(ocp.CheckpointManager):
       if (statuses == _STATUS_OK).all():
         restored, default_item = value
         self._finish_restore(candidate, "local", started, drop_newer=step is None)
-        if default_item and single is None or single:
+        if single or (single is None and default_item):
           return restored[_DEFAULT_ITEM]
         return ocp.args.Composite(**restored)
       if (statuses == _STATUS_MISMATCH).any():
