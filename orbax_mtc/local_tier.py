@@ -589,6 +589,18 @@ def _verified_view(data: np.ndarray, record: ShardRecord, dtype: np.dtype,
   return raw.view(dtype).reshape(record.shape)
 
 
+def read_data(step_dir: Path, manifest: StepManifest) -> np.ndarray:
+  """The step's data file in a fresh aligned buffer (checksums are checked by the consumer)."""
+  data_path = step_dir / DATA
+  data = aligned_empty(manifest.data_size)
+  try:
+    # One sequential reader: parallel readers faulting in fresh pages contend on this VM.
+    _read_into(data_path, data, 1)
+  except FileNotFoundError as e:
+    raise LocalTierError(f"{data_path}: {e}") from e
+  return data
+
+
 def read_step(step_dir: Path, manifest: StepManifest, targets: dict[str, Any],
               crc_threads: int = 2) -> dict[str, Any]:
   """Reads items of a committed step onto the target shardings, verifying every checksum.
@@ -598,13 +610,17 @@ def read_step(step_dir: Path, manifest: StepManifest, targets: dict[str, Any],
   AbstractStateMismatchError for a target that does not match, LocalTierError when this node
   cannot serve the step (corrupt bytes, a shard it does not hold).
   """
-  data_path = step_dir / DATA
-  data = aligned_empty(manifest.data_size)
-  try:
-    # One sequential reader: parallel readers faulting in fresh pages contend on this VM.
-    _read_into(data_path, data, 1)
-  except FileNotFoundError as e:
-    raise LocalTierError(f"{data_path}: {e}") from e
+  return arrays_from_buffer(read_data(step_dir, manifest), manifest, targets, str(step_dir),
+                            crc_threads=crc_threads)
+
+
+def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[str, Any],
+                       where_prefix: str, crc_threads: int = 2) -> dict[str, Any]:
+  """Builds the target items from a step's data buffer laid out as `manifest` says.
+
+  Every shard is checked against its checksum first. On CPU the arrays adopt the (aligned)
+  buffer without a copy.
+  """
   jobs: list[tuple[Any, ShardRecord, np.dtype, str]] = []
   plans: dict[str, Any] = {}
   for item_name, target in targets.items():
@@ -630,7 +646,7 @@ def read_step(step_dir: Path, manifest: StepManifest, targets: dict[str, Any],
       rec = by_path[path]
       shape, dtype, sharding = _target_spec(leaf)
       _check_leaf(item_name, path, rec, shape, dtype)
-      where = f"{step_dir}: leaf {item_name}{path}"
+      where = f"{where_prefix}: leaf {item_name}{path}"
       if sharding is None:
         if rec.kind != "host":
           full = tuple((0, d) for d in rec.shape)
@@ -683,6 +699,28 @@ def read_step(step_dir: Path, manifest: StepManifest, targets: dict[str, Any],
         leaves.append(jax.make_array_from_single_device_arrays(shape, sharding, arrays))
     restored[item_name] = jax.tree_util.tree_unflatten(treedef, leaves)
   return restored
+
+
+def manifest_entries(manifest: StepManifest) -> list[tuple[str, LeafRecord, ShardRecord]]:
+  """Every shard of a manifest as (item, leaf, shard), in manifest order (its ordinal)."""
+  return [(name, leaf, shard) for name, item in manifest.items.items() for leaf in item.leaves
+          for shard in leaf.shards]
+
+
+def shard_crc(data: np.ndarray, offset: int, nbytes: int) -> int:
+  return _crc_ranges(data, [(offset, nbytes)])[0]
+
+
+def verify_buffer(data: np.ndarray, manifest: StepManifest, where: str) -> None:
+  """Checks every shard of `data` (laid out as `manifest` says); CorruptStepError if not."""
+  if data.nbytes < manifest.data_size:
+    raise CorruptStepError(f"{where}: {data.nbytes} bytes, manifest says {manifest.data_size}")
+  for item_name, leaf, shard in manifest_entries(manifest):
+    got = shard_crc(data, shard.offset, shard.nbytes)
+    if got != shard.crc32c:
+      raise CorruptStepError(
+          f"{where}: leaf {item_name}{leaf.path} shard {shard.index}: checksum mismatch "
+          f"(crc32c {got:#010x}, manifest {shard.crc32c:#010x})")
 
 
 def verify_step(step_dir: Path) -> StepManifest:

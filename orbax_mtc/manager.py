@@ -36,7 +36,16 @@ from etils import epath
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
-from orbax_mtc import distributed, lkg, local_tier, restore_plan
+from orbax_mtc import (
+  distributed,
+  lkg,
+  local_tier,
+  peer_store,
+  replication,
+  restore_plan,
+  topology,
+  transport,
+)
 from orbax_mtc.options import CheckpointManagerOptions, replica_axis_name
 
 _PYTREE_SAVE = (ocp.args.PyTreeSave, ocp.args.StandardSave)
@@ -69,7 +78,7 @@ class RestoreInfo:
   """Where the last `restore` came from (for logs, the demo and `status`)."""
 
   step: int | None
-  tier: str  # "local", "persistent" or "none"
+  tier: str  # "local" (own folder), "peer" (a twin or a peer's copy), "persistent" or "none"
   seconds: float
 
 
@@ -111,7 +120,8 @@ class CheckpointManager(ocp.CheckpointManager):
       raise ValueError("Both local_directory (RAM disk) and persistent_directory are required.")
     self._mtc_options = options
     self._global_mesh = global_mesh
-    self._replica_axis = replica_axis_name(options, global_mesh.axis_names)
+    self._replica_axis = replica_axis_name(options, global_mesh.axis_names,
+                                           multi_process=jax.process_count() > 1)
     self._abstract_state = abstract_state
     self._process_index = jax.process_index()
     self._process_count = jax.process_count()
@@ -123,6 +133,16 @@ class CheckpointManager(ocp.CheckpointManager):
     self._local = local_tier.LocalTier(local_path, max_to_keep=options.local.max_to_keep,
                                        on_commit=self._after_local_commit)
     self._local.prepare()
+    self._store = peer_store.PeerStore(local_path, max_to_keep=options.local.max_to_keep)
+    self._store.prepare()
+    self._topology: topology.Topology | None = None
+    if self._process_count > 1:
+      replication_options = options.replication
+      self._topology = topology.build_topology(
+          topology.process_grid(global_mesh), global_mesh.axis_names, self._replica_axis,
+          num_processes=self._process_count,
+          peers_per_node=replication_options.peers_per_node,
+          peer_ranks=replication_options.peer_ranks)
     with self._persistent_view():
       super().__init__(persistent_directory, options=options.persistent_manager_options(),
                        metadata=metadata, logger=logger, item_handlers=item_handlers,
@@ -133,6 +153,15 @@ class CheckpointManager(ocp.CheckpointManager):
     self._pending_step: int | None = None
     self._local_error: BaseException | None = None
     self._preemption_answers: dict[int, bool] = {}
+    self._replicator: replication.Replicator | None = None
+    self._shard_sets_cache: tuple[Any, list] | None = None
+    if self._topology is not None and self._topology.edges:
+      self._replicator = replication.Replicator(
+          self._topology, self._process_index, self._local, self._store, self._writer,
+          self._allgather, chunk_bytes=options.replication.chunk_bytes,
+          window=options.replication.chunks_in_flight)
+      self._store.drop_sources(self._topology.held_by(self._process_index))
+    self._recovered: tuple[local_tier.StepManifest, np.ndarray] | None = None
     self.last_restore: RestoreInfo | None = None
     self.last_save_blocking_seconds: float | None = None
     self._mtc_ready = True
@@ -166,6 +195,11 @@ class CheckpointManager(ocp.CheckpointManager):
   @property
   def options(self) -> CheckpointManagerOptions:
     return self._mtc_options
+
+  @property
+  def topology(self) -> topology.Topology | None:
+    """Replicas, twins and peers of this job (None in a single process)."""
+    return self._topology
 
   def _after_local_commit(self, step: int) -> None:
     # Runs on the writer thread after the rename: file I/O only.
@@ -271,6 +305,7 @@ class CheckpointManager(ocp.CheckpointManager):
       raise ValueError(f"step must be a non-negative int, got {step!r}.")
     step = int(step)
     self.check_for_errors()
+    self._replication_progress(block=False)
     preempted = self.reached_preemption(step)
     local_due = not self._mtc_options.local.read_only and (
         force or preempted or self._local_should_save(step))
@@ -296,6 +331,8 @@ class CheckpointManager(ocp.CheckpointManager):
   def _save_local(self, step: int, args: Any) -> None:
     trees, jsons, default_item = self._split_save_args(args)
     self._wait_local()  # one write in flight: the staging buffer is reused
+    # The previous step's copies must be out before retention may retire its folder.
+    self._replication_progress(block=True)
     if self._process_count > 1:
       # Every process saves the same steps, so this all-gather is issued in the same order
       # everywhere (main thread, rule 2). Its minimum is the newest step all nodes hold.
@@ -315,6 +352,48 @@ class CheckpointManager(ocp.CheckpointManager):
     else:
       self._write_local(staged)
       self._pending_step = None
+    if self._replicator is not None:
+      self._replicator.schedule(step, self._shard_sets(trees))
+      if not self._mtc_options.enable_async_checkpointing:
+        self._replication_progress(block=True)
+
+  # ------------------------------------------------------------------ replication
+
+  def _shard_sets(self, trees: dict[str, Any]) -> list:
+    """Which shards every process holds under the shardings of `trees` (cached)."""
+    key = tuple((name, tuple((leaf.sharding, tuple(leaf.shape))
+                             for leaf in jax.tree_util.tree_leaves(tree)
+                             if getattr(leaf, "sharding", None) is not None),
+                 jax.tree_util.tree_structure(tree))
+                for name, tree in trees.items())
+    if self._shard_sets_cache is None or self._shard_sets_cache[0] != key:
+      self._shard_sets_cache = (key, replication.shard_sets(trees, self._process_count))
+    return self._shard_sets_cache[1]
+
+  def _replication_status(self, step: int) -> int:
+    if self._pending is not None and not self._pending.done():
+      return replication.WRITING
+    return replication.COMMITTED if step in self._local_steps() else replication.FAILED
+
+  def _replication_progress(self, *, block: bool) -> None:
+    """Moves pending peer copies forward (collectives: every process calls this in step)."""
+    replicator = self._replicator
+    if replicator is None or replicator.pending_step is None:
+      return
+    if block:
+      self._wait_local()
+    replicator.progress(self._replication_status(replicator.pending_step), block=block)
+
+  @_persistent_view_when_nested
+  def replicate_pending(self) -> None:
+    """Sends the newest local step to its peers now, blocking until the bytes are out.
+
+    Every process must call it at the same point (it issues collectives). `save()` already
+    does this a few chunks at a time; call it before a planned stop to protect the last step.
+    """
+    self._replication_progress(block=True)
+    if self._replicator is not None:
+      self._writer.submit(lambda: None).result()  # received copies are committed
 
   def _write_local(self, staged: local_tier.StagedStep) -> None:
     try:
@@ -370,18 +449,109 @@ class CheckpointManager(ocp.CheckpointManager):
     raise TypeError(f"restore() args must be Composite, PyTreeRestore or StandardRestore; got "
                     f"{type(args).__name__}.")
 
-  def _try_local(self, step: int, targets: dict[str, Any], single: bool | None
+  def _try_local(self, step: int, targets: dict[str, Any], single: bool | None,
+                 source: tuple[local_tier.StepManifest, np.ndarray] | None = None
                  ) -> tuple[int, Any, str]:
+    """Builds the targets from this node's folder of `step`, or from `source` (a step that
+    came from a twin or a peer). Returns (status, (items, default_item), message)."""
     try:
-      manifest = self._local.manifest(step)
+      if source is None:
+        manifest = self._local.manifest(step)
+        data = local_tier.read_data(self._local.directory / str(step), manifest)
+        where = str(self._local.directory / str(step))
+      else:
+        manifest, data = source
+        where = f"step {step} received from another node"
       if single is None and manifest.default_item:  # args omitted: follow how it was saved
         targets = {_DEFAULT_ITEM: targets["state"]}
-      restored = local_tier.read_step(self._local.directory / str(step), manifest, targets)
+      restored = local_tier.arrays_from_buffer(data, manifest, targets, where)
       return _STATUS_OK, (restored, manifest.default_item), ""
     except local_tier.AbstractStateMismatchError as e:
       return _STATUS_MISMATCH, None, str(e)
     except (local_tier.LocalTierError, OSError) as e:
       return _STATUS_UNUSABLE, None, str(e)
+
+  def _assemble(self, assembly: restore_plan.Assembly, targets: dict[str, Any],
+                single: bool | None) -> tuple[bool, Any, set[tuple[int, int, int]]]:
+    """Executes one RAM assembly: transfers to nodes that lost the step, then every node
+    builds its arrays. Returns (ok, value, sources to exclude when not ok); same result on
+    every process."""
+    me, step = self._process_index, assembly.step
+    transfers = assembly.transfers
+    received: tuple[local_tier.StepManifest, np.ndarray] | None = None
+    if transfers:
+      outgoing: dict[int, peer_store.OutgoingStream] = {}
+      sizes = np.zeros((len(transfers),), dtype=np.int64)
+      for j, (holder, dest, kind) in enumerate(transfers):
+        if holder != me:
+          continue
+        try:
+          outgoing[dest] = replication.outgoing_step(kind, dest, step, self._local, self._store)
+          sizes[j] = outgoing[dest].nbytes
+        except (local_tier.LocalTierError, OSError) as e:
+          logging.warning("orbax-mtc: cannot serve step %d to process %d from %s: %s", step,
+                          dest, kind, e)
+          sizes[j] = -1
+      gathered = self._allgather(sizes)
+      sizes = np.asarray([gathered[h, j] for j, (h, _, _) in enumerate(transfers)])
+      failed = {(h, d, step) for (h, d, _), n in zip(transfers, sizes, strict=True) if n < 0}
+      if failed:
+        return False, None, failed
+      buffers, sink_for = replication.receive_buffers()
+      transport.Transfer(
+          [transport.Stream(h, d, int(n)) for (h, d, _), n in zip(transfers, sizes, strict=True)],
+          me=me, reader_for=lambda s: outgoing[s.destination].read, sink_for=sink_for,
+          chunk_limit=self._mtc_options.replication.chunk_bytes,
+          window=self._mtc_options.replication.chunks_in_flight).run()
+      mine = assembly.sources[me]
+      if mine.kind != restore_plan.OWN:
+        try:
+          manifest, data = peer_store.received_step(buffers[mine.holder])
+          received = (dataclasses.replace(manifest, process_index=me), data)
+        except (local_tier.LocalTierError, ValueError, KeyError) as e:
+          logging.warning("orbax-mtc: step %d from process %d is unusable: %s", step,
+                          mine.holder, e)
+          received = None
+    mine = assembly.sources[me]
+    if mine.kind != restore_plan.OWN and received is None:
+      status, value, message = _STATUS_UNUSABLE, None, "nothing usable received"
+    else:
+      status, value, message = self._try_local(step, targets, single, received)
+    statuses = self._allgather(np.asarray([status], dtype=np.int64)).reshape(-1)
+    if (statuses == _STATUS_OK).all():
+      if received is not None:
+        self._recovered = received
+      return True, value, set()
+    if (statuses == _STATUS_MISMATCH).any():
+      culprit = int(np.argmax(statuses == _STATUS_MISMATCH))
+      raise local_tier.AbstractStateMismatchError(
+          message or f"process {culprit} found that the restore target does not match "
+          f"step {step}; see its log for the leaf.")
+    bad = [p for p, st in enumerate(statuses) if st != _STATUS_OK]
+    logging.warning("orbax-mtc: step %d unusable on process(es) %s%s; trying another source, "
+                    "an older step or the persistent tier.", step, bad,
+                    f" ({message})" if message else "")
+    return False, None, {(assembly.sources[p].holder, p, step) for p in bad}
+
+  def _after_recovery(self, assembly: restore_plan.Assembly, targets: dict[str, Any]) -> None:
+    """A node that got its step from elsewhere writes it back into its own folder, and the
+    copies that involve recovered nodes are sent again (at the next save or
+    `replicate_pending`)."""
+    received, self._recovered = self._recovered, None
+    step = assembly.step
+    if received is not None:
+      manifest, data = received
+      if step in self._local_steps():  # its own copy was unusable (corrupt): replace it
+        self._local.delete(step)
+      staged = local_tier.StagedStep(step=step, buffer=data, size=manifest.data_size,
+                                     items=manifest.items, default_item=manifest.default_item)
+      self._pending_step = step
+      self._pending = self._writer.submit(self._write_local, staged)
+    if self._replicator is not None:
+      recovered = set(assembly.recovered)
+      edges = [e for e in self._topology.edges if e[0] in recovered or e[1] in recovered]
+      self._replicator.schedule(step, replication.shard_sets(targets, self._process_count),
+                                edges)
 
   @_persistent_view_when_nested
   def restore(self, step: int | None = None, items: Any = None, restore_kwargs: Any = None,
@@ -396,33 +566,46 @@ class CheckpointManager(ocp.CheckpointManager):
     started = time.perf_counter()
     self._wait_local()
     targets, single = self._restore_targets(args)
-    rows = self._allgather(restore_plan.encode_inventory(self._local_steps()))
-    plan = restore_plan.plan_restore(restore_plan.decode_inventories(rows),
-                                     self._persistent_steps(), step)
-    for candidate in plan.local_candidates:
-      status, value, message = self._try_local(candidate, targets, single)
-      statuses = self._allgather(np.asarray([status], dtype=np.int64)).reshape(-1)
-      if (statuses == _STATUS_OK).all():
+    # Copies still in flight would race with the folders this restore reads and rewrites.
+    self._replication_progress(block=True)
+    own_steps = self._local_steps()
+    copies = self._store.servable(own_steps) if self._replicator is not None else []
+    rows = self._allgather(restore_plan.encode_inventory(own_steps, copies))
+    inventories = restore_plan.decode_inventories(rows)
+    groups = None
+    if self._topology is not None:
+      groups = replication.shard_groups(replication.shard_sets(targets, self._process_count))
+    excluded: set[tuple[int, int, int]] = set()
+    failed_steps: set[int] = set()
+    while True:
+      plan = restore_plan.plan_restore(inventories, self._persistent_steps(), step,
+                                       shard_groups=groups, excluded=excluded)
+      candidates = [a for a in plan.candidates if a.step not in failed_steps]
+      if not candidates:
+        break
+      assembly = candidates[0]
+      ok, value, exclusions = self._assemble(assembly, targets, single)
+      if ok:
         restored, default_item = value
-        self._finish_restore(candidate, "local", started, drop_newer=step is None)
+        # Per process: "peer" when this node's bytes came from a twin or a peer's copy.
+        mine = assembly.sources[self._process_index].kind
+        tier = "local" if mine == restore_plan.OWN else "peer"
+        self._finish_restore(assembly.step, tier, started, drop_newer=step is None)
+        if assembly.transfers:
+          self._after_recovery(assembly, targets)
         if single or (single is None and default_item):
           return restored[_DEFAULT_ITEM]
         return ocp.args.Composite(**restored)
-      if (statuses == _STATUS_MISMATCH).any():
-        culprit = int(np.argmax(statuses == _STATUS_MISMATCH))
-        raise local_tier.AbstractStateMismatchError(
-            message or f"process {culprit} found that the restore target does not match "
-            f"local step {candidate}; see its log for the leaf.")
-      bad = [i for i, s in enumerate(statuses) if s != _STATUS_OK]
-      logging.warning("orbax-mtc: local step %d unusable on process(es) %s%s; trying an older "
-                      "step or the persistent tier.", candidate, bad,
-                      f" ({message})" if message else "")
+      new = set(exclusions) - excluded
+      if not new:
+        failed_steps.add(assembly.step)
+      excluded |= new
     if plan.persistent_step is not None:
       restored = self._restore_persistent(plan.persistent_step, targets, single)
       self._finish_restore(plan.persistent_step, "persistent", started, drop_newer=step is None)
       return restored
     if step is not None:
-      if plan.local_candidates:
+      if plan.local_candidates or failed_steps or excluded:
         raise local_tier.LocalTierError(
             f"Step {step} is in the RAM tier of every process but could not be used (corrupt "
             "or incomplete; see the warnings above) and the persistent tier does not have it.")
@@ -438,6 +621,7 @@ class CheckpointManager(ocp.CheckpointManager):
       self._local.delete(s)
     if leftovers:
       self._refresh_lkg()
+    self._store.drop_newer(-1)
     self.last_restore = RestoreInfo(step=None, tier="none",
                                     seconds=time.perf_counter() - started)
     return None
@@ -506,6 +690,7 @@ class CheckpointManager(ocp.CheckpointManager):
         self._local.delete(s)
       if stale:
         self._refresh_lkg()
+      self._store.drop_newer(step)
     self.last_restore = RestoreInfo(step=step, tier=tier, seconds=time.perf_counter() - started)
     logging.info("orbax-mtc: restored step %d from the %s tier in %.2fs", step, tier,
                  self.last_restore.seconds)
@@ -537,6 +722,7 @@ class CheckpointManager(ocp.CheckpointManager):
     if step in self._local_steps():
       self._local.delete(step)
       self._refresh_lkg()
+    self._store.delete_step(step)
     if step in self._persistent_steps():
       with self._persistent_view():
         super().delete(step)
@@ -571,6 +757,7 @@ class CheckpointManager(ocp.CheckpointManager):
   @_persistent_view_when_nested
   def wait_until_finished(self):
     self._wait_local()
+    self.replicate_pending()
     with self._persistent_view():
       super().wait_until_finished()
 

@@ -114,17 +114,26 @@ class PersistentCheckpointOptions:
 
 @dataclasses.dataclass
 class ReplicationOptions:
-  """Where the data-parallel replicas are in the mesh (peers come with the peers issue).
+  """Where the data-parallel replicas are, and which nodes hold copies of each node's RAM step.
 
   replica_axis: name of the mesh axis along which the model is replicated (e.g. "data").
-    Named, never guessed: MaxText meshes may put another axis first.
-  peers_per_node / peer_ranks: how many other nodes hold a copy of each node's RAM checkpoint,
-    or the explicit list per node; mutually exclusive, as in the GKE replicator's yaml.
+    Named, never guessed: MaxText meshes may put another axis first. None: the axis given by
+    `CheckpointManagerOptions.replica_axis_index`, else the axis called "data".
+  peers_per_node: how many other nodes hold a copy of each node's RAM checkpoint (default 1;
+    0 turns replication off). The first copy goes to the twin in the next replica (or, with
+    one replica, to the next node), spread so that every node holds as many copies as it gives.
+  peer_ranks: the explicit list of holders per node (one list per process), instead of
+    `peers_per_node`; mutually exclusive, as in the GKE replicator's replicator.yaml.
+  chunk_mib / chunks_in_flight: transfers move in chunks of this size with at most this many
+    in flight, so replication holds at most 2 x chunk_mib x chunks_in_flight MiB of extra host
+    or device memory per process (default 256 MiB).
   """
 
   replica_axis: str | None = None
   peers_per_node: int | None = None
   peer_ranks: Sequence[Sequence[int]] | None = None
+  chunk_mib: int = 64
+  chunks_in_flight: int = 2
 
   def __post_init__(self):
     if self.replica_axis is not None and (
@@ -140,6 +149,25 @@ class ReplicationOptions:
           or self.peers_per_node < 0:
         raise ValueError(
             f"ReplicationOptions.peers_per_node must be an int >= 0, got {self.peers_per_node!r}.")
+    if self.peer_ranks is not None:
+      if isinstance(self.peer_ranks, (str, bytes)) or not isinstance(self.peer_ranks, Sequence):
+        raise ValueError("ReplicationOptions.peer_ranks must be one list of ranks per node, "
+                         f"e.g. [[1], [0]]; got {self.peer_ranks!r}.")
+      for node, ranks in enumerate(self.peer_ranks):
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence) or any(
+            isinstance(r, bool) or not isinstance(r, int) for r in ranks):
+          raise ValueError(f"ReplicationOptions.peer_ranks[{node}] must be a list of int ranks, "
+                           f"got {ranks!r}.")
+        if node in ranks:
+          raise ValueError(f"ReplicationOptions.peer_ranks[{node}] names node {node} as its own "
+                           "peer: a copy on the same node dies with it. Choose other nodes.")
+      self.peer_ranks = tuple(tuple(r) for r in self.peer_ranks)
+    for name in ("chunk_mib", "chunks_in_flight"):
+      _check_interval("ReplicationOptions", name, getattr(self, name), allow_none=False)
+
+  @property
+  def chunk_bytes(self) -> int:
+    return self.chunk_mib << 20
 
 
 @dataclasses.dataclass
@@ -217,8 +245,13 @@ class CheckpointManagerOptions:
     return ocp_manager.CheckpointManagerOptions(**kwargs)
 
 
-def replica_axis_name(options: CheckpointManagerOptions, mesh_axis_names: Sequence[str]) -> str:
-  """The mesh axis that indexes data-parallel replicas, with a clear error when unknown."""
+def replica_axis_name(options: CheckpointManagerOptions, mesh_axis_names: Sequence[str], *,
+                      multi_process: bool = True) -> str:
+  """The mesh axis that indexes data-parallel replicas, with a clear error when unknown.
+
+  Order: `replication.replica_axis`, then `replica_axis_index`, then an axis named "data".
+  In a single process replicas do not matter, so the first axis is accepted there.
+  """
   names = tuple(mesh_axis_names)
   axis = options.replication.replica_axis
   if axis is not None:
@@ -228,9 +261,17 @@ def replica_axis_name(options: CheckpointManagerOptions, mesh_axis_names: Sequen
           f"(axes: {names}). Name the data-parallel axis of your mesh, e.g. "
           f"ReplicationOptions(replica_axis={names[0]!r}).")
     return axis
-  index = options.replica_axis_index if options.replica_axis_index is not None else 0
-  if index >= len(names):
-    raise ValueError(
-        f"CheckpointManagerOptions.replica_axis_index={index} is out of range for a mesh with "
-        f"axes {names}. Prefer naming the axis: ReplicationOptions(replica_axis=...).")
-  return names[index]
+  if options.replica_axis_index is not None:
+    index = options.replica_axis_index
+    if index >= len(names):
+      raise ValueError(
+          f"CheckpointManagerOptions.replica_axis_index={index} is out of range for a mesh "
+          f"with axes {names}. Prefer naming the axis: ReplicationOptions(replica_axis=...).")
+    return names[index]
+  if "data" in names or not multi_process:
+    return "data" if "data" in names else names[0]
+  raise ValueError(
+      f"The global mesh has no axis named 'data' (axes: {names}) and no replica axis was "
+      "given. Name the data-parallel axis: CheckpointManagerOptions(replication="
+      f"ReplicationOptions(replica_axis={names[0]!r})); with no data parallelism, name any "
+      "axis of size 1 or the outermost axis.")

@@ -1,13 +1,21 @@
-"""Pure restore planning: which step the cluster restores and from which tier.
+"""Pure restore planning: which step the cluster restores, and where each node gets it.
 
-Inputs are inventories gathered from every process; no I/O and no JAX here, so every case can
-be tested exhaustively.
+Inputs are inventories gathered from every process (its own committed steps and the peer copies
+it holds) plus, per process, an id of the set of shards it needs (equal ids: data-parallel twins
+that hold identical shards). No I/O and no JAX here, so every case can be tested exhaustively.
+
+For one step, each node's data comes from, in order of preference:
+  own   its own step folder;
+  twin  the own folder of a node that holds exactly the same shards;
+  peer  a copy of its step held by one of its peers.
+A step is a candidate only when every node has a source. Among several holders the one with the
+fewest transfers already assigned wins (then the lowest rank), so twins share the sending.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -15,57 +23,159 @@ LOCAL = "local"
 PERSISTENT = "persistent"
 NONE = "none"
 
-# Width of the per-process inventory row exchanged with one all-gather. Retention keeps far
-# fewer local steps than this; older steps beyond it are simply not candidates.
+OWN, TWIN, PEER = "own", "twin", "peer"
+
+# Width of the per-process inventory row exchanged with one all-gather: this many own steps and
+# this many peer copies. Retention keeps far fewer; older entries are simply not candidates.
 INVENTORY_WIDTH = 64
 
 
 @dataclasses.dataclass(frozen=True)
-class RestorePlan:
-  """Candidates in the order they are tried: local steps newest first, then persistent."""
+class NodeInventory:
+  """What one node can serve: its own committed steps and complete peer copies it holds."""
 
-  local_candidates: tuple[int, ...]
+  own_steps: frozenset[int] = frozenset()
+  copies: frozenset[tuple[int, int]] = frozenset()  # (source rank, step)
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  kind: str  # OWN, TWIN or PEER
+  holder: int  # the process that reads the bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Assembly:
+  """How the cluster assembles one step: a source for every process (index = rank)."""
+
+  step: int
+  sources: tuple[Source, ...]
+
+  @property
+  def transfers(self) -> tuple[tuple[int, int, str], ...]:
+    """(holder, destination, kind) for every node that gets its data from elsewhere."""
+    return tuple((s.holder, dest, s.kind) for dest, s in enumerate(self.sources)
+                 if s.kind != OWN)
+
+  @property
+  def recovered(self) -> tuple[int, ...]:
+    return tuple(dest for dest, s in enumerate(self.sources) if s.kind != OWN)
+
+
+@dataclasses.dataclass(frozen=True)
+class RestorePlan:
+  """Candidates in the order they are tried: RAM assemblies newest first, then persistent."""
+
+  candidates: tuple[Assembly, ...]
   persistent_step: int | None
 
   @property
+  def local_candidates(self) -> tuple[int, ...]:
+    return tuple(a.step for a in self.candidates)
+
+  @property
   def empty(self) -> bool:
-    return not self.local_candidates and self.persistent_step is None
+    return not self.candidates and self.persistent_step is None
 
 
-def encode_inventory(steps: Sequence[int], width: int = INVENTORY_WIDTH) -> np.ndarray:
-  """The newest `width` steps, newest first, padded with -1: one fixed-size row per process."""
-  newest = sorted(set(int(s) for s in steps), reverse=True)[:width]
-  row = np.full((width,), -1, dtype=np.int64)
-  row[: len(newest)] = newest
+def encode_inventory(own_steps: Collection[int], copies: Collection[tuple[int, int]] = (),
+                     width: int = INVENTORY_WIDTH) -> np.ndarray:
+  """One fixed-size int64 row: `width` own steps (newest first, -1 padded), then `width`
+  (source, step) pairs (newest step first, -1 padded)."""
+  newest = sorted({int(s) for s in own_steps}, reverse=True)[:width]
+  pairs = sorted({(int(a), int(b)) for a, b in copies}, key=lambda p: (-p[1], p[0]))[:width]
+  row = np.full((3 * width,), -1, dtype=np.int64)
+  row[:len(newest)] = newest
+  if pairs:
+    row[width:width + 2 * len(pairs)] = np.asarray(pairs, dtype=np.int64).reshape(-1)
   return row
 
 
-def decode_inventories(rows: np.ndarray) -> list[set[int]]:
-  rows = np.asarray(rows).reshape(-1, np.asarray(rows).shape[-1])
-  return [set(int(s) for s in row if s >= 0) for row in rows]
+def decode_inventories(rows: np.ndarray) -> list[NodeInventory]:
+  rows = np.asarray(rows)
+  rows = rows.reshape(-1, rows.shape[-1])
+  width = rows.shape[1] // 3
+  out = []
+  for row in rows:
+    own = frozenset(int(s) for s in row[:width] if s >= 0)
+    pairs = row[width:].reshape(-1, 2)
+    copies = frozenset((int(a), int(b)) for a, b in pairs if a >= 0 and b >= 0)
+    out.append(NodeInventory(own, copies))
+  return out
 
 
-def common_steps(inventories: Sequence[set[int]]) -> list[int]:
-  """Steps that every process holds, newest first."""
-  if not inventories:
-    return []
-  shared = set.intersection(*map(set, inventories))
-  return sorted(shared, reverse=True)
+def assemble(step: int, inventories: Sequence[NodeInventory],
+             shard_groups: Sequence[int] | None = None,
+             excluded: Collection[tuple[int, int, int]] = ()) -> Assembly | None:
+  """A source for every node at `step`, or None if some node has none.
 
-
-def plan_restore(inventories: Sequence[set[int]], persistent_steps: Sequence[int],
-                 requested_step: int | None) -> RestorePlan:
-  """Local candidates every process holds (newest first) and the persistent fallback.
-
-  With `requested_step`, only that step is a candidate in either tier.
+  `excluded` holds (holder, destination, step) sources that failed (bad checksum, unreadable):
+  they are never chosen again. A node's own folder is excluded as (rank, rank, step).
   """
-  local = common_steps(inventories)
-  persistent = sorted(set(int(s) for s in persistent_steps))
+  n = len(inventories)
+  groups = list(shard_groups) if shard_groups is not None else list(range(n))
+  if len(groups) != n:
+    raise ValueError(f"{len(groups)} shard groups for {n} inventories")
+  bad = set(excluded)
+  load = [0] * n
+  sources: list[Source] = []
+  for dest in range(n):
+    if step in inventories[dest].own_steps and (dest, dest, step) not in bad:
+      sources.append(Source(OWN, dest))
+      continue
+    options: list[tuple[int, int, int, int]] = []  # (kind order, load, holder) sort key
+    for holder in range(n):
+      if holder == dest or (holder, dest, step) in bad:
+        continue
+      inv = inventories[holder]
+      if groups[holder] == groups[dest] and step in inv.own_steps \
+          and (holder, holder, step) not in bad:
+        options.append((0, load[holder], holder, 0))
+      elif (dest, step) in inv.copies:
+        options.append((1, load[holder], holder, 1))
+    if not options:
+      return None
+    _, _, holder, kind = min(options)
+    load[holder] += 1
+    sources.append(Source(TWIN if kind == 0 else PEER, holder))
+  return Assembly(step, tuple(sources))
+
+
+def plan_restore(inventories: Sequence[NodeInventory | Collection[int]],
+                 persistent_steps: Sequence[int], requested_step: int | None, *,
+                 shard_groups: Sequence[int] | None = None,
+                 excluded: Collection[tuple[int, int, int]] = ()) -> RestorePlan:
+  """RAM assemblies (newest first) and the persistent fallback.
+
+  With `requested_step`, only that step is a candidate in either tier. A RAM step older than the
+  newest persistent step would lose work, so it is not a candidate. Plain step sets are accepted
+  as inventories (own steps, no copies).
+  """
+  invs = [inv if isinstance(inv, NodeInventory) else NodeInventory(frozenset(inv))
+          for inv in inventories]
+  persistent = sorted({int(s) for s in persistent_steps})
   if requested_step is not None:
-    local = [s for s in local if s == requested_step]
     persistent = [s for s in persistent if s == requested_step]
   persistent_step = persistent[-1] if persistent else None
-  # A local step older than the newest persistent step would lose work: persistent wins then.
+  steps: set[int] = set()
+  for inv in invs:
+    steps |= inv.own_steps
+    steps |= {s for _, s in inv.copies}
+  if requested_step is not None:
+    steps &= {requested_step}
   if persistent_step is not None:
-    local = [s for s in local if s >= persistent_step]
-  return RestorePlan(local_candidates=tuple(local), persistent_step=persistent_step)
+    steps = {s for s in steps if s >= persistent_step}
+  candidates = []
+  for step in sorted(steps, reverse=True):
+    assembly = assemble(step, invs, shard_groups, excluded) if invs else None
+    if assembly is not None:
+      candidates.append(assembly)
+  return RestorePlan(candidates=tuple(candidates), persistent_step=persistent_step)
+
+
+def common_steps(inventories: Sequence[Collection[int]]) -> list[int]:
+  """Steps that every process holds in its own folder, newest first."""
+  if not inventories:
+    return []
+  shared = set.intersection(*(set(inv) for inv in inventories))
+  return sorted(shared, reverse=True)

@@ -1,13 +1,37 @@
-"""Pure restore planning: which step the cluster restores, and from which tier."""
+"""Pure restore planning: which step the cluster restores, and where each node gets its data."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Collection, Sequence
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orbax_mtc import restore_plan as rp
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(60)
+
+def inv(own_steps: Collection[int] = (),
+        copies: Collection[tuple[int, int]] = ()) -> rp.NodeInventory:
+  return rp.NodeInventory(frozenset(own_steps), frozenset(copies))
+
+
+def own(rank: int) -> rp.Source:
+  return rp.Source(rp.OWN, rank)
+
+
+def twin(holder: int) -> rp.Source:
+  return rp.Source(rp.TWIN, holder)
+
+
+def peer(holder: int) -> rp.Source:
+  return rp.Source(rp.PEER, holder)
+
+
+# --- Plain step sets (the previous API, still accepted) ------------------------------------------
 
 
 def test_intersection_newest_first():
@@ -17,11 +41,23 @@ def test_intersection_newest_first():
   assert plan.local_candidates == (8, 6, 4)
   assert plan.persistent_step is None
   assert not plan.empty
+  for assembly in plan.candidates:
+    assert assembly.sources == (own(0), own(1), own(2))
+    assert assembly.transfers == () and assembly.recovered == ()
 
 
 def test_one_process_missing_a_step_removes_it():
   inventories = [{4, 6}, {4}, {4, 6}]
   assert rp.plan_restore(inventories, [], None).local_candidates == (4,)
+
+
+def test_plain_sets_have_no_twins_by_default():
+  # Without shard groups every process is its own group, so nobody can stand in for another.
+  assert rp.plan_restore([{4, 6}, {4}], [], None).local_candidates == (4,)
+  # Plain sets and NodeInventory objects mix in one call.
+  plan = rp.plan_restore([{4, 6}, {4}, inv({4, 6}, {(1, 6)})], [], None)
+  assert plan.local_candidates == (6, 4)
+  assert plan.candidates[0].sources == (own(0), peer(2), own(2))
 
 
 def test_no_common_step_falls_back_to_newest_persistent():
@@ -86,31 +122,557 @@ def test_empty(inventories):
   assert plan.persistent_step is None
 
 
+def test_no_processes_with_persistent_steps():
+  plan = rp.plan_restore([], persistent_steps=[3, 7], requested_step=None)
+  assert plan.local_candidates == () and plan.persistent_step == 7
+
+
+# --- Inventory rows ------------------------------------------------------------------------------
+
+
 def test_encode_pads_and_sorts_newest_first():
   row = rp.encode_inventory([4, 2, 8, 4], width=6)
   assert row.dtype == np.int64
-  assert row.shape == (6,)
-  assert row.tolist() == [8, 4, 2, -1, -1, -1]
-  assert rp.encode_inventory([], width=3).tolist() == [-1, -1, -1]
-  assert rp.encode_inventory([1, 2]).shape == (rp.INVENTORY_WIDTH,)
+  assert row.shape == (18,)
+  assert row[:6].tolist() == [8, 4, 2, -1, -1, -1]
+  assert (row[6:] == -1).all()
+  assert rp.encode_inventory([], width=3).tolist() == [-1] * 9
+  assert rp.encode_inventory([1, 2]).shape == (3 * rp.INVENTORY_WIDTH,)
+
+
+def test_encode_copies_newest_step_first_then_lowest_source():
+  row = rp.encode_inventory([5], [(3, 4), (1, 6), (2, 4), (1, 4)], width=5)
+  assert row.shape == (15,)
+  assert row[:5].tolist() == [5, -1, -1, -1, -1]
+  assert row[5:].tolist() == [1, 6, 1, 4, 2, 4, 3, 4, -1, -1]
 
 
 def test_inventory_round_trip_several_processes():
-  inventories = [{0, 2, 4}, set(), {10**12, 3}]
-  rows = np.stack([rp.encode_inventory(s, width=5) for s in inventories])
+  inventories = [inv({0, 2, 4}, {(1, 4)}), inv(), inv({10**12, 3}, {(0, 10**12), (0, 3)})]
+  rows = np.stack([rp.encode_inventory(i.own_steps, i.copies, width=5) for i in inventories])
+  assert rows.shape == (3, 15)
   assert rp.decode_inventories(rows) == inventories
   # A single row (one process) decodes to one inventory.
-  assert rp.decode_inventories(rp.encode_inventory({7, 9}, width=4)) == [{7, 9}]
-  # What a gather of one process returns: shape (1, width).
-  assert rp.decode_inventories(rp.encode_inventory({0}, width=4)[None]) == [{0}]
+  assert rp.decode_inventories(rp.encode_inventory({7, 9}, width=4)) == [inv({7, 9})]
+  # What a gather of one process returns: shape (1, 3 * width).
+  decoded = rp.decode_inventories(rp.encode_inventory({0}, {(0, 0)}, width=4)[None])
+  assert decoded == [inv({0}, {(0, 0)})]
+  assert all(isinstance(i, rp.NodeInventory) for i in rp.decode_inventories(rows))
 
 
 def test_more_steps_than_width_keeps_the_newest():
   steps = list(range(0, 200, 2))
   row = rp.encode_inventory(steps, width=8)
-  assert row.tolist() == sorted(steps, reverse=True)[:8]
+  assert row[:8].tolist() == sorted(steps, reverse=True)[:8]
   (decoded,) = rp.decode_inventories(row[None])
-  assert decoded == set(range(184, 200, 2))
+  assert decoded == inv(range(184, 200, 2))
   # Older steps beyond the width are simply not candidates.
   plan = rp.plan_restore([decoded, set(steps)], persistent_steps=[], requested_step=None)
   assert plan.local_candidates == tuple(range(198, 183, -2))
+
+
+def test_more_copies_than_width_keeps_the_newest():
+  copies = [(src, step) for src in range(3) for step in range(10)]
+  (decoded,) = rp.decode_inventories(rp.encode_inventory([], copies, width=4))
+  assert decoded == inv((), {(0, 9), (1, 9), (2, 9), (0, 8)})
+
+
+# --- Topologies (ranks 0..3) ---------------------------------------------------------------------
+
+STEPS = (10, 20)
+DATA2_FSDP2 = [0, 1, 0, 1]  # replicas {0,1}, {2,3}; twins 0<->2, 1<->3
+FSDP4 = [0, 1, 2, 3]  # one replica: nobody has a twin
+
+
+def full_cluster(groups: Sequence[int], holders: dict[int, list[int]],
+                 steps: Collection[int] = STEPS) -> list[rp.NodeInventory]:
+  """Every node owns `steps`; holders[h] = ranks whose data node h holds a copy of."""
+  return [inv(steps, {(src, s) for src in holders.get(h, []) for s in steps})
+          for h in range(len(groups))]
+
+
+def wipe(inventories: list[rp.NodeInventory], *ranks: int) -> list[rp.NodeInventory]:
+  out = list(inventories)
+  for r in ranks:
+    out[r] = inv()
+  return out
+
+
+TWIN_COPIES = {0: [2], 2: [0], 1: [3], 3: [1]}  # peers = twins
+RING = {1: [0], 2: [1], 3: [2], 0: [3]}  # node i+1 holds node i's copy
+
+
+@pytest.mark.parametrize("copies", [{}, TWIN_COPIES], ids=["no-copies", "twin-copies"])
+def test_data2_fsdp2_one_node_wiped_restores_from_twin(copies):
+  invs = wipe(full_cluster(DATA2_FSDP2, copies), 0)
+  plan = rp.plan_restore(invs, [], None, shard_groups=DATA2_FSDP2)
+  assert plan.local_candidates == (20, 10)
+  for assembly in plan.candidates:
+    assert assembly.sources == (twin(2), own(1), own(2), own(3))
+    assert assembly.transfers == ((2, 0, rp.TWIN),)
+    assert assembly.recovered == (0,)
+
+
+def test_data2_fsdp2_whole_replica_lost():
+  invs = wipe(full_cluster(DATA2_FSDP2, TWIN_COPIES), 0, 1)
+  plan = rp.plan_restore(invs, [0], None, shard_groups=DATA2_FSDP2)
+  assert plan.local_candidates == (20, 10)
+  assert plan.persistent_step == 0
+  assert plan.candidates[0].sources == (twin(2), twin(3), own(2), own(3))
+  assert plan.candidates[0].transfers == ((2, 0, rp.TWIN), (3, 1, rp.TWIN))
+  # The other replica lost instead: symmetric.
+  invs = wipe(full_cluster(DATA2_FSDP2, TWIN_COPIES), 2, 3)
+  plan = rp.plan_restore(invs, [0], None, shard_groups=DATA2_FSDP2)
+  assert plan.candidates[0].sources == (own(0), own(1), twin(0), twin(1))
+
+
+def test_data2_fsdp2_both_twins_lost_falls_back_to_persistent():
+  invs = wipe(full_cluster(DATA2_FSDP2, TWIN_COPIES), 0, 2)
+  plan = rp.plan_restore(invs, [0, 10], None, shard_groups=DATA2_FSDP2)
+  assert plan.local_candidates == ()
+  assert plan.persistent_step == 10
+  assert rp.assemble(20, invs, DATA2_FSDP2) is None
+
+
+def test_fsdp4_ring_one_node_wiped_restores_from_peer():
+  invs = wipe(full_cluster(FSDP4, RING), 1)
+  plan = rp.plan_restore(invs, [], None, shard_groups=FSDP4)
+  assert plan.local_candidates == (20, 10)
+  for assembly in plan.candidates:
+    assert assembly.sources == (own(0), peer(2), own(2), own(3))
+    assert assembly.transfers == ((2, 1, rp.PEER),)
+
+
+def test_fsdp4_ring_without_shard_groups_is_the_same():
+  invs = wipe(full_cluster(FSDP4, RING), 1)
+  assert rp.plan_restore(invs, [], None) == rp.plan_restore(invs, [], None, shard_groups=FSDP4)
+
+
+def test_fsdp4_node_and_its_only_peer_wiped():
+  invs = wipe(full_cluster(FSDP4, RING), 1, 2)
+  assert rp.assemble(20, invs, FSDP4) is None
+  assert rp.assemble(10, invs, FSDP4) is None
+  plan = rp.plan_restore(invs, [0], None, shard_groups=FSDP4)
+  assert plan.local_candidates == () and plan.persistent_step == 0
+  plan = rp.plan_restore(invs, [], None, shard_groups=FSDP4)
+  assert plan.empty
+
+
+def test_fsdp4_node_and_its_peer_lost_newest_but_older_step_survives():
+  # Node 2 is wiped; node 1 lost only step 20 (so node 2's copy of it is gone too).
+  invs = full_cluster(FSDP4, RING)
+  invs[2] = inv()
+  invs[1] = inv({10}, invs[1].copies)
+  plan = rp.plan_restore(invs, [0], None, shard_groups=FSDP4)
+  assert plan.local_candidates == (10,)
+  assert plan.candidates[0].sources == (own(0), own(1), peer(3), own(3))
+  assert plan.persistent_step == 0
+
+
+@pytest.mark.parametrize("lost", [(0, 1), (2, 3)], ids=["slice0", "slice1"])
+def test_two_slices_data_parallel_one_slice_lost(lost):
+  # 2 slices x 2 hosts, one data replica per slice (assume-data-parallelism = 2): twins = peers.
+  invs = wipe(full_cluster(DATA2_FSDP2, TWIN_COPIES), *lost)
+  plan = rp.plan_restore(invs, [], None, shard_groups=DATA2_FSDP2)
+  expected = [own(r) for r in range(4)]
+  for r in lost:
+    expected[r] = twin((r + 2) % 4)
+  assert plan.candidates[0].sources == tuple(expected)
+
+
+@pytest.mark.parametrize("lost", [(0, 1), (2, 3)], ids=["slice0", "slice1"])
+def test_two_slices_fsdp_across_slices_one_slice_lost(lost):
+  # 2 slices x 2 hosts, one replica spread over both slices: peers are at the same index in the
+  # other slice and hold copies, nobody has a twin.
+  invs = wipe(full_cluster(FSDP4, TWIN_COPIES), *lost)
+  plan = rp.plan_restore(invs, [], None, shard_groups=FSDP4)
+  expected = [own(r) for r in range(4)]
+  for r in lost:
+    expected[r] = peer((r + 2) % 4)
+  assert plan.local_candidates == (20, 10)
+  assert plan.candidates[0].sources == tuple(expected)
+
+
+def test_two_slices_fsdp_across_slices_node_and_peer_lost():
+  invs = wipe(full_cluster(FSDP4, TWIN_COPIES), 1, 3)
+  plan = rp.plan_restore(invs, [10], None, shard_groups=FSDP4)
+  assert plan.local_candidates == () and plan.persistent_step == 10
+
+
+def test_two_slices_data_parallel_failed_read_from_twin():
+  # Node 0 wiped and the read from node 2 failed for node 0 at step 20: node 2 is its only twin
+  # and its only peer holder, so step 20 is out and step 10 is restored.
+  invs = wipe(full_cluster(DATA2_FSDP2, TWIN_COPIES), 0)
+  plan = rp.plan_restore(invs, [], None, shard_groups=DATA2_FSDP2, excluded={(2, 0, 20)})
+  assert plan.local_candidates == (10,)
+  # Node 0 is not wiped but its own step 20 is corrupt: twin 2 serves it, even though 2 also
+  # holds a copy of node 0 (twin before peer).
+  invs = full_cluster(DATA2_FSDP2, TWIN_COPIES)
+  plan = rp.plan_restore(invs, [], None, shard_groups=DATA2_FSDP2, excluded={(0, 0, 20)})
+  assert plan.candidates[0].sources == (twin(2), own(1), own(2), own(3))
+  assert plan.candidates[1].sources == (own(0), own(1), own(2), own(3))
+
+
+def test_two_slices_no_twin_own_folder_corrupt_uses_peer_copy():
+  # Node 2's own folder at step 20 is corrupt; with no twins it reads the copy node 0 holds.
+  invs = full_cluster(DATA2_FSDP2, TWIN_COPIES)
+  plan = rp.plan_restore(invs, [], None, shard_groups=FSDP4, excluded={(2, 2, 20)})
+  assert plan.candidates[0].sources == (own(0), own(1), peer(0), own(3))
+  # With twins, node 2's twin is node 0 too, and the twin read comes first.
+  plan = rp.plan_restore(invs, [], None, shard_groups=DATA2_FSDP2, excluded={(2, 2, 20)})
+  assert plan.candidates[0].sources == (own(0), own(1), twin(0), own(3))
+
+
+# --- Excluded sources ----------------------------------------------------------------------------
+
+
+def test_corrupt_copy_is_skipped_for_another_holder():
+  # Two peers per node: node 1's data is copied on nodes 2 and 3.
+  holders = {2: [1], 3: [1]}
+  invs = wipe(full_cluster(FSDP4, holders), 1)
+  assert rp.assemble(20, invs, FSDP4).sources[1] == peer(2)
+  plan = rp.plan_restore(invs, [], None, shard_groups=FSDP4, excluded=[(2, 1, 20)])
+  assert plan.candidates[0].step == 20
+  assert plan.candidates[0].sources[1] == peer(3)
+  # The exclusion is for step 20 only.
+  assert plan.candidates[1].step == 10 and plan.candidates[1].sources[1] == peer(2)
+
+
+def test_only_copy_corrupt_drops_the_step():
+  invs = wipe(full_cluster(FSDP4, RING), 1)
+  plan = rp.plan_restore(invs, [], None, shard_groups=FSDP4, excluded={(2, 1, 20)})
+  assert plan.local_candidates == (10,)
+  assert plan.candidates[0].sources == (own(0), peer(2), own(2), own(3))
+  plan = rp.plan_restore(invs, [0], None, shard_groups=FSDP4,
+                         excluded={(2, 1, 20), (2, 1, 10)})
+  assert plan.local_candidates == () and plan.persistent_step == 0
+
+
+def test_corrupt_own_folder_sources_from_peer():
+  invs = full_cluster(FSDP4, RING)
+  plan = rp.plan_restore(invs, [], None, shard_groups=FSDP4, excluded={(3, 3, 20)})
+  assert plan.candidates[0].sources == (own(0), own(1), own(2), peer(0))
+  assert plan.candidates[1].sources == tuple(own(r) for r in range(4))
+
+
+def test_corrupt_own_folder_is_not_served_as_a_twin_either():
+  # Node 0 is wiped; twin 2's own folder is corrupt, so it can neither restore itself from it
+  # nor send it to node 0. Node 2 can still send the copy of node 0 it holds.
+  invs = full_cluster([0, 0, 0], {2: [0]})
+  invs[0] = inv()
+  assert rp.assemble(20, invs, [0, 0, 0], excluded={(2, 2, 20)}).sources == \
+      (twin(1), own(1), twin(1))
+  assert rp.assemble(20, invs, [0, 0, 0], excluded={(2, 2, 20), (1, 0, 20)}).sources == \
+      (peer(2), own(1), twin(1))
+  assert rp.assemble(20, invs, [0, 0, 0], excluded={(1, 1, 20), (2, 2, 20)}) is None
+
+
+def test_exclusion_of_another_destination_does_not_matter():
+  invs = wipe(full_cluster(DATA2_FSDP2, {}), 0)
+  plan = rp.plan_restore(invs, [], None, shard_groups=DATA2_FSDP2, excluded={(2, 1, 20)})
+  assert plan.candidates[0].sources == (twin(2), own(1), own(2), own(3))
+
+
+# --- Load balancing and determinism --------------------------------------------------------------
+
+
+def test_senders_are_spread_over_twins():
+  groups = [0] * 6
+  invs = [inv(), inv(), inv(), inv(), inv(STEPS), inv(STEPS)]
+  assembly = rp.assemble(20, invs, groups)
+  assert assembly.sources == (twin(4), twin(5), twin(4), twin(5), own(4), own(5))
+
+
+def test_tie_goes_to_the_lowest_rank():
+  invs = [inv(), inv(STEPS), inv(STEPS), inv(STEPS)]
+  assert rp.assemble(20, invs, [0, 0, 0, 0]).sources == (twin(1), own(1), own(2), own(3))
+  invs = [inv(STEPS), inv(STEPS), inv(STEPS), inv()]
+  assert rp.assemble(20, invs, [0, 0, 0, 0]).sources == (own(0), own(1), own(2), twin(0))
+
+
+def test_twin_preferred_over_a_less_loaded_peer():
+  invs = [inv(), inv(STEPS), inv(STEPS, {(0, 20)})]
+  assert rp.assemble(20, invs, [0, 0, 1]).sources == (twin(1), own(1), own(2))
+
+
+def test_load_counts_peer_and_twin_transfers_together():
+  # Node 0 gets a peer copy from node 1; node 2 then prefers twin 3 over the busier twin 1.
+  invs = [inv(), inv(STEPS, {(0, 20)}), inv(), inv(STEPS)]
+  assert rp.assemble(20, invs, [0, 1, 1, 1]).sources == (peer(1), own(1), twin(3), own(3))
+
+
+def test_peer_copies_spread_over_holders():
+  invs = [inv(), inv(), inv(STEPS, {(0, 20), (1, 20)}), inv(STEPS, {(0, 20), (1, 20)})]
+  assert rp.assemble(20, invs, FSDP4).sources == (peer(2), peer(3), own(2), own(3))
+
+
+def test_plan_is_deterministic():
+  invs = wipe(full_cluster([0, 0, 0, 0], RING), 0, 1)
+  shuffled = [inv(sorted(i.own_steps, reverse=True), sorted(i.copies, reverse=True))
+              for i in invs]
+  kwargs = dict(shard_groups=[0, 0, 0, 0], excluded=[(2, 0, 20), (3, 1, 10)])
+  first = rp.plan_restore(invs, [5, 0], None, **kwargs)
+  assert first == rp.plan_restore(invs, [0, 5], None, **kwargs)
+  assert first == rp.plan_restore(shuffled, (0, 5), None, shard_groups=(0, 0, 0, 0),
+                                  excluded={(3, 1, 10), (2, 0, 20)})
+  assert first.candidates[0].sources == (twin(3), twin(2), own(2), own(3))
+  assert first.candidates[1].sources == (twin(2), twin(2), own(2), own(3))
+
+
+def test_shard_groups_must_match_process_count():
+  with pytest.raises(ValueError, match="3 shard groups for 2 inventories"):
+    rp.plan_restore([{1}, {1}], [], None, shard_groups=[0, 0, 0])
+  with pytest.raises(ValueError):
+    rp.assemble(1, [inv({1})], [0, 1])
+
+
+# --- Requested step and persistent steps ---------------------------------------------------------
+
+
+def test_requested_step_with_twins_and_peers():
+  invs = wipe(full_cluster(FSDP4, RING), 1)
+  plan = rp.plan_restore(invs, [0, 10, 20], 10, shard_groups=FSDP4)
+  assert plan.local_candidates == (10,)
+  assert plan.candidates[0].sources == (own(0), peer(2), own(2), own(3))
+  assert plan.persistent_step == 10
+  plan = rp.plan_restore(invs, [0], 15, shard_groups=FSDP4)
+  assert plan.empty
+
+
+def test_persistent_newer_than_ram_steps():
+  invs = wipe(full_cluster(DATA2_FSDP2, TWIN_COPIES), 0)
+  plan = rp.plan_restore(invs, [15], None, shard_groups=DATA2_FSDP2)
+  assert plan.local_candidates == (20,) and plan.persistent_step == 15
+  plan = rp.plan_restore(invs, [20], None, shard_groups=DATA2_FSDP2)
+  assert plan.local_candidates == (20,) and plan.persistent_step == 20
+  plan = rp.plan_restore(invs, [30, 10], None, shard_groups=DATA2_FSDP2)
+  assert plan.local_candidates == () and plan.persistent_step == 30
+
+
+def test_copy_only_steps_are_candidates():
+  # Nobody owns step 7 any more, but every node's copy of it survives on its ring peer.
+  invs = [inv((), {(3, 7)}), inv((), {(0, 7)}), inv((), {(1, 7)}), inv((), {(2, 7)})]
+  plan = rp.plan_restore(invs, [], None, shard_groups=FSDP4)
+  assert plan.local_candidates == (7,)
+  assert plan.candidates[0].sources == (peer(1), peer(2), peer(3), peer(0))
+
+
+def test_copy_of_its_own_data_on_the_same_node_is_not_a_source():
+  invs = [inv((), {(0, 3)}), inv({3})]
+  assert rp.plan_restore(invs, [], None).local_candidates == ()
+
+
+def test_copy_of_rank_outside_the_cluster_is_ignored():
+  invs = [inv({3}, {(9, 5)}), inv({3, 5})]
+  assert rp.plan_restore(invs, [], None).local_candidates == (3,)
+
+
+# --- Properties on random cluster states ---------------------------------------------------------
+
+MAX_STEP = 7
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  inventories: tuple[rp.NodeInventory, ...]
+  groups: tuple[int, ...]
+  excluded: frozenset[tuple[int, int, int]]
+  persistent: tuple[int, ...]
+  requested: int | None
+
+
+step_st = st.integers(0, MAX_STEP)
+
+
+@st.composite
+def random_inventories(draw, n: int) -> list[rp.NodeInventory]:
+  """Arbitrary own steps and copies (copies may name the holder itself)."""
+  return [inv(draw(st.frozensets(step_st, max_size=6)),
+              draw(st.frozensets(st.tuples(st.integers(0, n - 1), step_st), max_size=8)))
+          for _ in range(n)]
+
+
+@st.composite
+def realistic_inventories(draw, n: int, groups: Sequence[int]) -> list[rp.NodeInventory]:
+  """Steps saved cluster-wide, copies on peers, then some nodes wiped or missing steps."""
+  saved = draw(st.frozensets(step_st, min_size=1, max_size=4))
+  peers_of = [draw(st.lists(st.integers(0, n - 1).filter(lambda p, r=r: p != r or n == 1),
+                            max_size=2, unique=True)) for r in range(n)]
+  has_twin = [any(groups[h] == groups[r] for h in range(n) if h != r) for r in range(n)]
+  invs = []
+  for holder in range(n):
+    held = {(src, s) for src in range(n) if holder in peers_of[src] for s in saved}
+    own_steps = set(saved)
+    if draw(st.booleans()):  # some damage: lost steps, lost copies, or a wipe
+      own_steps -= draw(st.frozensets(st.sampled_from(sorted(saved))))
+      if held:
+        held -= draw(st.frozensets(st.sampled_from(sorted(held))))
+      if draw(st.integers(0, 3)) == 0:
+        own_steps, held = set(), set()
+    if has_twin[holder] and draw(st.booleans()):
+      held = set()  # twins are free peers: no copies needed
+    invs.append(inv(own_steps, held))
+  return invs
+
+
+@st.composite
+def clusters(draw) -> Cluster:
+  n = draw(st.integers(1, 8))
+  if draw(st.booleans()):  # pure FSDP: no twins, peers matter
+    groups = tuple(range(n))
+  else:
+    n_groups = draw(st.integers(1, n))
+    groups = tuple(draw(st.lists(st.integers(0, n_groups - 1), min_size=n, max_size=n)))
+  if draw(st.booleans()):
+    invs = draw(realistic_inventories(n, groups))
+  else:
+    invs = draw(random_inventories(n))
+  # Exclusions: mostly sources that exist, plus a few arbitrary ones.
+  real = sorted({(r, r, s) for r, i in enumerate(invs) for s in i.own_steps}
+                | {(h, d, s) for h, i in enumerate(invs) for d, s in i.copies}
+                | {(h, d, s) for h, i in enumerate(invs) for d in range(n)
+                   if groups[d] == groups[h] for s in i.own_steps})
+  excluded = set(draw(st.frozensets(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1),
+                                              step_st), max_size=2)))
+  if real:
+    excluded |= draw(st.frozensets(st.sampled_from(real), max_size=4))
+  persistent = tuple(draw(st.lists(step_st, max_size=3)))
+  requested = draw(st.none() | step_st)
+  return Cluster(tuple(invs), groups, frozenset(excluded), persistent, requested)
+
+
+def valid_holders(c: Cluster, step: int, dest: int) -> dict[str, list[int]]:
+  """Brute force: every holder that can serve `dest` at `step`, by kind."""
+  invs, groups, bad = c.inventories, c.groups, c.excluded
+  out: dict[str, list[int]] = {rp.OWN: [], rp.TWIN: [], rp.PEER: []}
+  if step in invs[dest].own_steps and (dest, dest, step) not in bad:
+    out[rp.OWN].append(dest)
+  for h, i in enumerate(invs):
+    if h == dest or (h, dest, step) in bad:
+      continue
+    if groups[h] == groups[dest] and step in i.own_steps and (h, h, step) not in bad:
+      out[rp.TWIN].append(h)
+    if (dest, step) in i.copies:
+      out[rp.PEER].append(h)
+  return out
+
+
+def plan_of(c: Cluster) -> rp.RestorePlan:
+  return rp.plan_restore(list(c.inventories), list(c.persistent), c.requested,
+                         shard_groups=list(c.groups), excluded=set(c.excluded))
+
+
+def check_source(c: Cluster, step: int, dest: int, src: rp.Source) -> None:
+  inv_dest, inv_holder = c.inventories[dest], c.inventories[src.holder]
+  assert 0 <= src.holder < len(c.inventories)
+  if src.kind == rp.OWN:
+    assert src.holder == dest
+    assert step in inv_dest.own_steps and (dest, dest, step) not in c.excluded
+  elif src.kind == rp.TWIN:
+    assert src.holder != dest and c.groups[src.holder] == c.groups[dest]
+    assert step in inv_holder.own_steps
+    assert (src.holder, src.holder, step) not in c.excluded
+    assert (src.holder, dest, step) not in c.excluded
+  else:
+    assert src.kind == rp.PEER
+    assert src.holder != dest
+    assert (dest, step) in inv_holder.copies
+    assert (src.holder, dest, step) not in c.excluded
+
+
+@settings(max_examples=300, deadline=None)
+@given(clusters())
+def test_every_source_is_valid_and_best(c: Cluster):
+  plan = plan_of(c)
+  for assembly in plan.candidates:
+    assert len(assembly.sources) == len(c.inventories)
+    load = [0] * len(c.inventories)
+    for dest, src in enumerate(assembly.sources):
+      check_source(c, assembly.step, dest, src)
+      holders = valid_holders(c, assembly.step, dest)
+      # Own before twin before peer.
+      best_kind = next(k for k in (rp.OWN, rp.TWIN, rp.PEER) if holders[k])
+      assert src.kind == best_kind
+      # Among holders of that kind: fewest transfers so far, then lowest rank.
+      if src.kind != rp.OWN:
+        assert src.holder == min(holders[src.kind], key=lambda h: (load[h], h))
+        load[src.holder] += 1
+    assert assembly.transfers == tuple((s.holder, d, s.kind)
+                                       for d, s in enumerate(assembly.sources) if s.kind != rp.OWN)
+    assert assembly.recovered == tuple(d for _, d, _ in assembly.transfers)
+
+
+@settings(max_examples=300, deadline=None)
+@given(clusters())
+def test_candidates_are_exactly_the_assemblable_steps(c: Cluster):
+  plan = plan_of(c)
+  steps = plan.local_candidates
+  assert list(steps) == sorted(set(steps), reverse=True)  # strictly newest first
+  persistent = [s for s in c.persistent if c.requested is None or s == c.requested]
+  expected_persistent = max(persistent) if persistent else None
+  assert plan.persistent_step == expected_persistent
+  expected = []
+  for step in range(MAX_STEP, -1, -1):
+    if c.requested is not None and step != c.requested:
+      continue
+    if expected_persistent is not None and step < expected_persistent:
+      continue
+    n = len(c.inventories)
+    if all(any(valid_holders(c, step, d).values()) for d in range(n)):
+      expected.append(step)
+  assert steps == tuple(expected)
+  for assembly in plan.candidates:
+    assert expected_persistent is None or assembly.step >= expected_persistent
+    assert rp.assemble(assembly.step, c.inventories, c.groups, c.excluded) == assembly
+  assert plan.empty == (not expected and expected_persistent is None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(clusters())
+def test_plan_is_deterministic_and_order_independent(c: Cluster):
+  plan = plan_of(c)
+  assert plan == plan_of(c)
+  rebuilt = [inv(sorted(i.own_steps, reverse=True), sorted(i.copies, reverse=True))
+             for i in c.inventories]
+  again = rp.plan_restore(rebuilt, sorted(c.persistent, reverse=True), c.requested,
+                          shard_groups=tuple(c.groups), excluded=sorted(c.excluded))
+  assert again == plan
+
+
+@settings(max_examples=200, deadline=None)
+@given(clusters())
+def test_plain_sets_mean_own_steps_only(c: Cluster):
+  own_only = [inv(i.own_steps) for i in c.inventories]
+  as_sets = [set(i.own_steps) for i in c.inventories]
+  assert rp.plan_restore(as_sets, c.persistent, c.requested, shard_groups=c.groups,
+                         excluded=c.excluded) == \
+      rp.plan_restore(own_only, c.persistent, c.requested, shard_groups=c.groups,
+                      excluded=c.excluded)
+
+
+big_step_st = st.integers(0, 2**62)
+copy_st = st.tuples(st.integers(0, 4096), big_step_st)
+
+
+@settings(max_examples=250, deadline=None)
+@given(st.integers(1, 8), st.data())
+def test_encode_decode_round_trip_within_width(width: int, data):
+  invs = data.draw(st.lists(
+      st.builds(inv, st.frozensets(big_step_st, max_size=width),
+                st.frozensets(copy_st, max_size=width)), min_size=1, max_size=5))
+  rows = np.stack([rp.encode_inventory(i.own_steps, i.copies, width) for i in invs])
+  assert rows.shape == (len(invs), 3 * width) and rows.dtype == np.int64
+  assert rp.decode_inventories(rows) == invs
+
+
+@settings(max_examples=250, deadline=None)
+@given(st.integers(1, 6), st.frozensets(st.integers(0, 40), max_size=20),
+       st.frozensets(st.tuples(st.integers(0, 6), st.integers(0, 40)), max_size=20))
+def test_encode_truncates_to_the_newest(width: int, own_steps, copies):
+  (decoded,) = rp.decode_inventories(rp.encode_inventory(own_steps, copies, width))
+  assert decoded.own_steps == frozenset(sorted(own_steps, reverse=True)[:width])
+  assert decoded.copies <= copies and len(decoded.copies) == min(width, len(copies))
+  dropped = copies - decoded.copies
+  if dropped and decoded.copies:
+    assert min(s for _, s in decoded.copies) >= max(s for _, s in dropped)
+  assert decoded.copies == frozenset(sorted(copies, key=lambda p: (-p[1], p[0]))[:width])

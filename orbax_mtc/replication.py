@@ -1,0 +1,240 @@
+"""Copies of each node's committed RAM step on its peers, moved with JAX collectives.
+
+`Replicator` is a small state machine driven from the main thread at points every process
+reaches in the same order (`save()`, `replicate_pending()`, `wait_until_finished()`):
+
+1. `schedule(step, edges)` after a local save (or a recovery) was issued;
+2. `progress()`: one tiny all-gather of "is the step committed here, and how many bytes do I
+   send on each edge"; once every node has committed, the streams are fixed;
+3. then each `progress()` retires the chunks issued last time (they ran while training went on)
+   and issues the next few, so a save blocks for no more than the device-to-host copy;
+4. received chunks are written to `<local>/peers/<source>/.tmp-*` by the writer thread, which
+   commits the copy by renaming it once the last chunk is in.
+
+The restore side (`outgoing_step`, `shard_sets`) serves a whole step to a node that lost its
+folder, from a twin's own folder or from a copy.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from orbax_mtc import local_tier, peer_store, transport
+from orbax_mtc.topology import Topology
+
+ShardKey = tuple[str, str, local_tier.Index]  # (item, leaf path, global index)
+
+# Status a process reports for the step being replicated.
+WRITING, COMMITTED, FAILED = 0, 1, -1
+
+
+def shard_sets(trees: dict[str, Any], process_count: int) -> list[frozenset[ShardKey]]:
+  """Per process, the (item, path, index) of every array shard it holds under these shardings.
+
+  Leaves are jax.Arrays or ShapeDtypeStructs with a sharding; others (numpy, scalars) are held
+  whole by every process and are not part of the sets.
+  """
+  sets: list[set[ShardKey]] = [set() for _ in range(process_count)]
+  for item_name, tree in trees.items():
+    if tree is None:
+      continue
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      sharding = getattr(leaf, "sharding", None)
+      shape = getattr(leaf, "shape", None)
+      if sharding is None or shape is None or not hasattr(sharding, "devices_indices_map"):
+        continue
+      path = jax.tree_util.keystr(key_path)
+      for device, index in sharding.devices_indices_map(tuple(shape)).items():
+        sets[device.process_index].add(
+            (item_name, path, local_tier.normalize_index(index, tuple(shape))))
+  return [frozenset(s) for s in sets]
+
+
+def shard_groups(sets: Sequence[frozenset[ShardKey]]) -> list[int]:
+  """Equal ids for processes that hold exactly the same shards (data-parallel twins)."""
+  first: dict[frozenset[ShardKey], int] = {}
+  return [first.setdefault(s, i) for i, s in enumerate(sets)]
+
+
+def skip_ordinals(manifest: local_tier.StepManifest, receiver: frozenset[ShardKey]) -> set[int]:
+  """Ordinals of array shards the receiver holds itself (identical bytes: not sent)."""
+  return {i for i, (name, leaf, shard) in enumerate(local_tier.manifest_entries(manifest))
+          if leaf.kind == "array" and (name, leaf.path, shard.index) in receiver}
+
+
+def outgoing_step(kind: str, destination: int, step: int, local: local_tier.LocalTier,
+                  store: peer_store.PeerStore, own: tuple[local_tier.StepManifest, np.ndarray]
+                  | None = None) -> peer_store.OutgoingStream:
+  """A whole step for `destination`: from this node's own folder (a twin) or a copy it holds.
+
+  Every checksum is verified here, on the reading side, before anything is sent.
+  """
+  if kind == "twin":
+    manifest, data = own if own is not None else _read_own(local, step)
+    manifest = dataclasses.replace(manifest, process_index=destination)
+  else:
+    manifest, data = store.read(destination, step, local.directory / str(step))
+  return peer_store.step_stream(manifest, data)
+
+
+def _read_own(local: local_tier.LocalTier, step: int
+              ) -> tuple[local_tier.StepManifest, np.ndarray]:
+  manifest = local.manifest(step)
+  data = local_tier.read_data(local.directory / str(step), manifest)
+  local_tier.verify_buffer(data, manifest, str(local.directory / str(step)))
+  return manifest, data
+
+
+@dataclasses.dataclass
+class _Job:
+  step: int
+  edges: tuple[tuple[int, int], ...]
+  receivers: dict[int, frozenset[ShardKey]]
+  transfer: transport.Transfer | None = None
+  incoming: dict[int, peer_store.IncomingCopy] = dataclasses.field(default_factory=dict)
+  sent_bytes: int = 0
+
+
+class Replicator:
+  """Sends this node's committed steps to its peers and receives theirs (see module doc)."""
+
+  def __init__(self, topo: Topology, me: int, local: local_tier.LocalTier,
+               store: peer_store.PeerStore, writer: concurrent.futures.Executor,
+               allgather: Callable[[np.ndarray], np.ndarray], *, chunk_bytes: int,
+               window: int = 2):
+    self.topology = topo
+    self.me = me
+    self._local = local
+    self._store = store
+    self._writer = writer
+    self._allgather = allgather
+    self._chunk_bytes = chunk_bytes
+    self._window = window
+    self._job: _Job | None = None
+    self.last_replicated_step: int | None = None
+    self.last_bytes_sent = 0
+
+  @property
+  def pending_step(self) -> int | None:
+    return self._job.step if self._job is not None else None
+
+  def schedule(self, step: int, shard_sets_by_process: Sequence[frozenset[ShardKey]],
+               edges: Sequence[tuple[int, int]] | None = None) -> None:
+    """Queues `step` for replication on `edges` (default: every copy edge of the topology)."""
+    chosen = tuple(sorted(self.topology.edges if edges is None else edges))
+    if not chosen:
+      return
+    if self._job is not None:
+      raise RuntimeError("replication of the previous step is still pending; finish it first")
+    receivers = {dst: shard_sets_by_process[dst] for src, dst in chosen if src == self.me}
+    self._job = _Job(step, chosen, receivers)
+
+  def progress(self, status: int, *, block: bool) -> None:
+    """Moves the pending replication forward; every process calls it at the same point.
+
+    `status` says whether this node's step is WRITING, COMMITTED or FAILED. With `block`, the
+    caller has waited for its local write, and this returns with the copies handed to the
+    writer thread.
+    """
+    job = self._job
+    if job is None:
+      return
+    if job.transfer is None and not self._start(job, status):
+      return
+    assert job.transfer is not None
+    job.transfer.retire_finished()
+    if block:
+      job.transfer.run()
+    else:
+      job.transfer.advance(self._window)
+    if job.transfer.done:
+      self._finish(job)
+
+  def finish(self, status: int) -> None:
+    """Completes the pending replication (blocking); the caller waited for its local write."""
+    self.progress(status, block=True)
+    if self._job is not None:  # a node reported WRITING although it had waited: a bug
+      raise RuntimeError("replication could not complete: a node had not committed its step")
+
+  def abandon(self) -> None:
+    """Drops a pending replication that has not started moving bytes (e.g. before a restore)."""
+    if self._job is not None and self._job.transfer is None:
+      self._job = None
+
+  def _start(self, job: _Job, status: int) -> bool:
+    outgoing: dict[int, peer_store.OutgoingStream] = {}
+    sizes = np.zeros((len(job.edges),), dtype=np.int64)
+    if status == COMMITTED:
+      try:
+        step_dir = self._local.directory / str(job.step)
+        manifest = self._local.manifest(job.step)
+        for j, (src, dst) in enumerate(job.edges):
+          if src == self.me:
+            skip = skip_ordinals(manifest, job.receivers[dst])
+            outgoing[dst] = peer_store.copy_stream(step_dir, manifest, self.me, skip)
+            sizes[j] = outgoing[dst].nbytes
+      except local_tier.LocalTierError as e:
+        logging.warning("orbax-mtc: cannot send step %d to peers: %s", job.step, e)
+        status = FAILED
+    row = np.concatenate([np.asarray([status], dtype=np.int64), sizes])
+    gathered = self._allgather(row)
+    statuses = gathered[:, 0]
+    if (statuses == FAILED).any():
+      logging.warning("orbax-mtc: step %d is not replicated: process(es) %s did not commit it",
+                      job.step, np.flatnonzero(statuses == FAILED).tolist())
+      self._job = None
+      return False
+    if (statuses == WRITING).any():
+      return False
+    all_sizes = gathered[:, 1:].max(axis=0)
+    streams = [transport.Stream(src, dst, int(n))
+               for (src, dst), n in zip(job.edges, all_sizes, strict=True)]
+
+    def sink_for(stream: transport.Stream) -> transport.Sink:
+      incoming = self._store.begin(stream.source, job.step, stream.nbytes)
+      job.incoming[stream.source] = incoming
+
+      def sink(offset: int, data: np.ndarray) -> None:
+        self._writer.submit(incoming.write, offset, data)
+      return sink
+
+    job.transfer = transport.Transfer(
+        streams, me=self.me, reader_for=lambda s: outgoing[s.destination].read,
+        sink_for=sink_for, chunk_limit=self._chunk_bytes, window=self._window)
+    job.sent_bytes = sum(s.nbytes for s in outgoing.values())
+    return True
+
+  def _finish(self, job: _Job) -> None:
+    for incoming in job.incoming.values():
+      self._writer.submit(incoming.commit, self._local.keep_floor)
+    self.last_replicated_step = job.step
+    self.last_bytes_sent = job.sent_bytes
+    self._job = None
+
+
+def receive_buffers() -> tuple[dict[int, np.ndarray], Callable[[transport.Stream],
+                                                               transport.Sink]]:
+  """Sinks that collect whole streams into aligned buffers (restore side)."""
+  buffers: dict[int, np.ndarray] = {}
+
+  def sink_for(stream: transport.Stream) -> transport.Sink:
+    buffer = local_tier.aligned_empty(stream.nbytes)
+    buffers[stream.source] = buffer
+
+    def sink(offset: int, data: np.ndarray) -> None:
+      buffer[offset:offset + data.nbytes] = data
+    return sink
+
+  return buffers, sink_for
+
+
+def own_dir(local: local_tier.LocalTier, step: int) -> Path:
+  return local.directory / str(step)

@@ -1,0 +1,157 @@
+"""Moving bytes between processes with a jitted `ppermute` over a one-device-per-process mesh.
+
+A transfer is a list of (source, destination, nbytes) streams known identically on every process.
+It is cut into rounds in which every process sends at most one stream and receives at most one
+(`topology.transfer_rounds`), and every round into fixed-size chunks. Each chunk is one
+collective: a uint8 array sharded over the process axis, permuted point to point (gloo on CPU,
+NCCL on GPU, ICI/DCN on TPU); a process that neither sends nor receives in a round still takes
+part with an idle buffer. No all-gather of everything, no sockets of our own.
+
+Collectives are issued only from the main thread and in the same order everywhere (rule 2).
+JAX dispatches them asynchronously, so `Transfer.advance` can issue a few chunks and return while
+they run; at most `window` chunks are in flight, which bounds the extra memory per process to
+about 2 x window x chunk bytes (each chunk has an input and an output buffer).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from orbax_mtc import topology
+
+_AXIS = "mtc_nodes"
+_MIN_CHUNK = 4096
+
+# Reads `nbytes` of an outgoing stream starting at `offset` into `out` (a uint8 view).
+Reader = Callable[[int, np.ndarray], None]
+# Receives one chunk of an incoming stream: (offset, bytes as a uint8 numpy array).
+Sink = Callable[[int, np.ndarray], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+  source: int
+  destination: int
+  nbytes: int
+
+
+@functools.cache
+def _node_mesh() -> jax.sharding.Mesh:
+  """One device per process (its lowest id), ordered by process index."""
+  first: dict[int, jax.Device] = {}
+  for device in sorted(jax.devices(), key=lambda d: d.id):
+    first.setdefault(device.process_index, device)
+  return jax.sharding.Mesh(np.array([first[p] for p in sorted(first)]), (_AXIS,))
+
+
+@functools.lru_cache(maxsize=64)
+def _permute_fn(pairs: tuple[tuple[int, int], ...]):
+  mesh = _node_mesh()
+  spec = PartitionSpec(_AXIS)
+
+  def body(x):
+    return jax.lax.ppermute(x, _AXIS, perm=pairs)
+
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+
+
+def _chunk_bytes_for(largest: int, limit: int) -> int:
+  """A power of two >= the largest stream, capped at `limit`: few distinct compiled shapes."""
+  size = _MIN_CHUNK
+  while size < largest and size < limit:
+    size *= 2
+  return min(size, max(limit, _MIN_CHUNK))
+
+
+@dataclasses.dataclass
+class _Chunk:
+  pairs: tuple[tuple[int, int], ...]
+  length: int
+  send: Stream | None  # what this process sends in this chunk's round
+  receive: Stream | None
+  offset: int  # offset of this chunk inside the streams of its round
+
+
+class Transfer:
+  """One planned exchange of streams; identical plan on every process, local readers/sinks."""
+
+  def __init__(self, streams: Sequence[Stream], *, me: int, reader_for: Callable[[Stream], Reader],
+               sink_for: Callable[[Stream], Sink], chunk_limit: int, window: int = 2):
+    streams = [s for s in streams if s.nbytes > 0]
+    by_edge = {(s.source, s.destination): s for s in streams}
+    if len(by_edge) != len(streams):
+      raise ValueError("two streams with the same (source, destination) in one transfer")
+    self._me = me
+    self._window = max(1, window)
+    self._readers: dict[Stream, Reader] = {}
+    self._sinks: dict[Stream, Sink] = {}
+    self._chunks: collections.deque[_Chunk] = collections.deque()
+    for round_edges in topology.transfer_rounds(list(by_edge)):
+      round_streams = [by_edge[e] for e in round_edges]
+      largest = max(s.nbytes for s in round_streams)
+      length = _chunk_bytes_for(largest, chunk_limit)
+      send = next((s for s in round_streams if s.source == me), None)
+      receive = next((s for s in round_streams if s.destination == me), None)
+      if send is not None:
+        self._readers[send] = reader_for(send)
+      if receive is not None:
+        self._sinks[receive] = sink_for(receive)
+      for offset in range(0, largest, length):
+        self._chunks.append(_Chunk(tuple(round_edges), length, send, receive, offset))
+    self._in_flight: collections.deque[tuple[_Chunk, jax.Array]] = collections.deque()
+    self.total_chunks = len(self._chunks)
+    self.bytes_sent = 0
+    self.bytes_received = 0
+
+  @property
+  def done(self) -> bool:
+    return not self._chunks and not self._in_flight
+
+  def _issue(self, chunk: _Chunk) -> None:
+    mesh = _node_mesh()
+    local = np.zeros((chunk.length,), dtype=np.uint8)
+    if chunk.send is not None and chunk.offset < chunk.send.nbytes:
+      n = min(chunk.length, chunk.send.nbytes - chunk.offset)
+      self._readers[chunk.send](chunk.offset, local[:n])
+      self.bytes_sent += n
+    device = mesh.devices[self._me]
+    sharding = NamedSharding(mesh, PartitionSpec(_AXIS))
+    global_in = jax.make_array_from_single_device_arrays(
+        (chunk.length * mesh.size,), sharding, [jax.device_put(local, device)])
+    self._in_flight.append((chunk, _permute_fn(chunk.pairs)(global_in)))
+
+  def _retire(self) -> None:
+    chunk, out = self._in_flight.popleft()
+    data = np.asarray(out.addressable_shards[0].data)  # waits for this chunk only
+    if chunk.receive is not None and chunk.offset < chunk.receive.nbytes:
+      n = min(chunk.length, chunk.receive.nbytes - chunk.offset)
+      self._sinks[chunk.receive](chunk.offset, data[:n])
+      self.bytes_received += n
+
+  def advance(self, max_chunks: int | None = None) -> None:
+    """Issues up to `max_chunks` more chunks (all when None), keeping `window` in flight.
+
+    Every process must call this with the same arguments at the same point of its program.
+    """
+    issued = 0
+    while self._chunks and (max_chunks is None or issued < max_chunks):
+      while len(self._in_flight) >= self._window:
+        self._retire()
+      self._issue(self._chunks.popleft())
+      issued += 1
+
+  def retire_finished(self) -> None:
+    """Hands every chunk already issued to its sink (waits for them; issues nothing)."""
+    while self._in_flight:
+      self._retire()
+
+  def run(self) -> None:
+    self.advance(None)
+    self.retire_finished()
