@@ -440,11 +440,20 @@ class LocalTier:
       finally:
         os.close(fd)
       crc_values = iter(crcs.result())
+
+      def checked(item: str, leaf: LeafRecord, shard: ShardRecord) -> ShardRecord:
+        value = next(crc_values)
+        # A step written back after a recovery carries its checksums: they must still hold.
+        if shard.crc32c and shard.crc32c != value:
+          raise CorruptStepError(f"step {staged.step}: leaf {item}{leaf.path} changed while "
+                                 "being written (checksum mismatch); not committed")
+        return dataclasses.replace(shard, crc32c=value)
+
       items = {}
       for name, it in staged.items.items():
         leaves = tuple(dataclasses.replace(
-            leaf, shards=tuple(dataclasses.replace(s, crc32c=next(crc_values))
-                               for s in leaf.shards)) for leaf in it.leaves)
+            leaf, shards=tuple(checked(name, leaf, s) for s in leaf.shards))
+            for leaf in it.leaves)
         items[name] = dataclasses.replace(it, leaves=leaves)
       manifest = StepManifest(step=staged.step, process_index=process_index,
                               process_count=process_count, items=items, data_size=staged.size,

@@ -145,13 +145,19 @@ def _get(tree: Any, path: str) -> Any:
 # ----------------------------------------------------------------------------- JAX side
 
 
+# Set from the command line: data-axis size (None: one row per process) and how leaves use
+# the "data" axis ("mixed" as in _LEAVES; "dp": replicated across it, pure data parallelism).
+CONFIG: dict[str, Any] = {"replicas": None, "layout": "mixed"}
+
+
 def make_mesh():
-  """(data, model) = (process_count, local devices): "data" spans processes."""
+  """(data, model): data = --replicas (default: process_count), model = the rest."""
   import jax
   import numpy as np
 
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-  grid = np.array(devices, dtype=object).reshape(jax.process_count(), jax.local_device_count())
+  replicas = CONFIG["replicas"] or jax.process_count()
+  grid = np.array(devices, dtype=object).reshape(replicas, -1)
   return jax.sharding.Mesh(grid, ("data", "model"))
 
 
@@ -166,6 +172,8 @@ def abstract_state(mesh, rows: int) -> dict:
   data, model = _dims(mesh)
   out: dict[str, Any] = {}
   for leaf, (dtype, axes, shape_fn) in _LEAVES.items():
+    if CONFIG["layout"] == "dp":
+      axes = tuple(None if a == "data" else a for a in axes)
     sharding = NamedSharding(mesh, PartitionSpec(*axes))
     _set(out, leaf, jax.ShapeDtypeStruct(shape_fn(data, model, rows), dtype, sharding=sharding))
   return out
@@ -239,7 +247,8 @@ def _manager(args, mesh):
                                        max_to_keep=args.local_keep),
       persistent=mtc.PersistentCheckpointOptions(save_interval_steps=args.persistent_interval,
                                                  max_to_keep=args.persistent_keep),
-      replication=mtc.ReplicationOptions(replica_axis="data"))
+      replication=mtc.ReplicationOptions(replica_axis="data",
+                                         peers_per_node=args.peers_per_node))
   return mtc.CheckpointManager(local_dir, args.persistent_dir, mesh,
                                abstract_state(mesh, args.rows), options=options)
 
@@ -326,7 +335,11 @@ def _save_loop(args, mgr, mesh, start: int, stop: int) -> None:
         mgr._local.write = lambda *a, **k: threading.Event().wait()
       mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
       if me != args.die_process:
-        mgr.wait_until_finished()
+        # Only the local write: wait_until_finished() would also replicate, a collective the
+        # blocked process never joins.
+        mgr._wait_local()
+        with mgr._persistent_view():
+          ocp.CheckpointManager.wait_until_finished(mgr)
       multihost_utils.sync_global_devices(f"mp-worker-die-{step}")
       _committed(args, mgr)
       if me == args.die_process:
@@ -447,7 +460,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--explicit-args", action="store_true",
                    help="restore with Composite(state=PyTreeRestore(item=abstract))")
     p.add_argument("--expect-step", default=None, help="a step number, or 'None'")
-    p.add_argument("--expect-tier", default=None, choices=("local", "persistent", "none"))
+    p.add_argument("--expect-tier", default=None,
+                   choices=("local", "peer", "persistent", "none"))
+    p.add_argument("--replicas", type=int, default=None,
+                   help="size of the mesh's data axis (default: one row per process)")
+    p.add_argument("--layout", choices=("mixed", "dp"), default="mixed",
+                   help="dp: every leaf replicated across the data axis")
+    p.add_argument("--peers-per-node", type=int, default=None)
     return p
 
   p = common(sub.add_parser("save"))
@@ -478,6 +497,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
+  CONFIG.update(replicas=getattr(args, "replicas", None),
+                layout=getattr(args, "layout", "mixed"))
   return args.fn(args)
 
 

@@ -194,22 +194,35 @@ def test_all_local_folders_wiped_restores_newest_persistent_step(saved_run, shm_
   assert_results(out, 2, step=8, tier="persistent")
 
 
-def test_replaced_node_makes_every_process_agree_on_persistent_step(saved_run, shm_root,
-                                                                    tmp_path):
-  # Node 1 was replaced: its RAM disk is empty. Node 0 still holds steps 8 and 10, but a step
-  # only one process holds cannot be assembled, so both must take persistent step 8.
+def test_replaced_node_recovers_from_its_peer_at_newest_step(saved_run, shm_root, tmp_path):
+  # Node 1 was replaced: its RAM disk is empty. Node 0 holds its own steps and a copy of node
+  # 1's, so both resume at step 10 from RAM and node 1 gets its folder back.
   persistent = clone(saved_run, shm_root, tmp_path, nodes=(0,))
   result, out = run_job(["restore", "--persistent-dir", str(persistent)], 2, shm_root)
+  assert_ok(result, out)
+  results = mp_worker.parse_results(out.lines)
+  assert [(results[n]["step"], results[n]["tier"], results[n]["ok"]) for n in (0, 1)] == [
+      ("10", "local", "1"), ("10", "peer", "1")], _tail(out)
+  assert verified_steps(shm_root / "node1") == [10]
+  assert not lkg_problems(shm_root / "node1")
+
+
+def test_replaced_node_without_peers_makes_every_process_agree_on_persistent_step(
+    saved_run, shm_root, tmp_path):
+  # With replication off, a step only one process holds cannot be assembled, so both must
+  # take persistent step 8.
+  persistent = clone(saved_run, shm_root, tmp_path, nodes=(0,))
+  result, out = run_job(["restore", "--persistent-dir", str(persistent), "--peers-per-node",
+                         "0"], 2, shm_root)
   assert_ok(result, out)
   assert_results(out, 2, step=8, tier="persistent")
   # Node 0's step 10 belongs to an abandoned timeline and is dropped; step 8 stays.
   assert verified_steps(shm_root / "node0") == [8]
 
 
-def test_corrupt_shard_on_one_node_makes_every_process_fall_back_to_older_step(
-    saved_run, shm_root, tmp_path):
-  # One flipped bit in node 1's copy of step 10: its checksum fails there only, so both
-  # processes must agree on the next step they all hold (8), not mix 10 and 8.
+def test_corrupt_shard_on_one_node_is_replaced_by_its_peer_copy(saved_run, shm_root, tmp_path):
+  # One flipped bit in node 1's own step 10: its checksum fails there only; node 1 takes step
+  # 10 from the copy node 0 holds, and its folder is rewritten with good bytes.
   persistent = clone(saved_run, shm_root, tmp_path)
   data = shm_root / "node1" / "10" / local_tier.DATA
   raw = bytearray(data.read_bytes())
@@ -218,6 +231,24 @@ def test_corrupt_shard_on_one_node_makes_every_process_fall_back_to_older_step(
   with pytest.raises(local_tier.CorruptStepError):
     local_tier.verify_step(shm_root / "node1" / "10")
   result, out = run_job(["restore", "--persistent-dir", str(persistent)], 2, shm_root)
+  assert_ok(result, out)
+  results = mp_worker.parse_results(out.lines)
+  assert [(results[n]["step"], results[n]["tier"], results[n]["ok"]) for n in (0, 1)] == [
+      ("10", "local", "1"), ("10", "peer", "1")], _tail(out)
+  assert 10 in verified_steps(shm_root / "node1")
+
+
+def test_corrupt_shard_without_peers_makes_every_process_fall_back_to_older_step(
+    saved_run, shm_root, tmp_path):
+  # Without copies, both processes must agree on the next step they all hold (8), not mix
+  # 10 and 8.
+  persistent = clone(saved_run, shm_root, tmp_path)
+  data = shm_root / "node1" / "10" / local_tier.DATA
+  raw = bytearray(data.read_bytes())
+  raw[len(raw) // 3] ^= 0x01
+  data.write_bytes(bytes(raw))
+  result, out = run_job(["restore", "--persistent-dir", str(persistent), "--peers-per-node",
+                         "0"], 2, shm_root)
   assert_ok(result, out)
   assert_results(out, 2, step=8, tier="local")
 
@@ -330,7 +361,9 @@ def test_restart_from_scratch_drops_abandoned_local_steps(shm_root, tmp_path):
   `_local_should_save` skips every step <= 9 on node 0 (no RAM copy of B at all there), and
   the restart restores step 9 from A's shards on node 0 and B's on node 1.
   """
-  args = ["--local-interval", "1", "--local-keep", "2", "--persistent-interval", "1000"]
+  # Without peers: with them node 0's copy of node 1's step 9 would (rightly) be restored.
+  args = ["--local-interval", "1", "--local-keep", "2", "--persistent-interval", "1000",
+          "--peers-per-node", "0"]
   persistent_a = tmp_path / "persistent-a"
   result, out = run_job(["save", "--steps", "10", "--seed", "1", "--persistent-dir",
                          str(persistent_a), *args], 2, shm_root)
