@@ -1,6 +1,7 @@
 """SIGKILL at random moments of real saves, then a real restore: never a partial step.
 
-One chain of launcher jobs per test (1 process x 2 devices, and 2 processes x 2 devices). A
+One chain of launcher jobs per test (1 process x 2 devices; 2 processes x 2 devices without
+and with peer replication, whose copies are then moving when the kill lands). A
 first job saves step 0 to both tiers uninterrupted. Each following job (`mp_worker.py chaos`)
 restores whatever the previous one left, checks it bit for bit in every process against the
 state recomputed for the restored step, then runs "training steps" (an all-reduce over every
@@ -18,7 +19,10 @@ and predicts what the next job must restore: the newest step every node committe
 newest persistent step is newer. The next job's RESULT lines must show exactly that step and
 tier, with bit-exact data in every process; a last job only restores, to check the last kill.
 After about a third of the kills one node's RAM folder is also deleted (node replaced), which
-forces the next restore onto the persistent tier, whose backups get SIGKILLed mid-write too.
+forces the next restore onto the persistent tier (backups get SIGKILLed mid-write too), or,
+with peers, onto the copies the other node holds: then the prediction is the newest step the
+planner can assemble from the committed folders and copies on disk, every copy that can be
+served must verify, and the replaced node must report tier "peer".
 
 Set ORBAX_MTC_KILL_SEED to replay another sequence of kill points; run with -s to see them.
 """
@@ -37,7 +41,7 @@ import uuid
 
 import pytest
 
-from orbax_mtc import launch, local_tier
+from orbax_mtc import launch, local_tier, peer_store, restore_plan
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = REPO_ROOT / "tests" / "mp_worker.py"
@@ -45,10 +49,7 @@ LAUNCH_TIMEOUT_S = 90
 SEED = int(os.environ.get("ORBAX_MTC_KILL_SEED", "20241122"))
 ROWS = 65536  # params/w rows per process: 65536 x 64 float32 = 16 MiB of shards per process
 CHAOS_ARGS = ["--rows", str(ROWS), "--seed", "3", "--local-interval", "1", "--local-keep", "2",
-              "--persistent-interval", "4", "--persistent-keep", "2",
-              # The prediction below models own folders and persistent backups only; kills
-              # during replication are covered in test_peers.py.
-              "--peers-per-node", "0"]
+              "--persistent-interval", "4", "--persistent-keep", "2"]
 
 _spec = importlib.util.spec_from_file_location("mp_worker", WORKER)
 mp_worker = importlib.util.module_from_spec(_spec)
@@ -78,8 +79,28 @@ def _steps_of(out, kind: str, node: int) -> list[int]:
   return [int(f["step"]) for n, f in mp_worker.events(out.lines, kind) if n == node]
 
 
-def expected_restore(root: pathlib.Path, nprocs: int, persistent: pathlib.Path):
-  """(step, tier) the next job must restore, predicted from the folders alone."""
+def expected_restore(root: pathlib.Path, nprocs: int, persistent: pathlib.Path, peers: bool):
+  """(step, tier per node) the next job must restore, predicted from the folders alone.
+
+  With peers, the newest step the planner can assemble from the committed own folders and
+  complete copies found on disk (each process holds different shards here: no twins).
+  """
+  if peers:
+    backups = [int(p.name) for p in persistent.iterdir() if p.name.isdigit()] \
+        if persistent.is_dir() else []
+    inventories = []
+    for n in range(nprocs):
+      own = local_tier.committed_steps(root / f"node{n}")
+      copies = peer_store.PeerStore(root / f"node{n}", max_to_keep=None).servable(own)
+      inventories.append(restore_plan.NodeInventory(frozenset(own), frozenset(copies)))
+    plan = restore_plan.plan_restore(inventories, backups, None)
+    if plan.candidates:
+      first = plan.candidates[0]
+      return first.step, tuple("local" if s.kind == restore_plan.OWN else "peer"
+                               for s in first.sources)
+    if plan.persistent_step is not None:
+      return plan.persistent_step, ("persistent",) * nprocs
+    return None, ("none",) * nprocs
   common = set.intersection(*(set(local_tier.committed_steps(root / f"node{n}"))
                               for n in range(nprocs)))
   backups = [int(p.name) for p in persistent.iterdir() if p.name.isdigit()] \
@@ -87,10 +108,10 @@ def expected_restore(root: pathlib.Path, nprocs: int, persistent: pathlib.Path):
   newest_local = max(common, default=None)
   newest_backup = max(backups, default=None)
   if newest_local is not None and (newest_backup is None or newest_local >= newest_backup):
-    return newest_local, "local"
+    return newest_local, ("local",) * nprocs
   if newest_backup is not None:
-    return newest_backup, "persistent"
-  return None, "none"
+    return newest_backup, ("persistent",) * nprocs
+  return None, ("none",) * nprocs
 
 
 def check_results(out, nprocs: int, expected) -> None:
@@ -98,9 +119,9 @@ def check_results(out, nprocs: int, expected) -> None:
   assert sorted(results) == list(range(nprocs)), f"missing RESULT lines:\n{_tail(out)}"
   for node, fields in results.items():
     assert fields["ok"] == "1", f"node {node}: restored data differs: {fields['detail']}"
-    assert (fields["step"], fields["tier"]) == (str(expected[0]), expected[1]), (
+    assert (fields["step"], fields["tier"]) == (str(expected[0]), expected[1][node]), (
         f"node {node} restored step {fields['step']} from {fields['tier']}, expected step "
-        f"{expected[0]} from {expected[1]}\n{_tail(out)}")
+        f"{expected[0]} from {expected[1][node]}\n{_tail(out)}")
 
 
 def node_steps(root: pathlib.Path, nprocs: int) -> list[list[int]]:
@@ -120,6 +141,12 @@ def check_folders_after_kill(root: pathlib.Path, nprocs: int, out, restored: int
         pytest.fail(f"node {node}: committed step {step} does not verify: {e}")
       assert (manifest.step, manifest.process_index, manifest.process_count) == (
           step, node, nprocs)
+    store = peer_store.PeerStore(node_dir, max_to_keep=None)
+    for source, step in store.servable(steps):
+      try:
+        store.read(source, step, node_dir / str(step))
+      except local_tier.LocalTierError as e:
+        pytest.fail(f"node {node}: committed copy of node {source} step {step} is bad: {e}")
     saving = _steps_of(out, "SAVING", node)
     saved = _steps_of(out, "SAVED", node)
     newest = max(steps, default=None)
@@ -134,12 +161,13 @@ def check_folders_after_kill(root: pathlib.Path, nprocs: int, out, restored: int
           f"but the folder holds {steps}")
 
 
-def run_chain(nprocs: int, kills: int, root: pathlib.Path, logs: pathlib.Path) -> list[str]:
+def run_chain(nprocs: int, kills: int, root: pathlib.Path, logs: pathlib.Path,
+              peers: bool) -> list[str]:
   """`kills` jobs, each SIGKILLed at a random point, then a last restore; returns a summary."""
-  rng = random.Random(f"{SEED}-{nprocs}")
+  rng = random.Random(f"{SEED}-{nprocs}-{peers}")
   persistent = logs / "persistent"
   command = [sys.executable, str(WORKER), "chaos", "--persistent-dir", str(persistent),
-             *CHAOS_ARGS]
+             *CHAOS_ARGS, *([] if peers else ["--peers-per-node", "0"])]
   # A first uninterrupted job commits step 0 in both tiers, so that every later restore finds
   # something: a restore that finds nothing leaves abandoned local steps behind (a known bug,
   # see test_multiprocess.test_restart_from_scratch_drops_abandoned_local_steps), which this
@@ -149,8 +177,8 @@ def run_chain(nprocs: int, kills: int, root: pathlib.Path, logs: pathlib.Path) -
                                 devices_per_process=2, local_root=root, env=_child_env(),
                                 output=out, timeout_s=LAUNCH_TIMEOUT_S)
   assert result.returncode == 0, f"{result}\n{_tail(out)}"
-  expected = expected_restore(root, nprocs, persistent)
-  assert expected == (0, "local"), (expected, _tail(out))
+  expected = expected_restore(root, nprocs, persistent, peers)
+  assert expected == (0, ("local",) * nprocs), (expected, _tail(out))
   summary = []
   tiers = []
   half_written = half_written_backups = 0  # kills that left a half-written step behind
@@ -203,8 +231,8 @@ def run_chain(nprocs: int, kills: int, root: pathlib.Path, logs: pathlib.Path) -
     if replace_node[iteration]:  # the node is replaced: its RAM disk comes back empty
       replaced = rng.randrange(nprocs)
       shutil.rmtree(root / f"node{replaced}")
-    expected = expected_restore(root, nprocs, persistent)
-    tiers.append(expected[1])
+    expected = expected_restore(root, nprocs, persistent, peers)
+    tiers.extend(expected[1])
     backups = sorted(int(p.name) for p in persistent.iterdir() if p.name.isdigit()) \
         if persistent.is_dir() else []
     summary.append(
@@ -215,13 +243,16 @@ def run_chain(nprocs: int, kills: int, root: pathlib.Path, logs: pathlib.Path) -
         f"{'' if replaced is None else f', node {replaced} replaced'} -> restore {expected}")
   summary.append(f"kills that left a half-written step: local {half_written}, persistent "
                  f"{half_written_backups}")
-  # The chain exercised both tiers (node replacements force persistent restores).
-  assert {"local", "persistent"} <= set(tiers), "\n".join(summary)
+  # The chain exercised the tiers it should: node replacements force persistent restores
+  # without peers, and recoveries from a peer's copy with them.
+  wanted = {"local", "peer"} if peers else {"local", "persistent"}
+  assert wanted <= set(tiers), "\n".join(summary)
   return summary
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("nprocs,kills", [(1, 10), (2, 8)], ids=["1proc", "2proc"])
-def test_sigkill_at_random_points_of_saves(nprocs, kills, shm_root, tmp_path):
-  summary = run_chain(nprocs, kills, shm_root, tmp_path)
+@pytest.mark.parametrize("nprocs,kills,peers", [(1, 10, False), (2, 8, False), (2, 6, True)],
+                         ids=["1proc", "2proc", "2proc-peers"])
+def test_sigkill_at_random_points_of_saves(nprocs, kills, peers, shm_root, tmp_path):
+  summary = run_chain(nprocs, kills, shm_root, tmp_path, peers)
   print("\n".join(summary))
