@@ -9,9 +9,9 @@ checkpoint must travel to its peer). Reported, medians of `--reps`:
 - raw ppermute: one jitted shard_map ppermute of a plain uint8 array of the same size as a
   node's replication stream (ring), compiled beforehand.
 - replication: `replicate_pending()` right after a committed local save (blocking, chunked).
-- extra blocking per save: time spent inside `save()` calls of a loop that trains (an
-  all-reduce over the state) and saves every 4 steps, with peers minus without peers, beside
-  the staging copy (device -> host) of one save.
+- extra blocking per save: time spent inside `save()` calls of a loop that trains (a
+  reduction over the state, repeated to last about `--train-ms`) and saves every 4 steps, with
+  peers minus without peers, beside the staging copy (device -> host) of one save.
 - recovery: restore(None) after the last node lost its whole RAM folder (its step comes from
   its peer's copy), vs a restore of the same step from every node's own folder.
 """
@@ -55,7 +55,7 @@ def _worker(args) -> None:
   def make_state(step: int) -> dict:
     w = jax.jit(lambda: jnp.full((rows, cols), step, jnp.float32) +
                 jnp.arange(cols, dtype=jnp.float32), out_shardings=sharding)()
-    return {"w": w, "step": jnp.int32(step)}
+    return {"w": w, "step": np.int32(step)}
 
   train = jax.jit(lambda s: jnp.sum(s["w"]))
   local_root = Path(distributed.local_directory())
@@ -95,7 +95,16 @@ def _worker(args) -> None:
     permute(x).block_until_ready()
     results.setdefault("raw_ppermute_s", []).append(slowest(time.perf_counter() - t))
 
-  # 2 + 3. save loops with and without peers; replication bandwidth.
+  # 2 + 3. save loops with and without peers; replication bandwidth. A "training step" is
+  # a reduction over the state repeated to last about --train-ms.
+  state0 = make_state(0)
+  train(state0).block_until_ready()
+  t = time.perf_counter()
+  train(state0).block_until_ready()
+  one = max(time.perf_counter() - t, 1e-4)
+  train_reps = int(multihost_utils.process_allgather(
+      np.asarray([max(1, round(args.train_ms / 1000 / one))])).max())
+  results["train_step_s"] = [slowest(one * train_reps)]
   for peers, name in ((0, "no-peers"), (None, "with-peers")):
     with manager(name, peers) as mgr:
       inside = 0.0
@@ -103,7 +112,8 @@ def _worker(args) -> None:
       step = 0
       for step in range(args.steps):
         state = make_state(step)
-        train(state).block_until_ready()
+        for _ in range(train_reps):
+          train(state).block_until_ready()
         t = time.perf_counter()
         saved = mgr.save(step, args=ocp.args.PyTreeSave(state))
         inside += time.perf_counter() - t
@@ -169,7 +179,8 @@ def _driver(args) -> int:
 
   try:
     result = launch.run_processes(
-        [sys.executable, __file__, "--worker", "--mib", str(args.mib), "--reps",
+        [sys.executable, __file__, "--worker", "--mib", str(args.mib), "--train-ms",
+         str(args.train_ms), "--reps",
          str(args.reps), "--steps", str(args.steps), "--persistent", str(persistent)],
         args.procs, devices_per_process=1, local_root=workdir, output=Collect(),
         timeout_s=args.timeout_s)
@@ -189,6 +200,7 @@ def _driver(args) -> int:
   extra = med["save_calls_with-peers_s_per_save"] - med["save_calls_no-peers_s_per_save"]
   summary = {
       "procs": args.procs, "mib_per_process": args.mib, "reps": args.reps,
+      "train_step_s": round(med["train_step_s"], 3),
       "replicated_mib_per_node": round(mib, 1),
       "raw_ppermute_gib_s": round(raw_bw, 3),
       "replication_gib_s": round(repl_bw, 3),
@@ -215,6 +227,7 @@ def main() -> int:
   parser.add_argument("--procs", type=int, default=2)
   parser.add_argument("--reps", type=int, default=3)
   parser.add_argument("--steps", type=int, default=24, help="steps of the save loops")
+  parser.add_argument("--train-ms", type=float, default=30, help="length of a training step")
   parser.add_argument("--json", default=None)
   parser.add_argument("--timeout-s", type=float, default=900)
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from orbax_mtc import topology
+from orbax_mtc import local_tier, topology
 
 _AXIS = "mtc_nodes"
 _MIN_CHUNK = 4096
@@ -105,7 +105,9 @@ class Transfer:
         self._sinks[receive] = sink_for(receive)
       for offset in range(0, largest, length):
         self._chunks.append(_Chunk(tuple(round_edges), length, send, receive, offset))
-    self._in_flight: collections.deque[tuple[_Chunk, jax.Array]] = collections.deque()
+    self._in_flight: collections.deque[tuple[_Chunk, jax.Array, np.ndarray]] = \
+        collections.deque()
+    self._free: list[np.ndarray] = []
     self.total_chunks = len(self._chunks)
     self.bytes_sent = 0
     self.bytes_received = 0
@@ -114,26 +116,37 @@ class Transfer:
   def done(self) -> bool:
     return not self._chunks and not self._in_flight
 
+  def _send_buffer(self, length: int) -> np.ndarray:
+    # Reused once the chunk that used it has completed: writing into fresh pages costs more
+    # than the copy itself on some hosts, and on CPU JAX may alias an aligned buffer.
+    for i, buffer in enumerate(self._free):
+      if buffer.nbytes == length:
+        return self._free.pop(i)
+    return local_tier.aligned_empty(length)
+
   def _issue(self, chunk: _Chunk) -> None:
     mesh = _node_mesh()
-    local = np.zeros((chunk.length,), dtype=np.uint8)
+    local = self._send_buffer(chunk.length)
+    n = 0
     if chunk.send is not None and chunk.offset < chunk.send.nbytes:
       n = min(chunk.length, chunk.send.nbytes - chunk.offset)
       self._readers[chunk.send](chunk.offset, local[:n])
       self.bytes_sent += n
+    local[n:] = 0
     device = mesh.devices[self._me]
     sharding = NamedSharding(mesh, PartitionSpec(_AXIS))
     global_in = jax.make_array_from_single_device_arrays(
         (chunk.length * mesh.size,), sharding, [jax.device_put(local, device)])
-    self._in_flight.append((chunk, _permute_fn(chunk.pairs)(global_in)))
+    self._in_flight.append((chunk, _permute_fn(chunk.pairs)(global_in), local))
 
   def _retire(self) -> None:
-    chunk, out = self._in_flight.popleft()
+    chunk, out, local = self._in_flight.popleft()
     data = np.asarray(out.addressable_shards[0].data)  # waits for this chunk only
     if chunk.receive is not None and chunk.offset < chunk.receive.nbytes:
       n = min(chunk.length, chunk.receive.nbytes - chunk.offset)
       self._sinks[chunk.receive](chunk.offset, data[:n])
       self.bytes_received += n
+    self._free.append(local)
 
   def advance(self, max_chunks: int | None = None) -> None:
     """Issues up to `max_chunks` more chunks (all when None), keeping `window` in flight.
