@@ -238,13 +238,6 @@ class IncomingCopy:
     self._store.apply_retention(self.source, keep_floor)
     return final
 
-  def abort(self) -> None:
-    try:
-      os.close(self._fd)
-    except OSError:
-      pass
-    _remove(self.tmp)
-
 
 def _write_file(path: Path, text: str) -> None:
   tmp = path.with_name(path.name + ".tmp")

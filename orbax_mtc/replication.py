@@ -20,7 +20,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -158,17 +157,6 @@ class Replicator:
     if job.transfer.done:
       self._finish(job)
 
-  def finish(self, status: int) -> None:
-    """Completes the pending replication (blocking); the caller waited for its local write."""
-    self.progress(status, block=True)
-    if self._job is not None:  # a node reported WRITING although it had waited: a bug
-      raise RuntimeError("replication could not complete: a node had not committed its step")
-
-  def abandon(self) -> None:
-    """Drops a pending replication that has not started moving bytes (e.g. before a restore)."""
-    if self._job is not None and self._job.transfer is None:
-      self._job = None
-
   def _start(self, job: _Job, status: int) -> bool:
     outgoing: dict[int, peer_store.OutgoingStream] = {}
     sizes = np.zeros((len(job.edges),), dtype=np.int64)
@@ -235,6 +223,3 @@ def receive_buffers() -> tuple[dict[int, np.ndarray], Callable[[transport.Stream
 
   return buffers, sink_for
 
-
-def own_dir(local: local_tier.LocalTier, step: int) -> Path:
-  return local.directory / str(step)
