@@ -349,7 +349,7 @@ def committed_steps(root: Path) -> list[int]:
   return sorted(steps)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
   fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
   try:
     os.fsync(fd)
@@ -464,12 +464,12 @@ class LocalTier:
         f.flush()
         os.fsync(f.fileno())
       os.rename(manifest_tmp, tmp / MANIFEST)
-      _fsync_dir(tmp)
+      fsync_dir(tmp)
       with self._lock:
         if final.exists():
           raise FileExistsError(f"local step {final} already exists")
         os.rename(tmp, final)  # the commit point
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
       shutil.rmtree(tmp, ignore_errors=True)
       raise

@@ -533,7 +533,7 @@ class CheckpointManager(ocp.CheckpointManager):
                     f" ({message})" if message else "")
     return False, None, {(assembly.sources[p].holder, p, step) for p in bad}
 
-  def _after_recovery(self, assembly: restore_plan.Assembly, targets: dict[str, Any]) -> None:
+  def _after_recovery(self, assembly: restore_plan.Assembly, sets: list | None) -> None:
     """A node that got its step from elsewhere writes it back into its own folder, and the
     copies that involve recovered nodes are sent again (at the next save or
     `replicate_pending`)."""
@@ -547,11 +547,10 @@ class CheckpointManager(ocp.CheckpointManager):
                                      items=manifest.items, default_item=manifest.default_item)
       self._pending_step = step
       self._pending = self._writer.submit(self._write_local, staged)
-    if self._replicator is not None:
+    if self._replicator is not None and sets is not None:
       recovered = set(assembly.recovered)
       edges = [e for e in self._topology.edges if e[0] in recovered or e[1] in recovered]
-      self._replicator.schedule(step, replication.shard_sets(targets, self._process_count),
-                                edges)
+      self._replicator.schedule(step, sets, edges)
 
   @_persistent_view_when_nested
   def restore(self, step: int | None = None, items: Any = None, restore_kwargs: Any = None,
@@ -572,9 +571,10 @@ class CheckpointManager(ocp.CheckpointManager):
     copies = self._store.servable(own_steps) if self._replicator is not None else []
     rows = self._allgather(restore_plan.encode_inventory(own_steps, copies))
     inventories = restore_plan.decode_inventories(rows)
-    groups = None
+    groups = sets = None
     if self._topology is not None:
-      groups = replication.shard_groups(replication.shard_sets(targets, self._process_count))
+      sets = self._shard_sets(targets)
+      groups = replication.shard_groups(sets)
     excluded: set[tuple[int, int, int]] = set()
     failed_steps: set[int] = set()
     while True:
@@ -592,7 +592,7 @@ class CheckpointManager(ocp.CheckpointManager):
         tier = "local" if mine == restore_plan.OWN else "peer"
         self._finish_restore(assembly.step, tier, started, drop_newer=step is None)
         if assembly.transfers:
-          self._after_recovery(assembly, targets)
+          self._after_recovery(assembly, sets)
         if single or (single is None and default_item):
           return restored[_DEFAULT_ITEM]
         return ocp.args.Composite(**restored)

@@ -227,7 +227,7 @@ class IncomingCopy:
       if final.exists():  # a re-sent copy (after a recovery) replaces the old one
         _remove(final)
       os.rename(self.tmp, final)
-      _fsync_dir(final.parent)
+      local_tier.fsync_dir(final.parent)
     except (OSError, ValueError, KeyError, local_tier.LocalTierError) as e:
       logging.warning("orbax-mtc: copy of step %d from process %d not kept: %s", self.step,
                       self.source, e)
@@ -246,14 +246,6 @@ def _write_file(path: Path, text: str) -> None:
     f.flush()
     os.fsync(f.fileno())
   os.rename(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-  fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
 
 
 def _remove(path: Path) -> None:

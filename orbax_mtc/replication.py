@@ -118,7 +118,6 @@ class Replicator:
     self._chunk_bytes = chunk_bytes
     self._window = window
     self._job: _Job | None = None
-    self.last_replicated_step: int | None = None
     self.last_bytes_sent = 0
 
   @property
@@ -203,7 +202,6 @@ class Replicator:
   def _finish(self, job: _Job) -> None:
     for incoming in job.incoming.values():
       self._writer.submit(incoming.commit, self._local.keep_floor)
-    self.last_replicated_step = job.step
     self.last_bytes_sent = job.sent_bytes
     self._job = None
 

@@ -108,9 +108,6 @@ class Transfer:
     self._in_flight: collections.deque[tuple[_Chunk, jax.Array, np.ndarray]] = \
         collections.deque()
     self._free: list[np.ndarray] = []
-    self.total_chunks = len(self._chunks)
-    self.bytes_sent = 0
-    self.bytes_received = 0
 
   @property
   def done(self) -> bool:
@@ -131,7 +128,6 @@ class Transfer:
     if chunk.send is not None and chunk.offset < chunk.send.nbytes:
       n = min(chunk.length, chunk.send.nbytes - chunk.offset)
       self._readers[chunk.send](chunk.offset, local[:n])
-      self.bytes_sent += n
     local[n:] = 0
     device = mesh.devices[self._me]
     sharding = NamedSharding(mesh, PartitionSpec(_AXIS))
@@ -145,7 +141,6 @@ class Transfer:
     if chunk.receive is not None and chunk.offset < chunk.receive.nbytes:
       n = min(chunk.length, chunk.receive.nbytes - chunk.offset)
       self._sinks[chunk.receive](chunk.offset, data[:n])
-      self.bytes_received += n
     self._free.append(local)
 
   def advance(self, max_chunks: int | None = None) -> None:
