@@ -9,7 +9,7 @@ Public API::
 
 from orbax_mtc import distributed
 from orbax_mtc.local_tier import AbstractStateMismatchError, CorruptStepError, LocalTierError
-from orbax_mtc.manager import CheckpointManager, RestoreInfo
+from orbax_mtc.manager import CheckpointManager, OnDemandSave, RestoreInfo
 from orbax_mtc.options import (
     CheckpointManagerOptions,
     LocalCheckpointOptions,
@@ -26,6 +26,7 @@ __all__ = [
     "CorruptStepError",
     "LocalCheckpointOptions",
     "LocalTierError",
+    "OnDemandSave",
     "PersistentCheckpointOptions",
     "ReplicationOptions",
     "RestoreInfo",

@@ -22,6 +22,8 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import json
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -41,6 +43,7 @@ from orbax_mtc import (
   lkg,
   local_tier,
   peer_store,
+  preemption,
   replication,
   restore_plan,
   topology,
@@ -52,6 +55,8 @@ _PYTREE_SAVE = (ocp.args.PyTreeSave, ocp.args.StandardSave)
 _PYTREE_RESTORE = (ocp.args.PyTreeRestore, ocp.args.StandardRestore)
 _DEFAULT_ITEM = "default"  # Orbax's folder name for a single-item checkpoint
 _STATUS_OK, _STATUS_UNUSABLE, _STATUS_MISMATCH = 0, 1, 2
+ONDEMAND_FILE = "ondemand.json"  # in an on-demand step's local folder: its time breakdown
+ONDEMAND_METADATA_KEY = "orbax_mtc_ondemand"  # in custom_metadata of the persistent step
 
 
 def _persistent_view_when_nested(method):
@@ -71,6 +76,24 @@ def _persistent_view_when_nested(method):
     return method(self, *args, **kwargs)
 
   return wrapper
+
+
+@dataclasses.dataclass
+class OnDemandSave:
+  """The on-demand checkpoint a preemption notice triggered, and where its time went.
+
+  seconds: "agreement" (SIGTERM to the agreed step; 0 when the signal time is unknown),
+  "local", "peers", "persistent" and "total" (SIGTERM, or the agreed step, to durable).
+  """
+
+  step: int
+  signal_time: float | None  # epoch seconds of the first SIGTERM of the job
+  budget_seconds: float
+  seconds: dict[str, float]
+  persistent: bool  # backed up to the persistent tier
+
+  def to_json(self) -> str:
+    return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
 @dataclasses.dataclass
@@ -152,7 +175,12 @@ class CheckpointManager(ocp.CheckpointManager):
     self._pending: concurrent.futures.Future | None = None
     self._pending_step: int | None = None
     self._local_error: BaseException | None = None
-    self._preemption_answers: dict[int, bool] = {}
+    # Only the thread that built the manager (the training loop) creates preemption ids.
+    self._owner_thread = threading.current_thread()
+    self._own_sigterm_handler = preemption.attach(self._process_count)
+    self._sync_step: int | None = None
+    self.last_ondemand: OnDemandSave | None = None
+    self._closed = False
     self._replicator: replication.Replicator | None = None
     self._shard_sets_cache: tuple[Any, list] | None = None
     if self._topology is not None and self._topology.edges:
@@ -261,13 +289,29 @@ class CheckpointManager(ocp.CheckpointManager):
       return True
     return self._local_should_save(step) or self._persistent_should_save(step)
 
-  @_persistent_view_when_nested
   def reached_preemption(self, step: int) -> bool:
-    # Asking twice about one step must give one answer (save, then the loop's own check).
-    if step not in self._preemption_answers:
-      with self._persistent_view():
-        self._preemption_answers[step] = bool(super().reached_preemption(step))
-    return self._preemption_answers[step]
+    """True at the step every process saves on after any of them got SIGTERM.
+
+    Call it (or `save`) at every step, on every process, in the same order. Asking again
+    about a step gives the same answer. Not wrapped for the parent: its internal calls (from
+    `save`, `should_save` and its finalize thread) must see this answer, never ask JAX with
+    the user's step.
+    """
+    if not self.__dict__.get("_mtc_ready"):
+      return False
+    step = int(step)
+    if threading.current_thread() is not self._owner_thread:
+      return preemption.known_answer(step)
+    answer = preemption.reached(step)
+    if answer and self._sync_step is None:
+      self._sync_step = step
+      logging.warning("orbax-mtc: preemption notice: every process saves step %d on demand",
+                      step)
+    return answer
+
+  def should_exit(self) -> bool:
+    """True once the preemption sync step was reached: save it, then stop training."""
+    return self.__dict__.get("_sync_step") is not None
 
   # ------------------------------------------------------------------ save
 
@@ -311,6 +355,11 @@ class CheckpointManager(ocp.CheckpointManager):
         force or preempted or self._local_should_save(step))
     persistent_due = (force or preempted or self._persistent_should_save(step)) and (
         step not in self._persistent_steps())
+    if preempted:
+      if self.last_ondemand is not None and self.last_ondemand.step == step:
+        return False  # already saved on demand (as Orbax: a step is saved once)
+      self._save_ondemand(step, args, metrics, custom_metadata)
+      return True
     if not (local_due or persistent_due):
       return False
     if local_due and step in self.all_steps():
@@ -318,8 +367,6 @@ class CheckpointManager(ocp.CheckpointManager):
       raise ocp.checkpoint_manager.StepAlreadyExistsError(
           f"Step {step} already exists (RAM tier {self._local.directory} or persistent tier "
           f"{self.directory}). Delete it first with mgr.delete({step}) to save it again.")
-    if preempted:
-      logging.info("orbax-mtc: saving step %d on preemption", step)
     if local_due:
       self._save_local(step, args)
     if persistent_due:
@@ -327,6 +374,81 @@ class CheckpointManager(ocp.CheckpointManager):
         super().save(step, args=args, metrics=metrics, force=True,
                      custom_metadata=custom_metadata)
     return True
+
+  def _save_ondemand(self, step: int, args: Any, metrics: Any,
+                     custom_metadata: dict[str, Any] | None) -> None:
+    """The preemption save: RAM tier, then peers, then (within the grace budget) the
+    persistent tier, each waited for; then, if configured, the process exits with status 0."""
+    options = self._mtc_options
+    agreed_at = time.time()
+    signal_time = preemption.notice_time()
+    if signal_time is not None and signal_time > agreed_at:
+      signal_time = None  # another host's clock is ahead: the split cannot be trusted
+    started = signal_time if signal_time is not None else agreed_at
+    budget = float(options.ondemand_grace_seconds)
+    seconds = {"agreement": agreed_at - started, "local": 0.0, "peers": 0.0, "persistent": 0.0}
+    logging.warning("orbax-mtc: on-demand checkpoint of step %d (%.2fs after SIGTERM, budget "
+                    "%.0fs)", step, seconds["agreement"], budget)
+
+    t = time.time()
+    local_saved = not options.local.read_only and step not in self._local_steps()
+    if local_saved:
+      self._save_local(step, args)
+      self._wait_local()
+    seconds["local"] = time.time() - t
+
+    t = time.time()
+    if self._replicator is not None:
+      self.replicate_pending()
+    seconds["peers"] = time.time() - t
+
+    t = time.time()
+    backed_up = step in self._persistent_steps()
+    left = budget - (t - started)
+    if not backed_up and left > 0:
+      metadata = dict(custom_metadata or {})
+      metadata[ONDEMAND_METADATA_KEY] = {"step": step, "signal_time": signal_time,
+                                         "budget_seconds": budget, "seconds": dict(seconds)}
+      with self._persistent_view():
+        super().save(step, args=args, metrics=metrics, force=True, custom_metadata=metadata)
+        super().wait_until_finished()
+      backed_up = step in self._persistent_steps()
+    elif not backed_up:
+      logging.warning("orbax-mtc: no on-demand persistent backup of step %d: the %.0fs grace "
+                      "budget is spent (RAM tier and peers hold the step).", step, budget)
+    seconds["persistent"] = time.time() - t
+    seconds["total"] = time.time() - started
+
+    record = OnDemandSave(step=step, signal_time=signal_time, budget_seconds=budget,
+                          seconds=seconds, persistent=backed_up)
+    self.last_ondemand = record
+    if step in self._local_steps():
+      self._write_ondemand_record(record)
+    level = logging.WARNING if seconds["total"] > budget else logging.INFO
+    logging.log(level, "orbax-mtc: on-demand checkpoint of step %d durable %.2fs after the "
+                "SIGTERM (budget %.0fs): agreement %.2fs, local %.2fs, peers %.2fs, persistent "
+                "%.2fs%s", step, seconds["total"], budget, seconds["agreement"],
+                seconds["local"], seconds["peers"], seconds["persistent"],
+                "" if backed_up else " (not backed up)")
+    if options.exit_after_ondemand_checkpoint:
+      logging.warning("orbax-mtc: exiting after the on-demand checkpoint of step %d "
+                      "(exit_after_ondemand_checkpoint).", step)
+      self.close()
+      raise SystemExit(0)
+
+  def _write_ondemand_record(self, record: OnDemandSave) -> None:
+    """Atomically adds ondemand.json to the committed step folder."""
+    step_dir = self._local.directory / str(record.step)
+    tmp = step_dir / f".{ONDEMAND_FILE}.tmp"
+    try:
+      with open(tmp, "w") as f:
+        f.write(record.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+      os.replace(tmp, step_dir / ONDEMAND_FILE)
+      local_tier.fsync_dir(step_dir)
+    except OSError as e:
+      logging.warning("orbax-mtc: cannot record the on-demand breakdown in %s: %s", step_dir, e)
 
   def _save_local(self, step: int, args: Any) -> None:
     trees, jsons, default_item = self._split_save_args(args)
@@ -741,9 +863,14 @@ class CheckpointManager(ocp.CheckpointManager):
       if step is None or step in self._persistent_steps():
         return super().metadata(step)
     manifest = self._local.manifest(step)
+    custom: dict[str, Any] = {}
+    record = self._local.directory / str(step) / ONDEMAND_FILE
+    if record.is_file():
+      with contextlib.suppress(OSError, ValueError):
+        custom[ONDEMAND_METADATA_KEY] = json.loads(record.read_text())
     return ocp.metadata.StepMetadata(
         item_metadata=local_tier.item_metadata(manifest),
-        commit_timestamp_nsecs=int(manifest.created_at * 1e9))
+        commit_timestamp_nsecs=int(manifest.created_at * 1e9), custom_metadata=custom)
 
   @_persistent_view_when_nested
   def is_saving_in_progress(self) -> bool:
@@ -771,10 +898,15 @@ class CheckpointManager(ocp.CheckpointManager):
 
   @_persistent_view_when_nested
   def close(self):
+    if self._closed:
+      return
+    self._closed = True
     try:
       self.wait_until_finished()
     finally:
       self._writer.shutdown(wait=True)
       self._local.close()
+      if self._own_sigterm_handler:
+        preemption.detach()
       with self._persistent_view():
         super().close()

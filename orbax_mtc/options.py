@@ -183,6 +183,13 @@ class CheckpointManagerOptions:
   enable_async_checkpointing: local writes and persistent backups run in the background.
   async_options: Orbax `AsyncOptions` for the persistent tier.
   cleanup_tmp_directories: remove leftovers of interrupted saves when the manager starts.
+  exit_after_ondemand_checkpoint: after the on-demand checkpoint that a preemption notice
+    (SIGTERM) triggers is durable, `save()` waits for everything, closes the manager and ends
+    the process with exit status 0 (Pax's `--exit_after_ondemand_checkpoint`).
+  ondemand_grace_seconds: time budget from the SIGTERM to a durable on-demand checkpoint. The
+    RAM tier and peers come first; the persistent backup starts only while budget is left
+    (default 270 s: a 30 s margin inside the 5 minutes Cloud TPU maintenance gives). 0 never
+    backs up on demand.
   """
 
   local: LocalCheckpointOptions = dataclasses.field(default_factory=LocalCheckpointOptions)
@@ -196,6 +203,8 @@ class CheckpointManagerOptions:
   enable_async_checkpointing: bool = True
   async_options: ocp_manager.AsyncOptions | None = None
   cleanup_tmp_directories: bool = True
+  exit_after_ondemand_checkpoint: bool = False
+  ondemand_grace_seconds: float = 270.0
 
   def __post_init__(self):
     for name, cls in (("local", LocalCheckpointOptions),
@@ -222,6 +231,16 @@ class CheckpointManagerOptions:
         or self.worker_index < 0):
       raise ValueError(
           f"CheckpointManagerOptions.worker_index must be an int >= 0, got {self.worker_index!r}.")
+    if not isinstance(self.exit_after_ondemand_checkpoint, bool):
+      raise TypeError("CheckpointManagerOptions.exit_after_ondemand_checkpoint must be a bool, "
+                      f"got {self.exit_after_ondemand_checkpoint!r}.")
+    grace = self.ondemand_grace_seconds
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0 \
+        or grace == float("inf"):
+      raise ValueError(
+          "CheckpointManagerOptions.ondemand_grace_seconds must be a finite number of seconds "
+          f">= 0, got {grace!r}. Use the grace period your platform gives after SIGTERM minus "
+          "a margin (Cloud TPU maintenance: 300 s, so e.g. 270).")
 
   def persistent_manager_options(self) -> ocp_manager.CheckpointManagerOptions:
     """The plain Orbax options the persistent tier is run with."""
