@@ -1,4 +1,5 @@
-"""`orbax-mtc demo`: train, lose a process to SIGKILL, restart, resume from RAM, summarise.
+"""`orbax-mtc demo`: train, lose a process to SIGKILL, restart, resume from RAM, get a SIGTERM,
+save on demand, restart again from that step, summarise.
 
 Embedded defaults: RAM tier under /dev/shm/orbax-mtc-demo/local/node<i>, persistent tier in
 /tmp/orbax-mtc-demo/persistent, 4 processes of one CPU device each on a 2x2 (data, model) mesh.
@@ -20,11 +21,13 @@ from orbax_mtc import launch
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="orbax-mtc demo", description=__doc__)
   p.add_argument("--nprocs", type=int, default=4)
-  p.add_argument("--steps", type=int, default=60)
+  p.add_argument("--steps", type=int, default=80)
   p.add_argument("--local-every", type=int, default=5)
   p.add_argument("--persistent-every", type=int, default=25)
   p.add_argument("--kill-at-step", type=int, default=38)
   p.add_argument("--kill-rank", type=int, default=None, help="default: the last process")
+  p.add_argument("--sigterm-at-step", type=int, default=50,
+                 help="after the restart, process 0 gets SIGTERM at this step")
   p.add_argument("--local-root", default="/dev/shm/orbax-mtc-demo")
   p.add_argument("--persistent-dir", default="/tmp/orbax-mtc-demo/persistent")
   p.add_argument("--keep", action="store_true", help="keep both tiers' folders afterwards")
@@ -70,15 +73,36 @@ def main(argv: list[str] | None = None) -> int:
       return 1
     print(f"== job failed as planned (exit {first.returncode}); restarting it", flush=True)
     second = launch.run_processes(
-        train + ["--phase", "2"], args.nprocs, devices_per_process=1,
+        train + ["--phase", "2", "--sigterm-rank", "0",
+                 "--sigterm-at-step", str(args.sigterm_at_step)],
+        args.nprocs, devices_per_process=1,
         local_root=local_root / "local", env=env, timeout_s=args.timeout)
     if second.returncode != 0:
       print(f"demo: the restarted job failed (exit {second.returncode})", file=sys.stderr)
       return second.returncode
-    phase1, phase2 = _reports(report_dir, 1), _reports(report_dir, 2)
-    if len(phase2) != args.nprocs:
-      print("demo: missing reports from the restarted job", file=sys.stderr)
+    print(f"== phase 2 stopped after its on-demand checkpoint (SIGTERM at step "
+          f"{args.sigterm_at_step}); restarting it", flush=True)
+    third = launch.run_processes(
+        train + ["--phase", "3"], args.nprocs, devices_per_process=1,
+        local_root=local_root / "local", env=env, timeout_s=args.timeout)
+    if third.returncode != 0:
+      print(f"demo: the job restarted after SIGTERM failed (exit {third.returncode})",
+            file=sys.stderr)
+      return third.returncode
+    phase1, phase2, phase3 = (_reports(report_dir, p) for p in (1, 2, 3))
+    if len(phase2) != args.nprocs or len(phase3) != args.nprocs:
+      print("demo: missing reports from the restarted jobs", file=sys.stderr)
       return 1
+    ondemand_steps = {r.get("ondemand", {}).get("step") for r in phase2}
+    after_sigterm = {(r["restore"]["tier"], r["restore"]["step"]) for r in phase3}
+    if len(ondemand_steps) != 1 or None in ondemand_steps or \
+        after_sigterm != {("local", next(iter(ondemand_steps)))}:
+      print(f"demo: on-demand steps {ondemand_steps}, restored after SIGTERM {after_sigterm}",
+            file=sys.stderr)
+      return 1
+    ondemand_step = ondemand_steps.pop()
+    sent_at = next(r["sigterm_sent_at"] for r in phase2 if "sigterm_sent_at" in r)
+    durable_s = max(r["ondemand_durable_at"] for r in phase2) - sent_at
     killed = next((r for r in phase1 if r["process"] == kill_rank), None)
     last_before = killed["last_step"] if killed else args.kill_at_step
     restores = {(r["restore"]["tier"], r["restore"]["step"]) for r in phase2}
@@ -86,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
       print(f"demo: processes disagree on the restored step: {restores}", file=sys.stderr)
       return 1
     tier, step = restores.pop()
-    blocking = [b for r in phase1 + phase2 for b in r["blocking_s"]]
+    blocking = [b for r in phase1 + phase2 + phase3 for b in r["blocking_s"]]
     restore_s = max(r["restore"]["seconds"] for r in phase2)
     local_bytes = sum(r["local_bytes"] for r in phase2)
     persistent_bytes = max(r["persistent_bytes"] for r in phase2)
@@ -96,11 +120,15 @@ def main(argv: list[str] | None = None) -> int:
         ("restored from", f"{tier} tier, step {step}"),
         ("steps lost", str(last_before - step)),
         ("restore time", f"{restore_s:.3f} s"),
+        ("preemption", f"SIGTERM to process 0 at step {args.sigterm_at_step}: every process "
+                       f"saved step {ondemand_step} on demand"),
+        ("SIGTERM -> durable", f"{durable_s:.2f} s ({100 * durable_s / 300:.1f} % of 5 min)"),
+        ("restored after it", f"local tier, step {ondemand_step}"),
         ("save blocking (median)", f"{statistics.median(blocking) * 1e3:.2f} ms"
          if blocking else "n/a"),
         ("RAM tier bytes (all nodes)", _mib(local_bytes)),
         ("persistent tier bytes", _mib(persistent_bytes)),
-        ("final step / loss", f"{phase2[0]['last_step']} / {phase2[0]['final_loss']:.5f}"),
+        ("final step / loss", f"{phase3[0]['last_step']} / {phase3[0]['final_loss']:.5f}"),
         ("wall time", f"{time.perf_counter() - started:.1f} s"),
     ]
     width = max(len(k) for k, _ in rows)

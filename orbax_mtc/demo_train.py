@@ -7,6 +7,7 @@ report of what it did (restore source, save blocking times, bytes per tier) for 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--persistent-every", type=int, default=20)
   parser.add_argument("--kill-rank", type=int, default=-1)
   parser.add_argument("--kill-at-step", type=int, default=-1)
+  parser.add_argument("--sigterm-rank", type=int, default=-1)
+  parser.add_argument("--sigterm-at-step", type=int, default=-1)
   args = parser.parse_args(argv)
 
   info = mtc.distributed.initialize()
@@ -133,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
                              seconds=mgr.last_restore.seconds)
     loss = None
     for step in range(first + 1, args.steps + 1):
+      if info.process_id == args.sigterm_rank and step == args.sigterm_at_step:
+        # A maintenance notice: the other processes learn of it through JAX.
+        print(f"demo: process {info.process_id} gets SIGTERM at step {step}", flush=True)
+        report["sigterm_sent_at"] = time.time()
+        os.kill(os.getpid(), signal.SIGTERM)
       x, y = batch(step, mesh)
       state, loss = step_fn(state, x, y)
       jax.block_until_ready(state)  # time the save, not the step still being computed
@@ -141,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         report["saves"].append(step)
         report["blocking_s"].append(time.perf_counter() - save_started)
       report["last_step"] = step
+      if mgr.should_exit():  # the on-demand checkpoint of a preemption is durable
+        report["ondemand"] = dataclasses.asdict(mgr.last_ondemand)
+        report["ondemand_durable_at"] = time.time()
+        print(f"demo: process {info.process_id} stops after the on-demand checkpoint of step "
+              f"{step}", flush=True)
+        break
       if info.process_id == args.kill_rank and step == args.kill_at_step:
         mgr.wait_until_finished()
         _write_report(args, info.process_id, report, mgr)

@@ -10,6 +10,8 @@ bit for bit, on its own shards only. Output is one machine-readable line per eve
   @@mtc COMMITTED process=0 local=4,6 persistent=0,4
   @@mtc RESULT process=0 step=6 tier=local ok=1 leaves=6 detail=-
   @@mtc DONE
+  @@mtc PREEMPTED process=0 step=7     (preempt) reached_preemption(7) was True
+  @@mtc ONDEMAND-SAVED process=0 step=7 info_step=7 persistent=1 total=0.329
 
 Sub-commands:
   save           save steps [--start, --steps) (optionally restore first and resume), then close.
@@ -17,8 +19,15 @@ Sub-commands:
   chaos          restore (if anything) and compare, then save every step until killed.
   plain-restore  one process, no jax.distributed: read the persistent tier with a plain
                  `ocp.CheckpointManager` (numpy and single-device targets) and compare.
+  preempt        restore (if anything) and compare, then train and save every --stride steps
+                 until SIGTERM (sent by the test to any process) makes every process agree on
+                 an on-demand step; then exit as the manager's options or flags say. Hooks
+                 inject timing (a write or a restore that waits for the notice, an on-demand
+                 write that waits for a go file); see `cmd_preempt`.
 
-Exit codes: 0 ok, 3 wrong data / wrong step or tier, 4 bad usage.
+Exit codes: 0 ok, 3 wrong data / wrong step or tier, 4 bad usage, 5 no preemption within
+--max-steps, 6 the on-demand save did not behave as asked (returned under
+exit_after_ondemand_checkpoint, or a second sync point).
 
 The helpers at the bottom (`LineCollector`, `parse_results`) are imported by the tests; this
 module imports JAX lazily so that importing it from pytest is cheap.
@@ -38,6 +47,8 @@ from typing import Any
 
 EXIT_MISMATCH = 3
 EXIT_USAGE = 4
+EXIT_NO_PREEMPTION = 5
+EXIT_BAD_ONDEMAND = 6
 
 # Leaf name -> (dtype, PartitionSpec axes, shape as a function of (data, model, rows)).
 # "data" spans processes (one row of the mesh per process), "model" spans a process's devices.
@@ -235,20 +246,28 @@ def compare_state(restored: Any, expected: dict) -> list[str]:
   return problems
 
 
-def _manager(args, mesh):
+def _manager(args, mesh, *, exit_after_ondemand_checkpoint: bool | None = None,
+             ondemand_grace_seconds: float | None = None):
+  """The manager every sub-command uses; the on-demand options are passed only when given."""
   import orbax_mtc as mtc
   from orbax_mtc import distributed
 
   local_dir = args.local_dir or distributed.local_directory()
   if not local_dir:
     raise SystemExit("no --local-dir and no ORBAX_MTC_LOCAL_DIR")
+  extra: dict[str, Any] = {}
+  if exit_after_ondemand_checkpoint is not None:
+    extra["exit_after_ondemand_checkpoint"] = exit_after_ondemand_checkpoint
+  if ondemand_grace_seconds is not None:
+    extra["ondemand_grace_seconds"] = ondemand_grace_seconds
   options = mtc.CheckpointManagerOptions(
       local=mtc.LocalCheckpointOptions(save_interval_steps=args.local_interval,
                                        max_to_keep=args.local_keep),
       persistent=mtc.PersistentCheckpointOptions(save_interval_steps=args.persistent_interval,
                                                  max_to_keep=args.persistent_keep),
       replication=mtc.ReplicationOptions(replica_axis="data",
-                                         peers_per_node=args.peers_per_node))
+                                         peers_per_node=args.peers_per_node),
+      **extra)
   return mtc.CheckpointManager(local_dir, args.persistent_dir, mesh,
                                abstract_state(mesh, args.rows), options=options)
 
@@ -443,6 +462,183 @@ def cmd_plain_restore(args) -> int:
   return 0 if ok else EXIT_MISMATCH
 
 
+HOOK_WAIT_S = 60.0  # a hook waits at most this long for the notice or the go file
+_POLL_S = 0.02
+
+
+def _wait_for_notice(timeout_s: float = HOOK_WAIT_S) -> float | None:
+  """Polls `preemption.notice_time()` until the job's SIGTERM is known, at most `timeout_s`."""
+  from orbax_mtc import preemption
+
+  deadline = time.monotonic() + timeout_s
+  while True:
+    notice = preemption.notice_time()
+    if notice is not None or time.monotonic() >= deadline:
+      return notice
+    time.sleep(_POLL_S)
+
+
+def _wait_for_file(path: pathlib.Path, timeout_s: float = HOOK_WAIT_S) -> bool:
+  deadline = time.monotonic() + timeout_s
+  while not path.exists():
+    if time.monotonic() >= deadline:
+      return False
+    time.sleep(_POLL_S)
+  return True
+
+
+def _install_write_hook(args, mgr, me: int, ondemand_steps: set[int]) -> None:
+  """Wraps this process's local writer (it runs on the manager's writer thread).
+
+  write: the write of --hook-step first prints HOOK-WRITING and waits until the preemption
+    notice is known (the test sends SIGTERM when it sees the line), so the notice lands while
+    an ordinary save is being written.
+  ondemand-write: the first write of a step whose `reached_preemption` was True prints
+    HOOK-ONDEMAND and waits for `<marker-dir>/go`, so the test can signal again meanwhile.
+  """
+  real = mgr._local.write
+  done: set[int] = set()
+
+  def write(staged, *rest, **kwargs):
+    step = getattr(staged, "step", None)
+    if step not in done:
+      if args.hook == "write" and step == args.hook_step:
+        done.add(step)
+        _out(f"HOOK-WRITING process={me} step={step}")
+        notice = _wait_for_notice()
+        _out(f"HOOK-NOTICE process={me} step={step} known={int(notice is not None)}")
+      elif args.hook == "ondemand-write" and step in ondemand_steps:
+        done.add(step)
+        _out(f"HOOK-ONDEMAND process={me} step={step}")
+        found = _wait_for_file(pathlib.Path(args.marker_dir) / "go")
+        _out(f"HOOK-GO process={me} step={step} found={int(found)}")
+    return real(staged, *rest, **kwargs)
+
+  mgr._local.write = write
+
+
+def _install_restore_hook(mgr, me: int) -> None:
+  """The first read of a RAM step inside restore() prints HOOK-RESTORING and waits until the
+  preemption notice is known (the test sends SIGTERM when it sees the line)."""
+  from orbax_mtc import local_tier
+
+  fired: list[bool] = []
+
+  def hooked(fn):
+    def wrapper(*a, **k):
+      if not fired:
+        fired.append(True)
+        _out(f"HOOK-RESTORING process={me}")
+        notice = _wait_for_notice()
+        _out(f"HOOK-NOTICE process={me} known={int(notice is not None)}")
+      return fn(*a, **k)
+    return wrapper
+
+  if hasattr(mgr, "_try_local"):
+    mgr._try_local = hooked(mgr._try_local)
+  else:  # the manager was restructured: hook the read itself
+    local_tier.read_data = hooked(local_tier.read_data)
+
+
+def _ondemand_fields(mgr) -> str:
+  info = getattr(mgr, "last_ondemand", None)
+  if info is None:
+    return "info=none"
+  return (f"info_step={info.step} persistent={int(bool(info.persistent))} "
+          f"total={info.seconds.get('total', -1):.3f}")
+
+
+def cmd_preempt(args) -> int:
+  """Train and save until a preemption notice (SIGTERM) makes every process save on demand.
+
+  Steps run 0, K, 2K, ... (K = --stride) or, after a restore of step R, R+K, R+2K, ...; each
+  is a training step (an all-reduce), `reached_preemption(step)`, then `save(step)`. At the
+  step all processes agreed on (`reached_preemption` True) the save is the on-demand one:
+    --exit-after  the manager exits the process (status 0) inside that save();
+    --self-exit   the loop stops once `mgr.should_exit()` says so (EXITING);
+    otherwise     training goes on for --after-steps more steps (DONE).
+  Every `reached_preemption` is asked twice (before and after save) and must not change.
+  """
+  import jax
+  import orbax.checkpoint as ocp
+
+  from orbax_mtc import distributed
+
+  if args.exit_after and args.self_exit:
+    print("--exit-after and --self-exit exclude each other", file=sys.stderr)
+    return EXIT_USAGE
+  if args.hook == "ondemand-write" and not args.marker_dir:
+    print("--hook ondemand-write needs --marker-dir", file=sys.stderr)
+    return EXIT_USAGE
+  if args.hook == "write" and args.hook_step is None:
+    print("--hook write needs --hook-step", file=sys.stderr)
+    return EXIT_USAGE
+  if args.stride < 1 or args.max_steps < 1 or args.after_steps < 0:
+    print("--stride and --max-steps must be >= 1, --after-steps >= 0", file=sys.stderr)
+    return EXIT_USAGE
+
+  distributed.initialize()
+  mesh = make_mesh()
+  me = jax.process_index()
+  ondemand_steps: set[int] = set()
+  with _manager(args, mesh, exit_after_ondemand_checkpoint=True if args.exit_after else None,
+                ondemand_grace_seconds=args.grace_seconds) as mgr:
+    if args.hook == "restore":
+      _install_restore_hook(mgr, me)
+    restored, ok = _restore_and_check(args, mgr, mesh)
+    if not ok:
+      return EXIT_MISMATCH
+    if args.hook in ("write", "ondemand-write"):
+      _install_write_hook(args, mgr, me, ondemand_steps)
+    step = 0 if restored is None else restored + args.stride
+    preempted_at: int | None = None
+    ready = False
+    for _ in range(args.max_steps):
+      state = make_state(mesh, args.rows, args.seed, step)
+      _train_step(state)
+      pre = mgr.reached_preemption(step)
+      if pre:
+        if preempted_at is not None:
+          _out(f"ERROR process={me} step={step} detail=second sync point (first at "
+               f"{preempted_at})")
+          return EXIT_BAD_ONDEMAND
+        preempted_at = step
+        ondemand_steps.add(step)
+        _out(f"PREEMPTED process={me} step={step}")
+      mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+      if not ready:
+        ready = True
+        _out(f"READY process={me} step={step}")
+      again = mgr.reached_preemption(step)
+      if again != pre:
+        _out(f"ERROR process={me} step={step} detail=reached_preemption said {pre} before "
+             f"save and {again} after")
+        return EXIT_BAD_ONDEMAND
+      if pre:
+        _out(f"ONDEMAND-SAVED process={me} step={step} {_ondemand_fields(mgr)}")
+        if args.exit_after:
+          _out(f"ERROR process={me} step={step} detail=save() returned under "
+               "exit_after_ondemand_checkpoint")
+          return EXIT_BAD_ONDEMAND
+      if args.self_exit:
+        if mgr.should_exit():
+          mgr.wait_until_finished()
+          _out(f"EXITING process={me} step={step}")
+          return 0
+        if pre:
+          _out(f"ERROR process={me} step={step} detail=should_exit() False after the "
+               "on-demand save")
+          return EXIT_BAD_ONDEMAND
+      elif preempted_at is not None and step >= preempted_at + args.after_steps * args.stride:
+        mgr.wait_until_finished()
+        _committed(args, mgr)
+        _out(f"DONE process={me} step={step}")
+        return 0
+      step += args.stride
+  _out(f"NO-PREEMPTION process={me} step={step}")
+  return EXIT_NO_PREEMPTION
+
+
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   sub = parser.add_subparsers(dest="cmd", required=True)
@@ -492,6 +688,24 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--data", type=int, required=True, help="data axis size when saved")
   p.add_argument("--model", type=int, required=True, help="model axis size when saved")
   p.set_defaults(fn=cmd_plain_restore)
+
+  p = common(sub.add_parser("preempt"))
+  p.add_argument("--stride", type=int, default=1, help="steps 0, K, 2K, ... after the restore")
+  p.add_argument("--max-steps", type=int, default=200_000,
+                 help="give up (exit 5) after this many steps without a preemption")
+  p.add_argument("--exit-after", action="store_true",
+                 help="exit_after_ondemand_checkpoint=True: save() ends the process")
+  p.add_argument("--self-exit", action="store_true",
+                 help="stop when mgr.should_exit() says so after a save")
+  p.add_argument("--after-steps", type=int, default=0,
+                 help="without an exit mode: steps trained after the on-demand save")
+  p.add_argument("--grace-seconds", type=float, default=None,
+                 help="ondemand_grace_seconds (default: the manager's)")
+  p.add_argument("--hook", choices=("none", "write", "ondemand-write", "restore"),
+                 default="none")
+  p.add_argument("--hook-step", type=int, default=None, help="the step --hook write holds")
+  p.add_argument("--marker-dir", default=None, help="where --hook ondemand-write looks for go")
+  p.set_defaults(fn=cmd_preempt)
   return parser
 
 
@@ -504,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # ----------------------------------------------------------------------------- test helpers
 
-_LINE = re.compile(r"^(?:\[node (\d+)\] )?.*?" + re.escape(MARK) + r" (\w+) ?(.*)$")
+_LINE = re.compile(r"^(?:\[node (\d+)\] )?.*?" + re.escape(MARK) + r" ([\w-]+) ?(.*)$")
 
 
 class LineCollector:
