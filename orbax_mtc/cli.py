@@ -1,4 +1,4 @@
-"""The `orbax-mtc` command: launch, demo, status, verify.
+"""The `orbax-mtc` command: launch, demo, bench, status, verify.
 
 `launch` and `demo` take the rest of the command line as their own arguments; their modules
 (and JAX) are imported only when the verb is used, so `orbax-mtc --help` stays fast.
@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 # Verbs whose arguments are parsed by their own module.
-_PASSTHROUGH = ("launch", "demo")
+_PASSTHROUGH = ("launch", "demo", "bench")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,6 +28,9 @@ def _parser() -> argparse.ArgumentParser:
   verbs.add_parser(
       "demo", add_help=False, help="run the end-to-end demonstration (orbax-mtc demo --help)"
   )
+  verbs.add_parser(
+      "bench", add_help=False,
+      help="benchmarks: `orbax-mtc bench goodput` (orbax-mtc vs Orbax under failures)")
   status = verbs.add_parser("status", help="show the checkpoints held in a directory")
   status.add_argument("directory", help="a local (RAM-disk) or persistent checkpoint directory")
   verify = verbs.add_parser(
@@ -35,6 +38,19 @@ def _parser() -> argparse.ArgumentParser:
   )
   verify.add_argument("directory", help="a local (RAM-disk) or persistent checkpoint directory")
   return parser
+
+
+def _bench(argv: list[str]) -> int:
+  if not argv or argv[0] in ("-h", "--help"):
+    print("usage: orbax-mtc bench goodput [--help | options]")
+    return 0 if argv else 2
+  if argv[0] != "goodput":
+    print(f"orbax-mtc bench: unknown benchmark {argv[0]!r}; available: goodput",
+          file=sys.stderr)
+    return 2
+  from orbax_mtc.bench import goodput
+
+  return int(goodput.main(argv[1:]) or 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,6 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       from orbax_mtc import launch
 
       return launch.main(rest)
+    if verb == "bench":
+      return _bench(rest)
     from orbax_mtc import demo
 
     return int(demo.main(rest) or 0)

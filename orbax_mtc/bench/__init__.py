@@ -1,0 +1,1 @@
+"""`orbax-mtc bench`: measurements of orbax-mtc beside Orbax and the machine's limits."""
