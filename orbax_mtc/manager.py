@@ -391,8 +391,7 @@ class CheckpointManager(ocp.CheckpointManager):
                     "%.0fs)", step, seconds["agreement"], budget)
 
     t = time.time()
-    local_saved = not options.local.read_only and step not in self._local_steps()
-    if local_saved:
+    if not options.local.read_only and step not in self._local_steps():
       self._save_local(step, args)
       self._wait_local()
     seconds["local"] = time.time() - t

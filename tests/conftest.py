@@ -35,6 +35,17 @@ def shm_dir(tmp_path):
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture
+def shm_root(request):
+  """A unique RAM-disk path for one multi-process test's node folders, removed even on
+  failure (the launcher creates it)."""
+  from mp_helpers import new_root
+
+  root = new_root(request.node.name)
+  yield root
+  shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def mesh():
   import jax

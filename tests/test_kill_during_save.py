@@ -29,7 +29,6 @@ Set ORBAX_MTC_KILL_SEED to replay another sequence of kill points; run with -s t
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import random
@@ -37,42 +36,18 @@ import shutil
 import signal
 import sys
 import time
-import uuid
 
 import pytest
+from mp_helpers import WORKER, child_env, mp_worker, tail
 
 from orbax_mtc import launch, local_tier, peer_store, restore_plan
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKER = REPO_ROOT / "tests" / "mp_worker.py"
 LAUNCH_TIMEOUT_S = 90
 SEED = int(os.environ.get("ORBAX_MTC_KILL_SEED", "20241122"))
 ROWS = 65536  # params/w rows per process: 65536 x 64 float32 = 16 MiB of shards per process
 CHAOS_ARGS = ["--rows", str(ROWS), "--seed", "3", "--local-interval", "1", "--local-keep", "2",
               "--persistent-interval", "4", "--persistent-keep", "2"]
 
-_spec = importlib.util.spec_from_file_location("mp_worker", WORKER)
-mp_worker = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(mp_worker)
-
-
-def _child_env() -> dict[str, str]:
-  path = os.environ.get("PYTHONPATH")
-  return {"PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT)}
-
-
-@pytest.fixture
-def shm_root(request):
-  shm = pathlib.Path("/dev/shm")
-  base = shm if shm.is_dir() and os.access(shm, os.W_OK) else pathlib.Path("/tmp")
-  root = base / f"orbax-mtc-killtest-{request.node.name[-12:].strip('[]')}-{os.getpid()}-" \
-                f"{uuid.uuid4().hex[:8]}"
-  yield root
-  shutil.rmtree(root, ignore_errors=True)
-
-
-def _tail(out, n: int = 60) -> str:
-  return "\n".join(out.text().splitlines()[-n:])
 
 
 def _steps_of(out, kind: str, node: int) -> list[int]:
@@ -116,12 +91,12 @@ def expected_restore(root: pathlib.Path, nprocs: int, persistent: pathlib.Path, 
 
 def check_results(out, nprocs: int, expected) -> None:
   results = mp_worker.parse_results(out.lines)
-  assert sorted(results) == list(range(nprocs)), f"missing RESULT lines:\n{_tail(out)}"
+  assert sorted(results) == list(range(nprocs)), f"missing RESULT lines:\n{tail(out)}"
   for node, fields in results.items():
     assert fields["ok"] == "1", f"node {node}: restored data differs: {fields['detail']}"
     assert (fields["step"], fields["tier"]) == (str(expected[0]), expected[1][node]), (
         f"node {node} restored step {fields['step']} from {fields['tier']}, expected step "
-        f"{expected[0]} from {expected[1][node]}\n{_tail(out)}")
+        f"{expected[0]} from {expected[1][node]}\n{tail(out)}")
 
 
 def node_steps(root: pathlib.Path, nprocs: int) -> list[list[int]]:
@@ -174,11 +149,11 @@ def run_chain(nprocs: int, kills: int, root: pathlib.Path, logs: pathlib.Path,
   # chain would otherwise trip over at random.
   out = mp_worker.LineCollector()
   result = launch.run_processes([*command[:2], "save", *command[3:], "--steps", "1"], nprocs,
-                                devices_per_process=2, local_root=root, env=_child_env(),
+                                devices_per_process=2, local_root=root, env=child_env(),
                                 output=out, timeout_s=LAUNCH_TIMEOUT_S)
-  assert result.returncode == 0, f"{result}\n{_tail(out)}"
+  assert result.returncode == 0, f"{result}\n{tail(out)}"
   expected = expected_restore(root, nprocs, persistent, peers)
-  assert expected == (0, ("local",) * nprocs), (expected, _tail(out))
+  assert expected == (0, ("local",) * nprocs), (expected, tail(out))
   summary = []
   tiers = []
   half_written = half_written_backups = 0  # kills that left a half-written step behind
@@ -196,7 +171,7 @@ def run_chain(nprocs: int, kills: int, root: pathlib.Path, logs: pathlib.Path,
     out = mp_worker.LineCollector()
     log_file = logs / f"job{iteration}.log"
     with launch.Job(command if not last else [*command[:2], "restore", *command[3:]], nprocs,
-                    devices_per_process=2, local_root=root, env=_child_env(),
+                    devices_per_process=2, local_root=root, env=child_env(),
                     output=out) as job:
       job.start()
       if last:
@@ -211,7 +186,7 @@ def run_chain(nprocs: int, kills: int, root: pathlib.Path, logs: pathlib.Path,
           os.kill(job.pids[victim], signal.SIGKILL)
       result = job.wait(timeout_s=LAUNCH_TIMEOUT_S)
     log_file.write_text(out.text())
-    context = "\n".join([*summary, f"job {iteration} ({log_file}): {result}", _tail(out)])
+    context = "\n".join([*summary, f"job {iteration} ({log_file}): {result}", tail(out)])
     assert seen, f"no SAVING line in {context}"
     check_results(out, nprocs, expected)
     if last:

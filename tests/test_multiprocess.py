@@ -19,84 +19,31 @@ Wall time on a 2-core machine: about 45 s.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import shutil
 import subprocess
 import sys
-import uuid
 
 import pytest
+from mp_helpers import (
+  WORKER,
+  assert_ok,
+  assert_results,
+  child_env,
+  mp_worker,
+  new_root,
+  run_job,
+  tail,
+)
 
 from orbax_mtc import launch, lkg, local_tier
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKER = REPO_ROOT / "tests" / "mp_worker.py"
-LAUNCH_TIMEOUT_S = 90  # the launcher's own limit: a hang shows as a failed launch ...
-pytestmark = pytest.mark.timeout(240)  # ... well before pytest-timeout fires
-
-_spec = importlib.util.spec_from_file_location("mp_worker", WORKER)
-mp_worker = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(mp_worker)
+# run_job's own 90 s limit makes a hang show as a failed launch, well before this fires.
+pytestmark = pytest.mark.timeout(240)
 
 # The schedule of the shared run: local every 2 steps (keep 2), persistent every 4.
 SAVE_ARGS = ["--local-interval", "2", "--local-keep", "2", "--persistent-interval", "4"]
-
-
-def _child_env() -> dict[str, str]:
-  """Children import orbax_mtc from this checkout, installed or not; no stray job variables."""
-  path = os.environ.get("PYTHONPATH")
-  return {"PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT)}
-
-
-def _shm_base() -> pathlib.Path:
-  shm = pathlib.Path("/dev/shm")
-  return shm if shm.is_dir() and os.access(shm, os.W_OK) else pathlib.Path("/tmp")
-
-
-def _new_root(tag: str) -> pathlib.Path:
-  return _shm_base() / f"orbax-mtc-mptest-{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def shm_root(request):
-  """A unique RAM-disk folder for one test's node folders, removed even on failure."""
-  root = _new_root(request.node.name[:40].replace("[", "-").replace("]", ""))
-  yield root
-  shutil.rmtree(root, ignore_errors=True)
-
-
-def run_job(command: list[str], nprocs: int, root: pathlib.Path, *, devices: int = 2,
-            timeout_s: float = LAUNCH_TIMEOUT_S):
-  """Runs one launcher job of mp_worker; returns (LaunchResult, LineCollector)."""
-  out = mp_worker.LineCollector()
-  with launch.Job([sys.executable, str(WORKER), *command], nprocs, devices_per_process=devices,
-                  local_root=root, env=_child_env(), output=out) as job:
-    job.start()
-    result = job.wait(timeout_s)
-  return result, out
-
-
-def _tail(out, n: int = 60) -> str:
-  return "\n".join(out.text().splitlines()[-n:])
-
-
-def assert_ok(result, out) -> None:
-  assert result.returncode == 0 and not result.timed_out, (
-      f"job failed: {result}\n{_tail(out)}")
-
-
-def assert_results(out, nprocs: int, *, step: int, tier: str) -> None:
-  """Every process restored `step` from `tier` and its shards matched bit for bit."""
-  results = mp_worker.parse_results(out.lines)
-  assert sorted(results) == list(range(nprocs)), f"missing RESULT lines:\n{_tail(out)}"
-  for node, fields in sorted(results.items()):
-    assert fields["ok"] == "1", f"node {node}: restored data differs: {fields['detail']}"
-    assert (fields["step"], fields["tier"]) == (str(step), tier), (
-        f"node {node} restored step {fields['step']} from {fields['tier']}, expected step "
-        f"{step} from {tier}\n{_tail(out)}")
-    assert fields["process"] == str(node)
 
 
 def committed(out) -> dict[int, dict[str, str]]:
@@ -139,15 +86,15 @@ def saved_run(request, tmp_path_factory):
 
   Tests restore from copies (`clone`), so each sees the pristine folders.
   """
-  root = _new_root("saved")
+  root = new_root("saved")
   request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
   persistent = tmp_path_factory.mktemp("saved-persistent") / "ckpt"
   result, out = run_job(["save", "--steps", "11", "--persistent-dir", str(persistent),
                          *SAVE_ARGS], 2, root)
   assert_ok(result, out)
   for node in (0, 1):
-    assert committed(out)[node]["local"] == "8,10", _tail(out)
-    assert committed(out)[node]["persistent"] == "0,4,8", _tail(out)
+    assert committed(out)[node]["local"] == "8,10", tail(out)
+    assert committed(out)[node]["persistent"] == "0,4,8", tail(out)
   return root, persistent
 
 
@@ -202,7 +149,7 @@ def test_replaced_node_recovers_from_its_peer_at_newest_step(saved_run, shm_root
   assert_ok(result, out)
   results = mp_worker.parse_results(out.lines)
   assert [(results[n]["step"], results[n]["tier"], results[n]["ok"]) for n in (0, 1)] == [
-      ("10", "local", "1"), ("10", "peer", "1")], _tail(out)
+      ("10", "local", "1"), ("10", "peer", "1")], tail(out)
   assert verified_steps(shm_root / "node1") == [10]
   assert not lkg_problems(shm_root / "node1")
 
@@ -234,7 +181,7 @@ def test_corrupt_shard_on_one_node_is_replaced_by_its_peer_copy(saved_run, shm_r
   assert_ok(result, out)
   results = mp_worker.parse_results(out.lines)
   assert [(results[n]["step"], results[n]["tier"], results[n]["ok"]) for n in (0, 1)] == [
-      ("10", "local", "1"), ("10", "peer", "1")], _tail(out)
+      ("10", "local", "1"), ("10", "peer", "1")], tail(out)
   assert 10 in verified_steps(shm_root / "node1")
 
 
@@ -257,7 +204,7 @@ def test_persistent_checkpoint_restores_in_one_process_with_one_device(saved_run
   persistent = tmp_path / "persistent"
   shutil.copytree(saved_run[1], persistent, symlinks=True)
   env = {k: v for k, v in os.environ.items() if not k.startswith("ORBAX_MTC_")}
-  env.update(_child_env(), JAX_PLATFORMS="cpu",
+  env.update(child_env(), JAX_PLATFORMS="cpu",
              XLA_FLAGS=launch.merge_xla_flags(env.get("XLA_FLAGS"), 1))
   proc = subprocess.run(
       [sys.executable, str(WORKER), "plain-restore", "--persistent-dir", str(persistent),
@@ -283,7 +230,7 @@ def crashed_run(request, tmp_path_factory):
   8 locally and process 1 does not, then process 1 kills itself: node 0 holds {6, 8}, node 1
   {4, 6}, persistent {0, 5}. The newest step both committed is 6.
   """
-  root = _new_root("crashed")
+  root = new_root("crashed")
   request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
   persistent = tmp_path_factory.mktemp("crashed-persistent") / "ckpt"
   args = ["--persistent-dir", str(persistent), "--local-interval", "2", "--local-keep", "2",
@@ -299,9 +246,9 @@ def crashed_run(request, tmp_path_factory):
 
 def test_restart_after_sigkill_restores_newest_step_every_process_committed(crashed_run):
   crash, out = crashed_run["crash"], crashed_run["crash_out"]
-  assert mp_worker.events(out.lines, "DYING") == [(1, {"process": "1", "step": "8"})], _tail(out)
+  assert mp_worker.events(out.lines, "DYING") == [(1, {"process": "1", "step": "8"})], tail(out)
   # The launcher reports the death by SIGKILL (128+9) and killed the sibling.
-  assert crash.returncode == 137 and crash.returncodes == [137, 137], (crash, _tail(out))
+  assert crash.returncode == 137 and crash.returncodes == [137, 137], (crash, tail(out))
   assert not crash.timed_out
   assert crashed_run["before"] == {0: [6, 8], 1: [4, 6]}
   assert crashed_run["before_persistent"] == [0, 5]
@@ -342,7 +289,7 @@ def test_crash_between_nodes_commits_keeps_a_common_ram_step_with_max_to_keep_1(
           "--local-keep", "1", "--persistent-interval", "5"]
   crash, out = run_job(["save", "--steps", "20", "--die-at-step", "8", "--die-process", "1",
                         *args], 2, shm_root)
-  assert crash.returncodes[1] == 137, (crash, _tail(out))
+  assert crash.returncodes[1] == 137, (crash, tail(out))
   # Node 1 never committed 8; it still holds 6, the newest step both nodes had committed.
   assert verified_steps(shm_root / "node1")[-1] == 6
   result, out = run_job(["restore", *args], 2, shm_root)

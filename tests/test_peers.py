@@ -14,71 +14,32 @@ checks that every process restored the expected step bit for bit (`mp_worker.py`
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import pathlib
 import shutil
-import sys
-import uuid
 
+import mp_helpers
 import pytest
+from mp_helpers import assert_ok, mp_worker, new_root, tail
 
-from orbax_mtc import launch, local_tier, peer_store
+from orbax_mtc import local_tier, peer_store
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKER = REPO_ROOT / "tests" / "mp_worker.py"
 LAUNCH_TIMEOUT_S = 120
 NPROCS = 4
 pytestmark = pytest.mark.timeout(300)
-
-_spec = importlib.util.spec_from_file_location("mp_worker", WORKER)
-mp_worker = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(mp_worker)
 
 SAVE_ARGS = ["--local-interval", "2", "--local-keep", "2", "--persistent-interval", "100"]
 LAYOUTS = {"mixed": ["--replicas", "2"], "fsdp": ["--replicas", "1"],
            "dp": ["--replicas", "2", "--layout", "dp"]}
 
 
-def _child_env() -> dict[str, str]:
-  path = os.environ.get("PYTHONPATH")
-  return {"PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT)}
-
-
-def _new_root(tag: str) -> pathlib.Path:
-  shm = pathlib.Path("/dev/shm")
-  base = shm if shm.is_dir() and os.access(shm, os.W_OK) else pathlib.Path("/tmp")
-  return base / f"orbax-mtc-peertest-{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def shm_root(request):
-  root = _new_root(request.node.name[:30].replace("[", "-").replace("]", ""))
-  yield root
-  shutil.rmtree(root, ignore_errors=True)
-
-
 def run_job(command: list[str], root: pathlib.Path):
-  out = mp_worker.LineCollector()
-  with launch.Job([sys.executable, str(WORKER), *command], NPROCS, devices_per_process=1,
-                  local_root=root, env=_child_env(), output=out) as job:
-    job.start()
-    result = job.wait(LAUNCH_TIMEOUT_S)
-  return result, out
-
-
-def _tail(out, n: int = 60) -> str:
-  return "\n".join(out.text().splitlines()[-n:])
-
-
-def assert_ok(result, out) -> None:
-  assert result.returncode == 0 and not result.timed_out, f"job failed: {result}\n{_tail(out)}"
+  return mp_helpers.run_job(command, NPROCS, root, devices=1, timeout_s=LAUNCH_TIMEOUT_S)
 
 
 def restored(out) -> dict[int, tuple[str, str]]:
   """node -> (step, tier); fails unless every node restored bit-exact data."""
   results = mp_worker.parse_results(out.lines)
-  assert sorted(results) == list(range(NPROCS)), f"missing RESULT lines:\n{_tail(out)}"
+  assert sorted(results) == list(range(NPROCS)), f"missing RESULT lines:\n{tail(out)}"
   for node, fields in results.items():
     assert fields["ok"] == "1", f"node {node}: restored data differs: {fields['detail']}"
   return {node: (fields["step"], fields["tier"]) for node, fields in results.items()}
@@ -100,7 +61,7 @@ def verify_copy(root: pathlib.Path, holder: int, source: int, step: int) -> None
 
 
 def _saved(layout: str, tmp_path_factory, request):
-  root = _new_root(f"saved-{layout}")
+  root = new_root(f"saved-{layout}")
   request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
   persistent = tmp_path_factory.mktemp(f"peers-{layout}") / "ckpt"
   result, out = run_job(["save", "--steps", "11", "--persistent-dir", str(persistent),

@@ -23,25 +23,29 @@ The node that gets the signal is drawn from a seeded RNG (ORBAX_MTC_PREEMPT_SEED
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import pathlib
 import random
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-import uuid
 
 import pytest
+from mp_helpers import (
+  WORKER,
+  assert_ok,
+  assert_results,
+  child_env,
+  mp_worker,
+  started_job,
+  tail,
+)
 
 from orbax_mtc import launch, local_tier, peer_store
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKER = REPO_ROOT / "tests" / "mp_worker.py"
 LAUNCH_TIMEOUT_S = 90  # each job's own limit: a hang shows as a failed job ...
 WAIT_S = 60  # ... as does a line that never comes ...
 pytestmark = pytest.mark.timeout(240)  # ... well before pytest-timeout fires
@@ -52,49 +56,13 @@ ARGS = ["--local-interval", "2", "--persistent-interval", "1000"]
 SECONDS_KEYS = {"agreement", "local", "peers", "persistent", "total"}
 DEFAULT_GRACE_S = 270.0
 
-_spec = importlib.util.spec_from_file_location("mp_worker", WORKER)
-mp_worker = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(mp_worker)
-
-
-def _child_env() -> dict[str, str]:
-  path = os.environ.get("PYTHONPATH")
-  return {"PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT)}
-
-
-def _new_root(tag: str) -> pathlib.Path:
-  shm = pathlib.Path("/dev/shm")
-  base = shm if shm.is_dir() and os.access(shm, os.W_OK) else pathlib.Path("/tmp")
-  return base / f"orbax-mtc-preempt-{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def shm_root(request):
-  """A unique RAM-disk folder for one test's node folders, removed even on failure."""
-  root = _new_root(request.node.name[:30].replace("[", "-").replace("]", ""))
-  yield root
-  shutil.rmtree(root, ignore_errors=True)
 
 
 def _rng(request) -> random.Random:
   return random.Random(f"{SEED}-{request.node.name}")
 
 
-def _tail(out, n: int = 80) -> str:
-  return "\n".join(out.text().splitlines()[-n:])
-
-
 # ----------------------------------------------------------------------------- launching
-
-
-@contextlib.contextmanager
-def started_job(command: list[str], nprocs: int, root: pathlib.Path, *, devices: int = 2):
-  """A running launcher job of mp_worker; every process is SIGKILLed on leaving the block."""
-  out = mp_worker.LineCollector()
-  with launch.Job([sys.executable, str(WORKER), *command], nprocs, devices_per_process=devices,
-                  local_root=root, env=_child_env(), output=out) as job:
-    job.start()
-    yield job, out
 
 
 def run_job(command: list[str], nprocs: int, root: pathlib.Path, *, devices: int = 2):
@@ -103,14 +71,10 @@ def run_job(command: list[str], nprocs: int, root: pathlib.Path, *, devices: int
   return result, out
 
 
-def assert_ok(result, out) -> None:
-  assert result.returncode == 0 and not result.timed_out, f"job failed: {result}\n{_tail(out)}"
-
-
 def _single_env() -> dict[str, str]:
   """One process without `jax.distributed`: no launcher variables, 2 CPU devices."""
   env = {k: v for k, v in os.environ.items() if not k.startswith("ORBAX_MTC_")}
-  env.update(_child_env(), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+  env.update(child_env(), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
              XLA_FLAGS=launch.merge_xla_flags(env.get("XLA_FLAGS"), 2))
   return env
 
@@ -145,7 +109,7 @@ def wait_exit(proc, out) -> int:
   try:
     return proc.wait(timeout=LAUNCH_TIMEOUT_S)
   except subprocess.TimeoutExpired:
-    pytest.fail(f"process still running {LAUNCH_TIMEOUT_S} s later\n{_tail(out)}")
+    pytest.fail(f"process still running {LAUNCH_TIMEOUT_S} s later\n{tail(out)}")
 
 
 # ----------------------------------------------------------------------------- output
@@ -160,7 +124,7 @@ def wait_all(out, kind: str, nodes, timeout_s: float = WAIT_S) -> None:
   wanted = set(nodes)
   if not out.wait_for(lambda lines: wanted <= nodes_with(lines, kind), timeout_s):
     pytest.fail(f"no {kind} line from nodes {sorted(wanted - nodes_with(out.lines, kind))} "
-                f"within {timeout_s} s\n{_tail(out)}")
+                f"within {timeout_s} s\n{tail(out)}")
 
 
 def ondemand_step(out, nprocs: int) -> int:
@@ -168,22 +132,12 @@ def ondemand_step(out, nprocs: int) -> int:
   steps: dict[int, list[int]] = {}
   for node, fields in mp_worker.events(out.lines, "PREEMPTED"):
     steps.setdefault(node, []).append(int(fields["step"]))
-  assert sorted(steps) == list(range(nprocs)), f"PREEMPTED missing on some node\n{_tail(out)}"
+  assert sorted(steps) == list(range(nprocs)), f"PREEMPTED missing on some node\n{tail(out)}"
   assert all(len(s) == 1 for s in steps.values()), f"several sync points: {steps}"
   values = {s[0] for s in steps.values()}
-  assert len(values) == 1, f"nodes disagree on the on-demand step: {steps}\n{_tail(out)}"
-  assert not mp_worker.events(out.lines, "ERROR"), _tail(out)
+  assert len(values) == 1, f"nodes disagree on the on-demand step: {steps}\n{tail(out)}"
+  assert not mp_worker.events(out.lines, "ERROR"), tail(out)
   return values.pop()
-
-
-def assert_results(out, nprocs: int, *, step: int, tier: str) -> None:
-  results = mp_worker.parse_results(out.lines)
-  assert sorted(results) == list(range(nprocs)), f"missing RESULT lines:\n{_tail(out)}"
-  for node, fields in sorted(results.items()):
-    assert fields["ok"] == "1", f"node {node}: restored data differs: {fields['detail']}"
-    assert (fields["step"], fields["tier"]) == (str(step), tier), (
-        f"node {node} restored step {fields['step']} from {fields['tier']}, expected step "
-        f"{step} from {tier}\n{_tail(out)}")
 
 
 # ----------------------------------------------------------------------------- folders
@@ -273,7 +227,7 @@ def test_two_processes_exit_after_ondemand_checkpoint(shm_root, tmp_path, reques
   assert result.returncodes == [0, 0], result
   step = ondemand_step(out, 2)
   # save() did not return at the on-demand step: the manager ended the process.
-  assert not mp_worker.events(out.lines, "ONDEMAND-SAVED"), _tail(out)
+  assert not mp_worker.events(out.lines, "ONDEMAND-SAVED"), tail(out)
   check_ondemand_folders(shm_root, 2, step, persistent, signalled_after=sent)
   restore_job(shm_root, persistent, 2, step)
 
@@ -318,7 +272,7 @@ def test_sigterm_while_an_ordinary_save_is_being_written(shm_root, tmp_path, req
   assert_ok(result, out)
   # Every node's writer saw the notice while it was writing step 4.
   noticed = {n: f["known"] for n, f in mp_worker.events(out.lines, "HOOK-NOTICE")}
-  assert noticed == {0: "1", 1: "1"}, _tail(out)
+  assert noticed == {0: "1", 1: "1"}, tail(out)
   step = ondemand_step(out, 2)
   # reached_preemption(4) had answered before the write of 4 began, so S comes later.
   assert step > 4, step
@@ -342,7 +296,7 @@ def test_second_sigterm_while_the_ondemand_step_is_written(shm_root, tmp_path):
     result = job.wait(LAUNCH_TIMEOUT_S)
   assert_ok(result, out)
   assert result.returncodes == [0, 0], result
-  assert {f["found"] for _, f in mp_worker.events(out.lines, "HOOK-GO")} == {"1"}, _tail(out)
+  assert {f["found"] for _, f in mp_worker.events(out.lines, "HOOK-GO")} == {"1"}, tail(out)
   step = ondemand_step(out, 2)
   hooked = {int(f["step"]) for _, f in mp_worker.events(out.lines, "HOOK-ONDEMAND")}
   assert hooked == {step}, (hooked, step)
@@ -372,9 +326,9 @@ def test_single_process_exit_after_ondemand_checkpoint(shm_root, tmp_path):
     wait_all(out, "READY", [0])
     sent = sigterm(proc.pid)
     code = wait_exit(proc, out)
-  assert code == 0, f"exit status {code}\n{_tail(out)}"
+  assert code == 0, f"exit status {code}\n{tail(out)}"
   step = ondemand_step(out, 1)
-  assert not mp_worker.events(out.lines, "ONDEMAND-SAVED"), _tail(out)
+  assert not mp_worker.events(out.lines, "ONDEMAND-SAVED"), tail(out)
   check_ondemand_folders(shm_root, 1, step, persistent, signalled_after=sent)
   result = _single_restore(local, persistent, "--expect-step", str(step), "--expect-tier",
                            "local")
@@ -391,15 +345,15 @@ def test_single_process_keeps_training_after_ondemand_checkpoint(shm_root, tmp_p
     wait_all(out, "READY", [0])
     sent = sigterm(proc.pid)
     code = wait_exit(proc, out)
-  assert code == 0, f"exit status {code}\n{_tail(out)}"
+  assert code == 0, f"exit status {code}\n{tail(out)}"
   step = ondemand_step(out, 1)
   saved = mp_worker.events(out.lines, "ONDEMAND-SAVED")
-  assert len(saved) == 1 and saved[0][1]["step"] == str(step), _tail(out)
+  assert len(saved) == 1 and saved[0][1]["step"] == str(step), tail(out)
   # mgr.last_ondemand describes it: that step, backed up to the persistent tier.
   assert (saved[0][1].get("info_step"), saved[0][1].get("persistent")) == (str(step), "1"), \
       saved
   done = mp_worker.events(out.lines, "DONE")
-  assert done and done[-1][1].get("step") == str(step + 3), _tail(out)
+  assert done and done[-1][1].get("step") == str(step + 3), tail(out)
   check_ondemand_folders(shm_root, 1, step, persistent, signalled_after=sent, last=False)
   result = _single_restore(local, persistent)
   assert int(result["step"]) >= step, result
@@ -421,7 +375,7 @@ def test_single_process_second_sigterm_while_the_ondemand_step_is_written(shm_ro
     sigterm(proc.pid)
     (markers / "go").touch()
     code = wait_exit(proc, out)
-  assert code == 0, f"exit status {code}\n{_tail(out)}"
+  assert code == 0, f"exit status {code}\n{tail(out)}"
   step = ondemand_step(out, 1)
   check_ondemand_folders(shm_root, 1, step, persistent, signalled_after=sent)
   result = _single_restore(local, persistent, "--expect-step", str(step), "--expect-tier",
@@ -444,7 +398,7 @@ def test_sigterm_during_restore(shm_root, tmp_path, request):
     result = job.wait(LAUNCH_TIMEOUT_S)
   assert_ok(result, out)
   noticed = {n: f["known"] for n, f in mp_worker.events(out.lines, "HOOK-NOTICE")}
-  assert noticed == {0: "1", 1: "1"}, _tail(out)
+  assert noticed == {0: "1", 1: "1"}, tail(out)
   # The interrupted restore still restored step 4 bit for bit, then saved on demand after it.
   assert_results(out, 2, step=4, tier="local")
   step = ondemand_step(out, 2)
@@ -464,8 +418,8 @@ def test_loop_exits_itself_when_should_exit(shm_root, tmp_path, request):
   step = ondemand_step(out, 2)
   saved = dict(mp_worker.events(out.lines, "ONDEMAND-SAVED"))
   exiting = dict(mp_worker.events(out.lines, "EXITING"))
-  assert sorted(saved) == sorted(exiting) == [0, 1], _tail(out)
+  assert sorted(saved) == sorted(exiting) == [0, 1], tail(out)
   for node in range(2):
-    assert saved[node]["step"] == exiting[node]["step"] == str(step), _tail(out)
+    assert saved[node]["step"] == exiting[node]["step"] == str(step), tail(out)
     assert (saved[node].get("info_step"), saved[node].get("persistent")) == (str(step), "1")
   check_ondemand_folders(shm_root, 2, step, persistent, signalled_after=sent)

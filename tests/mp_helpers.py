@@ -1,0 +1,74 @@
+"""What the multi-process tests share: the worker, launching it, reading its event lines."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import pathlib
+import sys
+import uuid
+
+from orbax_mtc import launch
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKER = REPO_ROOT / "tests" / "mp_worker.py"
+
+_spec = importlib.util.spec_from_file_location("mp_worker", WORKER)
+mp_worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mp_worker)
+
+
+def child_env() -> dict[str, str]:
+  """Children import orbax_mtc from this checkout, installed or not."""
+  path = os.environ.get("PYTHONPATH")
+  return {"PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT)}
+
+
+def shm_base() -> pathlib.Path:
+  shm = pathlib.Path("/dev/shm")
+  return shm if shm.is_dir() and os.access(shm, os.W_OK) else pathlib.Path("/tmp")
+
+
+def new_root(tag: str) -> pathlib.Path:
+  """A unique, not yet existing folder on the RAM disk (the caller removes it)."""
+  tag = tag[:40].replace("[", "-").replace("]", "").replace("/", "-")
+  return shm_base() / f"orbax-mtc-test-{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+@contextlib.contextmanager
+def started_job(command: list[str], nprocs: int, root: pathlib.Path, *, devices: int = 2):
+  """A running launcher job of mp_worker; every process is SIGKILLed on leaving the block."""
+  out = mp_worker.LineCollector()
+  with launch.Job([sys.executable, str(WORKER), *command], nprocs, devices_per_process=devices,
+                  local_root=root, env=child_env(), output=out) as job:
+    job.start()
+    yield job, out
+
+
+def run_job(command: list[str], nprocs: int, root: pathlib.Path, *, devices: int = 2,
+            timeout_s: float = 90):
+  """Runs one launcher job of mp_worker; returns (LaunchResult, LineCollector)."""
+  with started_job(command, nprocs, root, devices=devices) as (job, out):
+    result = job.wait(timeout_s)
+  return result, out
+
+
+def tail(out, n: int = 60) -> str:
+  return "\n".join(out.text().splitlines()[-n:])
+
+
+def assert_ok(result, out) -> None:
+  assert result.returncode == 0 and not result.timed_out, f"job failed: {result}\n{tail(out)}"
+
+
+def assert_results(out, nprocs: int, *, step: int, tier: str) -> None:
+  """Every process restored `step` from `tier` and its shards matched bit for bit."""
+  results = mp_worker.parse_results(out.lines)
+  assert sorted(results) == list(range(nprocs)), f"missing RESULT lines:\n{tail(out)}"
+  for node, fields in sorted(results.items()):
+    assert fields["ok"] == "1", f"node {node}: restored data differs: {fields['detail']}"
+    assert (fields["step"], fields["tier"]) == (str(step), tier), (
+        f"node {node} restored step {fields['step']} from {fields['tier']}, expected step "
+        f"{step} from {tier}\n{tail(out)}")
+    assert fields["process"] == str(node)
