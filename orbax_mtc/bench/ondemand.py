@@ -1,9 +1,9 @@
-"""Time from SIGTERM to a durable on-demand checkpoint, against the 5-minute maintenance budget.
+"""`orbax-mtc bench ondemand`: time from SIGTERM to a durable on-demand checkpoint.
 
-  python benchmarks/ondemand_bench.py --mib 64 1024 --procs 2 --reps 3 [--json out.json]
+  orbax-mtc bench ondemand --mib 64 512 --procs 2 --reps 3 [--json out.json]
 
 For each size: `--procs` real JAX processes (1 CPU device each, jax.distributed on localhost)
-hold a state of `--mib` MiB in all, sharded over every process (one replica, so each node's
+hold `--mib` MiB each of a state sharded over every process (one replica, so each node's
 step also goes to its peer), and train (a reduction over the state per step) calling `save`
 every step with `exit_after_ondemand_checkpoint=True`: RAM every 50 steps, persistent (a local
 folder) never by schedule. Once every process has saved once, the driver sends a real SIGTERM
@@ -29,8 +29,6 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 BUDGET_S = 300.0
 
 
@@ -50,7 +48,7 @@ def _worker(args) -> int:
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
   mesh = jax.sharding.Mesh(np.array(devices).reshape(1, -1), ("data", "model"))
   cols = 1024
-  rows = max(n, args.mib[0] * 2**20 // 4 // cols // n * n)
+  rows = max(1, args.mib[0] * 2**20 // 4 // cols) * n
   sharding = NamedSharding(mesh, P("model"))
   w = jax.jit(lambda: jnp.arange(rows * cols, dtype=jnp.float32).reshape(rows, cols),
               out_shardings=sharding)()
@@ -88,21 +86,23 @@ class _Lines:
     pass
 
 
-def _one_run(args, mib: int, root: Path) -> dict:
+def run_once(procs: int, mib: int, root: Path) -> dict:
+  """One job of `procs` processes holding `mib` MiB each; SIGTERM to process 0 once all
+  saved once; the figures of the on-demand save every process then makes."""
   from orbax_mtc import launch
 
   shutil.rmtree(root, ignore_errors=True)
   persistent = root / "persistent"
   out = _Lines()
-  command = [sys.executable, __file__, "--worker", "--mib", str(mib), "--persistent",
-             str(persistent)]
-  with launch.Job(command, args.procs, devices_per_process=1, local_root=root / "local",
+  command = [sys.executable, "-m", "orbax_mtc.bench.ondemand", "--worker", "--mib", str(mib),
+             "--persistent", str(persistent)]
+  with launch.Job(command, procs, devices_per_process=1, local_root=root / "local",
                   env={"TF_CPP_MIN_LOG_LEVEL": "2"}, output=out).start() as job:
     deadline = time.monotonic() + 600
     ready = False
     while not ready and not job.poll() and time.monotonic() < deadline:
       with out.cond:  # woken by output; the timeout only lets a dead job be noticed
-        ready = out.cond.wait_for(lambda: out.text.count("@@bench READY") >= args.procs,
+        ready = out.cond.wait_for(lambda: out.text.count("@@bench READY") >= procs,
                                   timeout=1.0)
     if not ready:
       raise RuntimeError("workers did not start:\n" + out.text[-3000:])
@@ -112,7 +112,7 @@ def _one_run(args, mib: int, root: Path) -> dict:
   if result.returncode != 0:
     raise RuntimeError(f"job exited {result.returncodes}:\n{out.text[-3000:]}")
   records = []
-  for i in range(args.procs):
+  for i in range(procs):
     node = root / "local" / f"node{i}"
     found = [p for p in node.glob("*/ondemand.json") if p.parent.name.isdigit()]
     if len(found) != 1:
@@ -139,14 +139,14 @@ def _driver(args) -> int:
   try:
     for mib in args.mib:
       for rep in range(args.reps):
-        run = _one_run(args, mib, root)
+        run = run_once(args.procs, mib, root)
         runs.append(run)
         print(f"{mib} MiB rep {rep}: SIGTERM -> durable {run['sigterm_to_durable_s']:.2f}s "
               f"(step {run['step']}; local {run['local_s']:.2f}s, peers {run['peers_s']:.2f}s, "
               f"persistent {run['persistent_s']:.2f}s)", flush=True)
   finally:
     shutil.rmtree(root, ignore_errors=True)
-  print(f"\n| state (all processes) | SIGTERM -> durable | of 300 s | JAX notice | agreement | "
+  print(f"\n| state per process | SIGTERM -> durable | of 300 s | JAX notice | agreement | "
         f"local | peers | persistent |  ({args.procs} processes, median of {args.reps})")
   print("|---|---|---|---|---|---|---|---|")
   summary = []
@@ -169,15 +169,16 @@ def _driver(args) -> int:
   return 0
 
 
-def main() -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--mib", type=int, nargs="+", default=[64, 1024])
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="orbax-mtc bench ondemand",
+                                   description=__doc__.split("\n")[0])
+  parser.add_argument("--mib", type=int, nargs="+", default=[64, 512], help="MiB per process")
   parser.add_argument("--procs", type=int, default=2)
   parser.add_argument("--reps", type=int, default=3)
   parser.add_argument("--json", default=None)
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--persistent", default=None, help=argparse.SUPPRESS)
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   if args.worker:
     return _worker(args)
   return _driver(args)

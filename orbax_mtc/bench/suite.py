@@ -1,0 +1,402 @@
+"""`orbax-mtc bench suite`: orbax-mtc beside the machine's limits and Orbax, in one run.
+
+For each process count (`--procs`), one job of that many real JAX processes (one CPU device
+each, jax.distributed on localhost) runs `suite_worker` over every state size that fits this
+machine; then, per process count and size, `--ondemand-reps` jobs are sent a real SIGTERM
+(`ondemand.run_once`). Every figure is the median of `--reps` repetitions (min and max kept),
+timed on the slowest process. Outputs under `--out`: `suite.json` (every raw figure, the
+environment, what was skipped and why), `suite.md` (ratios: ours / limit, ours / Orbax) and
+`suite.png` (bandwidth vs state size; needs matplotlib, `pip install 'orbax-mtc[bench]'`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# Peak memory of one process for one size, in multiples of the state: the state, its host
+# copy, the memcpy target, the raw file, the one-replica copy of the state and the local tier's
+# files (step, peer copy) at the replication phase.
+PEAK_STATE_MULTIPLE = 6
+TARGETS = {  # name: (limit, higher is better)
+    "local save / raw write": (0.6, True),
+    "restore / raw read": (0.6, True),
+    "save blocking / memcpy": (1.25, False),
+    "recovery / local restore": (1.5, False),
+    "loop overhead, local save every 10 steps": (0.05, False),
+}
+
+
+def plan_runs(procs: Sequence[int], sizes_mib: Sequence[int],
+              available_bytes: int) -> tuple[dict[int, list[int]], list[dict[str, Any]]]:
+  """Which sizes each process count runs, and the combinations skipped for memory (pure)."""
+  runs: dict[int, list[int]] = {}
+  skipped = []
+  for n in procs:
+    for mib in sorted(sizes_mib):
+      need = n * mib * 2**20 * PEAK_STATE_MULTIPLE
+      if need <= available_bytes:
+        runs.setdefault(n, []).append(mib)
+      else:
+        skipped.append({"procs": n, "mib": mib, "why": (
+            f"needs about {need / 2**30:.1f} GiB of memory and RAM disk "
+            f"({PEAK_STATE_MULTIPLE}x the state per process), "
+            f"{available_bytes / 2**30:.1f} GiB available")})
+  return runs, skipped
+
+
+def available_memory() -> int:
+  """Bytes both free in memory and on /dev/shm (the RAM disk lives in memory), less 10 %."""
+  avail = None
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          avail = int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
+  values = [v for v in (avail, shm) if v is not None]
+  return int(min(values) * 0.9) if values else 8 * 2**30
+
+
+def _median(samples: Sequence[float] | None) -> float:
+  return statistics.median(samples) if samples else float("nan")
+
+
+def summarize(record: dict[str, Any], ondemand: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+  """Bandwidths, ratios and target checks for one (procs, size) record (pure)."""
+  sec = record["seconds"]
+  nbytes = record["bytes_per_process"]
+
+  def med(key: str) -> float:
+    return _median(sec.get(key))
+
+  def gbps(key: str) -> float:
+    return nbytes / med(key) / 1e9
+
+  def ratio(a: float, b: float) -> float:
+    return a / b if b and b == b and a == a else float("nan")
+
+  out: dict[str, Any] = {"procs": record["procs"], "mib": record["mib"],
+                         "bytes_per_process": nbytes}
+  for key in ("memcpy", "raw_write_new", "raw_write_overwrite", "raw_read", "raw_ppermute",
+              "raw_broadcast", "mtc_save", "mtc_restore", "orbax_save", "orbax_restore",
+              "emergency_save", "emergency_restore"):
+    if f"{key}_s" in sec:
+      out[f"{key}_gbps"] = gbps(f"{key}_s")
+  for key in ("memcpy", "mtc_blocking", "orbax_blocking", "emergency_blocking"):
+    if f"{key}_s" in sec:
+      out[f"{key}_s"] = med(f"{key}_s")
+  raw_write = max(out.get("raw_write_new_gbps", float("nan")),
+                  out.get("raw_write_overwrite_gbps", float("nan")))
+  ratios = {
+      "local save / raw write": ratio(out.get("mtc_save_gbps", float("nan")), raw_write),
+      "restore / raw read": ratio(out.get("mtc_restore_gbps", float("nan")),
+                                  out.get("raw_read_gbps", float("nan"))),
+      "save blocking / memcpy": ratio(med("mtc_blocking_s"), med("memcpy_s")),
+  }
+  for layout in ("ring", "twin"):
+    if f"mtc_recovery_{layout}_s" in sec:
+      out[f"recovery_{layout}_s"] = med(f"mtc_recovery_{layout}_s")
+      out[f"local_restore_{layout}_s"] = med(f"mtc_local_restore_{layout}_s")
+      ratios[f"recovery / local restore ({layout})"] = ratio(
+          out[f"recovery_{layout}_s"], out[f"local_restore_{layout}_s"])
+      moved = _median(sec.get(f"mtc_replication_{layout}_bytes"))
+      out[f"replication_{layout}_bytes"] = moved
+      out[f"replication_{layout}_s"] = med(f"mtc_replication_{layout}_s")
+  if "mtc_replication_ring_s" in sec and "raw_ppermute_s" in sec:
+    ring_gbps = out["replication_ring_bytes"] / out["replication_ring_s"] / 1e9
+    out["replication_ring_gbps"] = ring_gbps
+    ratios["replication / raw ppermute"] = ratio(ring_gbps, out["raw_ppermute_gbps"])
+  if "loop_plain_s" in sec:
+    plain = med("loop_plain_s")
+    for key, name in (("loop_local_s", "loop overhead, local save every 10 steps"),
+                      ("loop_peers_s", "loop overhead, with peers")):
+      if key in sec:
+        ratios[name] = med(key) / plain - 1
+  for ours, theirs in (("mtc_save_gbps", "orbax_save_gbps"),
+                       ("mtc_restore_gbps", "orbax_restore_gbps"),
+                       ("mtc_save_gbps", "emergency_save_gbps"),
+                       ("mtc_restore_gbps", "emergency_restore_gbps")):
+    if ours in out and theirs in out:
+      ratios[f"{ours[:-5]} / {theirs[:-5]}"] = ratio(out[ours], out[theirs])
+  for theirs in ("orbax_blocking_s", "emergency_blocking_s"):
+    if theirs in out:
+      ratios[f"{theirs[:-2]} / mtc_blocking"] = ratio(out[theirs], out["mtc_blocking_s"])
+  out["ratios"] = ratios
+  out["targets"] = {}
+  for name, (limit, higher) in TARGETS.items():
+    keys = [k for k in ratios if k == name or k.startswith(name + " (")]
+    for key in keys:
+      value = ratios[key]
+      out["targets"][key] = {"value": value, "limit": limit,
+                             "met": bool(value >= limit if higher else value <= limit)}
+  if ondemand:
+    out["ondemand_s"] = _median([r["sigterm_to_durable_s"] for r in ondemand])
+    out["ondemand_parts_s"] = {k: _median([r[f"{k}_s"] for r in ondemand])
+                               for k in ("notice", "agreement", "local", "peers", "persistent")}
+  out["spread"] = {k: {"min": min(v), "max": max(v), "n": len(v)}
+                   for k, v in sec.items() if v}
+  out["notes"] = record.get("notes", {})
+  return out
+
+
+def _fmt(value: float, digits: int = 2, suffix: str = "") -> str:
+  if value is None or value != value:
+    return "-"
+  return f"{value:.{digits}f}{suffix}"
+
+
+def markdown(rows: Sequence[dict[str, Any]], skipped: Sequence[dict[str, Any]],
+             command: str) -> str:
+  """The ratio tables (pure)."""
+  lines = [f"`{command}`", "",
+           "Targets (orbax-mtc / limit measured in the same run; medians, slowest process):", "",
+           "| procs | MiB/proc | local save / raw write (≥0.6) | restore / raw read (≥0.6) | "
+           "blocking / memcpy (≤1.25) | recovery / local restore (≤1.5): ring, twin | "
+           "loop overhead (≤5 %): local, peers | replication / ppermute |",
+           "|---|---|---|---|---|---|---|---|"]
+
+  def mark(row, key, digits=2, pct=False):
+    target = row["targets"].get(key)
+    value = row["ratios"].get(key, float("nan"))
+    text = _fmt(100 * value, 1, " %") if pct else _fmt(value, digits, "x")
+    if target is not None and value == value:
+      text += " ✓" if target["met"] else " ✗"
+    return text
+
+  for row in rows:
+    r = row["ratios"]
+    lines.append(
+        f"| {row['procs']} | {row['mib']} | {mark(row, 'local save / raw write')} | "
+        f"{mark(row, 'restore / raw read')} | {mark(row, 'save blocking / memcpy')} | "
+        f"{mark(row, 'recovery / local restore (ring)')}, "
+        f"{mark(row, 'recovery / local restore (twin)')} | "
+        f"{mark(row, 'loop overhead, local save every 10 steps', pct=True)}, "
+        f"{_fmt(100 * r.get('loop overhead, with peers', float('nan')), 1, ' %')} | "
+        f"{_fmt(r.get('replication / raw ppermute', float('nan')), 2, 'x')} |")
+  lines += ["", "orbax-mtc against Orbax on the same RAM disk (higher is better for orbax-mtc):",
+            "", "| procs | MiB/proc | save vs ocp.CheckpointManager | restore vs "
+            "ocp.CheckpointManager | blocking: Orbax / ours | save vs emergency | restore vs "
+            "emergency | blocking: emergency / ours | SIGTERM -> durable |",
+            "|---|---|---|---|---|---|---|---|---|"]
+  for row in rows:
+    r = row["ratios"]
+    lines.append(
+        f"| {row['procs']} | {row['mib']} | {_fmt(r.get('mtc_save / orbax_save'), 2, 'x')} | "
+        f"{_fmt(r.get('mtc_restore / orbax_restore'), 2, 'x')} | "
+        f"{_fmt(r.get('orbax_blocking / mtc_blocking'), 1, 'x')} | "
+        f"{_fmt(r.get('mtc_save / emergency_save'), 2, 'x')} | "
+        f"{_fmt(r.get('mtc_restore / emergency_restore'), 2, 'x')} | "
+        f"{_fmt(r.get('emergency_blocking / mtc_blocking'), 1, 'x')} | "
+        f"{_fmt(row.get('ondemand_s'), 2, ' s')} |")
+  lines += ["", "Bandwidths, GB/s per process (median):", "",
+            "| procs | MiB/proc | memcpy | raw write new / overwrite | raw read | ppermute | "
+            "broadcast | ours save | ours restore | Orbax save / restore | emergency save / "
+            "restore | ours blocking | replication ring |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for row in rows:
+    g = row.get
+    lines.append(
+        f"| {row['procs']} | {row['mib']} | {_fmt(g('memcpy_gbps'), 1)} | "
+        f"{_fmt(g('raw_write_new_gbps'))} / {_fmt(g('raw_write_overwrite_gbps'))} | "
+        f"{_fmt(g('raw_read_gbps'))} | {_fmt(g('raw_ppermute_gbps'))} | "
+        f"{_fmt(g('raw_broadcast_gbps'))} | {_fmt(g('mtc_save_gbps'))} | "
+        f"{_fmt(g('mtc_restore_gbps'))} | {_fmt(g('orbax_save_gbps'))} / "
+        f"{_fmt(g('orbax_restore_gbps'))} | {_fmt(g('emergency_save_gbps'))} / "
+        f"{_fmt(g('emergency_restore_gbps'))} | {_fmt(1e3 * g('mtc_blocking_s', float('nan')), 1, ' ms')} | "
+        f"{_fmt(g('replication_ring_gbps'))} |")
+  if skipped:
+    lines += ["", "Skipped: " + "; ".join(
+        f"{s['procs']} x {s['mib']} MiB ({s['why']})" for s in skipped) + "."]
+  notes = sorted({v for row in rows for v in row.get("notes", {}).values()})
+  if notes:
+    lines += ["", "Notes: " + " ".join(f"Orbax emergency: {n}." for n in notes)]
+  return "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[dict[str, Any]], path: Path) -> str | None:
+  """Bandwidth vs state size, one panel per process count; returns why not, if not."""
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return "matplotlib is not installed: pip install 'orbax-mtc[bench]'"
+  procs = sorted({r["procs"] for r in rows})
+  fig, axes = plt.subplots(1, len(procs), figsize=(5 * len(procs), 4), squeeze=False)
+  series = [("raw_write_overwrite_gbps", "raw write (overwrite)", "k--"),
+            ("raw_read_gbps", "raw read", "k:"),
+            ("mtc_save_gbps", "orbax-mtc save", "C0-o"),
+            ("mtc_restore_gbps", "orbax-mtc restore", "C0-s"),
+            ("orbax_save_gbps", "Orbax save", "C1-o"),
+            ("orbax_restore_gbps", "Orbax restore", "C1-s"),
+            ("emergency_save_gbps", "Orbax emergency save", "C2-o"),
+            ("emergency_restore_gbps", "Orbax emergency restore", "C2-s"),
+            ("replication_ring_gbps", "orbax-mtc replication", "C3-^"),
+            ("raw_ppermute_gbps", "raw ppermute", "C3:")]
+  for ax, n in zip(axes[0], procs, strict=True):
+    mine = sorted((r for r in rows if r["procs"] == n), key=lambda r: r["mib"])
+    for key, label, style in series:
+      points = [(r["mib"], r[key]) for r in mine if key in r]
+      if points:
+        ax.plot(*zip(*points, strict=True), style, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("state per process (MiB)")
+    ax.set_ylabel("GB/s per process")
+    ax.set_title(f"{n} process{'es' if n > 1 else ''}")
+    ax.grid(True, alpha=0.3)
+  axes[0][-1].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return None
+
+
+def _no_nan(value: Any) -> Any:
+  """NaN (a figure not measured) as null, so the JSON is strict."""
+  if isinstance(value, float) and value != value:
+    return None
+  if isinstance(value, dict):
+    return {k: _no_nan(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_no_nan(v) for v in value]
+  return value
+
+
+class _Collect:
+  def __init__(self, echo: bool):
+    self.text = ""
+    self.echo = echo
+
+  def write(self, text: str) -> int:
+    self.text += text
+    if self.echo and "@@suite" in text:
+      print(f"  measured {json.loads(text.split('@@suite ', 1)[1])['mib']} MiB", flush=True)
+    return len(text)
+
+  def flush(self) -> None:
+    pass
+
+
+def _run_job(args, n: int, sizes: list[int], scratch: Path) -> list[dict[str, Any]]:
+  from orbax_mtc import launch
+
+  persistent = scratch / "persistent"
+  shared = scratch / "shared"
+  for folder in (persistent, shared):
+    folder.mkdir(parents=True, exist_ok=True)
+  command = [sys.executable, "-m", "orbax_mtc.bench.suite_worker",
+             "--sizes", *map(str, sizes), "--reps", str(args.reps),
+             "--persistent", str(persistent), "--shared-local", str(shared),
+             "--loop-steps", str(args.loop_steps), "--save-every", str(args.save_every),
+             "--step-ms", str(args.step_ms), "--contenders", *args.contenders]
+  out = _Collect(echo=not args.quiet)
+  try:
+    result = launch.run_processes(command, n, devices_per_process=1,
+                                  local_root=scratch / "local",
+                                  env={"TF_CPP_MIN_LOG_LEVEL": "2"}, output=out,
+                                  timeout_s=args.timeout_s)
+  finally:
+    shutil.rmtree(scratch, ignore_errors=True)
+  records = [json.loads(line.split("@@suite ", 1)[1]) for line in out.text.splitlines()
+             if "@@suite " in line]
+  if result.returncode != 0 or len(records) != len(sizes):
+    raise RuntimeError(f"suite job with {n} processes failed (exit {result.returncodes}):\n"
+                       + out.text[-6000:])
+  return records
+
+
+def _environment() -> dict[str, Any]:
+  import platform
+
+  import jax
+  import orbax.checkpoint as ocp
+
+  return {"python": platform.python_version(), "jax": jax.__version__,
+          "orbax_checkpoint": ocp.__version__, "cpus": os.cpu_count(),
+          "machine": platform.machine(), "platform": platform.platform(),
+          "memory_available_bytes": available_memory(), "time": time.time()}
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="orbax-mtc bench suite",
+                                   description=__doc__.split("\n\n")[0])
+  parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096],
+                      help="state MiB per process (combinations that do not fit are skipped)")
+  parser.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4])
+  parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--ondemand-reps", type=int, default=1,
+                      help="SIGTERM jobs per process count and size (0: none)")
+  parser.add_argument("--loop-steps", type=int, default=30)
+  parser.add_argument("--save-every", type=int, default=10)
+  parser.add_argument("--step-ms", type=float, default=200.0,
+                      help="training step length in the loop-overhead figure (device time)")
+  parser.add_argument("--contenders", nargs="+",
+                      default=["limits", "orbax", "emergency", "mtc", "loop"])
+  parser.add_argument("--out", default="bench-out", help="folder for suite.json/md/png")
+  parser.add_argument("--scratch", default="/dev/shm",
+                      help="RAM disk under which the jobs' folders are made (and removed)")
+  parser.add_argument("--max-memory-gib", type=float, default=None,
+                      help="memory the suite may plan for (default: what is free)")
+  parser.add_argument("--timeout-s", type=float, default=3600)
+  parser.add_argument("--quiet", action="store_true")
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  if args.reps < 1:
+    raise SystemExit("orbax-mtc bench suite: --reps must be at least 1")
+  if any(n < 1 for n in args.procs) or any(m < 1 for m in args.sizes):
+    raise SystemExit("orbax-mtc bench suite: --procs and --sizes must be positive")
+  from orbax_mtc.bench import ondemand
+
+  budget = int(args.max_memory_gib * 2**30) if args.max_memory_gib else available_memory()
+  runs, skipped = plan_runs(args.procs, args.sizes, budget)
+  out_dir = Path(args.out)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  records: list[dict[str, Any]] = []
+  ondemand_runs: list[dict[str, Any]] = []
+  started = time.time()
+  for n, sizes in sorted(runs.items()):
+    if not args.quiet:
+      print(f"{n} process(es): sizes {sizes} MiB", flush=True)
+    scratch = Path(tempfile.mkdtemp(prefix="orbax-mtc-suite-", dir=args.scratch))
+    records += _run_job(args, n, sizes, scratch)
+    for mib in sizes:
+      for _ in range(args.ondemand_reps):
+        root = Path(tempfile.mkdtemp(prefix="orbax-mtc-suite-ondemand-", dir=args.scratch))
+        try:
+          ondemand_runs.append({"procs": n, **ondemand.run_once(n, mib, root)})
+        finally:
+          shutil.rmtree(root, ignore_errors=True)
+  rows = [summarize(r, [o for o in ondemand_runs if o["procs"] == r["procs"]
+                        and o["mib"] == r["mib"]]) for r in records]
+  command = "orbax-mtc bench suite " + " ".join(argv if argv is not None else sys.argv[1:])
+  why_no_plot = plot(rows, out_dir / "suite.png")
+  text = markdown(rows, skipped, command.strip())
+  if why_no_plot:
+    text += f"\nNo plot: {why_no_plot}.\n"
+  (out_dir / "suite.md").write_text(text)
+  (out_dir / "suite.json").write_text(json.dumps({
+      "args": vars(args), "environment": _environment(), "wall_s": time.time() - started,
+      "skipped": skipped, "runs": records, "ondemand": ondemand_runs,
+      "summary": _no_nan(rows)}, indent=1, allow_nan=False))
+  print(text)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,128 @@
+"""`orbax-mtc bench suite`: planning and ratio arithmetic (pure), and a small real run.
+
+The smoke run checks that the three outputs exist and are well formed and that every planned
+(processes, size) pair was measured by every contender; it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from orbax_mtc.bench import limits, suite
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_plan_runs_skips_what_does_not_fit_and_says_why():
+  runs, skipped = suite.plan_runs([1, 2, 4], [64, 1024, 4096], available_bytes=20 * 2**30)
+  assert runs == {1: [64, 1024], 2: [64, 1024], 4: [64]}
+  assert {(s["procs"], s["mib"]) for s in skipped} == {(1, 4096), (2, 4096), (4, 1024),
+                                                        (4, 4096)}
+  assert all("GiB" in s["why"] and "available" in s["why"] for s in skipped)
+
+
+def _record(**extra):
+  mib = 2**20
+  seconds = {
+      "memcpy_s": [0.010, 0.012, 0.011], "raw_write_new_s": [0.050, 0.060],
+      "raw_write_overwrite_s": [0.020], "raw_read_s": [0.010], "raw_ppermute_s": [0.1],
+      "mtc_save_s": [0.040], "mtc_blocking_s": [0.011], "mtc_restore_s": [0.020],
+      "orbax_save_s": [0.4], "orbax_blocking_s": [0.1], "orbax_restore_s": [0.1],
+      "mtc_replication_ring_s": [0.2], "mtc_replication_ring_bytes": [50.0 * mib],
+      "mtc_local_restore_ring_s": [0.1], "mtc_recovery_ring_s": [0.3],
+      "loop_plain_s": [10.0], "loop_local_s": [10.2], **extra}
+  return {"procs": 2, "mib": 100, "bytes_per_process": 100 * mib, "replicas": 1,
+          "seconds": seconds, "notes": {}}
+
+
+def test_summarize_computes_ratios_against_limits_and_orbax():
+  row = suite.summarize(_record(), [{"sigterm_to_durable_s": 2.0, "notice_s": 0.5,
+                                     "agreement_s": 0.1, "local_s": 0.2, "peers_s": 0.3,
+                                     "persistent_s": 0.4}])
+  r = row["ratios"]
+  assert r["local save / raw write"] == pytest.approx(0.020 / 0.040)  # vs the faster write
+  assert r["restore / raw read"] == pytest.approx(0.5)
+  assert r["save blocking / memcpy"] == pytest.approx(1.0)
+  assert r["recovery / local restore (ring)"] == pytest.approx(3.0)
+  assert r["replication / raw ppermute"] == pytest.approx((50 / 0.2) / (100 / 0.1))
+  assert r["loop overhead, local save every 10 steps"] == pytest.approx(0.02)
+  assert r["mtc_save / orbax_save"] == pytest.approx(10.0)
+  assert r["orbax_blocking / mtc_blocking"] == pytest.approx(0.1 / 0.011)
+  t = row["targets"]
+  assert t["local save / raw write"]["met"] is False
+  assert t["save blocking / memcpy"]["met"] is True
+  assert t["recovery / local restore (ring)"]["met"] is False
+  assert t["loop overhead, local save every 10 steps"]["met"] is True
+  assert row["ondemand_s"] == 2.0 and row["spread"]["memcpy_s"] == {"min": 0.010,
+                                                                    "max": 0.012, "n": 3}
+  text = suite.markdown([row], [{"procs": 4, "mib": 4096, "why": "needs 96 GiB"}], "cmd")
+  assert "| 2 | 100 | 0.50x ✗ | 0.50x ✗ | 1.00x ✓ | 3.00x ✗, - |" in text
+  assert "10.00x" in text and "4 x 4096 MiB (needs 96 GiB)" in text
+
+
+def test_summarize_leaves_unmeasured_contenders_out():
+  row = suite.summarize({"procs": 1, "mib": 8, "bytes_per_process": 8 * 2**20, "replicas": 1,
+                         "seconds": {"memcpy_s": [0.01], "mtc_blocking_s": [0.02]}})
+  assert set(row["ratios"]) == {"local save / raw write", "restore / raw read",
+                                "save blocking / memcpy"}
+  assert row["ratios"]["local save / raw write"] != row["ratios"]["local save / raw write"]
+  assert "recovery / local restore (ring)" not in row["targets"]
+
+
+def test_limits_raw_write_and_read_round_trip(tmp_path):
+  data = (limits.np.arange(3 * 2**20 + 7) % 251).astype(limits.np.uint8)
+  path = str(tmp_path / "raw.bin")
+  limits.raw_write(path, data, overwrite=False)
+  limits.raw_write(path, data, overwrite=True)
+  assert limits.np.array_equal(limits.raw_read(path), data)
+  assert limits.spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+
+
+@pytest.mark.timeout(500)
+def test_suite_smoke_run(tmp_path):
+  shm = pathlib.Path("/dev/shm")
+  base = shm if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path
+  scratch = base / f"orbax-mtc-suite-test-{uuid.uuid4().hex[:8]}"
+  scratch.mkdir()
+  out = tmp_path / "out"
+  env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+  try:
+    done = subprocess.run(
+        [sys.executable, "-m", "orbax_mtc", "bench", "suite", "--sizes", "1", "3",
+         "--procs", "1", "2", "--reps", "1", "--loop-steps", "4", "--save-every", "2",
+         "--step-ms", "5", "--out", str(out), "--scratch", str(scratch), "--quiet"],
+        env=env, capture_output=True, text=True, timeout=480, start_new_session=True)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert list(scratch.iterdir()) == []
+  finally:
+    subprocess.run(["rm", "-rf", str(scratch)], check=False)
+
+  def no_nan(token):
+    raise AssertionError(f"non-JSON number {token} in suite.json")
+
+  raw = json.loads((out / "suite.json").read_text(), parse_constant=no_nan)
+  assert raw["environment"]["jax"] and raw["environment"]["orbax_checkpoint"]
+  assert {(r["procs"], r["mib"]) for r in raw["summary"]} == {(1, 1), (1, 3), (2, 1), (2, 3)}
+  assert len(raw["ondemand"]) == 4
+  for run in raw["runs"]:
+    seconds = run["seconds"]
+    expected = {"memcpy_s", "raw_write_new_s", "raw_read_s", "orbax_save_s", "mtc_save_s",
+                "mtc_blocking_s", "mtc_restore_s", "loop_plain_s", "loop_local_s"}
+    if run["procs"] == 2:
+      expected |= {"raw_ppermute_s", "raw_broadcast_s", "emergency_save_s",
+                   "emergency_restore_s", "mtc_replication_ring_s", "mtc_recovery_ring_s",
+                   "mtc_recovery_twin_s", "loop_peers_s"}
+    assert expected <= set(seconds), expected - set(seconds)
+    assert all(len(v) >= 1 and all(x > 0 for x in v) for v in seconds.values())
+  for row in raw["summary"]:
+    assert row["mtc_save_gbps"] > 0 and row["ondemand_s"] > 0
+  table = (out / "suite.md").read_text()
+  assert table.count("\n| 1 | ") == 6 and table.count("\n| 2 | ") == 6  # 2 sizes x 3 tables
+  assert (out / "suite.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
