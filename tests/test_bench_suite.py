@@ -22,9 +22,10 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def test_plan_runs_skips_what_does_not_fit_and_says_why():
   runs, skipped = suite.plan_runs([1, 2, 4], [64, 1024, 4096], available_bytes=20 * 2**30)
-  assert runs == {1: [64, 1024], 2: [64, 1024], 4: [64]}
-  assert {(s["procs"], s["mib"]) for s in skipped} == {(1, 4096), (2, 4096), (4, 1024),
-                                                        (4, 4096)}
+  # Each process needs 10x its state plus 0.5 GiB: 2 x 1024 MiB needs 21 GiB.
+  assert runs == {1: [64, 1024], 2: [64], 4: [64]}
+  assert {(s["procs"], s["mib"]) for s in skipped} == {(1, 4096), (2, 1024), (2, 4096),
+                                                        (4, 1024), (4, 4096)}
   assert all("GiB" in s["why"] and "available" in s["why"] for s in skipped)
 
 

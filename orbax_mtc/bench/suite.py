@@ -23,10 +23,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# Peak memory of one process for one size, in multiples of the state: the state, its host
-# copy, the memcpy target, the raw file, the one-replica copy of the state and the local tier's
-# files (step, peer copy) at the replication phase.
-PEAK_STATE_MULTIPLE = 6
+# Peak memory of one process for one size, in multiples of the state, measured by the worker
+# (`peak_rss_bytes` in suite.json): up to 7x in memory (the ring phase holds the state, its
+# one-replica copy, a restore and the transport's buffers; Orbax's restore about 5x) plus the
+# RAM-disk files alive at once (step, peer copy, raw file).
+PEAK_STATE_MULTIPLE = 10
+RUNTIME_BYTES_PER_PROCESS = 2**29  # Python, JAX and XLA before any state
 TARGETS = {  # name: (limit, higher is better)
     "local save / raw write": (0.6, True),
     "restore / raw read": (0.6, True),
@@ -43,13 +45,13 @@ def plan_runs(procs: Sequence[int], sizes_mib: Sequence[int],
   skipped = []
   for n in procs:
     for mib in sorted(sizes_mib):
-      need = n * mib * 2**20 * PEAK_STATE_MULTIPLE
+      need = n * (mib * 2**20 * PEAK_STATE_MULTIPLE + RUNTIME_BYTES_PER_PROCESS)
       if need <= available_bytes:
         runs.setdefault(n, []).append(mib)
       else:
         skipped.append({"procs": n, "mib": mib, "why": (
             f"needs about {need / 2**30:.1f} GiB of memory and RAM disk "
-            f"({PEAK_STATE_MULTIPLE}x the state per process), "
+            f"({PEAK_STATE_MULTIPLE}x the state and 0.5 GiB per process), "
             f"{available_bytes / 2**30:.1f} GiB available")})
   return runs, skipped
 
@@ -67,6 +69,18 @@ def available_memory() -> int:
   shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
   values = [v for v in (avail, shm) if v is not None]
   return int(min(values) * 0.9) if values else 8 * 2**30
+
+
+def prewarm_memory(nbytes: int, piece: int = 2**30) -> None:
+  """Touches `nbytes` of fresh memory once, then frees it. A VM's host backs guest memory on
+  first touch (seconds per GiB on this kind of VM, against a fraction of a second afterwards);
+  without this, whichever contender first grows the process pays for it."""
+  import numpy as np
+
+  held = []
+  for start in range(0, nbytes, piece):
+    held.append(np.ones(min(piece, nbytes - start), dtype=np.uint8))
+  del held
 
 
 def _median(samples: Sequence[float] | None) -> float:
@@ -290,7 +304,9 @@ class _Collect:
     pass
 
 
-def _run_job(args, n: int, sizes: list[int], scratch: Path) -> list[dict[str, Any]]:
+def _run_job(args, n: int, sizes: list[int],
+             scratch: Path) -> tuple[list[dict[str, Any]], str | None]:
+  """Runs one job for every size; returns its records and why it failed (None: it did not)."""
   from orbax_mtc import launch
 
   persistent = scratch / "persistent"
@@ -312,10 +328,12 @@ def _run_job(args, n: int, sizes: list[int], scratch: Path) -> list[dict[str, An
     shutil.rmtree(scratch, ignore_errors=True)
   records = [json.loads(line.split("@@suite ", 1)[1]) for line in out.text.splitlines()
              if "@@suite " in line]
+  failure = None
   if result.returncode != 0 or len(records) != len(sizes):
-    raise RuntimeError(f"suite job with {n} processes failed (exit {result.returncodes}):\n"
-                       + out.text[-6000:])
-  return records
+    killed = " (SIGKILL: out of memory or --timeout-s)" if 137 in result.returncodes else ""
+    failure = f"the job failed with exit {result.returncodes}{killed}"
+    print(f"suite job with {n} processes: {failure}\n" + out.text[-4000:], file=sys.stderr)
+  return records, failure
 
 
 def _environment() -> dict[str, Any]:
@@ -333,7 +351,7 @@ def _environment() -> dict[str, Any]:
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="orbax-mtc bench suite",
                                    description=__doc__.split("\n\n")[0])
-  parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096],
+  parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 2048, 4096],
                       help="state MiB per process (combinations that do not fit are skipped)")
   parser.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4])
   parser.add_argument("--reps", type=int, default=3)
@@ -351,6 +369,8 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--max-memory-gib", type=float, default=None,
                       help="memory the suite may plan for (default: what is free)")
   parser.add_argument("--timeout-s", type=float, default=3600)
+  parser.add_argument("--no-prewarm", dest="prewarm", action="store_false",
+                      help="do not touch the planned memory once before measuring")
   parser.add_argument("--quiet", action="store_true")
   return parser
 
@@ -365,17 +385,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   budget = int(args.max_memory_gib * 2**30) if args.max_memory_gib else available_memory()
   runs, skipped = plan_runs(args.procs, args.sizes, budget)
+  if args.prewarm and runs:
+    prewarm_memory(min(budget, max(
+        n * (max(sizes) * 2**20 * PEAK_STATE_MULTIPLE + RUNTIME_BYTES_PER_PROCESS)
+        for n, sizes in runs.items())))
   out_dir = Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
   records: list[dict[str, Any]] = []
   ondemand_runs: list[dict[str, Any]] = []
+  failed: list[dict[str, Any]] = []
   started = time.time()
   for n, sizes in sorted(runs.items()):
     if not args.quiet:
       print(f"{n} process(es): sizes {sizes} MiB", flush=True)
     scratch = Path(tempfile.mkdtemp(prefix="orbax-mtc-suite-", dir=args.scratch))
-    records += _run_job(args, n, sizes, scratch)
-    for mib in sizes:
+    job_records, failure = _run_job(args, n, sizes, scratch)
+    records += job_records
+    measured = [r["mib"] for r in job_records]
+    failed += [{"procs": n, "mib": mib, "why": failure} for mib in sizes if mib not in measured]
+    for mib in measured:
       for _ in range(args.ondemand_reps):
         root = Path(tempfile.mkdtemp(prefix="orbax-mtc-suite-ondemand-", dir=args.scratch))
         try:
@@ -386,16 +414,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         and o["mib"] == r["mib"]]) for r in records]
   command = "orbax-mtc bench suite " + " ".join(argv if argv is not None else sys.argv[1:])
   why_no_plot = plot(rows, out_dir / "suite.png")
-  text = markdown(rows, skipped, command.strip())
+  text = markdown(rows, skipped + failed, command.strip())
   if why_no_plot:
     text += f"\nNo plot: {why_no_plot}.\n"
   (out_dir / "suite.md").write_text(text)
   (out_dir / "suite.json").write_text(json.dumps({
       "args": vars(args), "environment": _environment(), "wall_s": time.time() - started,
-      "skipped": skipped, "runs": records, "ondemand": ondemand_runs,
+      "skipped": skipped, "failed": failed, "runs": records, "ondemand": ondemand_runs,
       "summary": _no_nan(rows)}, indent=1, allow_nan=False))
   print(text)
-  return 0
+  return 1 if failed else 0
 
 
 if __name__ == "__main__":
