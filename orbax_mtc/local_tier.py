@@ -47,6 +47,7 @@ SPARE_PREFIX = ".spare-"
 _ALIGN = 64
 _WRITE_CHUNK = 64 << 20
 _CRC_CHUNK = 16 << 20
+_PIPELINE_PIECE = 4 << 20  # read, then checksum, this much at a time: it stays in cache
 
 Index = tuple[tuple[int, int], ...]
 
@@ -584,30 +585,92 @@ def _read_into(path: Path, buffer: np.ndarray, threads: int) -> None:
     os.close(fd)
 
 
-def _verified_view(data: np.ndarray, record: ShardRecord, dtype: np.dtype,
-                   where: str) -> np.ndarray:
+def _verified_view(data: np.ndarray, record: ShardRecord, dtype: np.dtype, where: str,
+                   crcs: dict[tuple[int, int], int] | None = None) -> np.ndarray:
   if record.offset + record.nbytes > data.nbytes:
     raise CorruptStepError(f"{where}: data file is shorter than its manifest says")
   raw = data[record.offset:record.offset + record.nbytes]
-  value = 0
-  for start in range(0, record.nbytes, _CRC_CHUNK):
-    value = crc32c.crc32c(raw[start:start + _CRC_CHUNK], value)
+  value = (crcs or {}).get((record.offset, record.nbytes))
+  if value is None:  # not computed while reading: compute it now
+    value = shard_crc(data, record.offset, record.nbytes)
   if value != record.crc32c:
     raise CorruptStepError(
         f"{where}: checksum mismatch (crc32c {value:#010x}, manifest {record.crc32c:#010x})")
   return raw.view(dtype).reshape(record.shape)
 
 
-def read_data(step_dir: Path, manifest: StepManifest) -> np.ndarray:
-  """The step's data file in a fresh aligned buffer (checksums are checked by the consumer)."""
+def read_data(step_dir: Path, manifest: StepManifest,
+              crcs: dict[tuple[int, int], int] | None = None) -> np.ndarray:
+  """The step's data file in a fresh aligned buffer.
+
+  With `crcs`, the checksum of every shard in the manifest is computed while the file is read
+  (a second thread follows the reader, on bytes still in cache) and stored under (offset,
+  nbytes); `arrays_from_buffer` and `verify_buffer` compare against those instead of reading
+  the buffer again. Comparing is still the consumer's job.
+  """
   data_path = step_dir / DATA
   data = aligned_empty(manifest.data_size)
   try:
-    # One sequential reader: parallel readers faulting in fresh pages contend on this VM.
-    _read_into(data_path, data, 1)
+    if crcs is None:
+      # One sequential reader: parallel readers faulting in fresh pages contend on this VM.
+      _read_into(data_path, data, 1)
+    else:
+      ranges = [(shard.offset, shard.nbytes) for _, _, shard in manifest_entries(manifest)]
+      crcs.update(_read_checksumming(data_path, data, ranges))
   except FileNotFoundError as e:
     raise LocalTierError(f"{data_path}: {e}") from e
   return data
+
+
+def _read_checksumming(path: Path, buffer: np.ndarray,
+                       ranges: Sequence[tuple[int, int]]) -> dict[tuple[int, int], int]:
+  """Reads the file into `buffer` sequentially while a second thread computes the CRC32C of
+  each (offset, nbytes) range as soon as its bytes are in: the restore costs about the longer
+  of the two instead of their sum."""
+  size = buffer.nbytes
+  ready = 0  # bytes of `buffer` filled so far
+  failed = False
+  progress = threading.Condition()
+  out: dict[tuple[int, int], int] = {}
+
+  def follow() -> None:
+    for offset, nbytes in sorted(set(ranges)):
+      value, start, stop = 0, offset, offset + nbytes
+      while start < stop:
+        piece = min(stop, start + _PIPELINE_PIECE)
+        with progress:
+          progress.wait_for(lambda p=piece: failed or ready >= min(p, size))
+          if failed:
+            return
+        value = crc32c.crc32c(buffer[start:piece], value)  # releases the GIL
+        start = piece
+      out[(offset, nbytes)] = value
+
+  fd = os.open(path, os.O_RDONLY)
+  follower = threading.Thread(target=follow, name="mtc-crc-follow", daemon=True)
+  follower.start()
+  try:
+    if os.fstat(fd).st_size < size:
+      raise CorruptStepError(f"{path}: shorter than its manifest says ({size} bytes)")
+    view = memoryview(buffer)
+    done = 0
+    while done < size:
+      n = os.preadv(fd, [view[done:min(size, done + _PIPELINE_PIECE)]], done)
+      if n <= 0:
+        raise CorruptStepError(f"{path}: unexpected end of file at byte {done}")
+      done += n
+      with progress:
+        ready = done
+        progress.notify()
+  except BaseException:
+    with progress:
+      failed = True
+      progress.notify()
+    raise
+  finally:
+    follower.join()
+    os.close(fd)
+  return out
 
 
 def read_step(step_dir: Path, manifest: StepManifest, targets: dict[str, Any],
@@ -619,12 +682,15 @@ def read_step(step_dir: Path, manifest: StepManifest, targets: dict[str, Any],
   AbstractStateMismatchError for a target that does not match, LocalTierError when this node
   cannot serve the step (corrupt bytes, a shard it does not hold).
   """
-  return arrays_from_buffer(read_data(step_dir, manifest), manifest, targets, str(step_dir),
-                            crc_threads=crc_threads)
+  crcs: dict[tuple[int, int], int] = {}
+  data = read_data(step_dir, manifest, crcs)
+  return arrays_from_buffer(data, manifest, targets, str(step_dir), crc_threads=crc_threads,
+                            crcs=crcs)
 
 
 def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[str, Any],
-                       where_prefix: str, crc_threads: int = 2) -> dict[str, Any]:
+                       where_prefix: str, crc_threads: int = 2,
+                       crcs: dict[tuple[int, int], int] | None = None) -> dict[str, Any]:
   """Builds the target items from a step's data buffer laid out as `manifest` says.
 
   Every shard is checked against its checksum first. On CPU the arrays adopt the (aligned)
@@ -683,7 +749,7 @@ def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[s
 
   def run(job):
     slot, rec, dtype, where = job
-    slot[0] = _verified_view(data, rec, dtype, where)
+    slot[0] = _verified_view(data, rec, dtype, where, crcs)
 
   with concurrent.futures.ThreadPoolExecutor(crc_threads, thread_name_prefix="mtc-crc") as ex:
     list(ex.map(run, jobs))
@@ -720,12 +786,16 @@ def shard_crc(data: np.ndarray, offset: int, nbytes: int) -> int:
   return _crc_ranges(data, [(offset, nbytes)])[0]
 
 
-def verify_buffer(data: np.ndarray, manifest: StepManifest, where: str) -> None:
-  """Checks every shard of `data` (laid out as `manifest` says); CorruptStepError if not."""
+def verify_buffer(data: np.ndarray, manifest: StepManifest, where: str,
+                  crcs: dict[tuple[int, int], int] | None = None) -> None:
+  """Checks every shard of `data` (laid out as `manifest` says); CorruptStepError if not.
+  `crcs`: checksums already computed from these bytes (`read_data`)."""
   if data.nbytes < manifest.data_size:
     raise CorruptStepError(f"{where}: {data.nbytes} bytes, manifest says {manifest.data_size}")
   for item_name, leaf, shard in manifest_entries(manifest):
-    got = shard_crc(data, shard.offset, shard.nbytes)
+    got = (crcs or {}).get((shard.offset, shard.nbytes))
+    if got is None:
+      got = shard_crc(data, shard.offset, shard.nbytes)
     if got != shard.crc32c:
       raise CorruptStepError(
           f"{where}: leaf {item_name}{leaf.path} shard {shard.index}: checksum mismatch "

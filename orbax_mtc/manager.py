@@ -576,16 +576,17 @@ class CheckpointManager(ocp.CheckpointManager):
     """Builds the targets from this node's folder of `step`, or from `source` (a step that
     came from a twin or a peer). Returns (status, (items, default_item), message)."""
     try:
+      crcs: dict[tuple[int, int], int] = {}
       if source is None:
         manifest = self._local.manifest(step)
-        data = local_tier.read_data(self._local.directory / str(step), manifest)
+        data = local_tier.read_data(self._local.directory / str(step), manifest, crcs)
         where = str(self._local.directory / str(step))
       else:
         manifest, data = source
         where = f"step {step} received from another node"
       if single is None and manifest.default_item:  # args omitted: follow how it was saved
         targets = {_DEFAULT_ITEM: targets["state"]}
-      restored = local_tier.arrays_from_buffer(data, manifest, targets, where)
+      restored = local_tier.arrays_from_buffer(data, manifest, targets, where, crcs=crcs)
       return _STATUS_OK, (restored, manifest.default_item), ""
     except local_tier.AbstractStateMismatchError as e:
       return _STATUS_MISMATCH, None, str(e)

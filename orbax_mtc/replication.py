@@ -87,8 +87,9 @@ def outgoing_step(kind: str, destination: int, step: int, local: local_tier.Loca
 def _read_own(local: local_tier.LocalTier, step: int
               ) -> tuple[local_tier.StepManifest, np.ndarray]:
   manifest = local.manifest(step)
-  data = local_tier.read_data(local.directory / str(step), manifest)
-  local_tier.verify_buffer(data, manifest, str(local.directory / str(step)))
+  crcs: dict[tuple[int, int], int] = {}
+  data = local_tier.read_data(local.directory / str(step), manifest, crcs)
+  local_tier.verify_buffer(data, manifest, str(local.directory / str(step)), crcs)
   return manifest, data
 
 

@@ -56,6 +56,16 @@ def test_summarize_counts_recomputed_steps_and_losses():
   assert lost["recovery_s"] == pytest.approx(2.5 - 1.0)
 
 
+def test_across_seeds_gives_median_and_range():
+  runs = [{"seed": s, "mtc": {"goodput": m}, "orbax": {"goodput": o}}
+          for s, m, o in [(0, 0.96, 0.80), (1, 0.94, 0.50), (2, 0.90, 0.75)]]
+  out = goodput.across_seeds(runs, ["mtc", "orbax"])
+  assert out["seeds"] == [0, 1, 2]
+  assert out["mtc"] == {"median": 0.94, "min": 0.90, "max": 0.96}
+  assert out["ratio"]["median"] == pytest.approx(1.2)
+  assert out["ratio"]["max"] == pytest.approx(1.88)
+
+
 @pytest.mark.timeout(400)
 def test_goodput_smoke_run(tmp_path):
   shm = pathlib.Path("/dev/shm")
@@ -73,16 +83,20 @@ def test_goodput_smoke_run(tmp_path):
   assert not scratch.exists()
   raw = json.loads((out / "goodput.json").read_text())
   table = (out / "goodput.md").read_text()
-  assert "| mtc |" in table and "| orbax |" in table and "goodput" in table
-  assert raw["environment"]["jax"] and len(raw["schedule"]) == 3
+  assert "| 0 | mtc |" in table and "| 0 | orbax |" in table and "median" in table
+  assert raw["environment"]["jax"] and len(raw["runs"]) == 1
+  run = raw["runs"][0]
+  assert run["seed"] == 0 and len(run["schedule"]) == 3
+  assert raw["summary"]["ratio"]["per_seed"] == [
+      run["mtc"]["goodput"] / run["orbax"]["goodput"]]
   for system in ("mtc", "orbax"):
-    result = raw[system]
+    result = run[system]
     assert 0 < result["goodput"] <= 1
     assert result["steps_executed"] >= 100 and result["runs"] == 4  # three failures, restarts
     assert {f["kind"] for f in result["failures"]} == set(goodput.FAILURE_KINDS)
     for failure in result["failures"]:
       assert failure["restored_step"] is not None and failure["steps_lost"] >= 0
   # orbax-mtc comes back from RAM (own folder or, for the wiped node, a peer's copy).
-  tiers = {f["kind"]: f["restored_tier"] for f in raw["mtc"]["failures"]}
+  tiers = {f["kind"]: f["restored_tier"] for f in run["mtc"]["failures"]}
   assert tiers["sigkill"] == "local" and tiers["wipe"] in ("local", "peer")
   assert tiers["sigterm"] == "local"

@@ -198,6 +198,29 @@ def test_flipped_byte_detected_by_verify_and_read(tier, mesh):
     lt.read_step(step_dir, manifest, {"state": abstract_of(state)})
 
 
+def test_checksums_computed_while_reading_match_and_catch_a_flip(tier, mesh, monkeypatch):
+  # Pieces smaller than a shard and not aligned to one: the follower waits mid-shard.
+  monkeypatch.setattr(lt, "_PIPELINE_PIECE", 1000)
+  state, step_dir = _write(tier, mesh, 2)
+  manifest = lt.read_manifest(step_dir)
+  crcs: dict = {}
+  data = lt.read_data(step_dir, manifest, crcs)
+  entries = lt.manifest_entries(manifest)
+  assert len(crcs) == len({(s.offset, s.nbytes) for _, _, s in entries}) > 1
+  for _, _, shard in entries:
+    assert crcs[(shard.offset, shard.nbytes)] == shard.crc32c == lt.shard_crc(
+        data, shard.offset, shard.nbytes)
+  lt.verify_buffer(data, manifest, "here", crcs)
+  _, shard = _first_shard(manifest)
+  _flip_byte(step_dir / lt.DATA, shard.offset + shard.nbytes - 1)
+  crcs = {}
+  data = lt.read_data(step_dir, manifest, crcs)
+  with pytest.raises(lt.CorruptStepError, match="checksum mismatch"):
+    lt.verify_buffer(data, manifest, "here", crcs)
+  with pytest.raises(lt.CorruptStepError, match="checksum mismatch"):
+    lt.arrays_from_buffer(data, manifest, {"state": abstract_of(state)}, "here", crcs=crcs)
+
+
 def test_truncated_data_detected(tier, mesh):
   state, step_dir = _write(tier, mesh, 2)
   manifest = lt.read_manifest(step_dir)

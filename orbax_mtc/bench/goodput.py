@@ -182,24 +182,32 @@ def _run_system(system: str, args, schedule: list[Failure], root: Path) -> dict[
   return out
 
 
-def _markdown(results: dict[str, dict], args) -> str:
+def _markdown(runs: Sequence[dict[str, Any]], summary: dict[str, Any], args) -> str:
   lines = [f"Goodput, {args.procs} processes, {args.steps} steps, {args.mib} MiB per process, "
-           f"failures: {', '.join(f.kind for f in results['schedule'])}",
-           "", "| system | goodput | wall | productive | steps recomputed | in save | in restore | "
-           + " | ".join(f"{k}: lost / back in" for k in FAILURE_KINDS) + " |",
-           "|---" * (7 + len(FAILURE_KINDS)) + "|"]
+           f"one failure of each kind per seed", "",
+           "| seed | system | goodput | wall | productive | steps recomputed | in save | "
+           "in restore | " + " | ".join(f"{k}: lost / back in" for k in FAILURE_KINDS) + " |",
+           "|---" * (8 + len(FAILURE_KINDS)) + "|"]
+  for results in runs:
+    for system in args.systems:
+      r = results[system]
+      cells = []
+      for kind in FAILURE_KINDS:
+        f = next((x for x in r["failures"] if x["kind"] == kind), None)
+        cells.append("-" if f is None else f"{f['steps_lost']} steps / {f['recovery_s']:.1f} s")
+      lines.append(f"| {results['seed']} | {system} | {100 * r['goodput']:.1f} % | "
+                   f"{r['wall_s']:.1f} s | {r['productive_s']:.1f} s | "
+                   f"{r['steps_recomputed']} | {r['saving_s']:.1f} s | "
+                   f"{r['restoring_s']:.1f} s | " + " | ".join(cells) + " |")
+  lines.append("")
   for system in args.systems:
-    r = results[system]
-    cells = []
-    for kind in FAILURE_KINDS:
-      f = next((x for x in r["failures"] if x["kind"] == kind), None)
-      cells.append("-" if f is None else f"{f['steps_lost']} steps / {f['recovery_s']:.1f} s")
-    lines.append(f"| {system} | {100 * r['goodput']:.1f} % | {r['wall_s']:.1f} s | "
-                 f"{r['productive_s']:.1f} s | {r['steps_recomputed']} | {r['saving_s']:.1f} s | "
-                 f"{r['restoring_s']:.1f} s | " + " | ".join(cells) + " |")
-  if "mtc" in results and "orbax" in results:
-    ratio = results["mtc"]["goodput"] / results["orbax"]["goodput"]
-    lines += ["", f"orbax-mtc / Orbax goodput: {ratio:.2f}x"]
+    g = summary[system]
+    lines.append(f"- {system}: median goodput {100 * g['median']:.1f} % "
+                 f"(range {100 * g['min']:.1f}-{100 * g['max']:.1f} %)")
+  if "ratio" in summary:
+    q = summary["ratio"]
+    lines.append(f"- orbax-mtc / Orbax goodput: median {q['median']:.2f}x "
+                 f"(per seed: {', '.join(f'{x:.2f}x' for x in q['per_seed'])})")
   return "\n".join(lines) + "\n"
 
 
@@ -214,6 +222,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--local-every", type=int, default=25)
   p.add_argument("--persistent-every", type=int, default=500)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seeds", type=int, nargs="+", default=None,
+                 help="several schedules in one run (overrides --seed); the table gives "
+                 "each and the median")
   p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
   p.add_argument("--out", default="goodput-results", help="folder for goodput.json/.md")
   p.add_argument("--scratch", default=None, help="default: /dev/shm/orbax-mtc-goodput-<pid>")
@@ -226,29 +237,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise SystemExit("--procs must be >= 2: a node's loss is survived through its peers.")
   if args.steps < 20:
     raise SystemExit("--steps must be >= 20 to fit the failure schedule.")
+  seeds = args.seeds if args.seeds else [args.seed]
   scratch = Path(args.scratch or f"/dev/shm/orbax-mtc-goodput-{os.getpid()}")
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  schedule = make_schedule(args.seed, args.steps, args.procs)
-  results: dict[str, Any] = {"schedule": schedule}
+  runs: list[dict[str, Any]] = []
   try:
-    for system in args.systems:
-      print(f"== {system}: {args.steps} steps, failures at "
-            f"{[(f.kind, f.at_step, f.node) for f in schedule]}", flush=True)
-      results[system] = _run_system(system, args, schedule, scratch)
-      r = results[system]
-      print(f"   goodput {100 * r['goodput']:.1f} % (wall {r['wall_s']:.1f} s, "
-            f"{r['steps_recomputed']} steps recomputed)", flush=True)
+    for seed in seeds:
+      schedule = make_schedule(seed, args.steps, args.procs)
+      results: dict[str, Any] = {"seed": seed, "schedule": schedule}
+      for system in args.systems:
+        print(f"== seed {seed}, {system}: {args.steps} steps, failures at "
+              f"{[(f.kind, f.at_step, f.node) for f in schedule]}", flush=True)
+        results[system] = _run_system(system, args, schedule, scratch)
+        r = results[system]
+        print(f"   goodput {100 * r['goodput']:.1f} % (wall {r['wall_s']:.1f} s, "
+              f"{r['steps_recomputed']} steps recomputed)", flush=True)
+      runs.append(results)
   finally:
     shutil.rmtree(scratch, ignore_errors=True)
-  table = _markdown(results, args)
+  summary = across_seeds(runs, args.systems)
+  table = _markdown(runs, summary, args)
   print("\n" + table)
-  raw = {**{k: v for k, v in results.items() if k != "schedule"},
-         "schedule": [dataclasses.asdict(f) for f in schedule],
-         "args": vars(args), "environment": _environment()}
+  raw = {"runs": [{**{k: v for k, v in r.items() if k != "schedule"},
+                   "schedule": [dataclasses.asdict(f) for f in r["schedule"]]} for r in runs],
+         "summary": summary, "args": vars(args), "environment": _environment()}
   (out / "goodput.json").write_text(json.dumps(raw, indent=1))
   (out / "goodput.md").write_text(table)
   return 0
+
+
+def across_seeds(runs: Sequence[dict[str, Any]], systems: Sequence[str]) -> dict[str, Any]:
+  """Median and range of each system's goodput over the seeds, and of the ratio (pure)."""
+  out: dict[str, Any] = {"seeds": [r["seed"] for r in runs]}
+  for system in systems:
+    values = [r[system]["goodput"] for r in runs]
+    out[system] = {"median": statistics.median(values), "min": min(values),
+                   "max": max(values)}
+  if "mtc" in systems and "orbax" in systems:
+    ratios = [r["mtc"]["goodput"] / r["orbax"]["goodput"] for r in runs]
+    out["ratio"] = {"per_seed": ratios, "median": statistics.median(ratios),
+                    "min": min(ratios), "max": max(ratios)}
+  return out
 
 
 def _environment() -> dict[str, Any]:

@@ -52,6 +52,16 @@ def host_bytes(tree: Any) -> np.ndarray:
   return np.concatenate(parts) if parts else np.empty(0, np.uint8)
 
 
+def warm_memory(nbytes: int) -> None:
+  """Touches `nbytes` of fresh memory and frees it, so that the next allocation of that size
+  gets pages the system has just handed out. On a VM that reports free pages to its host
+  (this one does, after about 2 s), memory freed earlier costs seconds per GiB to touch again;
+  measuring a read after this puts every contender on the same footing."""
+  if nbytes > 0:
+    buffer = np.ones(nbytes, dtype=np.uint8)
+    del buffer
+
+
 def memcpy(dst: np.ndarray, src: np.ndarray) -> None:
   np.copyto(dst, src)
 

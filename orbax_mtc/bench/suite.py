@@ -71,18 +71,6 @@ def available_memory() -> int:
   return int(min(values) * 0.9) if values else 8 * 2**30
 
 
-def prewarm_memory(nbytes: int, piece: int = 2**30) -> None:
-  """Touches `nbytes` of fresh memory once, then frees it. A VM's host backs guest memory on
-  first touch (seconds per GiB on this kind of VM, against a fraction of a second afterwards);
-  without this, whichever contender first grows the process pays for it."""
-  import numpy as np
-
-  held = []
-  for start in range(0, nbytes, piece):
-    held.append(np.ones(min(piece, nbytes - start), dtype=np.uint8))
-  del held
-
-
 def _median(samples: Sequence[float] | None) -> float:
   return statistics.median(samples) if samples else float("nan")
 
@@ -369,8 +357,6 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--max-memory-gib", type=float, default=None,
                       help="memory the suite may plan for (default: what is free)")
   parser.add_argument("--timeout-s", type=float, default=3600)
-  parser.add_argument("--no-prewarm", dest="prewarm", action="store_false",
-                      help="do not touch the planned memory once before measuring")
   parser.add_argument("--quiet", action="store_true")
   return parser
 
@@ -385,10 +371,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   budget = int(args.max_memory_gib * 2**30) if args.max_memory_gib else available_memory()
   runs, skipped = plan_runs(args.procs, args.sizes, budget)
-  if args.prewarm and runs:
-    prewarm_memory(min(budget, max(
-        n * (max(sizes) * 2**20 * PEAK_STATE_MULTIPLE + RUNTIME_BYTES_PER_PROCESS)
-        for n, sizes in runs.items())))
   out_dir = Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
   records: list[dict[str, Any]] = []
