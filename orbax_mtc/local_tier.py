@@ -560,39 +560,12 @@ def aligned_empty(nbytes: int, align: int = _ALIGN) -> np.ndarray:
   return raw[start:start + nbytes]
 
 
-def _read_into(path: Path, buffer: np.ndarray, threads: int) -> None:
-  """Reads the whole file into `buffer` with `threads` positional readers."""
-  size = buffer.nbytes
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    if os.fstat(fd).st_size < size:
-      raise CorruptStepError(f"{path}: shorter than its manifest says ({size} bytes)")
-
-    def read_range(bounds: tuple[int, int]) -> None:
-      start, stop = bounds
-      view = memoryview(buffer)
-      while start < stop:
-        n = os.preadv(fd, [view[start:min(stop, start + _WRITE_CHUNK)]], start)
-        if n <= 0:
-          raise CorruptStepError(f"{path}: unexpected end of file at byte {start}")
-        start += n
-
-    part = -(-size // max(1, threads) // _ALIGN) * _ALIGN or size
-    ranges = [(a, min(size, a + part)) for a in range(0, size, part)] if size else []
-    with concurrent.futures.ThreadPoolExecutor(max(1, len(ranges))) as ex:
-      list(ex.map(read_range, ranges))
-  finally:
-    os.close(fd)
-
-
 def _verified_view(data: np.ndarray, record: ShardRecord, dtype: np.dtype, where: str,
                    crcs: dict[tuple[int, int], int] | None = None) -> np.ndarray:
   if record.offset + record.nbytes > data.nbytes:
     raise CorruptStepError(f"{where}: data file is shorter than its manifest says")
   raw = data[record.offset:record.offset + record.nbytes]
-  value = (crcs or {}).get((record.offset, record.nbytes))
-  if value is None:  # not computed while reading: compute it now
-    value = shard_crc(data, record.offset, record.nbytes)
+  value = _known_or_computed_crc(data, record.offset, record.nbytes, crcs)
   if value != record.crc32c:
     raise CorruptStepError(
         f"{where}: checksum mismatch (crc32c {value:#010x}, manifest {record.crc32c:#010x})")
@@ -603,30 +576,28 @@ def read_data(step_dir: Path, manifest: StepManifest,
               crcs: dict[tuple[int, int], int] | None = None) -> np.ndarray:
   """The step's data file in a fresh aligned buffer.
 
-  With `crcs`, the checksum of every shard in the manifest is computed while the file is read
-  (a second thread follows the reader, on bytes still in cache) and stored under (offset,
-  nbytes); `arrays_from_buffer` and `verify_buffer` compare against those instead of reading
-  the buffer again. Comparing is still the consumer's job.
+  The checksum of every shard in the manifest is computed while the file is read (a second
+  thread follows the reader, on bytes still in cache); pass `crcs` to receive them, keyed by
+  (offset, nbytes), for `arrays_from_buffer` and `verify_buffer` to compare against instead of
+  reading the buffer again. Comparing is still the consumer's job.
   """
   data_path = step_dir / DATA
   data = aligned_empty(manifest.data_size)
+  ranges = [(shard.offset, shard.nbytes) for _, _, shard in manifest_entries(manifest)]
   try:
-    if crcs is None:
-      # One sequential reader: parallel readers faulting in fresh pages contend on this VM.
-      _read_into(data_path, data, 1)
-    else:
-      ranges = [(shard.offset, shard.nbytes) for _, _, shard in manifest_entries(manifest)]
-      crcs.update(_read_checksumming(data_path, data, ranges))
+    computed = _read_checksumming(data_path, data, ranges)
   except FileNotFoundError as e:
     raise LocalTierError(f"{data_path}: {e}") from e
+  if crcs is not None:
+    crcs.update(computed)
   return data
 
 
 def _read_checksumming(path: Path, buffer: np.ndarray,
                        ranges: Sequence[tuple[int, int]]) -> dict[tuple[int, int], int]:
-  """Reads the file into `buffer` sequentially while a second thread computes the CRC32C of
-  each (offset, nbytes) range as soon as its bytes are in: the restore costs about the longer
-  of the two instead of their sum."""
+  """Reads the file into `buffer` sequentially (one reader: parallel readers faulting in fresh
+  pages contend) while a second thread computes the CRC32C of each (offset, nbytes) range as
+  soon as its bytes are in: the restore costs about the longer of the two, not their sum."""
   size = buffer.nbytes
   ready = 0  # bytes of `buffer` filled so far
   failed = False
@@ -786,6 +757,13 @@ def shard_crc(data: np.ndarray, offset: int, nbytes: int) -> int:
   return _crc_ranges(data, [(offset, nbytes)])[0]
 
 
+def _known_or_computed_crc(data: np.ndarray, offset: int, nbytes: int,
+                           crcs: dict[tuple[int, int], int] | None) -> int:
+  """The checksum `read_data` computed for these bytes, else computed now."""
+  known = (crcs or {}).get((offset, nbytes))
+  return known if known is not None else shard_crc(data, offset, nbytes)
+
+
 def verify_buffer(data: np.ndarray, manifest: StepManifest, where: str,
                   crcs: dict[tuple[int, int], int] | None = None) -> None:
   """Checks every shard of `data` (laid out as `manifest` says); CorruptStepError if not.
@@ -793,9 +771,7 @@ def verify_buffer(data: np.ndarray, manifest: StepManifest, where: str,
   if data.nbytes < manifest.data_size:
     raise CorruptStepError(f"{where}: {data.nbytes} bytes, manifest says {manifest.data_size}")
   for item_name, leaf, shard in manifest_entries(manifest):
-    got = (crcs or {}).get((shard.offset, shard.nbytes))
-    if got is None:
-      got = shard_crc(data, shard.offset, shard.nbytes)
+    got = _known_or_computed_crc(data, shard.offset, shard.nbytes, crcs)
     if got != shard.crc32c:
       raise CorruptStepError(
           f"{where}: leaf {item_name}{leaf.path} shard {shard.index}: checksum mismatch "
