@@ -9,20 +9,12 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 _WRITE_PIECE = 64 << 20
-
-
-def timed(fn: Callable[[], Any]) -> float:
-  """Seconds `fn()` takes."""
-  start = time.perf_counter()
-  fn()
-  return time.perf_counter() - start
 
 
 def spread(samples: Sequence[float]) -> dict[str, float]:
@@ -34,22 +26,33 @@ def spread(samples: Sequence[float]) -> dict[str, float]:
           "n": len(values)}
 
 
-def host_bytes(tree: Any) -> np.ndarray:
-  """This process's distinct shards of every array in `tree`, as one uint8 buffer."""
+def _distinct_local_parts(tree: Any) -> list[Any]:
+  """This process's distinct shards of every array in `tree` (host leaves as they are)."""
   import jax
 
   parts = []
   for leaf in jax.tree.leaves(tree):
     if not hasattr(leaf, "addressable_shards"):
-      parts.append(np.asarray(leaf).reshape(-1).view(np.uint8))
+      parts.append(np.asarray(leaf))
       continue
     seen = set()
     for shard in leaf.addressable_shards:
       index = str(shard.index)
       if index not in seen:
         seen.add(index)
-        parts.append(np.asarray(shard.data).reshape(-1).view(np.uint8))
+        parts.append(shard.data)
+  return parts
+
+
+def host_bytes(tree: Any) -> np.ndarray:
+  """This process's distinct shards of every array in `tree`, as one uint8 buffer."""
+  parts = [np.asarray(p).reshape(-1).view(np.uint8) for p in _distinct_local_parts(tree)]
   return np.concatenate(parts) if parts else np.empty(0, np.uint8)
+
+
+def local_nbytes(tree: Any) -> int:
+  """`host_bytes(tree).nbytes`, without copying anything."""
+  return sum(int(p.nbytes) for p in _distinct_local_parts(tree))
 
 
 def warm_memory(nbytes: int) -> None:

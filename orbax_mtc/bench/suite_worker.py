@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     jax.block_until_ready(state)
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    nbytes = job.state_bytes = int(limits.host_bytes(state).nbytes)
+    nbytes = job.state_bytes = limits.local_nbytes(state)
     rss_after, rss_peak = {"state": _rss_bytes()}, {}
     _peak_rss_bytes()
 
@@ -424,7 +424,7 @@ def _replicate_and_recover(job: _Job, folder_name: str, layout: str, state: Any,
 def _loop_overhead(job: _Job, mib: int, state: Any, abstract: Any, res: dict) -> None:
   """A training loop padded to --step-ms per step, without saves and with a local save every
   --save-every steps (peers off, then on); the padding stands for accelerator time, during
-  which the host is free. Each manager saves once before the timed loop (steady state)."""
+  which the host is free. Each manager saves twice before the timed loop (steady state)."""
   import jax
   import orbax.checkpoint as ocp
 
