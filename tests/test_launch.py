@@ -90,7 +90,9 @@ if want is not None:
   assert jax.device_count() == 2 * want, jax.devices()
   assert "--xla_backend_optimization_level=2" in os.environ["XLA_FLAGS"]
 open(os.path.join(info.local_directory, "ok"), "w").write(str(jax.local_device_count()))
-print("gathered", np.asarray(gathered).tolist())
+# One write: with several print() arguments an unbuffered stream gets one write each, and
+# gloo's own stderr lines can land between them.
+print(f"gathered {np.asarray(gathered).tolist()}", flush=True)
 """
 
 
