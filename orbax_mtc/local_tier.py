@@ -542,7 +542,17 @@ def _check_leaf(item: str, path: str, record: LeafRecord, shape: tuple[int, ...]
         "one (jax.eval_shape of your init function with the same config).")
 
 
-def _target_spec(leaf: Any) -> tuple[tuple[int, ...], np.dtype, Any]:
+@dataclasses.dataclass(frozen=True)
+class SavedLeaf:
+  """A restore target leaf: the saved shape and dtype, placed with `sharding` (what Orbax's
+  `ArrayRestoreArgs(sharding=...)` asks for without a target array)."""
+
+  sharding: jax.sharding.Sharding
+
+
+def _target_spec(leaf: Any, saved: LeafRecord) -> tuple[tuple[int, ...], np.dtype, Any]:
+  if isinstance(leaf, SavedLeaf):
+    return tuple(saved.shape), np.dtype(saved.dtype), leaf.sharding
   shape = tuple(getattr(leaf, "shape", ()))
   dtype = np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype))
   sharding = getattr(leaf, "sharding", None)
@@ -690,7 +700,7 @@ def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[s
     leaf_plans = []
     for (_, leaf), path in zip(flat, want_paths, strict=True):
       rec = by_path[path]
-      shape, dtype, sharding = _target_spec(leaf)
+      shape, dtype, sharding = _target_spec(leaf, rec)
       _check_leaf(item_name, path, rec, shape, dtype)
       where = f"{where_prefix}: leaf {item_name}{path}"
       if sharding is None:

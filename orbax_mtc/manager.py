@@ -39,6 +39,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
 from orbax_mtc import (
+  constructor,
   distributed,
   lkg,
   local_tier,
@@ -49,7 +50,12 @@ from orbax_mtc import (
   topology,
   transport,
 )
-from orbax_mtc.options import CheckpointManagerOptions, replica_axis_name
+from orbax_mtc.options import (
+  CheckpointManagerOptions,
+  LocalCheckpointOptions,
+  ReplicationOptions,
+  replica_axis_name,
+)
 
 _PYTREE_SAVE = (ocp.args.PyTreeSave, ocp.args.StandardSave)
 _PYTREE_RESTORE = (ocp.args.PyTreeRestore, ocp.args.StandardRestore)
@@ -76,6 +82,82 @@ def _persistent_view_when_nested(method):
     return method(self, *args, **kwargs)
 
   return wrapper
+
+
+def _check_ram_savable(args: Any) -> None:
+  """TypeError unless the RAM tier holds these save args exactly as the parent would save
+  them (no per-leaf save options such as a dtype cast)."""
+  if args is None:
+    raise TypeError("saved without args (legacy `items`)")
+  items = args.values() if isinstance(args, ocp.args.Composite) else [args]
+  for item in items:
+    if isinstance(item, _PYTREE_SAVE) and item.save_args is not None:
+      raise TypeError(f"{type(item).__name__} with save_args")
+
+
+def _is_array_target(leaf: Any) -> bool:
+  if isinstance(leaf, jax.Array):
+    return True
+  return isinstance(leaf, jax.ShapeDtypeStruct) and isinstance(
+      getattr(leaf, "sharding", None), jax.sharding.Sharding)
+
+
+def _saved_leaf(restore_arg: Any) -> local_tier.SavedLeaf | None:
+  """The RAM-tier target for one Orbax `ArrayRestoreArgs` that only says where the array
+  goes (no dtype cast, no reshape); None for anything else."""
+  if type(restore_arg) is not ocp.ArrayRestoreArgs or restore_arg.restore_type is not jax.Array:
+    return None
+  if restore_arg.dtype is not None or restore_arg.global_shape is not None or \
+      restore_arg.shape is not None:
+    return None
+  sharding = restore_arg.sharding
+  if sharding is None and restore_arg.mesh is not None and restore_arg.mesh_axes is not None:
+    sharding = jax.sharding.NamedSharding(restore_arg.mesh, restore_arg.mesh_axes)
+  return local_tier.SavedLeaf(sharding) if isinstance(sharding, jax.sharding.Sharding) else None
+
+
+def _ram_target(item: Any) -> Any:
+  """The RAM-tier target tree for one parent-style restore item, or None when the RAM tier
+  cannot build exactly what the parent would (per-leaf options, numpy or scalar leaves,
+  transforms, partial restores)."""
+  if isinstance(item, ocp.args.PyTreeRestore):
+    if item.transforms is not None or item.legacy_transform_fn is not None or \
+        item.partial_restore:
+      return None
+    if item.restore_args is not None:
+      if item.item is not None:
+        return None
+      leaves, treedef = jax.tree_util.tree_flatten(item.restore_args)
+      targets = [_saved_leaf(leaf) for leaf in leaves]
+      if not leaves or any(t is None for t in targets):
+        return None
+      return jax.tree_util.tree_unflatten(treedef, targets)
+  elif isinstance(item, ocp.args.StandardRestore):
+    if item.fallback_sharding is not None or item.support_layout:
+      return None
+  else:
+    return None
+  leaves = jax.tree_util.tree_leaves(item.item)
+  if item.item is None or not leaves or not all(_is_array_target(x) for x in leaves):
+    return None
+  return item.item
+
+
+def _ram_restore_args(args: Any) -> Any:
+  """Parent-style restore args rewritten for the RAM tier (targets spelled out), or None."""
+  if isinstance(args, ocp.args.Composite):
+    rewritten = {}
+    for name, item in args.items():
+      if isinstance(item, ocp.args.JsonRestore):
+        rewritten[name] = item
+        continue
+      target = _ram_target(item)
+      if target is None:
+        return None
+      rewritten[name] = ocp.args.PyTreeRestore(item=target)
+    return ocp.args.Composite(**rewritten) if rewritten else None
+  target = _ram_target(args)
+  return None if target is None else ocp.args.PyTreeRestore(item=target)
 
 
 @dataclasses.dataclass
@@ -117,34 +199,115 @@ class CheckpointManager(ocp.CheckpointManager):
     restored = mgr.restore(None).state
   """
 
-  def __init__(
-      self,
-      local_directory: epath.PathLike,
-      persistent_directory: epath.PathLike,
-      global_mesh: jax.sharding.Mesh,
-      abstract_state: Any,
-      *,
-      options: CheckpointManagerOptions | None = None,
-      metadata: Mapping[str, Any] | None = None,
-      logger: Any = None,
-      item_handlers: Any = None,
-      handler_registry: Any = None,
-  ):
+  def __init__(self, *args: Any, **kwargs: Any):
+    """Two ways in (docs/api.md), told apart by the arguments:
+
+    multi-tier: `CheckpointManager(local_directory, persistent_directory, global_mesh,
+    abstract_state, *, options=orbax_mtc.CheckpointManagerOptions(...), metadata=None,
+    logger=None, item_handlers=None, handler_registry=None)`.
+
+    parent-style: `ocp.CheckpointManager`'s signature (`directory, checkpointers=None,
+    options=None, metadata=None, item_names=None, item_handlers=None, logger=None,
+    handler_registry=None`) with `ocp.CheckpointManagerOptions`; it behaves exactly as the
+    parent on `directory`. Keyword-only `local_directory=` adds a RAM tier in front (with
+    `global_mesh`, `abstract_state`, `local_options`, `replication_options`, `job_name`
+    optional: the mesh and targets then come from the save and restore args).
+    """
     self._view = threading.local()
+    form, params = constructor.bind(args, kwargs, CheckpointManagerOptions)
+    if form == constructor.MULTI_TIER:
+      self._init_multi_tier(**params)
+    else:
+      self._init_parent_style(**params)
+
+  def _init_multi_tier(self, local_directory, persistent_directory, global_mesh, abstract_state,
+                       options, metadata, logger, item_handlers, handler_registry) -> None:
     options = CheckpointManagerOptions() if options is None else options
     if not isinstance(options, CheckpointManagerOptions):
       raise TypeError(
           "options must be an orbax_mtc.CheckpointManagerOptions, got "
           f"{type(options).__module__}.{type(options).__name__}. Build it with "
-          "orbax_mtc.CheckpointManagerOptions(local=..., persistent=...).")
+          "orbax_mtc.CheckpointManagerOptions(local=..., persistent=...), or use the "
+          "parent-style form CheckpointManager(directory, options=ocp.CheckpointManagerOptions"
+          "(...), local_directory=...).")
     if not isinstance(global_mesh, jax.sharding.Mesh):
       raise TypeError(f"global_mesh must be a jax.sharding.Mesh, got {type(global_mesh)}.")
     if local_directory is None or persistent_directory is None:
       raise ValueError("Both local_directory (RAM disk) and persistent_directory are required.")
+    self._parent_style = False
+    self._mirror_parent_saves = False
+    self._init_local_tier(local_directory, persistent_directory, options, abstract_state)
+    self._set_mesh(global_mesh)
+    with self._persistent_view():
+      super().__init__(persistent_directory, options=options.persistent_manager_options(),
+                       metadata=metadata, logger=logger, item_handlers=item_handlers,
+                       handler_registry=handler_registry)
+    self._init_runtime()
+
+  def _init_parent_style(self, directory, checkpointers, options, metadata, item_names,
+                         item_handlers, logger, handler_registry, local_directory, global_mesh,
+                         abstract_state, local_options, replication_options, job_name) -> None:
+    self._parent_style = True
+    parent_args = (directory, checkpointers, options, metadata, item_names, item_handlers,
+                   logger, handler_registry)
+    if options is not None and not isinstance(options, ocp.CheckpointManagerOptions):
+      raise TypeError(
+          "The parent-style form takes options=ocp.CheckpointManagerOptions(...), got "
+          f"{type(options).__module__}.{type(options).__name__}. For orbax_mtc options use "
+          "CheckpointManager(local_directory, persistent_directory, global_mesh, "
+          "abstract_state, options=...).")
+    tier_extras = {"global_mesh": global_mesh, "abstract_state": abstract_state,
+                   "local_options": local_options, "replication_options": replication_options,
+                   "job_name": job_name}
+    from_env = False
+    if local_directory is None:
+      local_directory = constructor.local_directory_from_env(directory, jax.process_index())
+      from_env = local_directory is not None
+      if from_env and checkpointers is not None:
+        # Legacy Checkpointer objects save through their own handlers: leave them one tier.
+        logging.info("orbax-mtc: %s is set, but this manager uses legacy checkpointers: "
+                     "no RAM tier for %s", constructor.LOCAL_ROOT_ENV, directory)
+        local_directory = None
+    if local_directory is None:
+      given = sorted(k for k, v in tier_extras.items() if v is not None)
+      if given:
+        raise ValueError(f"{', '.join(given)} only apply to a RAM tier: pass local_directory= "
+                         "too, or drop them.")
+      super().__init__(*parent_args)  # exactly the parent: every override defers to it
+      return
+    if checkpointers is not None:
+      raise ValueError(
+          "A RAM tier (local_directory=) cannot be combined with legacy `checkpointers`: "
+          "build the manager with item_names= / item_handlers= / handler_registry= and save "
+          "with args=ocp.args.Composite(...), as Orbax recommends.")
+    if global_mesh is not None and not isinstance(global_mesh, jax.sharding.Mesh):
+      raise TypeError(f"global_mesh must be a jax.sharding.Mesh, got {type(global_mesh)}.")
+    parent_options = options or ocp.CheckpointManagerOptions()
+    if parent_options.read_only:
+      local_options = local_options or LocalCheckpointOptions(read_only=True)
+    mtc_options = CheckpointManagerOptions(
+        local=local_options or LocalCheckpointOptions(max_to_keep=1),
+        replication=replication_options or ReplicationOptions(),
+        job_name=job_name or "orbax",
+        enable_async_checkpointing=parent_options.enable_async_checkpointing,
+        async_options=parent_options.async_options,
+        cleanup_tmp_directories=parent_options.cleanup_tmp_directories)
+    # Without its own schedule the RAM tier keeps a copy of each step the parent saves.
+    self._mirror_parent_saves = local_options is None
+    # A mesh without a data axis cannot name its replicas; when no one asked for peers
+    # (a harness, or no replication_options), the RAM tier then works without them.
+    self._peers_optional = from_env or replication_options is None
+    self._init_local_tier(local_directory, directory, mtc_options, abstract_state)
+    self._global_mesh = None
+    if global_mesh is not None:
+      self._set_mesh(global_mesh)
+    with self._persistent_view():
+      super().__init__(*parent_args)
+    self._init_runtime()
+
+  def _init_local_tier(self, local_directory, persistent_directory,
+                       options: CheckpointManagerOptions, abstract_state: Any) -> None:
     self._mtc_options = options
-    self._global_mesh = global_mesh
-    self._replica_axis = replica_axis_name(options, global_mesh.axis_names,
-                                           multi_process=jax.process_count() > 1)
     self._abstract_state = abstract_state
     self._process_index = jax.process_index()
     self._process_count = jax.process_count()
@@ -159,6 +322,21 @@ class CheckpointManager(ocp.CheckpointManager):
     self._store = peer_store.PeerStore(local_path, max_to_keep=options.local.max_to_keep)
     self._store.prepare()
     self._topology: topology.Topology | None = None
+    self._replicator: replication.Replicator | None = None
+    self._replica_axis: str | None = None
+
+  def _set_mesh(self, global_mesh: jax.sharding.Mesh) -> None:
+    """Replica axis and topology from the mesh (pure: no collective, no I/O)."""
+    options = self._mtc_options
+    self._global_mesh = global_mesh
+    try:
+      self._replica_axis = replica_axis_name(options, global_mesh.axis_names,
+                                             multi_process=self._process_count > 1)
+    except ValueError as e:
+      if not getattr(self, "_peers_optional", False):
+        raise
+      logging.warning("orbax-mtc: RAM tier without peer copies: %s", e)
+      return
     if self._process_count > 1:
       replication_options = options.replication
       self._topology = topology.build_topology(
@@ -166,10 +344,29 @@ class CheckpointManager(ocp.CheckpointManager):
           num_processes=self._process_count,
           peers_per_node=replication_options.peers_per_node,
           peer_ranks=replication_options.peer_ranks)
-    with self._persistent_view():
-      super().__init__(persistent_directory, options=options.persistent_manager_options(),
-                       metadata=metadata, logger=logger, item_handlers=item_handlers,
-                       handler_registry=handler_registry)
+
+  def _start_replicator(self) -> None:
+    options = self._mtc_options
+    if self._topology is not None and self._topology.edges:
+      self._replicator = replication.Replicator(
+          self._topology, self._process_index, self._local, self._store, self._writer,
+          self._allgather, chunk_bytes=options.replication.chunk_bytes,
+          window=options.replication.chunks_in_flight)
+      self._store.drop_sources(self._topology.held_by(self._process_index))
+
+  def _mesh_from(self, trees: Mapping[str, Any]) -> None:
+    """Parent-style form without global_mesh: the mesh of the first sharded leaf."""
+    if self._global_mesh is not None:
+      return
+    for tree in trees.values():
+      for leaf in jax.tree_util.tree_leaves(tree):
+        mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+        if isinstance(mesh, jax.sharding.Mesh):
+          self._set_mesh(mesh)
+          self._start_replicator()
+          return
+
+  def _init_runtime(self) -> None:
     self._buffers = local_tier.BufferPool()
     self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtc-local-write")
     self._pending: concurrent.futures.Future | None = None
@@ -177,25 +374,21 @@ class CheckpointManager(ocp.CheckpointManager):
     self._local_error: BaseException | None = None
     # Only the thread that built the manager (the training loop) creates preemption ids.
     self._owner_thread = threading.current_thread()
-    self._own_sigterm_handler = preemption.attach(self._process_count)
+    # The parent-style form keeps the parent's preemption handling (JAX's sync point).
+    self._own_sigterm_handler = (not self._parent_style
+                                 and preemption.attach(self._process_count))
     self._sync_step: int | None = None
     self.last_ondemand: OnDemandSave | None = None
     self._closed = False
-    self._replicator: replication.Replicator | None = None
     self._shard_sets_cache: tuple[Any, list] | None = None
-    if self._topology is not None and self._topology.edges:
-      self._replicator = replication.Replicator(
-          self._topology, self._process_index, self._local, self._store, self._writer,
-          self._allgather, chunk_bytes=options.replication.chunk_bytes,
-          window=options.replication.chunks_in_flight)
-      self._store.drop_sources(self._topology.held_by(self._process_index))
+    self._start_replicator()
     self._recovered: tuple[local_tier.StepManifest, np.ndarray] | None = None
     self.last_restore: RestoreInfo | None = None
     self.last_save_blocking_seconds: float | None = None
     self._mtc_ready = True
     logging.info("orbax-mtc: process %d/%d, local %s, persistent %s, replica axis %r",
-                 self._process_index, self._process_count, local_path, self.directory,
-                 self._replica_axis)
+                 self._process_index, self._process_count, self._local.directory,
+                 self.directory, self._replica_axis)
 
   # ------------------------------------------------------------------ helpers
 
@@ -209,25 +402,31 @@ class CheckpointManager(ocp.CheckpointManager):
       self._view.persistent = previous
 
   @property
-  def local_directory(self) -> Path:
-    return self._local.directory
+  def local_directory(self) -> Path | None:
+    """This node's RAM-tier folder (None for a parent-style manager without one)."""
+    local = self.__dict__.get("_local")
+    return None if local is None else local.directory
 
   @property
-  def global_mesh(self) -> jax.sharding.Mesh:
-    return self._global_mesh
+  def global_mesh(self) -> jax.sharding.Mesh | None:
+    return self.__dict__.get("_global_mesh")
 
   @property
-  def replica_axis(self) -> str:
-    return self._replica_axis
+  def replica_axis(self) -> str | None:
+    return self.__dict__.get("_replica_axis")
 
   @property
-  def options(self) -> CheckpointManagerOptions:
+  def options(self) -> CheckpointManagerOptions | ocp.CheckpointManagerOptions:
+    """The options the manager was built with: orbax_mtc's (multi-tier form) or the parent's
+    (parent-style form)."""
+    if self.__dict__.get("_parent_style"):
+      return self._options
     return self._mtc_options
 
   @property
   def topology(self) -> topology.Topology | None:
     """Replicas, twins and peers of this job (None in a single process)."""
-    return self._topology
+    return self.__dict__.get("_topology")
 
   def _after_local_commit(self, step: int) -> None:
     # Runs on the writer thread after the rename: file I/O only.
@@ -287,6 +486,8 @@ class CheckpointManager(ocp.CheckpointManager):
   def should_save(self, step: int) -> bool:
     if self.reached_preemption(step):
       return True
+    if self._parent_style and self._mirror_parent_saves:
+      return self._persistent_should_save(step)
     return self._local_should_save(step) or self._persistent_should_save(step)
 
   def reached_preemption(self, step: int) -> bool:
@@ -297,6 +498,8 @@ class CheckpointManager(ocp.CheckpointManager):
     `save`, `should_save` and its finalize thread) must see this answer, never ask JAX with
     the user's step.
     """
+    if self.__dict__.get("_parent_style"):
+      return super().reached_preemption(step)  # the parent's meaning (JAX's sync point)
     if not self.__dict__.get("_mtc_ready"):
       return False
     step = int(step)
@@ -341,6 +544,9 @@ class CheckpointManager(ocp.CheckpointManager):
            force: bool | None = False, args: Any = None,
            custom_metadata: dict[str, Any] | None = None) -> bool:
     """Saves `step` to the tiers whose schedule (or `force`, or a preemption) asks for it."""
+    if self._parent_style:
+      return self._save_parent_style(step, items, save_kwargs, metrics, force, args,
+                                     custom_metadata)
     if args is None:
       if items is None:
         raise ValueError("Must provide `args` for `save`.")
@@ -374,6 +580,63 @@ class CheckpointManager(ocp.CheckpointManager):
         super().save(step, args=args, metrics=metrics, force=True,
                      custom_metadata=custom_metadata)
     return True
+
+  def _save_parent_style(self, step: int, items: Any, save_kwargs: Any, metrics: Any,
+                         force: bool | None, args: Any,
+                         custom_metadata: dict[str, Any] | None) -> bool:
+    """The parent's save on `directory`, unchanged; then the RAM tier, on its own schedule or
+    (default) for each step the parent saved. Items the RAM tier cannot hold go to
+    `directory` only."""
+    self.check_for_errors()
+    self._replication_progress(block=False)
+    with self._persistent_view():
+      parent_saved = super().save(step, items=items, save_kwargs=save_kwargs, metrics=metrics,
+                                  force=force, args=args, custom_metadata=custom_metadata)
+    step = int(step)
+    if self._mirror_parent_saves:
+      self._drop_steps_parent_removed()
+    local = self._mtc_options.local
+    if local.read_only or step in self._local_steps() or step == self._pending_step:
+      return parent_saved
+    if self._mirror_parent_saves:
+      local_due = parent_saved
+    else:
+      local_due = bool(force) or self.reached_preemption(step) or self._local_should_save(step)
+    if not local_due:
+      return parent_saved
+    try:
+      _check_ram_savable(args)
+      trees, _, _ = self._split_save_args(args)
+    except TypeError as e:
+      self._warn_once("ram-args", "orbax-mtc: the RAM tier keeps PyTreeSave/StandardSave/JsonSave "
+                      "items only; step %d and others like it go to %s alone (%s).", step,
+                      self.directory, e)
+      return parent_saved
+    self._mesh_from(trees)
+    try:
+      self._save_local(step, args)
+    except TypeError as e:  # a leaf the RAM tier cannot hold (the same on every process)
+      self._warn_once("ram-leaf", "orbax-mtc: step %d goes to %s alone: %s", step,
+                      self.directory, e)
+      return parent_saved
+    return True
+
+  def _drop_steps_parent_removed(self) -> None:
+    """Mirror mode: a step the parent's retention (or a delete) removed leaves RAM too."""
+    kept = set(self._persistent_steps())
+    gone = [s for s in self._local_steps() if s not in kept]
+    if not gone:
+      return
+    self._wait_local()  # no write in flight while folders go (LKG link included)
+    for s in gone:
+      self._local.delete(s)
+    self._refresh_lkg()
+
+  def _warn_once(self, key: str, message: str, *args: Any) -> None:
+    warned = self.__dict__.setdefault("_warned", set())
+    if key not in warned:
+      warned.add(key)
+      logging.warning(message, *args)
 
   def _save_ondemand(self, step: int, args: Any, metrics: Any,
                      custom_metadata: dict[str, Any] | None) -> None:
@@ -678,6 +941,8 @@ class CheckpointManager(ocp.CheckpointManager):
   def restore(self, step: int | None = None, items: Any = None, restore_kwargs: Any = None,
               directory: epath.PathLike | None = None, args: Any = None) -> Any:
     """Restores the newest step the whole cluster can assemble (see module docstring)."""
+    if self._parent_style:
+      return self._restore_parent_style(step, items, restore_kwargs, directory, args)
     if items is not None and args is None:
       args = items if isinstance(items, ocp.args.CheckpointArgs) else \
           ocp.args.PyTreeRestore(items)
@@ -687,6 +952,57 @@ class CheckpointManager(ocp.CheckpointManager):
     started = time.perf_counter()
     self._wait_local()
     targets, single = self._restore_targets(args)
+    found, value, plan, tried = self._restore_from_ram(step, targets, single, started)
+    if found:
+      return value
+    if plan.persistent_step is not None:
+      restored = self._restore_persistent(plan.persistent_step, targets, single)
+      self._finish_restore(plan.persistent_step, "persistent", started, drop_newer=step is None)
+      return restored
+    if step is not None:
+      if tried:
+        raise local_tier.LocalTierError(
+            f"Step {step} is in the RAM tier of every process but could not be used (corrupt "
+            "or incomplete; see the warnings above) and the persistent tier does not have it.")
+      raise FileNotFoundError(
+          f"Step {step} is in neither tier: local steps (this process) {self._local_steps()}, "
+          f"persistent steps {self._persistent_steps()}.")
+    self._start_from_scratch(started)
+    return None
+
+  def _restore_parent_style(self, step: int | None, items: Any, restore_kwargs: Any,
+                            directory: epath.PathLike | None, args: Any) -> Any:
+    """RAM first when the args say what to build and every process holds the step; otherwise
+    exactly the parent's restore of `directory`."""
+    # Only args that say exactly what to build (arrays with shardings, no per-leaf restore
+    # options) can come from RAM; the parent serves everything else as it always did.
+    single_mode = not isinstance(args, ocp.args.Composite)
+    ram_args = _ram_restore_args(args) if directory is None else None
+    if ram_args is not None and self._default_item.get() in (None, single_mode):
+      targets, single = self._restore_targets(ram_args)
+      started = time.perf_counter()
+      self._wait_local()
+      self._mesh_from(targets)
+      try:
+        found, value, _, _ = self._restore_from_ram(step, targets, single, started)
+      except local_tier.AbstractStateMismatchError as e:
+        # The parent decides what a different target means (partial restore, casting...).
+        logging.info("orbax-mtc: RAM copy does not match the restore target (%s); restoring "
+                     "from %s", e, self.directory)
+        found, value = False, None
+      if found:
+        self._default_item.set_if_none(single_mode)
+        return value
+    with self._persistent_view():
+      return super().restore(step, items=items, restore_kwargs=restore_kwargs,
+                             directory=directory, args=args)
+
+  def _restore_from_ram(self, step: int | None, targets: dict[str, Any], single: bool | None,
+                        started: float) -> tuple[bool, Any, restore_plan.RestorePlan, bool]:
+    """(found, restored value, last plan, whether a RAM step was tried and failed).
+
+    Collective: every process calls it with the same step and targets.
+    """
     # Copies still in flight would race with the folders this restore reads and rewrites.
     self._replication_progress(block=True)
     own_steps = self._local_steps()
@@ -694,7 +1010,11 @@ class CheckpointManager(ocp.CheckpointManager):
     rows = self._allgather(restore_plan.encode_inventory(own_steps, copies))
     inventories = restore_plan.decode_inventories(rows)
     groups = sets = None
-    if self._topology is not None:
+    # Targets that take their shape from the checkpoint (SavedLeaf) cannot say which shards
+    # twins share before a step is read: then every node restores from its own folder.
+    if self._topology is not None and not any(
+        isinstance(leaf, local_tier.SavedLeaf)
+        for tree in targets.values() for leaf in jax.tree_util.tree_leaves(tree)):
       sets = self._shard_sets(targets)
       groups = replication.shard_groups(sets)
     excluded: set[tuple[int, int, int]] = set()
@@ -704,7 +1024,8 @@ class CheckpointManager(ocp.CheckpointManager):
                                        shard_groups=groups, excluded=excluded)
       candidates = [a for a in plan.candidates if a.step not in failed_steps]
       if not candidates:
-        break
+        tried = bool(plan.local_candidates or failed_steps or excluded)
+        return False, None, plan, tried
       assembly = candidates[0]
       ok, value, exclusions = self._assemble(assembly, targets, single)
       if ok:
@@ -716,24 +1037,14 @@ class CheckpointManager(ocp.CheckpointManager):
         if assembly.transfers:
           self._after_recovery(assembly, sets)
         if single or (single is None and default_item):
-          return restored[_DEFAULT_ITEM]
-        return ocp.args.Composite(**restored)
+          return True, restored[_DEFAULT_ITEM], plan, False
+        return True, ocp.args.Composite(**restored), plan, False
       new = set(exclusions) - excluded
       if not new:
         failed_steps.add(assembly.step)
       excluded |= new
-    if plan.persistent_step is not None:
-      restored = self._restore_persistent(plan.persistent_step, targets, single)
-      self._finish_restore(plan.persistent_step, "persistent", started, drop_newer=step is None)
-      return restored
-    if step is not None:
-      if plan.local_candidates or failed_steps or excluded:
-        raise local_tier.LocalTierError(
-            f"Step {step} is in the RAM tier of every process but could not be used (corrupt "
-            "or incomplete; see the warnings above) and the persistent tier does not have it.")
-      raise FileNotFoundError(
-          f"Step {step} is in neither tier: local steps (this process) {self._local_steps()}, "
-          f"persistent steps {self._persistent_steps()}.")
+
+  def _start_from_scratch(self, started: float) -> None:
     logging.info("orbax-mtc: no checkpoint in RAM (%s) or in %s: starting from scratch.",
                  self._local.directory, self.directory)
     # Local steps no other process shares belong to an earlier run: drop them, or this node
@@ -746,7 +1057,6 @@ class CheckpointManager(ocp.CheckpointManager):
     self._store.drop_newer(-1)
     self.last_restore = RestoreInfo(step=None, tier="none",
                                     seconds=time.perf_counter() - started)
-    return None
 
   def _restore_persistent(self, step: int, targets: dict[str, Any], single: bool | None) -> Any:
     step_dir = Path(str(self._get_read_step_directory(step, self.directory)))
@@ -821,6 +1131,10 @@ class CheckpointManager(ocp.CheckpointManager):
 
   @_persistent_view_when_nested
   def all_steps(self, read: bool = False) -> list[int]:
+    if self._parent_style and self._mirror_parent_saves:
+      # The RAM tier holds copies of the parent's steps: the parent's list is the list.
+      with self._persistent_view():
+        return list(super().all_steps(read))
     steps = set(self._local_steps()) | set(self._persistent_steps())
     if self._pending_step is not None:
       steps.add(self._pending_step)

@@ -1,0 +1,99 @@
+"""The two documented ways into `orbax_mtc.CheckpointManager`, told apart from the call (pure).
+
+- multi-tier: `CheckpointManager(local_directory, persistent_directory, global_mesh,
+  abstract_state, *, options=orbax_mtc.CheckpointManagerOptions(...), ...)`.
+- parent-style: `ocp.CheckpointManager`'s own signature (`directory, checkpointers=None,
+  options=None, metadata=None, item_names=None, item_handlers=None, logger=None,
+  handler_registry=None`), plus keyword-only `local_directory=` and friends to add a RAM tier.
+
+The parent's second positional parameter is `checkpointers` (a Checkpointer, a dict of them or
+None), never a path, so a path in second place, or `persistent_directory=`, means multi-tier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+from pathlib import Path
+from typing import Any
+
+MULTI_TIER = "multi-tier"
+PARENT_STYLE = "parent-style"
+
+# Set by a test harness (e.g. Orbax's own CheckpointManager suite) to give every parent-style
+# manager built without `local_directory` a RAM tier under this folder.
+LOCAL_ROOT_ENV = "ORBAX_MTC_PARENT_STYLE_LOCAL_ROOT"
+
+_P = inspect.Parameter
+
+
+def _signature(positional: list[tuple[str, Any]], keyword_only: list[tuple[str, Any]]):
+  params = [_P(name, _P.POSITIONAL_OR_KEYWORD, default=default) for name, default in positional]
+  params += [_P(name, _P.KEYWORD_ONLY, default=default) for name, default in keyword_only]
+  return inspect.Signature(params)
+
+
+_REQUIRED = _P.empty
+MULTI_TIER_SIGNATURE = _signature(
+    [("local_directory", _REQUIRED), ("persistent_directory", _REQUIRED),
+     ("global_mesh", _REQUIRED), ("abstract_state", _REQUIRED)],
+    [("options", None), ("metadata", None), ("logger", None), ("item_handlers", None),
+     ("handler_registry", None)])
+PARENT_STYLE_SIGNATURE = _signature(
+    [("directory", _REQUIRED), ("checkpointers", None), ("options", None), ("metadata", None),
+     ("item_names", None), ("item_handlers", None), ("logger", None),
+     ("handler_registry", None)],
+    [("local_directory", None), ("global_mesh", None), ("abstract_state", None),
+     ("local_options", None), ("replication_options", None), ("job_name", None)])
+
+_PARENT_ONLY = ("directory", "checkpointers", "item_names")
+
+
+def _is_path(value: Any) -> bool:
+  return isinstance(value, (str, os.PathLike))
+
+
+def choose_form(args: tuple[Any, ...], kwargs: dict[str, Any], mtc_options_type: type) -> str:
+  """MULTI_TIER or PARENT_STYLE for a constructor call."""
+  if "persistent_directory" in kwargs:
+    return MULTI_TIER
+  if any(name in kwargs for name in _PARENT_ONLY):
+    return PARENT_STYLE
+  if len(args) >= 2 and _is_path(args[1]):
+    return MULTI_TIER
+  options = kwargs.get("options", args[2] if len(args) >= 3 else None)
+  if isinstance(options, mtc_options_type):
+    return MULTI_TIER
+  if not args and "local_directory" in kwargs and "global_mesh" in kwargs:
+    return MULTI_TIER  # all by keyword, persistent_directory forgotten: say so below
+  return PARENT_STYLE
+
+
+def bind(args: tuple[Any, ...], kwargs: dict[str, Any],
+         mtc_options_type: type) -> tuple[str, dict[str, Any]]:
+  """(form, every parameter of that form by name), or a TypeError that shows both forms."""
+  form = choose_form(args, kwargs, mtc_options_type)
+  signature = MULTI_TIER_SIGNATURE if form == MULTI_TIER else PARENT_STYLE_SIGNATURE
+  try:
+    bound = signature.bind(*args, **kwargs)
+  except TypeError as e:
+    raise TypeError(
+        f"orbax_mtc.CheckpointManager: this call looks like the {form} form but {e}. The two "
+        f"forms are:\n  multi-tier:   CheckpointManager{MULTI_TIER_SIGNATURE}\n"
+        f"  parent-style: CheckpointManager{PARENT_STYLE_SIGNATURE}") from None
+  bound.apply_defaults()
+  return form, dict(bound.arguments)
+
+
+def local_directory_from_env(directory: Any, process_index: int) -> Path | None:
+  """The RAM-tier folder a harness asks for through LOCAL_ROOT_ENV (None when unset).
+
+  Same persistent `directory` -> same folder, so a manager re-created on a directory finds
+  the RAM steps of the previous one; one folder per process, as on separate hosts.
+  """
+  root = os.environ.get(LOCAL_ROOT_ENV)
+  if not root:
+    return None
+  key = hashlib.sha1(os.path.abspath(str(directory)).encode()).hexdigest()[:16]
+  return Path(root) / key / f"p{process_index}"
