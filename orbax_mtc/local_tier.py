@@ -330,11 +330,11 @@ def is_step_name(name: str) -> bool:
 
 def read_manifest(step_dir: Path) -> StepManifest:
   try:
-    text = (step_dir / MANIFEST).read_text()
+    raw = (step_dir / MANIFEST).read_bytes()
   except FileNotFoundError as e:
     raise LocalTierError(f"{step_dir} has no {MANIFEST}: not a committed step") from e
   try:
-    return StepManifest.from_json(text)
+    return StepManifest.from_json(raw.decode())  # a flipped bit may break UTF-8 too
   except (ValueError, KeyError, TypeError) as e:
     raise LocalTierError(f"{step_dir / MANIFEST} is unreadable: {e}") from e
 

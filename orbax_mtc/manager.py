@@ -143,21 +143,35 @@ def _ram_target(item: Any) -> Any:
   return item.item
 
 
-def _ram_restore_args(args: Any) -> Any:
-  """Parent-style restore args rewritten for the RAM tier (targets spelled out), or None."""
+_RESTORE_FOR_SAVE = {ocp.args.PyTreeSave: ocp.args.PyTreeRestore,
+                     ocp.args.StandardSave: ocp.args.StandardRestore,
+                     ocp.args.JsonSave: ocp.args.JsonRestore}
+
+
+def _ram_restore_args(args: Any, saved_with: Mapping[str, type]) -> Any:
+  """Parent-style restore args rewritten for the RAM tier (targets spelled out), or None.
+
+  `saved_with`: item name -> save args type this manager used; the parent refuses to restore
+  an item with the other family's args (its handler is registered by then), so do we.
+  """
+  named = dict(args.items()) if isinstance(args, ocp.args.Composite) else {_DEFAULT_ITEM: args}
+  rewritten = {}
+  for name, item in named.items():
+    expected = _RESTORE_FOR_SAVE.get(saved_with.get(name))
+    if expected is not None and type(item) is not expected:
+      return None
+    if isinstance(item, ocp.args.JsonRestore) and isinstance(args, ocp.args.Composite):
+      rewritten[name] = item
+      continue
+    target = _ram_target(item)
+    if target is None:
+      return None
+    rewritten[name] = ocp.args.PyTreeRestore(item=target)
+  if not rewritten:
+    return None
   if isinstance(args, ocp.args.Composite):
-    rewritten = {}
-    for name, item in args.items():
-      if isinstance(item, ocp.args.JsonRestore):
-        rewritten[name] = item
-        continue
-      target = _ram_target(item)
-      if target is None:
-        return None
-      rewritten[name] = ocp.args.PyTreeRestore(item=target)
-    return ocp.args.Composite(**rewritten) if rewritten else None
-  target = _ram_target(args)
-  return None if target is None else ocp.args.PyTreeRestore(item=target)
+    return ocp.args.Composite(**rewritten)
+  return rewritten[_DEFAULT_ITEM]
 
 
 @dataclasses.dataclass
@@ -294,6 +308,7 @@ class CheckpointManager(ocp.CheckpointManager):
         cleanup_tmp_directories=parent_options.cleanup_tmp_directories)
     # Without its own schedule the RAM tier keeps a copy of each step the parent saves.
     self._mirror_parent_saves = local_options is None
+    self._saved_with: dict[str, type] = {}
     # A mesh without a data axis cannot name its replicas; when no one asked for peers
     # (a harness, or no replication_options), the RAM tier then works without them.
     self._peers_optional = from_env or replication_options is None
@@ -593,6 +608,10 @@ class CheckpointManager(ocp.CheckpointManager):
       parent_saved = super().save(step, items=items, save_kwargs=save_kwargs, metrics=metrics,
                                   force=force, args=args, custom_metadata=custom_metadata)
     step = int(step)
+    if args is not None:
+      named = dict(args.items()) if isinstance(args, ocp.args.Composite) else \
+          {_DEFAULT_ITEM: args}
+      self._saved_with.update({name: type(item) for name, item in named.items()})
     if self._mirror_parent_saves:
       self._drop_steps_parent_removed()
     local = self._mtc_options.local
@@ -977,7 +996,7 @@ class CheckpointManager(ocp.CheckpointManager):
     # Only args that say exactly what to build (arrays with shardings, no per-leaf restore
     # options) can come from RAM; the parent serves everything else as it always did.
     single_mode = not isinstance(args, ocp.args.Composite)
-    ram_args = _ram_restore_args(args) if directory is None else None
+    ram_args = _ram_restore_args(args, self._saved_with) if directory is None else None
     if ram_args is not None and self._default_item.get() in (None, single_mode):
       targets, single = self._restore_targets(ram_args)
       started = time.perf_counter()
