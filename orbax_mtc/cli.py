@@ -1,4 +1,4 @@
-"""The `orbax-mtc` command: launch, demo, bench, status, verify.
+"""The `orbax-mtc` command: launch, demo, bench, status, verify, gc.
 
 `launch` and `demo` take the rest of the command line as their own arguments; their modules
 (and JAX) are imported only when the verb is used, so `orbax-mtc --help` stays fast.
@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 # Verbs whose arguments are parsed by their own module.
-_PASSTHROUGH = ("launch", "demo", "bench")
+_PASSTHROUGH = ("launch", "demo", "bench", "gc")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
   verbs.add_parser(
       "bench", add_help=False,
       help="benchmarks: suite, goodput, ondemand (orbax-mtc bench --help)")
+  verbs.add_parser(
+      "gc", add_help=False,
+      help="apply a retention policy to a persistent directory (orbax-mtc gc --help)")
   status = verbs.add_parser("status", help="show the checkpoints held in a directory")
   status.add_argument("directory", help="a local (RAM-disk) or persistent checkpoint directory")
   verify = verbs.add_parser(
@@ -77,6 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
       return launch.main(rest)
     if verb == "bench":
       return _bench(rest)
+    if verb == "gc":
+      from orbax_mtc import persistent_gc
+
+      return persistent_gc.main(rest)
     from orbax_mtc import demo
 
     return int(demo.main(rest) or 0)

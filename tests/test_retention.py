@@ -111,3 +111,59 @@ def test_naive_times_and_duplicates_are_refused():
     decide([StepRecord(1, dt.datetime(2026, 1, 1))], RetentionPolicy(hourly=1), NOW)
   with pytest.raises(ValueError, match="duplicate"):
     decide([StepRecord(1, NOW), StepRecord(1, NOW)], RetentionPolicy(), NOW)
+
+
+# ----------------------------------------------------------------------------- orbax-mtc gc
+
+
+@pytest.fixture
+def orbax_dir(shm_dir):
+  """Ten steps written by plain Orbax, plus a step still being written (an Orbax tmp folder)."""
+  import numpy as np
+  import orbax.checkpoint as ocp
+
+  directory = shm_dir / "persistent"
+  with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+      enable_async_checkpointing=False)) as mgr:
+    for step in range(0, 1000, 100):
+      mgr.save(step, args=ocp.args.PyTreeSave({"x": np.arange(4) + step}))
+  (directory / "1000.orbax-checkpoint-tmp-123").mkdir()
+  return directory
+
+
+def _steps(directory):
+  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def test_gc_dry_run_then_delete(orbax_dir, capsys):
+  from orbax_mtc import cli
+
+  argv = ["gc", str(orbax_dir), "--keep-latest", "2", "--keep-every", "400"]
+  assert cli.main(argv) == 0
+  out = capsys.readouterr().out
+  assert "5 kept, 6 to delete (dry run" in out and "being written" in out
+  assert _steps(orbax_dir) == list(range(0, 1000, 100))  # nothing deleted yet
+
+  assert cli.main([*argv, "--delete"]) == 0
+  out = capsys.readouterr().out
+  assert _steps(orbax_dir) == [0, 400, 800, 900]
+  assert (orbax_dir / "1000.orbax-checkpoint-tmp-123").is_dir()
+  assert not [p for p in orbax_dir.iterdir() if "mtc-gc" in p.name]
+  # What is left is still a checkpoint directory plain Orbax reads.
+  import orbax.checkpoint as ocp
+  with ocp.CheckpointManager(orbax_dir) as mgr:
+    assert list(mgr.all_steps()) == [0, 400, 800, 900]
+    restored = mgr.restore(900, args=ocp.args.PyTreeRestore())
+  assert list(restored["x"]) == [900, 901, 902, 903]
+
+
+def test_gc_refuses_without_rules_or_directory(orbax_dir, shm_dir, capsys):
+  from orbax_mtc import cli
+
+  assert cli.main(["gc", str(orbax_dir)]) == 2
+  assert "no retention rule given" in capsys.readouterr().out
+  assert cli.main(["gc", str(shm_dir / "missing"), "--keep-latest", "1"]) == 2
+  assert "is not a directory" in capsys.readouterr().out
+  assert cli.main(["gc", str(orbax_dir), "--keep-every", "0", "--delete"]) == 2
+  assert "keep_every must be an int >= 1" in capsys.readouterr().out
+  assert _steps(orbax_dir) == list(range(0, 1000, 100))
