@@ -89,8 +89,7 @@ def _check_ram_savable(args: Any) -> None:
   them (no per-leaf save options such as a dtype cast)."""
   if args is None:
     raise TypeError("saved without args (legacy `items`)")
-  items = args.values() if isinstance(args, ocp.args.Composite) else [args]
-  for item in items:
+  for item in _named_items(args).values():
     if isinstance(item, _PYTREE_SAVE) and item.save_args is not None:
       raise TypeError(f"{type(item).__name__} with save_args")
 
@@ -148,15 +147,19 @@ _RESTORE_FOR_SAVE = {ocp.args.PyTreeSave: ocp.args.PyTreeRestore,
                      ocp.args.JsonSave: ocp.args.JsonRestore}
 
 
+def _named_items(args: Any) -> dict[str, Any]:
+  """Item name -> args of one item (a single-item call is Orbax's default item)."""
+  return dict(args.items()) if isinstance(args, ocp.args.Composite) else {_DEFAULT_ITEM: args}
+
+
 def _ram_restore_args(args: Any, saved_with: Mapping[str, type]) -> Any:
   """Parent-style restore args rewritten for the RAM tier (targets spelled out), or None.
 
   `saved_with`: item name -> save args type this manager used; the parent refuses to restore
   an item with the other family's args (its handler is registered by then), so do we.
   """
-  named = dict(args.items()) if isinstance(args, ocp.args.Composite) else {_DEFAULT_ITEM: args}
   rewritten = {}
-  for name, item in named.items():
+  for name, item in _named_items(args).items():
     expected = _RESTORE_FOR_SAVE.get(saved_with.get(name))
     if expected is not None and type(item) is not expected:
       return None
@@ -250,6 +253,7 @@ class CheckpointManager(ocp.CheckpointManager):
       raise ValueError("Both local_directory (RAM disk) and persistent_directory are required.")
     self._parent_style = False
     self._mirror_parent_saves = False
+    self._peers_optional = False
     self._init_local_tier(local_directory, persistent_directory, options, abstract_state)
     self._set_mesh(global_mesh)
     with self._persistent_view():
@@ -348,7 +352,7 @@ class CheckpointManager(ocp.CheckpointManager):
       self._replica_axis = replica_axis_name(options, global_mesh.axis_names,
                                              multi_process=self._process_count > 1)
     except ValueError as e:
-      if not getattr(self, "_peers_optional", False):
+      if not self._peers_optional:
         raise
       logging.warning("orbax-mtc: RAM tier without peer copies: %s", e)
       return
@@ -609,9 +613,7 @@ class CheckpointManager(ocp.CheckpointManager):
                                   force=force, args=args, custom_metadata=custom_metadata)
     step = int(step)
     if args is not None:
-      named = dict(args.items()) if isinstance(args, ocp.args.Composite) else \
-          {_DEFAULT_ITEM: args}
-      self._saved_with.update({name: type(item) for name, item in named.items()})
+      self._saved_with.update({name: type(item) for name, item in _named_items(args).items()})
     if self._mirror_parent_saves:
       self._drop_steps_parent_removed()
     local = self._mtc_options.local

@@ -14,18 +14,14 @@ import uuid
 from collections.abc import Sequence
 
 from etils import epath
+from orbax.checkpoint import path as ocp_path
 
 from orbax_mtc import retention
-
-_TMP_STEP = re.compile(r"(\d+)\.orbax-checkpoint-tmp")
-_GCS_COMMIT_FILE = "commit_success.txt"
 
 
 def step_records(directory: epath.Path) -> tuple[list[retention.StepRecord],
                                                  dict[int, epath.Path]]:
   """Complete and in-progress steps of an Orbax directory, with their folders."""
-  from orbax.checkpoint import path as ocp_path
-
   records, paths = [], {}
   name_format = ocp_path.step.standard_name_format()
   for meta in name_format.find_all(directory):
@@ -37,7 +33,7 @@ def step_records(directory: epath.Path) -> tuple[list[retention.StepRecord],
     paths[meta.step] = meta.path
   complete = set(paths)
   for entry in directory.iterdir():
-    match = _TMP_STEP.search(entry.name)
+    match = re.match(ocp_path.step.TMP_DIR_STEP_PATTERN, entry.name)
     if match and int(match.group(1)) not in complete:
       step = int(match.group(1))
       when = dt.datetime.fromtimestamp(entry.stat().mtime, tz=dt.UTC)
@@ -50,7 +46,7 @@ def delete_step(path: epath.Path) -> None:
   still looks complete: local folders are first renamed out of the step namespace; on object
   stores (no atomic rename) the commit marker goes first."""
   if str(path).startswith("gs://"):
-    marker = path / _GCS_COMMIT_FILE
+    marker = path / ocp_path.atomicity.COMMIT_SUCCESS_FILE
     if marker.exists():
       marker.unlink()
   else:

@@ -136,3 +136,12 @@ def assert_host_equal(got: Any, want: Any) -> None:
     g, w = np.asarray(g), np.asarray(w)
     assert g.dtype == w.dtype, f"{where}: dtype {g.dtype} != {w.dtype}"
     assert g.shape == w.shape and g.tobytes() == w.tobytes(), f"{where}: values differ"
+
+
+def flip_byte(path, offset: int, mask: int = 0xFF) -> None:
+  """Corrupts one byte of a file in place (XOR with `mask`)."""
+  with open(path, "r+b") as f:
+    f.seek(offset)
+    byte = f.read(1)
+    f.seek(offset)
+    f.write(bytes([byte[0] ^ mask]))

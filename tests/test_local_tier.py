@@ -11,7 +11,7 @@ import uuid
 import jax
 import numpy as np
 import pytest
-from conftest import abstract_of, assert_trees_equal, make_state
+from conftest import abstract_of, assert_trees_equal, flip_byte, make_state
 
 from orbax_mtc import local_tier as lt
 
@@ -23,14 +23,6 @@ def _write(tier, mesh, step, seed=None, pool=None, default_item=False):
   staged = lt.stage(step, {"state": state}, {"meta": {"step": step}}, pool or lt.BufferPool(),
                     default_item=default_item)
   return state, tier.write(staged, process_index=0, process_count=1)
-
-
-def _flip_byte(path, offset):
-  with open(path, "r+b") as f:
-    f.seek(offset)
-    byte = f.read(1)
-    f.seek(offset)
-    f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def _first_shard(manifest):
@@ -190,7 +182,7 @@ def test_flipped_byte_detected_by_verify_and_read(tier, mesh):
   state, step_dir = _write(tier, mesh, 2)
   manifest = lt.read_manifest(step_dir)
   leaf, shard = _first_shard(manifest)
-  _flip_byte(step_dir / lt.DATA, shard.offset + shard.nbytes // 2)
+  flip_byte(step_dir / lt.DATA, shard.offset + shard.nbytes // 2)
   with pytest.raises(lt.CorruptStepError, match=r"checksum mismatch") as info:
     lt.verify_step(step_dir)
   assert leaf.path in str(info.value)
@@ -212,7 +204,7 @@ def test_checksums_computed_while_reading_match_and_catch_a_flip(tier, mesh, mon
         data, shard.offset, shard.nbytes)
   lt.verify_buffer(data, manifest, "here", crcs)
   _, shard = _first_shard(manifest)
-  _flip_byte(step_dir / lt.DATA, shard.offset + shard.nbytes - 1)
+  flip_byte(step_dir / lt.DATA, shard.offset + shard.nbytes - 1)
   crcs = {}
   data = lt.read_data(step_dir, manifest, crcs)
   with pytest.raises(lt.CorruptStepError, match="checksum mismatch"):

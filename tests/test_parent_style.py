@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import abstract_of, assert_trees_equal, make_state
+from conftest import abstract_of, assert_trees_equal, flip_byte, make_state
 
 import orbax_mtc as mtc
 from orbax_mtc import constructor, local_tier
@@ -30,14 +30,6 @@ def _array_state(mesh, seed):
 
 def _ram_steps(local_directory):
   return sorted(int(p.name) for p in local_directory.iterdir() if p.name.isdigit())
-
-
-def flip(path, offset):
-  with open(path, "r+b") as f:
-    f.seek(offset)
-    byte = f.read(1)
-    f.seek(offset)
-    f.write(bytes([byte[0] ^ 0x80]))
 
 
 def _restore_args(state):
@@ -230,21 +222,16 @@ def test_a_fresh_manager_restores_from_ram_and_survives_corruption(shm_dir, mesh
 
   # One flipped bit in the data, then one in the manifest: both must send the restore to
   # `directory`, never hand back wrong bytes or crash.
-  flip(shm_dir / "ram" / "5" / local_tier.DATA, 0)  # first shard starts at 0
-  mgr = managers(mtc.CheckpointManager(shm_dir / "p", options=options,
-                                       local_directory=shm_dir / "ram"))
-  restored = mgr.restore(None, args=ocp.args.Composite(
-      state=ocp.args.PyTreeRestore(abstract_of(state))))
-  assert mgr.last_restore is None or mgr.last_restore.tier != "local"
-  assert_trees_equal(restored.state, state)
-  mgr.close()
-  flip(shm_dir / "ram" / "5" / local_tier.MANIFEST, 100)
-  mgr = managers(mtc.CheckpointManager(shm_dir / "p", options=options,
-                                       local_directory=shm_dir / "ram"))
-  restored = mgr.restore(None, args=ocp.args.Composite(
-      state=ocp.args.PyTreeRestore(abstract_of(state))))
-  assert mgr.last_restore is None or mgr.last_restore.tier != "local"
-  assert_trees_equal(restored.state, state)
+  # The first shard starts at offset 0 of the data file.
+  for name, offset in ((local_tier.DATA, 0), (local_tier.MANIFEST, 100)):
+    flip_byte(shm_dir / "ram" / "5" / name, offset, mask=0x80)
+    mgr = managers(mtc.CheckpointManager(shm_dir / "p", options=options,
+                                         local_directory=shm_dir / "ram"))
+    restored = mgr.restore(None, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(abstract_of(state))))
+    assert mgr.last_restore is None or mgr.last_restore.tier != "local", name
+    assert_trees_equal(restored.state, state)
+    mgr.close()
 
 
 def test_own_ram_schedule_and_delete(shm_dir, mesh, managers):
