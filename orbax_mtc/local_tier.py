@@ -671,11 +671,13 @@ def read_step(step_dir: Path, manifest: StepManifest, targets: dict[str, Any],
 
 def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[str, Any],
                        where_prefix: str, crc_threads: int = 2,
-                       crcs: dict[tuple[int, int], int] | None = None) -> dict[str, Any]:
+                       crcs: dict[tuple[int, int], int] | None = None,
+                       memory_kind: str | None = None) -> dict[str, Any]:
   """Builds the target items from a step's data buffer laid out as `manifest` says.
 
   Every shard is checked against its checksum first. On CPU the arrays adopt the (aligned)
-  buffer without a copy.
+  buffer without a copy. `memory_kind` (e.g. "pinned_host") places the arrays in that memory
+  of their devices instead of the default one.
   """
   jobs: list[tuple[Any, ShardRecord, np.dtype, str]] = []
   plans: dict[str, Any] = {}
@@ -751,7 +753,12 @@ def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[s
         leaves.append(value)
       else:
         _, device_slots, sharding, shape = leaf_plan
-        arrays = [jax.device_put(slot[0], device) for device, slot in device_slots]
+        if memory_kind is None:
+          arrays = [jax.device_put(slot[0], device) for device, slot in device_slots]
+        else:
+          sharding = sharding.with_memory_kind(memory_kind)
+          arrays = [jax.device_put(slot[0], jax.sharding.SingleDeviceSharding(
+              device, memory_kind=memory_kind)) for device, slot in device_slots]
         leaves.append(jax.make_array_from_single_device_arrays(shape, sharding, arrays))
     restored[item_name] = jax.tree_util.tree_unflatten(treedef, leaves)
   return restored

@@ -39,6 +39,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
 from orbax_mtc import (
+  backup,
   constructor,
   distributed,
   lkg,
@@ -261,6 +262,10 @@ class CheckpointManager(ocp.CheckpointManager):
                        metadata=metadata, logger=logger, item_handlers=item_handlers,
                        handler_registry=handler_registry)
     self._init_runtime()
+    minutes = options.persistent.backup_interval_minutes
+    if minutes is not None:
+      self._backup_policy = backup.BackupIntervalPolicy(minutes)
+      self._last_backup_attempt = self._newest_backup_time()
 
   def _init_parent_style(self, directory, checkpointers, options, metadata, item_names,
                          item_handlers, logger, handler_registry, local_directory, global_mesh,
@@ -404,6 +409,12 @@ class CheckpointManager(ocp.CheckpointManager):
     self._recovered: tuple[local_tier.StepManifest, np.ndarray] | None = None
     self.last_restore: RestoreInfo | None = None
     self.last_save_blocking_seconds: float | None = None
+    self._backup_policy: backup.BackupIntervalPolicy | None = None
+    self._last_backup_attempt: tuple[int, float] | None = None  # (step, seconds since epoch)
+    self._backup_pending: backup.PendingBackup | None = None
+    self._backup_inflight: int | None = None
+    self._backup_error: backup.BackupError | None = None  # newest failure, not yet reported
+    self.last_backup: backup.BackupInfo | None = None
     self._mtc_ready = True
     logging.info("orbax-mtc: process %d/%d, local %s, persistent %s, replica axis %r",
                  self._process_index, self._process_count, self._local.directory,
@@ -498,6 +509,17 @@ class CheckpointManager(ocp.CheckpointManager):
     return step % local.save_interval_steps == 0
 
   def _persistent_should_save(self, step: int) -> bool:
+    if self.__dict__.get("_backup_policy") is not None:
+      return False  # by minutes: decided at local saves (_save_local), never per step
+    attempt = self.__dict__.get("_last_backup_attempt")
+    schedule = self._mtc_options.persistent
+    if attempt is not None and schedule.save_decision_policy is None and \
+        not self._persistent_steps():
+      # Orbax saves the first step it is asked about; our first backup may still be on its
+      # way (read from RAM, then written), so count from that attempt instead.
+      if schedule.should_save_fn is not None:
+        return bool(schedule.should_save_fn(step, attempt[0]))
+      return step > attempt[0] and step % schedule.save_interval_steps == 0
     with self._persistent_view():
       return bool(super().should_save(step))
 
@@ -573,13 +595,16 @@ class CheckpointManager(ocp.CheckpointManager):
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
       raise ValueError(f"step must be a non-negative int, got {step!r}.")
     step = int(step)
-    self.check_for_errors()
+    self._check_local_errors()
+    self._poll_backup()
     self._replication_progress(block=False)
     preempted = self.reached_preemption(step)
-    local_due = not self._mtc_options.local.read_only and (
-        force or preempted or self._local_should_save(step))
+    read_only = self._mtc_options.local.read_only
     persistent_due = (force or preempted or self._persistent_should_save(step)) and (
         step not in self._persistent_steps())
+    # A backup is taken from the RAM tier, so a step due for one is saved there too.
+    local_due = not read_only and (force or preempted or persistent_due
+                                   or self._local_should_save(step))
     if preempted:
       if self.last_ondemand is not None and self.last_ondemand.step == step:
         return False  # already saved on demand (as Orbax: a step is saved once)
@@ -593,11 +618,10 @@ class CheckpointManager(ocp.CheckpointManager):
           f"Step {step} already exists (RAM tier {self._local.directory} or persistent tier "
           f"{self.directory}). Delete it first with mgr.delete({step}) to save it again.")
     if local_due:
-      self._save_local(step, args)
-    if persistent_due:
-      with self._persistent_view():
-        super().save(step, args=args, metrics=metrics, force=True,
-                     custom_metadata=custom_metadata)
+      self._save_local(step, args, backup_wanted=persistent_due, metrics=metrics,
+                       custom_metadata=custom_metadata)
+    elif persistent_due:  # no RAM tier to take it from (read_only): straight from the arrays
+      self._start_backup(step, args, metrics, custom_metadata)
     return True
 
   def _save_parent_style(self, step: int, items: Any, save_kwargs: Any, metrics: Any,
@@ -686,15 +710,16 @@ class CheckpointManager(ocp.CheckpointManager):
     seconds["peers"] = time.time() - t
 
     t = time.time()
+    self._drop_pending_backup("an on-demand checkpoint")
+    self._await_backup()
     backed_up = step in self._persistent_steps()
     left = budget - (t - started)
     if not backed_up and left > 0:
       metadata = dict(custom_metadata or {})
       metadata[ONDEMAND_METADATA_KEY] = {"step": step, "signal_time": signal_time,
                                          "budget_seconds": budget, "seconds": dict(seconds)}
-      with self._persistent_view():
-        super().save(step, args=args, metrics=metrics, force=True, custom_metadata=metadata)
-        super().wait_until_finished()
+      self._start_backup(step, args, metrics, metadata)
+      self._await_backup()
       backed_up = step in self._persistent_steps()
     elif not backed_up:
       logging.warning("orbax-mtc: no on-demand persistent backup of step %d: the %.0fs grace "
@@ -733,21 +758,42 @@ class CheckpointManager(ocp.CheckpointManager):
     except OSError as e:
       logging.warning("orbax-mtc: cannot record the on-demand breakdown in %s: %s", step_dir, e)
 
-  def _save_local(self, step: int, args: Any) -> None:
+  def _save_local(self, step: int, args: Any, *, backup_wanted: bool = False,
+                  metrics: Any = None, custom_metadata: dict[str, Any] | None = None) -> None:
     trees, jsons, default_item = self._split_save_args(args)
     self._wait_local()  # one write in flight: the staging buffer is reused
     # The previous step's copies must be out before retention may retire its folder.
     self._replication_progress(block=True)
+    pending = self._backup_pending
+    if pending is not None:
+      # Read back right after its write, from RAM: done by now but for a very short interval.
+      concurrent.futures.wait([pending.read])
+    with self._persistent_view():
+      saving = super().is_saving_in_progress()
+    # One all-gather per local save (every process saves the same steps, so it is issued in
+    # the same order everywhere: main thread, rule 2): the newest step each node holds, where
+    # each node is with the pending backup, whether Orbax is still writing one, and the clock
+    # of process 0 (which alone decides backups by minutes).
+    steps = self._local_steps()
+    row = np.asarray([steps[-1] if steps else -1,
+                      pending.state() if pending is not None else backup.NONE,
+                      int(saving), int(time.time() * 1000)], dtype=np.int64)
+    gathered = self._allgather(row)
     if self._process_count > 1:
-      # Every process saves the same steps, so this all-gather is issued in the same order
-      # everywhere (main thread, rule 2). Its minimum is the newest step all nodes hold.
-      steps = self._local_steps()
-      newest = np.asarray([steps[-1] if steps else -1], dtype=np.int64)
-      floor = int(self._allgather(newest).min())
+      # Its minimum is the newest step all nodes hold.
+      floor = int(gathered[:, 0].min())
       self._local.keep_floor = floor if floor >= 0 else None
       # Steps kept only as the previous floor can go now, before this write reuses their file:
       # the RAM footprint stays at max_to_keep committed steps plus the one being written.
       self._local.apply_retention()
+    saving_anywhere = bool(gathered[:, 2].any())
+    if pending is not None:
+      self._advance_backup(gathered[:, 1], saving_anywhere)
+      saving_anywhere = saving_anywhere or self._backup_inflight is not None
+    now = float(gathered[0, 3]) / 1000
+    if self._backup_policy is not None and not backup_wanted:
+      backup_wanted = backup.interval_due(self._backup_policy, step, now,
+                                          self._last_backup_attempt, saving_anywhere)
     started = time.perf_counter()
     staged = local_tier.stage(step, trees, jsons, self._buffers, default_item=default_item)
     self.last_save_blocking_seconds = time.perf_counter() - started
@@ -757,10 +803,148 @@ class CheckpointManager(ocp.CheckpointManager):
     else:
       self._write_local(staged)
       self._pending_step = None
+    if backup_wanted:
+      self._schedule_backup(step, args, trees, jsons, metrics, custom_metadata, now)
+      if not self._mtc_options.enable_async_checkpointing:
+        self._flush_backup()  # synchronous mode: both tiers hold the step when save returns
     if self._replicator is not None:
       self._replicator.schedule(step, self._shard_sets(trees))
       if not self._mtc_options.enable_async_checkpointing:
         self._replication_progress(block=True)
+
+  # ------------------------------------------------------------------ persistent backups
+
+  def _newest_backup_time(self) -> tuple[int, float] | None:
+    """(step, commit time) of the newest persistent step: the minutes count from there."""
+    steps = self._persistent_steps()
+    if not steps:
+      return None
+    try:
+      with self._persistent_view():
+        nsecs = super().metadata(steps[-1]).commit_timestamp_nsecs
+    except Exception as e:  # noqa: BLE001 - an unreadable time only moves the first backup
+      logging.warning("orbax-mtc: no commit time for persistent step %d (%s); the first "
+                      "backup is taken at the first local save.", steps[-1], e)
+      return None
+    return (steps[-1], nsecs / 1e9) if nsecs else None
+
+  def _schedule_backup(self, step: int, args: Any, trees: dict[str, Any],
+                       jsons: dict[str, Any], metrics: Any,
+                       custom_metadata: dict[str, Any] | None, now: float) -> None:
+    """Marks `step` for backup: once its local write commits, the writer thread reads it back
+    from the RAM disk (after the write, before any later write can reuse its files)."""
+    self._drop_pending_backup(f"step {step}")
+    templates, single = backup.templates(args)
+    targets = backup.host_targets(trees)
+    targets.update({name: None for name in jsons})
+    pending = backup.PendingBackup(
+        step=step, templates=templates, single=single, targets=targets,
+        memory_kind=backup.host_memory_kind(trees), metrics=metrics,
+        custom_metadata=custom_metadata)
+    pending.read = self._writer.submit(self._read_for_backup, pending)
+    self._backup_pending = pending
+    self._last_backup_attempt = (step, now)
+
+  def _read_for_backup(self, pending: backup.PendingBackup) -> dict[str, Any]:
+    """Writer thread (file I/O only): the committed step, checksums verified, as host arrays."""
+    step_dir = self._local.directory / str(pending.step)
+    manifest = self._local.manifest(pending.step)
+    crcs: dict[tuple[int, int], int] = {}
+    data = local_tier.read_data(step_dir, manifest, crcs)
+    return local_tier.arrays_from_buffer(data, manifest, pending.targets, str(step_dir),
+                                         crcs=crcs, memory_kind=pending.memory_kind)
+
+  def _drop_pending_backup(self, reason: str) -> None:
+    pending, self._backup_pending = self._backup_pending, None
+    if pending is not None:
+      logging.info("orbax-mtc: backup of step %d superseded by %s.", pending.step, reason)
+
+  def _advance_backup(self, states: np.ndarray, saving_anywhere: bool) -> None:
+    """Starts the pending backup once every process has read its copy and no earlier backup
+    is being written (`states` and `saving_anywhere` come from an all-gather: the same
+    decision everywhere)."""
+    pending = self._backup_pending
+    if pending is None:
+      return
+    if (states == backup.FAILED).any():
+      self._backup_pending = None
+      bad = [p for p, state in enumerate(states) if state == backup.FAILED]
+      error = pending.read.exception() if pending.read is not None and pending.read.done() \
+          else None
+      logging.warning("orbax-mtc: no backup of step %d: its RAM copy could not be read on "
+                      "process(es) %s%s; the next scheduled backup takes a newer step.",
+                      pending.step, bad, f" ({error})" if error is not None else "")
+      return
+    if saving_anywhere or not (states == backup.READY).all():
+      return
+    self._backup_pending = None
+    values = pending.read.result()
+    args = backup.backup_args(pending.templates, pending.single, values)
+    self._start_backup(pending.step, args, pending.metrics, pending.custom_metadata)
+
+  def _start_backup(self, step: int, args: Any, metrics: Any,
+                    custom_metadata: dict[str, Any] | None) -> None:
+    """The parent's save of `step` (Orbax writes in the background); every process calls it."""
+    self._poll_backup()
+    self.last_backup = backup.BackupInfo(step=step, state="uploading", started_at=time.time())
+    self._backup_inflight = step
+    try:
+      with self._persistent_view():
+        super().save(step, args=args, metrics=metrics, force=True,
+                     custom_metadata=custom_metadata)
+    except Exception as e:  # noqa: BLE001 - a failed backup must not stop training
+      self._backup_failed(step, e)
+
+  def _backup_failed(self, step: int, error: BaseException) -> None:
+    self._backup_inflight = None
+    self._backup_error = backup.BackupError(step, error)
+    self.last_backup = dataclasses.replace(
+        self.last_backup or backup.BackupInfo(step, "failed", time.time()), step=step,
+        state="failed", error=f"{type(error).__name__}: {error}")
+    logging.error("orbax-mtc: persistent backup of step %d to %s failed: %s: %s. Training "
+                  "goes on; the step stays in the RAM tier and the next scheduled backup "
+                  "tries again.", step, self.directory, type(error).__name__, error)
+
+  def _poll_backup(self, *, block: bool = False) -> None:
+    """Learns how the backup in flight ended (no collective): a failure is logged once and
+    kept for `wait_until_finished`/`close` to report; training goes on."""
+    step = self._backup_inflight
+    if step is None:
+      return
+    with self._persistent_view():
+      if not block and super().is_saving_in_progress():
+        return
+      try:
+        super().wait_until_finished()  # raises the background failure, once
+      except Exception as e:  # noqa: BLE001 - reported through _backup_error
+        self._backup_failed(step, e)
+        return
+    self._backup_inflight = None
+    if step in self._persistent_steps():
+      self._backup_error = None  # the newest backup is good: older failures are moot
+      self.last_backup = dataclasses.replace(self.last_backup, state="done") \
+          if self.last_backup is not None and self.last_backup.step == step \
+          else backup.BackupInfo(step, "done", time.time())
+    else:
+      self._backup_failed(step, RuntimeError("the step was not finalized"))
+
+  def _await_backup(self) -> None:
+    self._poll_backup(block=True)
+
+  def _flush_backup(self) -> None:
+    """Starts the pending backup now and waits for it (every process calls this)."""
+    pending = self._backup_pending
+    if pending is not None:
+      concurrent.futures.wait([pending.read])
+      self._await_backup()
+      states = self._allgather(np.asarray([pending.state()], dtype=np.int64))[:, 0]
+      self._advance_backup(states, saving_anywhere=False)
+    self._await_backup()
+
+  def _report_backup_error(self) -> None:
+    error, self._backup_error = self._backup_error, None
+    if error is not None:
+      raise error
 
   # ------------------------------------------------------------------ replication
 
@@ -972,6 +1156,7 @@ class CheckpointManager(ocp.CheckpointManager):
         return super().restore(step, directory=directory, args=args)
     started = time.perf_counter()
     self._wait_local()
+    self._drop_pending_backup("a restore")
     targets, single = self._restore_targets(args)
     found, value, plan, tried = self._restore_from_ram(step, targets, single, started)
     if found:
@@ -1175,7 +1360,7 @@ class CheckpointManager(ocp.CheckpointManager):
   def delete(self, step: int):
     """Deletes `step` from this node's RAM tier and from the persistent tier."""
     # Neither the local writer nor Orbax's finalize thread may still be writing the step.
-    self.wait_until_finished()
+    self._finish_all()
     if step in self._local_steps():
       self._local.delete(step)
       self._refresh_lkg()
@@ -1211,25 +1396,46 @@ class CheckpointManager(ocp.CheckpointManager):
   def is_saving_in_progress(self) -> bool:
     if self._pending is not None and not self._pending.done():
       return True
+    if self._backup_pending is not None:
+      return True
     with self._persistent_view():
       return super().is_saving_in_progress()
 
   # ------------------------------------------------------------------ lifecycle
 
-  @_persistent_view_when_nested
-  def wait_until_finished(self):
+  def _finish_all(self) -> None:
+    """RAM write, peer copies, the pending backup: all done (every process calls this)."""
     self._wait_local()
     self.replicate_pending()
-    with self._persistent_view():
-      super().wait_until_finished()
+    if self._parent_style:
+      with self._persistent_view():
+        super().wait_until_finished()
+      return
+    self._flush_backup()
 
   @_persistent_view_when_nested
-  def check_for_errors(self):
+  def wait_until_finished(self):
+    """Waits for the RAM write, the peer copies and the backup in flight (a backup is bounded
+    by Orbax's `AsyncOptions.timeout_secs`). Raises `BackupError` if the newest backup failed
+    (once per failure); the RAM tier still holds the step."""
+    self._finish_all()
+    self._report_backup_error()
+
+  def _check_local_errors(self) -> None:
     if self._pending is not None and self._pending.done():
       self._wait_local()
     self._raise_local_error()
-    with self._persistent_view():
-      super().check_for_errors()
+
+  @_persistent_view_when_nested
+  def check_for_errors(self):
+    """Raises a failed RAM write, or `BackupError` for a failed newest backup (once)."""
+    self._check_local_errors()
+    if self._parent_style:
+      with self._persistent_view():
+        super().check_for_errors()
+      return
+    self._poll_backup()
+    self._report_backup_error()
 
   @_persistent_view_when_nested
   def close(self):

@@ -13,6 +13,7 @@ from typing import Any
 
 from orbax.checkpoint import checkpoint_manager as ocp_manager
 from orbax.checkpoint import checkpoint_managers as policies
+from orbax.checkpoint import options as ocp_options
 from orbax.checkpoint import path as ocp_path
 
 _JOB_NAME_FORBIDDEN = ("/", "\0")
@@ -78,7 +79,11 @@ class LocalCheckpointOptions:
 class PersistentCheckpointOptions:
   """When to back up to the persistent tier (a standard Orbax checkpoint) and what to keep.
 
-  save_interval_steps: back up every N steps (Orbax default: 1000).
+  save_interval_steps: back up every N steps (default 1000 when no schedule is given).
+  backup_interval_minutes: instead, back up the step being saved to RAM once this many minutes
+    have passed since the last backup attempt (the GKE replicator's `backup-interval-minutes`).
+    Exactly one of the two may be set. Backups are of steps committed in RAM and run in the
+    background; a failed one is retried at the next scheduled backup.
   max_to_keep: persistent steps kept; None keeps all.
   keep_period: also keep every step that is a multiple of this.
   should_save_fn / save_decision_policy / preservation_policy: as in Orbax; each overrides the
@@ -86,7 +91,8 @@ class PersistentCheckpointOptions:
   best_fn / best_mode: rank checkpoints by the `metrics` passed to `save` (Orbax semantics).
   """
 
-  save_interval_steps: int = 1000
+  save_interval_steps: int | None = None
+  backup_interval_minutes: float | None = None
   max_to_keep: int | None = None
   keep_period: int | None = None
   should_save_fn: Callable[[int, int | None], bool] | None = None
@@ -96,8 +102,28 @@ class PersistentCheckpointOptions:
   best_mode: str = "max"
 
   def __post_init__(self):
-    _check_interval("PersistentCheckpointOptions", "save_interval_steps",
-                    self.save_interval_steps, allow_none=False)
+    minutes = self.backup_interval_minutes
+    if minutes is not None:
+      if self.save_interval_steps is not None:
+        raise ValueError(
+            "PersistentCheckpointOptions: set either `save_interval_steps` (back up every N "
+            f"steps) or `backup_interval_minutes` (every N minutes), not both; got "
+            f"save_interval_steps={self.save_interval_steps!r} and "
+            f"backup_interval_minutes={minutes!r}.")
+      if self.should_save_fn is not None or self.save_decision_policy is not None:
+        raise ValueError(
+            "PersistentCheckpointOptions: `backup_interval_minutes` is a schedule of its own; "
+            "drop `should_save_fn` / `save_decision_policy`, or drop the minutes.")
+      if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) \
+          or not 0 < minutes < float("inf"):
+        raise ValueError(
+            "PersistentCheckpointOptions.backup_interval_minutes must be a positive number of "
+            f"minutes, got {minutes!r} (GKE's default is 30).")
+    else:
+      if self.save_interval_steps is None:
+        self.save_interval_steps = 1000
+      _check_interval("PersistentCheckpointOptions", "save_interval_steps",
+                      self.save_interval_steps, allow_none=False)
     _check_max_to_keep("PersistentCheckpointOptions", self.max_to_keep)
     _check_interval("PersistentCheckpointOptions", "keep_period", self.keep_period,
                     allow_none=True)
@@ -246,7 +272,8 @@ class CheckpointManagerOptions:
     """The plain Orbax options the persistent tier is run with."""
     persistent = self.persistent
     kwargs: dict[str, Any] = dict(
-        save_interval_steps=persistent.save_interval_steps,
+        # Minutes: the manager decides (BackupIntervalPolicy); the parent only writes.
+        save_interval_steps=persistent.save_interval_steps or 1,
         max_to_keep=persistent.max_to_keep,
         keep_period=persistent.keep_period,
         should_save_fn=persistent.should_save_fn,
@@ -257,6 +284,10 @@ class CheckpointManagerOptions:
         enable_async_checkpointing=self.enable_async_checkpointing,
         async_options=self.async_options,
         cleanup_tmp_directories=self.cleanup_tmp_directories,
+        # The manager never backs up a step the persistent tier has, so Orbax's synchronous
+        # existence checks (storage round trips on the training thread, which hang while the
+        # store is down) are not needed.
+        file_options=ocp_options.FileOptions(skip_sync_file_validations=True),
         create=True,
     )
     if self.step_name_format is not None:

@@ -367,6 +367,10 @@ def _save_loop(args, mgr, mesh, start: int, stop: int) -> None:
       threading.Event().wait()  # until the launcher kills us
     _out(f"SAVING step={step}")
     saved = mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+    if saved and args.land_backups and step % args.persistent_interval == 0:
+      # This loop has no compute between saves, so a backup would still be uploading when
+      # the next is due and be replaced by it; wait, so every scheduled backup lands.
+      mgr.wait_until_finished()
     _out(f"SAVED step={step} saved={int(saved)}")
   mgr.wait_until_finished()
   _committed(args, mgr)
@@ -663,6 +667,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", choices=("mixed", "dp"), default="mixed",
                    help="dp: every leaf replicated across the data axis")
     p.add_argument("--peers-per-node", type=int, default=None)
+    p.add_argument("--no-land-backups", dest="land_backups", action="store_false",
+                   help="do not wait for each scheduled backup to land")
     return p
 
   p = common(sub.add_parser("save"))

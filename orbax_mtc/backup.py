@@ -1,0 +1,178 @@
+"""Persistent backups taken from the RAM tier: the schedule (pure) and the bookkeeping.
+
+A backup is of a step already committed in this node's RAM folder. After the local write of a
+step chosen for backup commits, a background thread reads the step back from the RAM disk
+(checking every shard's CRC32C) into host arrays with the shardings it was saved with. When
+every process has its copy and no earlier backup is still being written, the main thread hands
+those arrays to the parent's save, i.e. Orbax writes a standard checkpoint (through TensorStore,
+to a path or gs://) in the background. Training is never blocked by a second device->host copy,
+and Orbax's replica selection writes each shard once (no duplicate uploads from data-parallel
+twins).
+
+Failures (the store down, 5xx, timeouts) are Orbax's async errors: the manager logs each once
+with its step, keeps training, and tries again at the next scheduled backup; Orbax's commit
+protocol (atomic rename, or `commit_success.txt` on object stores) keeps the partial step
+invisible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as policies
+
+_DEFAULT_ITEM = "default"
+
+
+class BackupError(RuntimeError):
+  """The newest persistent backup failed; the RAM tier (and peers) still hold the step."""
+
+  def __init__(self, step: int, cause: BaseException):
+    super().__init__(
+        f"orbax-mtc: persistent backup of step {step} failed: {type(cause).__name__}: {cause}. "
+        "The step is still in the RAM tier; the next scheduled backup tries again. Check that "
+        "the persistent directory is reachable and writable.")
+    self.step = step
+    self.cause = cause
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupIntervalPolicy:
+  """Back up when `minutes` have passed since the last backup attempt (the GKE replicator's
+  `backup-interval-minutes`), never while one is still being written.
+
+  An Orbax `SaveDecisionPolicy`: pure, so it composes with Orbax's policies. Unlike Orbax's
+  ContinuousCheckpointingPolicy it does not broadcast: the manager evaluates it on process 0
+  and shares the answer in the all-gather every local save already makes. `previous_steps`
+  are the attempts, failed ones included, so a failure waits for the next interval.
+  """
+
+  minutes: float
+
+  def __post_init__(self):
+    if isinstance(self.minutes, bool) or not isinstance(self.minutes, (int, float)) \
+        or not 0 < self.minutes < float("inf"):
+      raise ValueError(f"backup interval must be a positive number of minutes, got "
+                       f"{self.minutes!r}.")
+
+  def should_save(self, step: policies.PolicyCheckpointInfo,
+                  previous_steps: Sequence[policies.PolicyCheckpointInfo], *,
+                  context: policies.DecisionContext) -> bool:
+    if context.is_saving_in_progress:
+      return False
+    if not previous_steps:
+      return True
+    return step.time - previous_steps[-1].time >= dt.timedelta(minutes=self.minutes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attempt:
+  """A PolicyCheckpointInfo for a backup attempt."""
+
+  step: int
+  time: dt.datetime
+  metrics: dict[str, Any] | None = None
+
+
+def interval_due(policy: BackupIntervalPolicy, step: int, now: float,
+                 last_attempt: tuple[int, float] | None, saving: bool) -> bool:
+  """`policy` asked with plain numbers (seconds since the epoch)."""
+  def at(seconds: float) -> dt.datetime:
+    return dt.datetime.fromtimestamp(seconds, tz=dt.UTC)
+
+  previous = [] if last_attempt is None else [_Attempt(last_attempt[0], at(last_attempt[1]))]
+  context = policies.DecisionContext(
+      is_saving_in_progress=saving, reached_preemption=False,
+      multiprocessing_options=ocp.options.MultiprocessingOptions())
+  return policy.should_save(_Attempt(step, at(now)), previous, context=context)
+
+
+def templates(args: Any) -> tuple[dict[str, Any], bool]:
+  """The save args of each item with the data left out (kept until the backup starts without
+  holding on to the device arrays), and whether it was a single-item save."""
+  if isinstance(args, ocp.args.Composite):
+    return {name: _template(item) for name, item in args.items()}, False
+  return {_DEFAULT_ITEM: _template(args)}, True
+
+
+def _template(item: Any) -> Any:
+  if isinstance(item, ocp.args.JsonSave):
+    return item  # small: kept whole
+  return dataclasses.replace(item, item=None)
+
+
+def host_targets(trees: Mapping[str, Any]) -> dict[str, Any]:
+  """Restore targets that rebuild each array leaf with its own sharding (other leaves: as is)."""
+  def target(leaf: Any) -> Any:
+    if isinstance(leaf, jax.Array):
+      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+    return leaf
+
+  return {name: jax.tree.map(target, tree) for name, tree in trees.items()}
+
+
+def backup_args(item_templates: Mapping[str, Any], single: bool,
+                values: Mapping[str, Any]) -> Any:
+  """Orbax save args of the same kinds as the original save, holding `values`."""
+  def filled(name: str) -> Any:
+    template = item_templates[name]
+    if isinstance(template, ocp.args.JsonSave):
+      return template
+    return dataclasses.replace(template, item=values[name])
+
+  if single:
+    return filled(_DEFAULT_ITEM)
+  return ocp.args.Composite(**{name: filled(name) for name in item_templates})
+
+
+def host_memory_kind(trees: Mapping[str, Any]) -> str | None:
+  """Where rebuilt arrays live: on accelerators, their pinned host memory (no device memory
+  is taken and Orbax's transfer to host is a host copy); on CPU the default memory, which is
+  host memory already."""
+  for tree in trees.values():
+    for leaf in jax.tree_util.tree_leaves(tree):
+      if isinstance(leaf, jax.Array):
+        device = next(iter(leaf.sharding.device_set))
+        if device.platform == "cpu":
+          return None
+        kinds = {m.kind for m in device.addressable_memories()}
+        return "pinned_host" if "pinned_host" in kinds else None
+  return None
+
+
+@dataclasses.dataclass
+class PendingBackup:
+  """A step chosen for backup, from the local save until Orbax takes it."""
+
+  step: int
+  templates: dict[str, Any]
+  single: bool
+  targets: dict[str, Any]
+  memory_kind: str | None
+  metrics: Any
+  custom_metadata: dict[str, Any] | None
+  read: Any = None  # concurrent.futures.Future of {item: value} read back from RAM
+
+  def state(self) -> int:
+    """READING, READY or FAILED (for the all-gather)."""
+    if self.read is None or not self.read.done():
+      return READING
+    return FAILED if self.read.exception() is not None else READY
+
+
+READING, READY, FAILED, NONE = 0, 1, 2, 3
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupInfo:
+  """The newest backup attempt: `state` is "uploading", "done" or "failed"."""
+
+  step: int
+  state: str
+  started_at: float
+  error: str | None = None
