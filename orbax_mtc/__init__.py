@@ -8,6 +8,7 @@ Public API::
 """
 
 from orbax_mtc import distributed
+from orbax_mtc.backup import BackupError, BackupInfo, BackupIntervalPolicy
 from orbax_mtc.local_tier import AbstractStateMismatchError, CorruptStepError, LocalTierError
 from orbax_mtc.manager import CheckpointManager, OnDemandSave, RestoreInfo
 from orbax_mtc.options import (
@@ -21,6 +22,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AbstractStateMismatchError",
+    "BackupError",
+    "BackupInfo",
+    "BackupIntervalPolicy",
     "CheckpointManager",
     "CheckpointManagerOptions",
     "CorruptStepError",

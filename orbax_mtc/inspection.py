@@ -8,12 +8,16 @@ local step against its CRC32C and checks that every persistent step is finalized
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
+from etils import epath
+from orbax.checkpoint import path as ocp_path
+
 from orbax_mtc import lkg, local_tier
 
-_ORBAX_STEP_MARKER = "_CHECKPOINT_METADATA"
+_STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax writes it when it finalizes a step
 
 
 @dataclasses.dataclass
@@ -70,37 +74,51 @@ def local_reports(root: Path, *, check: bool) -> list[StepReport]:
   return reports
 
 
-def persistent_reports(root: Path, *, check: bool) -> list[StepReport]:
+def _persistent_size(path: epath.Path) -> int:
+  if not path.is_dir():
+    return path.stat().length
+  return sum(_persistent_size(child) for child in path.iterdir())
+
+
+def persistent_reports(root: epath.Path, *, check: bool) -> list[StepReport]:
+  """Steps of an Orbax directory (a path or gs://), found the way Orbax finds them: a step
+  is complete once finalized (renamed in place, or its commit marker written on gs://);
+  anything else that names a step is reported as partial."""
   reports = []
+  finalized = {meta.path.name: meta.step
+               for meta in ocp_path.step.standard_name_format().find_all(root)}
   for entry in sorted(root.iterdir(), key=lambda p: p.name):
     if not entry.is_dir():
       continue
-    digits = "".join(c for c in entry.name.rsplit("_", 1)[-1] if c.isdigit())
-    step = int(digits) if digits and entry.name.rsplit("_", 1)[-1].isdigit() else None
-    if ".orbax-checkpoint-tmp" in entry.name:
-      reports.append(StepReport(None, entry.name, _tree_size(entry), "partial",
-                                "unfinished Orbax save"))
+    tmp = re.match(ocp_path.step.TMP_DIR_STEP_PATTERN, entry.name)
+    if tmp:
+      reports.append(StepReport(int(tmp.group(1)), entry.name, _persistent_size(entry),
+                                "partial", "unfinished Orbax save (never restored)"))
       continue
-    if step is None:
+    if entry.name not in finalized:
+      if entry.name.isdigit():
+        reports.append(StepReport(int(entry.name), entry.name, _persistent_size(entry),
+                                  "partial", "not finalized: an interrupted or failed save "
+                                  "(never restored)"))
       continue
-    size = _tree_size(entry)
-    if not (entry / _ORBAX_STEP_MARKER).is_file():
+    step, size = finalized[entry.name], _persistent_size(entry)
+    if not (entry / _STEP_METADATA).exists():
       reports.append(StepReport(step, entry.name, size, "partial",
-                                f"no {_ORBAX_STEP_MARKER}: save never finalized"))
+                                f"no {_STEP_METADATA}: the save was never finalized"))
       continue
-    if check:
-      try:
-        _check_persistent_step(entry)
-      except Exception as e:  # noqa: BLE001 - any failure to read is what verify reports
-        reports.append(StepReport(step, entry.name, size, "corrupt", f"{type(e).__name__}: {e}"))
-        continue
-      reports.append(StepReport(step, entry.name, size, "ok"))
-    else:
+    if not check:
       reports.append(StepReport(step, entry.name, size, "unchecked"))
+      continue
+    try:
+      _check_persistent_step(entry)
+    except Exception as e:  # noqa: BLE001 - any failure to read is what verify reports
+      reports.append(StepReport(step, entry.name, size, "corrupt", f"{type(e).__name__}: {e}"))
+      continue
+    reports.append(StepReport(step, entry.name, size, "ok"))
   return reports
 
 
-def _check_persistent_step(step_dir: Path) -> None:
+def _check_persistent_step(step_dir: epath.Path) -> None:
   """Reads every array of every PyTree item of an Orbax step with plain Orbax."""
   import orbax.checkpoint as ocp
 
@@ -118,15 +136,22 @@ def _check_persistent_step(step_dir: Path) -> None:
 
 
 def reports_for(directory: str, *, check: bool) -> tuple[str, list[StepReport]]:
-  if directory.startswith("gs://"):
-    raise SystemExit("gs:// directories are supported by status/verify with the GCS extra "
-                     "(coming with the Cloud Storage tier).")
+  if "://" in directory:  # an object store: only ever a persistent directory
+    try:
+      root = epath.Path(directory)
+      exists = root.is_dir()
+    except ImportError as e:
+      raise SystemExit(f"{directory}: reading it needs the GCS extra: pip install "
+                       f"'orbax-mtc[gcs]' ({e}).") from e
+    if not exists:
+      raise SystemExit(f"{directory}: no such directory (or no access to it).")
+    return "persistent", persistent_reports(root, check=check)
   root = Path(directory)
   if not root.is_dir():
     raise SystemExit(f"{directory}: not a directory.")
   if is_local_directory(root):
     return "local", local_reports(root, check=check)
-  return "persistent", persistent_reports(root, check=check)
+  return "persistent", persistent_reports(epath.Path(root), check=check)
 
 
 def _print(kind: str, directory: str, reports: list[StepReport]) -> None:

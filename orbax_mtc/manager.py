@@ -18,6 +18,7 @@ Choices where the parent's meaning needs one for two tiers (also in docs/api.md)
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -415,6 +416,8 @@ class CheckpointManager(ocp.CheckpointManager):
     self._backup_inflight: int | None = None
     self._backup_error: backup.BackupError | None = None  # newest failure, not yet reported
     self.last_backup: backup.BackupInfo | None = None
+    # Finished backup attempts, newest last ("done" or "failed"), for monitoring.
+    self.backup_history: collections.deque[backup.BackupInfo] = collections.deque(maxlen=100)
     self._mtc_ready = True
     logging.info("orbax-mtc: process %d/%d, local %s, persistent %s, replica axis %r",
                  self._process_index, self._process_count, self._local.directory,
@@ -901,6 +904,7 @@ class CheckpointManager(ocp.CheckpointManager):
     self.last_backup = dataclasses.replace(
         self.last_backup or backup.BackupInfo(step, "failed", time.time()), step=step,
         state="failed", error=f"{type(error).__name__}: {error}")
+    self.backup_history.append(self.last_backup)
     logging.error("orbax-mtc: persistent backup of step %d to %s failed: %s: %s. Training "
                   "goes on; the step stays in the RAM tier and the next scheduled backup "
                   "tries again.", step, self.directory, type(error).__name__, error)
@@ -925,6 +929,7 @@ class CheckpointManager(ocp.CheckpointManager):
       self.last_backup = dataclasses.replace(self.last_backup, state="done") \
           if self.last_backup is not None and self.last_backup.step == step \
           else backup.BackupInfo(step, "done", time.time())
+      self.backup_history.append(self.last_backup)
     else:
       self._backup_failed(step, RuntimeError("the step was not finalized"))
 
@@ -1265,7 +1270,7 @@ class CheckpointManager(ocp.CheckpointManager):
                                     seconds=time.perf_counter() - started)
 
   def _restore_persistent(self, step: int, targets: dict[str, Any], single: bool | None) -> Any:
-    step_dir = Path(str(self._get_read_step_directory(step, self.directory)))
+    step_dir = epath.Path(self._get_read_step_directory(step, self.directory))
     saved_items = sorted(p.name for p in step_dir.iterdir() if p.is_dir()) \
         if step_dir.is_dir() else []
     saved_single = saved_items == [_DEFAULT_ITEM]
@@ -1291,7 +1296,7 @@ class CheckpointManager(ocp.CheckpointManager):
           **{name: restore_arg(t) for name, t in targets.items()}))
 
   @staticmethod
-  def _check_persistent_item(item_dir: Path, name: str, target: Any) -> None:
+  def _check_persistent_item(item_dir: epath.Path, name: str, target: Any) -> None:
     """Same clear error as the RAM tier for a target that does not match the saved tree.
 
     Orbax alone would raise an error that does not name the leaf, or silently cast dtypes.
@@ -1429,6 +1434,11 @@ class CheckpointManager(ocp.CheckpointManager):
   @_persistent_view_when_nested
   def check_for_errors(self):
     """Raises a failed RAM write, or `BackupError` for a failed newest backup (once)."""
+    if self._parent_style or threading.current_thread() is not self._owner_thread:
+      # Orbax's finalize thread asks too: it means the persistent tier's own errors.
+      if not self._parent_style:
+        with self._persistent_view():
+          return super().check_for_errors()
     self._check_local_errors()
     if self._parent_style:
       with self._persistent_view():

@@ -37,19 +37,20 @@ def new_root(tag: str) -> pathlib.Path:
 
 
 @contextlib.contextmanager
-def started_job(command: list[str], nprocs: int, root: pathlib.Path, *, devices: int = 2):
+def started_job(command: list[str], nprocs: int, root: pathlib.Path, *, devices: int = 2,
+                env: dict[str, str] | None = None):
   """A running launcher job of mp_worker; every process is SIGKILLed on leaving the block."""
   out = mp_worker.LineCollector()
   with launch.Job([sys.executable, str(WORKER), *command], nprocs, devices_per_process=devices,
-                  local_root=root, env=child_env(), output=out) as job:
+                  local_root=root, env={**child_env(), **(env or {})}, output=out) as job:
     job.start()
     yield job, out
 
 
 def run_job(command: list[str], nprocs: int, root: pathlib.Path, *, devices: int = 2,
-            timeout_s: float = 90):
+            timeout_s: float = 90, env: dict[str, str] | None = None):
   """Runs one launcher job of mp_worker; returns (LaunchResult, LineCollector)."""
-  with started_job(command, nprocs, root, devices=devices) as (job, out):
+  with started_job(command, nprocs, root, devices=devices, env=env) as (job, out):
     result = job.wait(timeout_s)
   return result, out
 

@@ -248,6 +248,8 @@ def compare_state(restored: Any, expected: dict) -> list[str]:
 
 def _manager(args, mesh, *, exit_after_ondemand_checkpoint: bool | None = None,
              ondemand_grace_seconds: float | None = None):
+  import orbax.checkpoint as ocp
+
   """The manager every sub-command uses; the on-demand options are passed only when given."""
   import orbax_mtc as mtc
   from orbax_mtc import distributed
@@ -260,6 +262,8 @@ def _manager(args, mesh, *, exit_after_ondemand_checkpoint: bool | None = None,
     extra["exit_after_ondemand_checkpoint"] = exit_after_ondemand_checkpoint
   if ondemand_grace_seconds is not None:
     extra["ondemand_grace_seconds"] = ondemand_grace_seconds
+  if getattr(args, "backup_timeout", None):
+    extra["async_options"] = ocp.AsyncOptions(timeout_secs=args.backup_timeout)
   options = mtc.CheckpointManagerOptions(
       local=mtc.LocalCheckpointOptions(save_interval_steps=args.local_interval,
                                        max_to_keep=args.local_keep),
@@ -310,11 +314,15 @@ def _restore_and_check(args, mgr, mesh) -> tuple[int | None, bool]:
 def _committed(args, mgr) -> None:
   """Prints this process's committed local steps and the persistent steps (from the folders)."""
   import jax
+  from etils import epath
 
   from orbax_mtc import local_tier
 
-  persistent = sorted(int(p.name) for p in pathlib.Path(args.persistent_dir).iterdir()
-                      if p.name.isdigit()) if os.path.isdir(args.persistent_dir) else []
+  folder = epath.Path(args.persistent_dir)
+  # Complete steps only: a gs:// step folder counts once Orbax wrote its commit marker.
+  persistent = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and (
+      not args.persistent_dir.startswith("gs://") or (p / "commit_success.txt").exists())
+                      ) if folder.is_dir() else []
   _out(f"COMMITTED process={jax.process_index()} "
        f"local={_fmt(local_tier.committed_steps(pathlib.Path(mgr.local_directory)))} "
        f"persistent={_fmt(persistent)}")
@@ -464,6 +472,59 @@ def cmd_plain_restore(args) -> int:
     mgr.close()
   _out("DONE")
   return 0 if ok else EXIT_MISMATCH
+
+
+_PHASES = ("", "frozen", "down", "up", "stop")
+
+
+def cmd_outage(args) -> int:
+  """Trains and saves every step while the test takes the GCS server away and back.
+
+  Process 0 reads the phase the test writes into --control and every process learns it from
+  a broadcast at the same step. Prints `PHASE name=... step=...` when the phase changes and
+  `BACKUP step=... state=... at=...` when `mgr.last_backup` changes.
+  """
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+  from jax.experimental import multihost_utils
+
+  from orbax_mtc import distributed
+
+  distributed.initialize()
+  mesh = make_mesh()
+  control = pathlib.Path(args.control)
+  me = jax.process_index()
+  mgr = _manager(args, mesh)
+  phase, seen, reported = 0, set(), 0
+  for step in range(args.max_steps):
+    state = make_state(mesh, args.rows, args.seed, step)
+    _train_step(state)
+    mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+    for info in [*list(mgr.backup_history)[reported:], mgr.last_backup]:
+      if info is not None and (info.step, info.state) not in seen:
+        seen.add((info.step, info.state))
+        _out(f"BACKUP step={info.step} state={info.state} at={step}")
+    reported = len(mgr.backup_history)
+    text = control.read_text().strip() if me == 0 and control.exists() else ""
+    code = _PHASES.index(text) if text in _PHASES else 0
+    code = int(multihost_utils.broadcast_one_to_all(np.int32(code)))
+    if code != phase:
+      phase = code
+      _out(f"PHASE name={_PHASES[phase]} step={step}")
+    if _PHASES[phase] == "stop":
+      break
+  mgr.wait_until_finished()
+  info = mgr.last_backup
+  _out(f"BACKUP step={info.step} state={info.state} at=end")
+  mgr.close()
+  _committed(args, mgr)
+  _out("DONE")
+  sys.stdout.flush()
+  sys.stderr.flush()
+  # orbax-checkpoint 0.12.8 leaves helper threads of a failed save waiting up to its 300 s
+  # coordination timeout, and they hold the interpreter at exit; the job's work is done.
+  os._exit(0)
 
 
 HOOK_WAIT_S = 60.0  # a hook waits at most this long for the notice or the go file
@@ -669,6 +730,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--peers-per-node", type=int, default=None)
     p.add_argument("--no-land-backups", dest="land_backups", action="store_false",
                    help="do not wait for each scheduled backup to land")
+    p.add_argument("--backup-timeout", type=int, default=None,
+                   help="AsyncOptions.timeout_secs of the persistent tier")
     return p
 
   p = common(sub.add_parser("save"))
@@ -695,6 +758,11 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--model", type=int, required=True, help="model axis size when saved")
   p.set_defaults(fn=cmd_plain_restore)
 
+  p = common(sub.add_parser("outage"))
+  p.add_argument("--control", required=True, help="file holding the phase the test sets")
+  p.add_argument("--max-steps", type=int, default=20_000)
+  p.set_defaults(fn=cmd_outage)
+
   p = common(sub.add_parser("preempt"))
   p.add_argument("--stride", type=int, default=1, help="steps 0, K, 2K, ... after the restore")
   p.add_argument("--max-steps", type=int, default=200_000,
@@ -716,6 +784,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+  import logging
+
+  # Without Google credentials (the loopback GCS server) gcsfs warns on every bucket access.
+  logging.getLogger("gcsfs").setLevel(logging.ERROR)
   args = _parser().parse_args(argv)
   CONFIG.update(replicas=getattr(args, "replicas", None),
                 layout=getattr(args, "layout", "mixed"))

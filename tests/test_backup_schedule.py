@@ -1,0 +1,119 @@
+"""Backup schedules: steps or minutes (exactly one), the minutes policy as a pure function, and
+backups taken from steps committed in RAM."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import abstract_of, assert_trees_equal, make_state
+
+import orbax_mtc as mtc
+from orbax_mtc import backup
+
+T0 = 1_800_000_000.0  # seconds since the epoch
+
+
+def test_steps_or_minutes_exactly_one():
+  with pytest.raises(ValueError, match="either `save_interval_steps`.*or `backup_interval_minutes`"):
+    mtc.PersistentCheckpointOptions(save_interval_steps=100, backup_interval_minutes=30)
+  with pytest.raises(ValueError, match="positive number of minutes"):
+    mtc.PersistentCheckpointOptions(backup_interval_minutes=0)
+  with pytest.raises(ValueError, match="schedule of its own"):
+    mtc.PersistentCheckpointOptions(backup_interval_minutes=5, should_save_fn=lambda s, p: True)
+  assert mtc.PersistentCheckpointOptions().save_interval_steps == 1000  # the default
+  minutes = mtc.PersistentCheckpointOptions(backup_interval_minutes=30)
+  assert minutes.save_interval_steps is None and minutes.backup_interval_minutes == 30
+
+
+@pytest.mark.parametrize("minutes", [0, -1, float("inf"), True, "5"])
+def test_policy_rejects_bad_intervals(minutes):
+  with pytest.raises(ValueError, match="positive number of minutes"):
+    backup.BackupIntervalPolicy(minutes)
+
+
+def test_interval_policy_over_a_timeline():
+  policy = backup.BackupIntervalPolicy(30)
+  due = backup.interval_due
+  assert due(policy, 10, T0, None, saving=False)  # nothing yet: back up now
+  assert not due(policy, 10, T0, None, saving=True)  # never while one is being written
+  last = (10, T0)
+  assert not due(policy, 20, T0 + 29 * 60, last, saving=False)
+  assert due(policy, 30, T0 + 30 * 60, last, saving=False)
+  assert not due(policy, 30, T0 + 45 * 60, last, saving=True)
+  # A failed attempt counts as an attempt: the retry waits for the next interval.
+  failed = (30, T0 + 30 * 60)
+  assert not due(policy, 40, T0 + 50 * 60, failed, saving=False)
+  assert due(policy, 50, T0 + 60 * 60, failed, saving=False)
+
+
+def test_minutes_schedule_backs_up_from_ram(shm_dir, mesh):
+  """By minutes: the first local save is backed up (nothing persistent yet); the interval
+  then holds the next backups back, whatever the step numbers."""
+  options = mtc.CheckpointManagerOptions(
+      local=mtc.LocalCheckpointOptions(save_interval_steps=1, max_to_keep=2),
+      persistent=mtc.PersistentCheckpointOptions(backup_interval_minutes=60),
+      replication=mtc.ReplicationOptions(replica_axis="data"))
+  import orbax.checkpoint as ocp
+
+  states = {step: make_state(mesh, step) for step in range(4)}
+  with mtc.CheckpointManager(shm_dir / "l", shm_dir / "p", mesh, abstract_of(states[0]),
+                             options=options) as mgr:
+    for step, state in states.items():
+      mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+    mgr.wait_until_finished()
+    assert [info.step for info in mgr.backup_history] == [0]
+    assert mgr.last_backup.state == "done"
+  plain = ocp.CheckpointManager(shm_dir / "p")
+  try:
+    assert plain.all_steps() == [0]
+    restored = plain.restore(0, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=abstract_of(states[0]))))
+    assert_trees_equal(restored.state, states[0])
+  finally:
+    plain.close()
+  # A new manager counts the interval from the newest backup's commit time: no new backup.
+  with mtc.CheckpointManager(shm_dir / "l2", shm_dir / "p", mesh, abstract_of(states[0]),
+                             options=options) as mgr:
+    mgr.save(10, args=ocp.args.Composite(state=ocp.args.PyTreeSave(make_state(mesh, 10))))
+    mgr.wait_until_finished()
+    assert list(mgr.backup_history) == []
+
+
+def test_a_failed_backup_is_reported_once_and_training_goes_on(shm_dir, mesh):
+  """The store refuses the backup of step 2 (injected at Orbax's save): save() goes on, the
+  RAM tier holds the step, wait_until_finished raises BackupError once, the next backup
+  lands."""
+  import orbax.checkpoint as ocp
+
+  options = mtc.CheckpointManagerOptions(
+      local=mtc.LocalCheckpointOptions(save_interval_steps=1, max_to_keep=3),
+      persistent=mtc.PersistentCheckpointOptions(save_interval_steps=2),
+      replication=mtc.ReplicationOptions(replica_axis="data"))
+  states = {step: make_state(mesh, step) for step in range(6)}
+  with mtc.CheckpointManager(shm_dir / "l", shm_dir / "p", mesh, abstract_of(states[0]),
+                             options=options) as mgr:
+    mgr.save(0, args=ocp.args.Composite(state=ocp.args.PyTreeSave(states[0])))
+    mgr.wait_until_finished()
+    assert mgr.last_backup.state == "done"
+    original_save = ocp.CheckpointManager.save
+
+    def failing_save(self, step, *args, **kwargs):
+      if step == 2:
+        raise OSError(28, "No space left on device (injected)")
+      return original_save(self, step, *args, **kwargs)
+
+    ocp.CheckpointManager.save = failing_save
+    try:
+      for step in (1, 2, 3):
+        mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(states[step])))
+      with pytest.raises(mtc.BackupError, match="backup of step 2 failed") as failure:
+        mgr.wait_until_finished()
+      assert failure.value.step == 2
+      mgr.wait_until_finished()  # reported once
+    finally:
+      ocp.CheckpointManager.save = original_save
+    assert 2 in mgr.all_steps() and 2 not in mgr._persistent_steps()
+    for step in (4, 5):
+      mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(states[step])))
+    mgr.wait_until_finished()
+    assert [(i.step, i.state) for i in mgr.backup_history] == [
+        (0, "done"), (2, "failed"), (4, "done")]

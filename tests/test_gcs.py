@@ -1,0 +1,226 @@
+"""The Cloud Storage tier against a real GCS JSON-API server on loopback, with real processes.
+
+Every process here that touches gs:// is a child with the server's address in its environment
+(gcsfs caches its clients per process, so the test process itself reads the bucket with the
+google-cloud-storage client only).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+
+import pytest
+from gcs_server import BUCKET, GcsServer
+from mp_helpers import (
+  WORKER,
+  assert_ok,
+  assert_results,
+  child_env,
+  mp_worker,
+  run_job,
+  started_job,
+  tail,
+)
+
+from orbax_mtc import launch
+
+pytestmark = pytest.mark.timeout(300)
+
+ROWS = 1024  # params/w holds 256 KiB per process and step
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+  server = GcsServer(tmp_path_factory.mktemp("gcs-data"))
+  server.start()
+  try:
+    yield server
+  finally:
+    server.kill()
+
+
+def bucket_objects(server: GcsServer, prefix: str) -> dict[str, int]:
+  """name -> size of every object under `prefix`, read straight from the server."""
+  from google.auth.credentials import AnonymousCredentials
+  from google.cloud import storage
+
+  client = storage.Client(project="mtc-test", credentials=AnonymousCredentials(),
+                          client_options={"api_endpoint": server.url})
+  return {blob.name: blob.size for blob in client.list_blobs(BUCKET, prefix=prefix)}
+
+
+def committed_steps(objects: dict[str, int], run: str) -> list[int]:
+  """Steps of `run` that carry Orbax's commit marker (what a reader may restore)."""
+  return sorted(int(m.group(1)) for name in objects
+                if (m := re.fullmatch(rf"{run}/(\d+)/commit_success\.txt", name)))
+
+
+def run_child(server: GcsServer, argv: list[str], timeout: float = 180):
+  env = dict(os.environ)
+  env.update({**child_env(), **server.env()}, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=launch.merge_xla_flags(env.get("XLA_FLAGS"), 1))
+  return subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                        text=True, timeout=timeout)
+
+
+def plain_orbax_restores(server: GcsServer, persistent: str, step: int) -> None:
+  """A plain ocp.CheckpointManager in one process, on one device, gets the step bit for bit."""
+  proc = run_child(server, [sys.executable, str(WORKER), "plain-restore", "--persistent-dir",
+                            persistent, "--step", str(step), "--data", "2", "--model", "2",
+                            "--rows", str(ROWS)])
+  output = proc.stdout + proc.stderr
+  results = [fields for _, fields in mp_worker.events(proc.stdout.splitlines(), "RESULT")]
+  assert proc.returncode == 0, output[-4000:]
+  assert [r["mode"] for r in results] == ["numpy", "device"], output[-4000:]
+  for fields in results:
+    assert (fields["devices"], fields["step"], fields["ok"]) == ("1", str(step), "1"), fields
+
+
+def cli(server: GcsServer, *argv: str):
+  return run_child(server, [sys.executable, "-m", "orbax_mtc", *argv], timeout=120)
+
+
+def test_gs_backups_restore_bit_exact_after_every_ram_folder_is_wiped(gcs, shm_root):
+  run = f"run-{uuid.uuid4().hex[:8]}"
+  persistent = f"gs://{BUCKET}/{run}"
+  # Pure data parallelism: each process holds a whole replica of every leaf.
+  common = ["--persistent-dir", persistent, "--rows", str(ROWS), "--layout", "dp"]
+  result, out = run_job(["save", *common, "--steps", "10"], 2, shm_root, env=gcs.env(),
+                        timeout_s=240)
+  assert_ok(result, out)
+  committed = {node: fields for node, fields in mp_worker.events(out.lines, "COMMITTED")}
+  assert {n: c["persistent"] for n, c in committed.items()} == {0: "0,4,8", 1: "0,4,8"}, \
+      tail(out)
+  objects = bucket_objects(gcs, f"{run}/")
+  assert committed_steps(objects, run) == [0, 4, 8]
+
+  # One replica writes each shard: the step holds the state once (Orbax compresses it a
+  # little), not once per replica (twice the state here).
+  state = mp_worker.global_state_numpy(0, 8, 2, 2, ROWS)
+  state_bytes = sum(leaf.nbytes for leaf in _leaves(state))
+  step_bytes = sum(size for name, size in objects.items() if name.startswith(f"{run}/8/"))
+  assert 0.5 * state_bytes < step_bytes < 1.2 * state_bytes, (step_bytes, state_bytes)
+
+  shutil.rmtree(shm_root)  # every node's RAM disk is gone
+  result, out = run_job(["restore", *common, "--expect-step", "8", "--expect-tier",
+                         "persistent"], 2, shm_root, env=gcs.env(), timeout_s=240)
+  assert_ok(result, out)
+  assert_results(out, 2, step=8, tier="persistent")
+  plain_orbax_restores(gcs, persistent, 8)
+
+  status = cli(gcs, "status", persistent)
+  assert status.returncode == 0, status.stdout + status.stderr
+  rows = [line.split() for line in status.stdout.splitlines()[1:]]
+  assert [(r[0], r[1]) for r in rows] == [("0", "unchecked"), ("4", "unchecked"),
+                                          ("8", "unchecked")], status.stdout
+  verify = cli(gcs, "verify", persistent)
+  assert verify.returncode == 0, verify.stdout + verify.stderr
+  assert "all 3 step(s) verified" in verify.stdout
+
+
+def _leaves(tree):
+  if isinstance(tree, dict):
+    for value in tree.values():
+      yield from _leaves(value)
+  else:
+    yield tree
+
+
+def _backups(out, node: int) -> list[dict[str, str]]:
+  return [fields for n, fields in mp_worker.events(out.lines, "BACKUP") if n == node]
+
+
+def _phase_step(out, name: str) -> int | None:
+  steps = [int(f["step"]) for n, f in mp_worker.events(out.lines, "PHASE")
+           if n == 0 and f["name"] == name]
+  return steps[0] if steps else None
+
+
+def _wait(out, predicate, what: str, timeout_s: float = 90) -> None:
+  assert out.wait_for(lambda _: predicate(), timeout_s), f"no {what}:\n{tail(out, 80)}"
+
+
+def test_server_stopped_mid_backup_training_goes_on_and_the_next_backup_lands(
+    tmp_path, shm_root):
+  """The GCS server freezes during a backup and dies; training keeps saving; the failure is
+  logged once with its step; no partial step is listed; after a restart a backup lands."""
+  server = GcsServer(tmp_path / "gcs-data")
+  server.start()
+  control = tmp_path / "phase"
+  run = f"outage-{uuid.uuid4().hex[:8]}"
+  persistent = f"gs://{BUCKET}/{run}"
+  command = ["outage", "--persistent-dir", persistent, "--rows", str(ROWS), "--control",
+             str(control), "--local-interval", "1", "--persistent-interval", "4",
+             "--backup-timeout", "5"]
+  try:
+    with started_job(command, 2, shm_root, env=server.env()) as (job, out):
+      def landed(after: int = -1) -> list[int]:
+        return sorted({int(f["step"]) for node in (0, 1) for f in _backups(out, node)
+                       if f["state"] == "done" and int(f["step"]) > after})
+
+      _wait(out, lambda: landed(), "first backup")
+      first = landed()[0]
+      server.freeze()
+      control.write_text("frozen")
+      _wait(out, lambda: _phase_step(out, "frozen") is not None, "frozen phase")
+      frozen_at = _phase_step(out, "frozen")
+
+      def started_after_freeze() -> int | None:
+        steps = [int(f["step"]) for f in _backups(out, 0)
+                 if f["state"] == "uploading" and int(f["step"]) > frozen_at]
+        return steps[0] if steps else None
+
+      _wait(out, lambda: started_after_freeze() is not None, "backup during the freeze")
+      stuck = started_after_freeze()
+      server.kill()  # mid-backup: the server held its requests, now it is gone
+      control.write_text("down")
+
+      def failed_on_both() -> bool:
+        return all(any(f["step"] == str(stuck) and f["state"] == "failed"
+                       for f in _backups(out, node)) for node in (0, 1))
+
+      _wait(out, failed_on_both, f"failure of the backup of step {stuck}")
+      failed_at = min(int(f["at"]) for node in (0, 1) for f in _backups(out, node)
+                      if f["step"] == str(stuck) and f["state"] == "failed")
+      server.start()
+      control.write_text("up")
+      _wait(out, lambda: _phase_step(out, "up") is not None, "up phase")
+      up_at = _phase_step(out, "up")
+      _wait(out, lambda: all(any(f["state"] == "done" and int(f["step"]) > stuck
+                                 for f in _backups(out, node)) for node in (0, 1)),
+            "a backup after the restart", timeout_s=120)
+      control.write_text("stop")
+      _wait(out, lambda: sum(1 for _ in mp_worker.events(out.lines, "DONE")) == 2, "DONE")
+      result = job.wait(60)
+    assert_ok(result, out)
+
+    # Training went on while the backup hung and failed: steps were saved meanwhile.
+    assert failed_at > stuck, tail(out)
+    # The failure is logged once per process, naming its step.
+    for node in (0, 1):
+      reports = [line for line in out.lines if line.startswith(f"[node {node}]")
+                 and f"persistent backup of step {stuck} " in line and "failed" in line]
+      assert len(reports) == 1, reports
+    objects = bucket_objects(server, f"{run}/")
+    steps = committed_steps(objects, run)
+    assert first in steps and stuck not in steps, (steps, sorted(objects)[:20])
+    after = [s for s in steps if s > stuck]
+    assert after and max(after) >= up_at, (steps, up_at)
+    ends = {n: f for n, f in mp_worker.events(out.lines, "BACKUP") if f["at"] == "end"}
+    assert {n: f["state"] for n, f in ends.items()} == {0: "done", 1: "done"}, tail(out)
+    newest = max(steps)
+
+    status = cli(server, "status", persistent)
+    assert status.returncode == 0, status.stdout + status.stderr
+    states = {line.split()[0]: line.split()[1] for line in status.stdout.splitlines()[1:]}
+    assert states.get(str(newest)) == "unchecked", status.stdout
+    if any(name.startswith(f"{run}/{stuck}/") for name in objects):
+      assert states.get(str(stuck)) == "partial", status.stdout  # listed, never restored
+    plain_orbax_restores(server, persistent, newest)
+  finally:
+    server.kill()
