@@ -56,6 +56,7 @@ def main() -> None:
       shutil.rmtree(local, ignore_errors=True)
   finally:
     server.kill()
+    shutil.rmtree(server.data_dir, ignore_errors=True)
   p, o = statistics.median(plain), statistics.median(ours)
   print(f"state {mib} MiB: plain Orbax {p:.2f}s ({mib / p:.0f} MiB/s); orbax-mtc RAM save + "
         f"backup from RAM {o:.2f}s ({mib / o:.0f} MiB/s); orbax-mtc / plain bandwidth "

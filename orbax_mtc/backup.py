@@ -145,6 +145,9 @@ def host_memory_kind(trees: Mapping[str, Any]) -> str | None:
   return None
 
 
+READING, READY, FAILED, NONE = 0, 1, 2, 3  # a pending backup's state, as all-gathered
+
+
 @dataclasses.dataclass
 class PendingBackup:
   """A step chosen for backup, from the local save until Orbax takes it."""
@@ -164,8 +167,6 @@ class PendingBackup:
       return READING
     return FAILED if self.read.exception() is not None else READY
 
-
-READING, READY, FAILED, NONE = 0, 1, 2, 3
 
 
 @dataclasses.dataclass(frozen=True)

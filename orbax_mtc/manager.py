@@ -714,7 +714,7 @@ class CheckpointManager(ocp.CheckpointManager):
 
     t = time.time()
     self._drop_pending_backup("an on-demand checkpoint")
-    self._await_backup()
+    self._poll_backup(block=True)
     backed_up = step in self._persistent_steps()
     left = budget - (t - started)
     if not backed_up and left > 0:
@@ -722,7 +722,7 @@ class CheckpointManager(ocp.CheckpointManager):
       metadata[ONDEMAND_METADATA_KEY] = {"step": step, "signal_time": signal_time,
                                          "budget_seconds": budget, "seconds": dict(seconds)}
       self._start_backup(step, args, metrics, metadata)
-      self._await_backup()
+      self._poll_backup(block=True)
       backed_up = step in self._persistent_steps()
     elif not backed_up:
       logging.warning("orbax-mtc: no on-demand persistent backup of step %d: the %.0fs grace "
@@ -898,13 +898,17 @@ class CheckpointManager(ocp.CheckpointManager):
     except Exception as e:  # noqa: BLE001 - a failed backup must not stop training
       self._backup_failed(step, e)
 
+  def _record_backup(self, step: int, state: str, error: str | None = None) -> None:
+    """How the attempt at `step` ended, in `last_backup` and `backup_history`."""
+    last = self.last_backup
+    started = last.started_at if last is not None and last.step == step else time.time()
+    self.last_backup = backup.BackupInfo(step=step, state=state, started_at=started, error=error)
+    self.backup_history.append(self.last_backup)
+
   def _backup_failed(self, step: int, error: BaseException) -> None:
     self._backup_inflight = None
     self._backup_error = backup.BackupError(step, error)
-    self.last_backup = dataclasses.replace(
-        self.last_backup or backup.BackupInfo(step, "failed", time.time()), step=step,
-        state="failed", error=f"{type(error).__name__}: {error}")
-    self.backup_history.append(self.last_backup)
+    self._record_backup(step, "failed", f"{type(error).__name__}: {error}")
     logging.error("orbax-mtc: persistent backup of step %d to %s failed: %s: %s. Training "
                   "goes on; the step stays in the RAM tier and the next scheduled backup "
                   "tries again.", step, self.directory, type(error).__name__, error)
@@ -926,25 +930,19 @@ class CheckpointManager(ocp.CheckpointManager):
     self._backup_inflight = None
     if step in self._persistent_steps():
       self._backup_error = None  # the newest backup is good: older failures are moot
-      self.last_backup = dataclasses.replace(self.last_backup, state="done") \
-          if self.last_backup is not None and self.last_backup.step == step \
-          else backup.BackupInfo(step, "done", time.time())
-      self.backup_history.append(self.last_backup)
+      self._record_backup(step, "done")
     else:
       self._backup_failed(step, RuntimeError("the step was not finalized"))
-
-  def _await_backup(self) -> None:
-    self._poll_backup(block=True)
 
   def _flush_backup(self) -> None:
     """Starts the pending backup now and waits for it (every process calls this)."""
     pending = self._backup_pending
     if pending is not None:
       concurrent.futures.wait([pending.read])
-      self._await_backup()
+      self._poll_backup(block=True)
       states = self._allgather(np.asarray([pending.state()], dtype=np.int64))[:, 0]
       self._advance_backup(states, saving_anywhere=False)
-    self._await_backup()
+    self._poll_backup(block=True)
 
   def _report_backup_error(self) -> None:
     error, self._backup_error = self._backup_error, None
@@ -1434,11 +1432,10 @@ class CheckpointManager(ocp.CheckpointManager):
   @_persistent_view_when_nested
   def check_for_errors(self):
     """Raises a failed RAM write, or `BackupError` for a failed newest backup (once)."""
-    if self._parent_style or threading.current_thread() is not self._owner_thread:
+    if not self._parent_style and threading.current_thread() is not self._owner_thread:
       # Orbax's finalize thread asks too: it means the persistent tier's own errors.
-      if not self._parent_style:
-        with self._persistent_view():
-          return super().check_for_errors()
+      with self._persistent_view():
+        return super().check_for_errors()
     self._check_local_errors()
     if self._parent_style:
       with self._persistent_view():

@@ -12,6 +12,13 @@ from orbax_mtc import backup
 T0 = 1_800_000_000.0  # seconds since the epoch
 
 
+def _options(**persistent):
+  return mtc.CheckpointManagerOptions(
+      local=mtc.LocalCheckpointOptions(save_interval_steps=1, max_to_keep=3),
+      persistent=mtc.PersistentCheckpointOptions(**persistent),
+      replication=mtc.ReplicationOptions(replica_axis="data"))
+
+
 def test_steps_or_minutes_exactly_one():
   with pytest.raises(ValueError, match="either `save_interval_steps`.*or `backup_interval_minutes`"):
     mtc.PersistentCheckpointOptions(save_interval_steps=100, backup_interval_minutes=30)
@@ -48,11 +55,9 @@ def test_interval_policy_over_a_timeline():
 def test_minutes_schedule_backs_up_from_ram(shm_dir, mesh):
   """By minutes: the first local save is backed up (nothing persistent yet); the interval
   then holds the next backups back, whatever the step numbers."""
-  options = mtc.CheckpointManagerOptions(
-      local=mtc.LocalCheckpointOptions(save_interval_steps=1, max_to_keep=2),
-      persistent=mtc.PersistentCheckpointOptions(backup_interval_minutes=60),
-      replication=mtc.ReplicationOptions(replica_axis="data"))
   import orbax.checkpoint as ocp
+
+  options = _options(backup_interval_minutes=60)
 
   states = {step: make_state(mesh, step) for step in range(4)}
   with mtc.CheckpointManager(shm_dir / "l", shm_dir / "p", mesh, abstract_of(states[0]),
@@ -84,10 +89,7 @@ def test_a_failed_backup_is_reported_once_and_training_goes_on(shm_dir, mesh):
   lands."""
   import orbax.checkpoint as ocp
 
-  options = mtc.CheckpointManagerOptions(
-      local=mtc.LocalCheckpointOptions(save_interval_steps=1, max_to_keep=3),
-      persistent=mtc.PersistentCheckpointOptions(save_interval_steps=2),
-      replication=mtc.ReplicationOptions(replica_axis="data"))
+  options = _options(save_interval_steps=2)
   states = {step: make_state(mesh, step) for step in range(6)}
   with mtc.CheckpointManager(shm_dir / "l", shm_dir / "p", mesh, abstract_of(states[0]),
                              options=options) as mgr:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import uuid
 
+import jax
 import pytest
 from gcs_server import BUCKET, GcsServer
 from mp_helpers import (
@@ -102,7 +103,7 @@ def test_gs_backups_restore_bit_exact_after_every_ram_folder_is_wiped(gcs, shm_r
   # One replica writes each shard: the step holds the state once (Orbax compresses it a
   # little), not once per replica (twice the state here).
   state = mp_worker.global_state_numpy(0, 8, 2, 2, ROWS)
-  state_bytes = sum(leaf.nbytes for leaf in _leaves(state))
+  state_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(state))
   step_bytes = sum(size for name, size in objects.items() if name.startswith(f"{run}/8/"))
   assert 0.5 * state_bytes < step_bytes < 1.2 * state_bytes, (step_bytes, state_bytes)
 
@@ -122,13 +123,6 @@ def test_gs_backups_restore_bit_exact_after_every_ram_folder_is_wiped(gcs, shm_r
   assert verify.returncode == 0, verify.stdout + verify.stderr
   assert "all 3 step(s) verified" in verify.stdout
 
-
-def _leaves(tree):
-  if isinstance(tree, dict):
-    for value in tree.values():
-      yield from _leaves(value)
-  else:
-    yield tree
 
 
 def _backups(out, node: int) -> list[dict[str, str]]:
