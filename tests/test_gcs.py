@@ -123,6 +123,22 @@ def test_gs_backups_restore_bit_exact_after_every_ram_folder_is_wiped(gcs, shm_r
   assert verify.returncode == 0, verify.stdout + verify.stderr
   assert "all 3 step(s) verified" in verify.stdout
 
+  # Retention on gs://: the dry run lists and keeps everything, --delete removes every object
+  # of the dropped steps, and what is left still restores with plain Orbax.
+  dry = cli(gcs, "gc", persistent, "--keep-latest", "1")
+  assert dry.returncode == 0, dry.stdout + dry.stderr
+  assert "1 kept, 2 to delete (dry run" in dry.stdout, dry.stdout
+  assert bucket_objects(gcs, f"{run}/") == objects
+  gone = cli(gcs, "gc", persistent, "--keep-latest", "1", "--delete")
+  assert gone.returncode == 0, gone.stdout + gone.stderr
+  assert "deleted step 0" in gone.stdout and "deleted step 4" in gone.stdout, gone.stdout
+  left = bucket_objects(gcs, f"{run}/")
+  assert committed_steps(left, run) == [8]
+  assert not [name for name in left if re.match(rf"{run}/[04]/", name)], sorted(left)
+  assert {n: s for n, s in objects.items() if n.startswith(f"{run}/8/")} == \
+      {n: s for n, s in left.items() if n.startswith(f"{run}/8/")}
+  plain_orbax_restores(gcs, persistent, 8)
+
 
 
 def _backups(out, node: int) -> list[dict[str, str]]:
