@@ -10,13 +10,16 @@ Public API::
 from orbax_mtc import distributed
 from orbax_mtc.backup import BackupError, BackupInfo, BackupIntervalPolicy
 from orbax_mtc.local_tier import AbstractStateMismatchError, CorruptStepError, LocalTierError
+from orbax_mtc.managed import initialize_multi_tier_checkpointing
 from orbax_mtc.manager import CheckpointManager, OnDemandSave, RestoreInfo
 from orbax_mtc.options import (
     CheckpointManagerOptions,
     LocalCheckpointOptions,
+    ManagedOptions,
     PersistentCheckpointOptions,
     ReplicationOptions,
 )
+from orbax_mtc.replicator import ReplicatorError
 
 __version__ = "0.1.0"
 
@@ -30,9 +33,12 @@ __all__ = [
     "CorruptStepError",
     "LocalCheckpointOptions",
     "LocalTierError",
+    "ManagedOptions",
     "OnDemandSave",
     "PersistentCheckpointOptions",
     "ReplicationOptions",
+    "ReplicatorError",
     "RestoreInfo",
     "distributed",
+    "initialize_multi_tier_checkpointing",
 ]

@@ -373,10 +373,13 @@ class LocalTier:
   """This node's RAM-disk step folders: write, commit, list, read, verify, retire."""
 
   def __init__(self, directory: Path, *, max_to_keep: int | None,
-               on_commit: Callable[[int], None] | None = None):
+               on_commit: Callable[[int], None] | None = None, reuse_files: bool = True):
     self.directory = Path(directory)
     self.max_to_keep = max_to_keep
     self._on_commit = on_commit
+    # False when another program (GKE's replicator) may still be copying a retired step:
+    # its files must then never be overwritten in place.
+    self.reuse_files = reuse_files
     # Newest step that every process had committed at the last save: kept even beyond
     # max_to_keep, so a crash between two nodes' commits still leaves a common RAM step.
     self.keep_floor: int | None = None
@@ -500,7 +503,8 @@ class LocalTier:
     """Un-commits a step (atomic rename) and keeps its files for reuse by the next save."""
     src = self.directory / str(step)
     with self._lock:
-      have_spare = any(e.name.startswith(SPARE_PREFIX) for e in self.directory.iterdir())
+      have_spare = not self.reuse_files or any(
+          e.name.startswith(SPARE_PREFIX) for e in self.directory.iterdir())
       target = self.directory / (f"{TMP_PREFIX}del-{uuid.uuid4().hex}" if have_spare
                                  else f"{SPARE_PREFIX}{uuid.uuid4().hex}")
       try:

@@ -45,9 +45,11 @@ from orbax_mtc import (
   distributed,
   lkg,
   local_tier,
+  managed,
   peer_store,
   preemption,
   replication,
+  replicator,
   restore_plan,
   topology,
   transport,
@@ -263,10 +265,62 @@ class CheckpointManager(ocp.CheckpointManager):
                        metadata=metadata, logger=logger, item_handlers=item_handlers,
                        handler_registry=handler_registry)
     self._init_runtime()
+    if self._managed:
+      self._connect_replicator()
+      return
     minutes = options.persistent.backup_interval_minutes
     if minutes is not None:
       self._backup_policy = backup.BackupIntervalPolicy(minutes)
       self._last_backup_attempt = self._newest_backup_time()
+
+  def _connect_replicator(self) -> None:
+    """Managed mode: the replicator handshake (unless `initialize_multi_tier_checkpointing`
+    made it in this process), and this worker's restore entry taken into the RAM tier."""
+    done, step = replicator.handshake_result(self._local.directory)
+    error: Exception | None = None
+    if not done:
+      config = managed.config_for_manager(self._mtc_options, self._topology,
+                                          self._process_index, self._process_count)
+      managed_options = self._mtc_options.managed
+      try:
+        step = replicator.connect(self._local.directory, config, self._worker_index,
+                                  timeout_s=managed_options.timeout_seconds,
+                                  poll_s=managed_options.poll_seconds)
+      except (replicator.ReplicatorError, TimeoutError, OSError) as e:
+        error = e
+    # Every process learns of a failure anywhere and stops too, instead of waiting in the
+    # next collective for a process that has gone.
+    failed = self._allgather(np.asarray([int(error is not None)], dtype=np.int64))[:, 0]
+    if error is not None:
+      raise error
+    if failed.any():
+      raise replicator.ReplicatorError(
+          "The replicator handshake failed on process(es) "
+          f"{[p for p, bad in enumerate(failed) if bad]}; their logs say why.")
+    # The first restore(None) honours the entry; 0 = the replicator has nothing.
+    self._replicator_entry: int | None = step or 0
+
+  def _replicator_step(self) -> int | None:
+    """The step every process's restore entry names (collective), once: 0 when all say
+    nothing to restore, None when they disagree or cannot be used (then the usual plan)."""
+    mine = self.__dict__.get("_replicator_entry")
+    if mine is None:
+      return None
+    self._replicator_entry = None
+    row = np.asarray([mine, int(mine in self._local_steps())], dtype=np.int64)
+    rows = self._allgather(row)
+    steps = [int(s) for s in rows[:, 0]]
+    agreed = replicator.agree(steps)
+    if agreed is None and any(steps) and len(set(steps)) > 1:
+      logging.warning("orbax-mtc: the replicator's restore entries disagree across processes "
+                      "(steps %s); restoring the newest step every process holds instead.",
+                      steps)
+    if agreed and not rows[:, 1].all():
+      logging.warning("orbax-mtc: the replicator named step %d but process(es) %s cannot read "
+                      "it; restoring the newest step every process holds instead.", agreed,
+                      [p for p, ok in enumerate(rows[:, 1]) if not ok])
+      return None
+    return agreed
 
   def _init_parent_style(self, directory, checkpointers, options, metadata, item_names,
                          item_handlers, logger, handler_registry, local_directory, global_mesh,
@@ -341,8 +395,10 @@ class CheckpointManager(ocp.CheckpointManager):
     local_path = Path(str(local_directory))
     if str(local_path) == str(persistent_directory):
       raise ValueError("local_directory and persistent_directory must be different folders.")
+    self._managed = options.mode == "managed"
     self._local = local_tier.LocalTier(local_path, max_to_keep=options.local.max_to_keep,
-                                       on_commit=self._after_local_commit)
+                                       on_commit=self._after_local_commit,
+                                       reuse_files=not self._managed)
     self._local.prepare()
     self._store = peer_store.PeerStore(local_path, max_to_keep=options.local.max_to_keep)
     self._store.prepare()
@@ -372,6 +428,8 @@ class CheckpointManager(ocp.CheckpointManager):
 
   def _start_replicator(self) -> None:
     options = self._mtc_options
+    if self._managed:
+      return  # GKE's replicator copies the steps
     if self._topology is not None and self._topology.edges:
       self._replicator = replication.Replicator(
           self._topology, self._process_index, self._local, self._store, self._writer,
@@ -463,11 +521,15 @@ class CheckpointManager(ocp.CheckpointManager):
 
   def _after_local_commit(self, step: int) -> None:
     # Runs on the writer thread after the rename: file I/O only.
+    if self._managed:
+      return  # the replicator writes the .restore entries
     lkg.update(self._local.directory, self._mtc_options.job_name, step, self._process_index,
                self._worker_index)
 
   def _refresh_lkg(self) -> None:
     """Re-points the LKG link after steps were removed (main thread, no write in flight)."""
+    if self._managed:
+      return
     steps = self._local_steps()
     if steps:
       self._after_local_commit(steps[-1])
@@ -512,6 +574,8 @@ class CheckpointManager(ocp.CheckpointManager):
     return step % local.save_interval_steps == 0
 
   def _persistent_should_save(self, step: int) -> bool:
+    if self.__dict__.get("_managed"):
+      return False  # GKE's replicator backs the RAM steps up
     if self.__dict__.get("_backup_policy") is not None:
       return False  # by minutes: decided at local saves (_save_local), never per step
     attempt = self.__dict__.get("_last_backup_attempt")
@@ -603,7 +667,8 @@ class CheckpointManager(ocp.CheckpointManager):
     self._replication_progress(block=False)
     preempted = self.reached_preemption(step)
     read_only = self._mtc_options.local.read_only
-    persistent_due = (force or preempted or self._persistent_should_save(step)) and (
+    persistent_due = not self._managed and (
+        force or preempted or self._persistent_should_save(step)) and (
         step not in self._persistent_steps())
     # A backup is taken from the RAM tier, so a step due for one is saved there too.
     local_due = not read_only and (force or preempted or persistent_due
@@ -717,7 +782,9 @@ class CheckpointManager(ocp.CheckpointManager):
     self._poll_backup(block=True)
     backed_up = step in self._persistent_steps()
     left = budget - (t - started)
-    if not backed_up and left > 0:
+    if self._managed:
+      pass  # the replicator backs the RAM step up
+    elif not backed_up and left > 0:
       metadata = dict(custom_metadata or {})
       metadata[ONDEMAND_METADATA_KEY] = {"step": step, "signal_time": signal_time,
                                          "budget_seconds": budget, "seconds": dict(seconds)}
@@ -1161,6 +1228,21 @@ class CheckpointManager(ocp.CheckpointManager):
     self._wait_local()
     self._drop_pending_backup("a restore")
     targets, single = self._restore_targets(args)
+    if self._managed and step is None:
+      entry_step = self._replicator_step()
+      if entry_step:
+        found, value, _, _ = self._restore_from_ram(entry_step, targets, single, started)
+        if found:
+          self.last_restore = dataclasses.replace(self.last_restore, tier="replicator")
+          return value
+      elif entry_step == 0:  # the replicator has nothing: the persistent tier, else scratch
+        persistent_steps = self._persistent_steps()
+        if persistent_steps:
+          restored = self._restore_persistent(persistent_steps[-1], targets, single)
+          self._finish_restore(persistent_steps[-1], "persistent", started, drop_newer=True)
+          return restored
+        self._start_from_scratch(started)
+        return None
     found, value, plan, tried = self._restore_from_ram(step, targets, single, started)
     if found:
       return value

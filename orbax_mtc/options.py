@@ -196,6 +196,43 @@ class ReplicationOptions:
     return self.chunk_mib << 20
 
 
+MODES = ("standalone", "managed")
+
+
+@dataclasses.dataclass
+class ManagedOptions:
+  """Managed mode (`CheckpointManagerOptions(mode="managed")`): what `replicator.yaml` says.
+
+  peers_per_node: write `peers-per-node: N` (the replicator picks the peers). None: with
+    data-parallel replicas, `peer-ranks:` the twins (same position in every other replica, as
+    Orbax writes); without, `peers-per-node:` ReplicationOptions.peers_per_node.
+  data_parallelism: `assume-data-parallelism`; None: the number of replicas of the mesh.
+  timeout_seconds: how long to wait for the replicator at each handshake stage.
+  poll_seconds: how often to look at the volume's files meanwhile.
+  The backup interval is the persistent tier's schedule: `backup_interval_minutes` if set,
+  else `save_interval_steps` (GKE's default is `backup_interval_minutes=30`).
+  """
+
+  peers_per_node: int | None = None
+  data_parallelism: int | None = None
+  timeout_seconds: float = 300.0
+  poll_seconds: float = 0.1
+
+  def __post_init__(self):
+    for name in ("peers_per_node", "data_parallelism"):
+      value = getattr(self, name)
+      minimum = 0 if name == "peers_per_node" else 1
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                or value < minimum):
+        raise ValueError(f"ManagedOptions.{name} must be an int >= {minimum} or None, got "
+                         f"{value!r}.")
+    for name in ("timeout_seconds", "poll_seconds"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"ManagedOptions.{name} must be a number of seconds > 0, got "
+                         f"{value!r}.")
+
+
 @dataclasses.dataclass
 class CheckpointManagerOptions:
   """Options of `orbax_mtc.CheckpointManager`.
@@ -212,6 +249,10 @@ class CheckpointManagerOptions:
   exit_after_ondemand_checkpoint: after the on-demand checkpoint that a preemption notice
     (SIGTERM) triggers is durable, `save()` waits for everything, closes the manager and ends
     the process with exit status 0 (Pax's `--exit_after_ondemand_checkpoint`).
+  mode: "standalone" (the manager copies to peers and backs up itself) or "managed" (GKE's
+    multi-tier checkpointing replicator does both: the manager speaks its file protocol, writes
+    RAM steps and restores from the replicator's `.restore` entries; see `managed`).
+  managed: `ManagedOptions` for managed mode.
   ondemand_grace_seconds: time budget from the SIGTERM to a durable on-demand checkpoint. The
     RAM tier and peers come first; the persistent backup starts only while budget is left
     (default 270 s: a 30 s margin inside the 5 minutes Cloud TPU maintenance gives). 0 never
@@ -231,8 +272,16 @@ class CheckpointManagerOptions:
   cleanup_tmp_directories: bool = True
   exit_after_ondemand_checkpoint: bool = False
   ondemand_grace_seconds: float = 270.0
+  mode: str = "standalone"
+  managed: ManagedOptions = dataclasses.field(default_factory=ManagedOptions)
 
   def __post_init__(self):
+    if self.mode not in MODES:
+      raise ValueError(f"CheckpointManagerOptions.mode must be one of {MODES}, got "
+                       f"{self.mode!r}.")
+    if not isinstance(self.managed, ManagedOptions):
+      raise TypeError("CheckpointManagerOptions.managed must be an orbax_mtc.ManagedOptions, "
+                      f"got {type(self.managed).__name__}.")
     for name, cls in (("local", LocalCheckpointOptions),
                       ("persistent", PersistentCheckpointOptions),
                       ("replication", ReplicationOptions)):

@@ -264,6 +264,12 @@ def _manager(args, mesh, *, exit_after_ondemand_checkpoint: bool | None = None,
     extra["ondemand_grace_seconds"] = ondemand_grace_seconds
   if getattr(args, "backup_timeout", None):
     extra["async_options"] = ocp.AsyncOptions(timeout_secs=args.backup_timeout)
+  if getattr(args, "mode", "standalone") == "managed":
+    extra["mode"] = "managed"
+    extra["managed"] = mtc.ManagedOptions(peers_per_node=args.managed_peers_per_node,
+                                          timeout_seconds=args.managed_timeout,
+                                          poll_seconds=0.02)
+    extra["job_name"] = args.job_name
   options = mtc.CheckpointManagerOptions(
       local=mtc.LocalCheckpointOptions(save_interval_steps=args.local_interval,
                                        max_to_keep=args.local_keep),
@@ -722,7 +728,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="restore with Composite(state=PyTreeRestore(item=abstract))")
     p.add_argument("--expect-step", default=None, help="a step number, or 'None'")
     p.add_argument("--expect-tier", default=None,
-                   choices=("local", "peer", "persistent", "none"))
+                   choices=("local", "peer", "persistent", "none", "replicator"))
+    p.add_argument("--mode", choices=("standalone", "managed"), default="standalone",
+                   help="managed: GKE's replicator protocol (tests run a simulator)")
+    p.add_argument("--managed-peers-per-node", type=int, default=None)
+    p.add_argument("--managed-timeout", type=float, default=60.0)
+    p.add_argument("--job-name", default="orbax")
     p.add_argument("--replicas", type=int, default=None,
                    help="size of the mesh's data axis (default: one row per process)")
     p.add_argument("--layout", choices=("mixed", "dp"), default="mixed",

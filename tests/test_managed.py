@@ -1,0 +1,189 @@
+"""Managed mode against the replicator simulator (tests/replicator_sim.py), one simulator
+process per node beside real `jax.distributed` job processes."""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+import yaml
+from mp_helpers import REPO_ROOT, assert_ok, assert_results, mp_worker, run_job, started_job, tail
+
+pytestmark = pytest.mark.timeout(300)
+
+SIM = REPO_ROOT / "tests" / "replicator_sim.py"
+_SIM_LINE = re.compile(r"^@@sim (\w+) ?(.*)$")
+
+
+class SimNode:
+  """One simulator process; its @@sim lines are collected as they come."""
+
+  def __init__(self, root: pathlib.Path, rank: int, backup: pathlib.Path, *extra: str):
+    self.volume = root / f"node{rank}"
+    self.lines: list[str] = []
+    self._changed = threading.Condition()
+    self.proc = subprocess.Popen(
+        [sys.executable, str(SIM), "--volume", str(self.volume), "--volume-pattern",
+         str(root / "node{rank}"), "--backup", str(backup), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    self._reader = threading.Thread(target=self._read, daemon=True)
+    self._reader.start()
+    assert self.wait_for("READY"), self.text()
+
+  def _read(self) -> None:
+    for line in self.proc.stdout:
+      with self._changed:
+        self.lines.append(line.rstrip("\n"))
+        self._changed.notify_all()
+
+  def events(self, kind: str) -> list[dict[str, str]]:
+    out = []
+    for line in list(self.lines):
+      m = _SIM_LINE.match(line)
+      if m and m.group(1) == kind:
+        out.append(dict(f.split("=", 1) for f in m.group(2).split()))
+    return out
+
+  def wait_for(self, kind: str, count: int = 1, timeout_s: float = 60) -> bool:
+    with self._changed:
+      return self._changed.wait_for(lambda: len(self.events(kind)) >= count
+                                    or self.proc.poll() is not None, timeout_s) and \
+          len(self.events(kind)) >= count
+
+  def text(self) -> str:
+    return "\n".join(self.lines[-40:])
+
+  def kill(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.kill()
+    self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def simulators(root: pathlib.Path, backup: pathlib.Path, nodes: int, extra=None):
+  """One simulator per node; all are SIGKILLed on leaving the block."""
+  sims: list[SimNode] = []
+  try:
+    for rank in range(nodes):
+      sims.append(SimNode(root, rank, backup, *(extra or {}).get(rank, ())))
+    yield sims
+  finally:
+    for sim in sims:
+      sim.kill()
+
+
+def _common(tmp_path, *more: str) -> list[str]:
+  return ["--mode", "managed", "--persistent-dir", str(tmp_path / "persistent"),
+          "--job-name", "mtcjob", "--local-interval", "2", "--persistent-interval", "4",
+          *more]
+
+
+def _entries(root: pathlib.Path) -> list[str]:
+  return sorted(p.name for p in root.glob("node*/*")
+                if p.name.endswith(".restore") or p.name.startswith("replicator."))
+
+
+def test_fresh_start_copies_and_backups_then_restart_with_a_stale_yaml_restores(
+    tmp_path, shm_root):
+  backup = tmp_path / "backup"
+  with simulators(shm_root, backup, 2) as sims:
+    result, out = run_job(["save", *_common(tmp_path), "--steps", "9", "--restore-first",
+                           "--expect-tier", "none"], 2, shm_root, timeout_s=120)
+    assert_ok(result, out)
+    assert_results(out, 2, step=None, tier="none")
+    for rank, sim in enumerate(sims):
+      (config,) = sim.events("CONFIG")
+      # What the manager wrote, as the simulator read it: twins across the 2 replicas.
+      assert config == {"job": "mtcjob", "rank": str(rank), "nodes": "2", "dp": "2",
+                        "peers": f"[{1 - rank}]", "interval": "4"}, sim.text()
+      assert sim.events("RESTORE") == [{"rank": str(rank), "step": "0", "source": "none"}]
+      assert sim.wait_for("REPLICATED", 5), sim.text()  # steps 0, 2, 4, 6, 8
+      assert [e["step"] for e in sim.events("REPLICATED")] == ["0", "2", "4", "6", "8"]
+      assert [e["step"] for e in sim.events("BACKUP")] == ["0", "4", "8"]
+      peer_copy = shm_root / f"node{1 - rank}" / ".replicator" / f"n{rank}" / "8"
+      assert (peer_copy / "manifest.json").is_file()
+    committed = dict(mp_worker.events(out.lines, "COMMITTED"))
+    # The manager made no backup and no peer copy of its own: the replicator does both.
+    assert {n: c["persistent"] for n, c in committed.items()} == {0: "-", 1: "-"}
+    assert not list(shm_root.glob("node*/peers*")), sorted(shm_root.glob("node*/*"))
+    assert _entries(shm_root) == []  # entries taken, yaml taken, no LKG links of ours
+
+    # Restart. The daemon of node 0 restarts too, and the previous run's replicator.yaml is
+    # still in its volume: the job must wait for the daemon to take it, never overwrite it.
+    sims[0].kill()
+    stale = {"job-name": "stale-run", "framework": "orbax", "assume-data-parallelism": 2,
+             "node-rank": 0, "nodes": 2, "peer-ranks": [1], "backup-interval-steps": 4}
+    (shm_root / "node0" / "replicator.yaml").write_text(yaml.safe_dump(stale))
+    with started_job(["restore", *_common(tmp_path), "--expect-step", "8", "--expect-tier",
+                      "replicator"], 2, shm_root) as (job, out):
+      assert sims[1].wait_for("CONFIG", 2), sims[1].text()  # node 1's job is at the handshake
+      sims[0] = SimNode(shm_root, 0, backup)
+      result = job.wait(120)
+    assert_ok(result, out)
+    assert_results(out, 2, step=8, tier="replicator")
+    assert [c["job"] for c in sims[0].events("CONFIG")] == ["stale-run", "mtcjob"], \
+        sims[0].text()
+    assert sims[1].events("RESTORE")[-1] == {"rank": "1", "step": "8", "source": "own"}
+    assert _entries(shm_root) == []
+
+
+def test_node_replaced_restores_from_its_peer_copy_four_processes(tmp_path, shm_root):
+  backup = tmp_path / "backup"
+  common = _common(tmp_path, "--replicas", "2")
+  with simulators(shm_root, backup, 4) as sims:
+    result, out = run_job(["save", *common, "--steps", "9"], 4, shm_root, devices=1,
+                          timeout_s=180)
+    assert_ok(result, out)
+    peers = {int(s.events("CONFIG")[0]["rank"]): s.events("CONFIG")[0]["peers"] for s in sims}
+    assert peers == {0: "[2]", 1: "[3]", 2: "[0]", 3: "[1]"}  # twins across 2 replicas
+    for sim in sims:
+      assert sim.wait_for("REPLICATED", 5), sim.text()
+
+    # Node 1 is replaced: its daemon and its whole volume are gone; a new daemon starts.
+    sims[1].kill()
+    shutil.rmtree(shm_root / "node1")
+    sims[1] = SimNode(shm_root, 1, backup)
+    result, out = run_job(["restore", *common, "--expect-step", "8", "--expect-tier",
+                           "replicator"], 4, shm_root, devices=1, timeout_s=180)
+    assert_ok(result, out)
+    assert_results(out, 4, step=8, tier="replicator")
+    assert sims[1].events("RESTORE") == [{"rank": "1", "step": "8", "source": "peer"}]
+    assert [s.events("RESTORE")[-1]["source"] for s in (sims[0], sims[2], sims[3])] == \
+        ["own"] * 3
+    assert (shm_root / "node1" / "8" / "manifest.json").is_file()
+
+
+def test_replicator_errors_are_logged_and_removed(tmp_path, shm_root):
+  backup = tmp_path / "backup"
+  with simulators(shm_root, backup, 2, {0: ("--errors", "backup bucket quota low")}) as sims:
+    result, out = run_job(["save", *_common(tmp_path), "--steps", "3"], 2, shm_root,
+                          timeout_s=120)
+    assert_ok(result, out)
+    assert sims[0].events("CONFIG") and sims[1].events("CONFIG")
+  node0 = [line for line in out.lines if line.startswith("[node 0]")]
+  assert any("replicator reported errors" in line for line in node0), tail(out)
+  assert any("backup bucket quota low" in line for line in node0), tail(out)
+  assert not (shm_root / "node0" / "replicator.errors").exists()
+
+
+def test_replicator_failed_stops_the_job_with_its_reason(tmp_path, shm_root):
+  backup = tmp_path / "backup"
+  with simulators(shm_root, backup, 2, {1: ("--fail", "job-name is taken")}) as sims:
+    result, out = run_job(["save", *_common(tmp_path, "--managed-timeout", "30"), "--steps",
+                           "3"], 2, shm_root, timeout_s=120)
+    assert sims[1].events("FAILED"), sims[1].text()
+  # Both processes stop (the other one learns of it at once, instead of hanging in the next
+  # collective), each with a reason.
+  assert all(code not in (0, None, 124) for code in result.returncodes), result
+  assert not result.timed_out, result
+  node0 = "\n".join(line for line in out.lines if line.startswith("[node 0]"))
+  node1 = "\n".join(line for line in out.lines if line.startswith("[node 1]"))
+  assert "replicator failed on this node" in node1 and "job-name is taken" in node1, tail(out)
+  assert "handshake failed on process(es) [1]" in node0, tail(out)
+  assert not (shm_root / "node1" / "replicator.failed").exists()

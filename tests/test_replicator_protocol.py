@@ -1,0 +1,177 @@
+"""The replicator file protocol's pure parts: replicator.yaml, restore entries, peers."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import replicator_sim
+
+import orbax_mtc as mtc
+from orbax_mtc import managed, replicator
+
+
+def _config(**over):
+  fields = dict(job_name="run1", node_rank=0, nodes=4, data_parallelism=2, peer_ranks=(2,),
+                backup_interval_minutes=30)
+  fields.update(over)
+  return replicator.ReplicatorConfig(**fields)
+
+
+def test_yaml_round_trip_and_the_simulator_reads_what_we_write():
+  for config in (_config(), _config(peer_ranks=None, peers_per_node=1,
+                                    backup_interval_minutes=None, backup_interval_steps=500)):
+    text = config.to_yaml()
+    assert replicator.ReplicatorConfig.from_yaml(text) == config
+    fields = replicator_sim.validate(text)  # an independent reader
+    assert fields["job-name"] == "run1" and fields["framework"] == "orbax"
+  assert "peer-ranks: [2]" in _config().to_yaml()
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(peers_per_node=1), "exactly one of peer-ranks"),
+    (dict(peer_ranks=None), "exactly one of peer-ranks"),
+    (dict(peer_ranks=(0,)), "other than node-rank 0"),
+    (dict(peer_ranks=(4,)), r"in \[0, 4\)"),
+    (dict(peer_ranks=(2, 2)), "distinct"),
+    (dict(backup_interval_steps=10), "exactly one of backup-interval"),
+    (dict(backup_interval_minutes=None), "exactly one of backup-interval"),
+    (dict(backup_interval_minutes=0), "must be > 0"),
+    (dict(node_rank=4), "node-rank must be an int in"),
+    (dict(data_parallelism=3), "divides nodes=4"),
+    (dict(job_name="my job"), "without spaces"),
+    (dict(peer_ranks=None, peers_per_node=4), "fewer than nodes"),
+])
+def test_bad_configs_are_refused_with_the_reason(over, match):
+  with pytest.raises(ValueError, match=match):
+    _config(**over)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("job-name: [unclosed", "not valid YAML"),
+    ("- a\n- b", "must be a mapping"),
+    ("job-name: x\nframework: orbax\nnodes: 1\nnode-rank: 0\n", "missing key"),
+    (_config().to_yaml() + "colour: blue\n", "unknown key"),
+    (_config().to_yaml().replace("framework: orbax", "framework: pax"), "framework must be"),
+])
+def test_malformed_yaml_written_by_someone_else(text, match):
+  with pytest.raises(ValueError, match=match):
+    replicator.ReplicatorConfig.from_yaml(text)
+
+
+def test_restore_entries_are_never_followed_blindly(tmp_path):
+  local = tmp_path / "local"
+  (local / "20").mkdir(parents=True)
+  (local / ".replicator" / "restore" / "30").mkdir(parents=True)
+  outside = tmp_path / "elsewhere" / "40"
+  outside.mkdir(parents=True)
+  os.symlink("20", local / "job-s20-n1-w0.restore")
+  os.symlink(str(outside), local / "job-s40-n1-w0.restore")  # outside the volume
+  os.symlink(".replicator/restore/30", local / "job-s30-n2-w0.restore")  # another node
+  (local / "not-a-valid-name.restore").touch()
+  (local / "job-s50-n1-w0.restore").write_text("junk")  # a regular file with a step
+  (local / "other-s60-n1-w0.restore").touch()  # another job's
+  choice = replicator.choose_entry(local, node_rank=1, worker_index=0, job_name="job")
+  assert choice.step == 20 and choice.target == (local / "20").resolve()
+  reasons = "\n".join(choice.ignored)
+  assert "outside" in reasons and "node 2 worker 0" in reasons
+  assert "Malformed last-known-good entry" in reasons and "a regular file" in reasons
+  assert "for job 'other'" in reasons
+  assert replicator.take_entry(local, choice) == 20
+  assert not list(local.glob("*.restore"))
+  assert (local / "20").is_dir() and outside.is_dir()  # nothing outside was touched
+
+
+def test_two_steps_for_one_node_is_an_error_and_step_zero_means_nothing(tmp_path):
+  local = tmp_path / "local"
+  (local / ".replicator" / "restore" / "30").mkdir(parents=True)
+  (local / "20").mkdir()
+  os.symlink("20", local / "job-s20-n0-w0.restore")
+  os.symlink(".replicator/restore/30", local / "job-s30-n0-w0.restore")
+  with pytest.raises(replicator.ReplicatorError, match=r"different steps \[20, 30\]"):
+    replicator.choose_entry(local, 0, 0)
+  for p in local.glob("*.restore"):
+    p.unlink()
+  (local / "job-s0-n0-w0.restore").touch()
+  choice = replicator.choose_entry(local, 0, 0)
+  assert (choice.step, choice.target) == (0, None)
+  assert replicator.take_entry(local, choice) is None
+  assert (local / "20").is_dir()  # a "nothing" entry deletes no step
+
+
+def test_a_staged_step_replaces_a_stale_folder_of_the_same_number(tmp_path):
+  local = tmp_path / "local"
+  (local / "30").mkdir(parents=True)
+  (local / "30" / "stale").touch()
+  staged = local / ".replicator" / "restore" / "30"
+  staged.mkdir(parents=True)
+  (staged / "fresh").touch()
+  os.symlink(".replicator/restore/30", local / "job-s30-n0-w0.restore")
+  assert replicator.take_entry(local, replicator.choose_entry(local, 0, 0)) == 30
+  assert sorted(p.name for p in (local / "30").iterdir()) == ["fresh"]
+
+
+def test_agreement_across_processes():
+  assert replicator.agree([8, 8, 8]) == 8
+  assert replicator.agree([0, 0]) == 0
+  assert replicator.agree([8, 0]) is None
+
+
+def test_peers_follow_orbax_with_slices_and_ask_for_peers_without():
+  # 2 slices of 2 nodes: the node at the same index in the other slice (Orbax's rule).
+  assert managed.peers_for(0, 4, 2, None) == ((2,), None)
+  assert managed.peers_for(3, 4, 2, None) == ((1,), None)
+  # One slice: Orbax would write no peers; we ask for one so FSDP-only jobs are protected.
+  assert managed.peers_for(1, 4, 1, None) == (None, 1)
+  assert managed.peers_for(0, 1, 1, None) == ((), None)
+  assert managed.peers_for(0, 4, 2, 3) == (None, 3)
+
+
+def test_managed_options_validate():
+  with pytest.raises(ValueError, match="mode must be one of"):
+    mtc.CheckpointManagerOptions(mode="gke")
+  with pytest.raises(ValueError, match="peers_per_node must be an int >= 0"):
+    mtc.ManagedOptions(peers_per_node=-1)
+  with pytest.raises(ValueError, match="timeout_seconds must be a number of seconds > 0"):
+    mtc.ManagedOptions(timeout_seconds=0)
+  options = mtc.CheckpointManagerOptions(
+      mode="managed", job_name="run7",
+      persistent=mtc.PersistentCheckpointOptions(backup_interval_minutes=30))
+  config = managed.config_for_manager(options, None, 0, 1)
+  assert (config.job_name, config.peer_ranks, config.backup_interval_minutes,
+          config.backup_interval_steps) == ("run7", (), 30, None)
+
+
+def test_handshake_waits_for_the_old_file_and_reports_failure(tmp_path):
+  """Against the simulator's own loop, in threads: an old file is taken first; a fatal answer
+  becomes ReplicatorError and the file is removed."""
+  local = tmp_path / "node0"
+  local.mkdir()
+  (local / "replicator.yaml").write_text(_config(job_name="old", nodes=1, peer_ranks=(),
+                                                 data_parallelism=1).to_yaml())
+  (local / "replicator.failed").write_text("from the previous run\n")
+  args = type("Args", (), dict(volume=str(local), volume_pattern=str(tmp_path / "node{rank}"),
+                               backup=str(tmp_path / "backup"), errors=None, fail=None))
+  sim = replicator_sim.Simulator(args)
+  stop = threading.Event()
+
+  def daemon():
+    while not stop.is_set():
+      if (local / "replicator.yaml").exists():
+        sim.take_config()
+      stop.wait(0.01)
+
+  thread = threading.Thread(target=daemon, daemon=True)
+  thread.start()
+  try:
+    new = _config(job_name="new", nodes=1, peer_ranks=(), data_parallelism=1)
+    assert replicator.connect(local, new, 0, timeout_s=30, poll_s=0.01) is None
+    assert sim.config["job-name"] == "new"
+    sim.fail = "disk is read-only"
+    with pytest.raises(replicator.ReplicatorError, match="disk is read-only"):
+      replicator.handshake(local, new, timeout_s=30, poll_s=0.01)
+    assert not (local / "replicator.failed").exists()
+  finally:
+    stop.set()
+    thread.join(5)
