@@ -405,6 +405,29 @@ def cmd_save(args) -> int:
   return 0 if ok else EXIT_MISMATCH
 
 
+def cmd_managed_init(args) -> int:
+  """GKE-style start: jax.distributed from <local>/jax-init-info.txt (waited for) and the
+  replicator handshake by initialize_multi_tier_checkpointing, then restore and save."""
+  import jax
+  from jax._src import distributed as jax_distributed
+
+  import orbax_mtc as mtc
+  from orbax_mtc import distributed
+
+  entry = mtc.initialize_multi_tier_checkpointing(
+      distributed.local_directory(), run_name=args.job_name,
+      backup_interval_steps=args.persistent_interval, jax_initialization_timeout_seconds=60,
+      handshake_timeout_seconds=60, poll_seconds=0.02)
+  _out(f"INIT process={jax.process_index()} "
+       f"coordinator={jax_distributed.global_state.coordinator_address} entry={entry}")
+  mesh = make_mesh()
+  with _manager(args, mesh) as mgr:
+    step, ok = _restore_and_check(args, mgr, mesh)
+    _save_loop(args, mgr, mesh, 0 if step is None else step + 1, args.steps)
+  _out("DONE")
+  return 0 if ok else EXIT_MISMATCH
+
+
 def cmd_restore(args) -> int:
   from orbax_mtc import distributed
 
@@ -755,6 +778,10 @@ def _parser() -> argparse.ArgumentParser:
 
   p = common(sub.add_parser("restore"))
   p.set_defaults(fn=cmd_restore)
+
+  p = common(sub.add_parser("managed-init"))
+  p.add_argument("--steps", type=int, required=True, help="save steps up to this one")
+  p.set_defaults(fn=cmd_managed_init, die_at_step=None, die_process=None)
 
   p = common(sub.add_parser("chaos"))
   p.add_argument("--steps", type=int, default=10_000, help="steps to save after the restore")

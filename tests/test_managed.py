@@ -13,7 +13,15 @@ import threading
 
 import pytest
 import yaml
-from mp_helpers import REPO_ROOT, assert_ok, assert_results, mp_worker, run_job, started_job, tail
+from mp_helpers import (
+  REPO_ROOT,
+  assert_ok,
+  assert_results,
+  mp_worker,
+  run_job,
+  started_job,
+  tail,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -187,3 +195,24 @@ def test_replicator_failed_stops_the_job_with_its_reason(tmp_path, shm_root):
   assert "replicator failed on this node" in node1 and "job-name is taken" in node1, tail(out)
   assert "handshake failed on process(es) [1]" in node0, tail(out)
   assert not (shm_root / "node1" / "replicator.failed").exists()
+
+
+def test_jax_joins_from_jax_init_info_written_after_the_job_started(tmp_path, shm_root):
+  """As on GKE: the processes wait for jax-init-info.txt, join the coordinator it names,
+  then make the handshake through initialize_multi_tier_checkpointing."""
+  backup = tmp_path / "backup"
+  with simulators(shm_root, backup, 2) as sims:
+    with started_job(["managed-init", *_common(tmp_path), "--steps", "5", "--expect-tier",
+                      "none"], 2, shm_root) as (job, out):
+      # GKE writes it once process 0's node is known. The coordinator must be the address
+      # the launcher lets process 0 bind (JAX_COORDINATOR_BIND_ADDRESS).
+      for rank in range(2):
+        info = shm_root / f"node{rank}" / "jax-init-info.txt"
+        info.write_text(f"{rank}\n{job.coordinator}\n")
+      result = job.wait(120)
+    assert_ok(result, out)
+    inits = dict(mp_worker.events(out.lines, "INIT"))
+    assert {n: (f["coordinator"], f["entry"]) for n, f in inits.items()} == {
+        0: (job.coordinator, "None"), 1: (job.coordinator, "None")}, tail(out)
+    assert [len(sim.events("CONFIG")) for sim in sims] == [1, 1]  # one handshake each
+    assert_results(out, 2, step=None, tier="none")
