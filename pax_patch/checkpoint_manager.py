@@ -22,6 +22,7 @@ folders.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -323,7 +324,8 @@ class PaxCheckpointManager:
     """As Pax: the saved unpadded shapes and dtypes must be those of the current model."""
     if not isinstance(saved, Mapping) or "train_state_metadata" not in saved:
       return
-    expected = pax_metadata(target, unpadded)
+    # Through JSON as the saved copy went (tuples become lists).
+    expected = json.loads(json.dumps(pax_metadata(target, unpadded)))
     if saved["train_state_metadata"] != expected["train_state_metadata"]:
       raise ValueError(
           f"The checkpoint's Pax metadata does not match the model being restored: saved "

@@ -187,6 +187,46 @@ def test_without_exit_flag_training_continues_after_the_ondemand_save(shm_root, 
   assert persistent_steps(job_log_dir / "checkpoints") == [0, step, steps]
 
 
+# ----------------------------------------------------------------------------- one process
+
+
+def test_manager_takes_pax_save_and_restore_calls(mesh, shm_dir, tmp_path):
+  """Pax's manager calls in one process: schedules of both tiers, restore of an explicit step
+  from targets without shardings plus Pax's restore_kwargs (specs, mesh), clear refusals."""
+  import orbax.checkpoint as ocp
+
+  partitioner = example_executor.ExamplePartitioner(mesh)
+  metadata = partitioner.get_train_state_metadata()
+  manager = pax_patch.PaxCheckpointManager(
+      tmp_path / "checkpoints", local_directory=shm_dir,
+      options=ocp.CheckpointManagerOptions(save_interval_steps=4), local_save_interval_steps=2,
+      peers_per_node=0, enable_async_checkpointing=False)
+  try:
+    saved = []
+    for step in range(6):
+      if manager.should_save(step):
+        assert manager.save(step, partitioner.state_at(step), metadata.unpadded_global_shapes)
+        saved.append(step)
+    assert saved == [0, 2, 4], saved
+    assert manager.all_steps() == [0, 4]  # RAM keeps the newest; Pax's folder 0 and 4
+    assert not manager.should_save(4)  # as Pax: a saved step is not saved again
+    pax_kwargs = {"specs": metadata.partition_specs, "mesh": mesh, "transforms": None}
+    for step, tier in ((4, "local"), (0, "persistent")):
+      restored = manager.restore(step, metadata.padded_global_shapes,
+                                 metadata.unpadded_global_shapes, restore_kwargs=pax_kwargs)
+      assert manager.last_restore.tier == tier
+      assert example_executor.matches(restored, partitioner.state_at(step)), step
+    with pytest.raises(ValueError, match="restore_transformations"):
+      manager.restore(4, metadata.padded_global_shapes,
+                      restore_kwargs={**pax_kwargs, "transforms": {"w": "x"}})
+    with pytest.raises(ValueError, match="input pipeline"):
+      manager.save(6, partitioner.state_at(6), train_input_pipeline=object())
+  finally:
+    manager.close()
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_00000000",
+                                                          "checkpoint_00000004"]
+
+
 # ----------------------------------------------------------------------------- install()
 
 
