@@ -11,7 +11,8 @@ and (within the grace budget) the persistent tier, all durable when it returns. 
 then sees `reached_preemption(step)` True, calls `close()` and exits with status 1
 (`PAX_ONDEMAND_EXIT_STATUS`), as it does with Pax's own checkpointer. orbax-mtc's built-in
 `exit_after_ondemand_checkpoint` is not used: it would end the process with status 0 from
-inside `save`, before Pax's executor reaches its own exit.
+inside `save`, before Pax's executor reaches its own exit. A failed persistent backup is logged
+and training goes on (the step is in RAM); `close()` reports it.
 
 `create_checkpointer` has the signature of Pax's `checkpoint_creators._create_checkpointer`
 and reads Pax's task config (`task_p.train.save_interval_steps`, `save_max_to_keep`,
@@ -33,6 +34,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
+import orbax_mtc
 from pax_patch import checkpoint_manager
 from pax_patch.checkpoint_manager import PaxCheckpointManager
 
@@ -165,7 +167,12 @@ class PaxTrainingCheckpointer:
       return
     self._save(step_i, partitioned_train_state, train_state_unpadded_shape_dtype_struct,
                train_input_pipeline, force=False)
-    self.checkpoint_manager.check_for_errors()
+    try:
+      self.checkpoint_manager.check_for_errors()
+    except orbax_mtc.BackupError as e:
+      # Pax stops on any checkpoint error; here the step is safe in RAM and on peers and the
+      # next scheduled backup retries, so training goes on (close() still reports it).
+      logging.warning("pax_patch: %s Training goes on.", e)
 
   def save_final(self, step_i: int, *, partitioned_train_state: Any,
                  train_state_unpadded_shape_dtype_struct: Any = None,

@@ -227,6 +227,37 @@ def test_manager_takes_pax_save_and_restore_calls(mesh, shm_dir, tmp_path):
                                                           "checkpoint_00000004"]
 
 
+def test_failed_backup_does_not_stop_training_but_a_failed_ram_write_does():
+  """save_if_needed logs a persistent-tier failure (the step is in RAM, the next backup
+  retries) where Pax's own checkpointer would stop; any other error still stops it."""
+  import orbax_mtc
+
+  class Manager:
+    mtc_manager = object()
+    error: Exception | None = None
+
+    def all_steps(self):
+      return []
+
+    def should_save(self, step):
+      return True
+
+    def save(self, *args, **kwargs):
+      return True
+
+    def check_for_errors(self):
+      if self.error is not None:
+        raise self.error
+
+  manager = Manager()
+  checkpointer = pax_patch.PaxTrainingCheckpointer(manager, "GDA")
+  manager.error = orbax_mtc.BackupError(8, OSError("bucket unreachable"))
+  checkpointer.save_if_needed(8, {})
+  manager.error = OSError("RAM disk full")
+  with pytest.raises(OSError, match="RAM disk full"):
+    checkpointer.save_if_needed(9, {})
+
+
 # ----------------------------------------------------------------------------- install()
 
 
