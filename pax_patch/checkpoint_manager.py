@@ -184,8 +184,9 @@ class PaxCheckpointManager:
           options=self._mtc_options)
     return self._manager
 
-  def _ensure(self, tree: Any, mesh: jax.sharding.Mesh | None = None
-              ) -> orbax_mtc.CheckpointManager:
+  def build_for(self, tree: Any, mesh: jax.sharding.Mesh | None = None
+                ) -> orbax_mtc.CheckpointManager:
+    """The orbax-mtc manager, built from a train state's shardings if not yet built."""
     if self._manager is not None:
       return self._manager
     mesh = mesh or _first_mesh(tree)
@@ -279,7 +280,7 @@ class PaxCheckpointManager:
       raise ValueError(
           "pax_patch does not checkpoint the input pipeline (the RAM tier holds arrays and "
           "JSON only): set task.train.enable_input_checkpointing=False.")
-    manager = self._ensure(train_state)
+    manager = self.build_for(train_state)
     args = self._save_args(train_state, train_state_unpadded_shape_dtype_struct, aux_items)
     return bool(manager.save(step, args=args, force=force))
 
@@ -304,7 +305,7 @@ class PaxCheckpointManager:
                        "the saved tree as it is); unset task.train.restore_transformations.")
     mesh = restore_kwargs.get("mesh")
     target = _with_shardings(train_state, restore_kwargs.get("specs"), mesh)
-    manager = self._ensure(target, mesh)
+    manager = self.build_for(target, mesh)
     items: dict[str, Any] = {
         STATE_ITEM_NAME: ocp.args.PyTreeRestore(item=target),
         METADATA_ITEM_NAME: ocp.args.JsonRestore(),

@@ -162,7 +162,7 @@ class PaxTrainingCheckpointer:
     if self.checkpoint_manager.mtc_manager is None:
       # Pax always calls get_model_states first; a loop that did not still needs the
       # collective build at the same point on every process.
-      self.checkpoint_manager._ensure(partitioned_train_state)
+      self.checkpoint_manager.build_for(partitioned_train_state)
     if not self.checkpoint_manager.should_save(step_i):
       return
     self._save(step_i, partitioned_train_state, train_state_unpadded_shape_dtype_struct,
