@@ -248,7 +248,8 @@ class CheckpointManagerOptions:
   cleanup_tmp_directories: remove leftovers of interrupted saves when the manager starts.
   exit_after_ondemand_checkpoint: after the on-demand checkpoint that a preemption notice
     (SIGTERM) triggers is durable, `save()` waits for everything, closes the manager and ends
-    the process with exit status 0 (Pax's `--exit_after_ondemand_checkpoint`).
+    the process with exit status 0 (as Pax's `--exit_after_ondemand_checkpoint` means; Pax's
+    own executor exits 1 there, which `pax_patch` keeps by leaving the exit to Pax).
   mode: "standalone" (the manager copies to peers and backs up itself) or "managed" (GKE's
     multi-tier checkpointing replicator does both: the manager speaks its file protocol, writes
     RAM steps and restores from the replicator's `.restore` entries; see `managed`).
