@@ -1,0 +1,469 @@
+"""MaxText's checkpointing functions, running on `orbax_mtc.CheckpointManager`.
+
+Same names and signatures as MaxText's `maxtext.common.checkpointing` (MaxText 0.2.x) for the
+paths a training loop takes: create a manager, `load_state_if_possible`,
+`maybe_save_checkpoint` each step, `save_checkpoint`, `latest_step`, `wait_until_finished`,
+`reached_preemption`, `print_save_message`; plus `create_checkpoint_manager(config, mesh,
+init_state_fn)`, the counterpart of MaxText's `train_utils.create_checkpoint_manager`. A loop
+of one's own can use them without MaxText; `maxtext_patch.install()` points MaxText's module at
+them.
+
+Where orbax-mtc differs from MaxText's emergency managers:
+- The RAM tier holds the state as nested dicts keyed by field names (`_checkpoint_tree`): a
+  Linen `TrainState` or an NNX state round-trips through it, and the persistent tier is a
+  plain Orbax checkpoint with item `state` in the same layout.
+- `load_state_if_possible` restores the newest step *every* process can assemble
+  (`restore(None)`), never a step chosen from one process's view: after a node loss the new
+  node has no step of its own and still takes part in the same restore.
+- `maybe_save_checkpoint` asks `reached_preemption` at every step on every process, also where
+  MaxText would return early: JAX's preemption sync point counts those calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+from orbax.checkpoint import checkpoint_managers as policies
+
+import orbax_mtc as mtc
+from maxtext_patch import config as mtc_config
+
+_STATE_ITEM = "state"  # MaxText's item name for the emergency managers
+_ITEMS = "items"  # MaxText's item name for its standard manager
+
+
+class StopTraining(Exception):
+  """Ends the training loop (MaxText's `exceptions.StopTraining`): preemption or a failed
+  save. Once `install()` ran, the exception raised is also MaxText's own class."""
+
+  def __init__(self, reason: str):
+    super().__init__(reason)
+
+
+_stop_class: type[Exception] = StopTraining
+_extra_keys: dict[str, Any] = {}
+_current_config: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "maxtext_patch_config", default=None)
+# MaxText's loader for load_parameters_path / load_full_state_path (set by install()).
+_fallback_loader: Callable[..., tuple[Any, Any]] | None = None
+
+
+def _stop(reason: str) -> Exception:
+  return _stop_class(reason)
+
+
+def set_extra_keys(keys: Mapping[str, Any]) -> None:
+  """The orbax-mtc keys (`mtc_peers_per_node`, ...) for managers built from now on."""
+  global _extra_keys
+  _extra_keys = mtc_config.check_new_keys(keys)
+
+
+def extra_keys() -> dict[str, Any]:
+  return dict(_extra_keys)
+
+
+@contextlib.contextmanager
+def using_config(config: Any) -> Iterator[None]:
+  """Makes `config` the one the manager factories read their other keys from."""
+  token = _current_config.set(config)
+  try:
+    yield
+  finally:
+    _current_config.reset(token)
+
+
+def is_multi_tier(checkpoint_manager: Any) -> bool:
+  """Whether this is an orbax-mtc manager in its multi-tier form (built by the factories
+  below), as opposed to a plain or parent-style Orbax manager."""
+  return isinstance(checkpoint_manager, mtc.CheckpointManager) and isinstance(
+      checkpoint_manager.options, mtc.CheckpointManagerOptions)
+
+
+# ------------------------------------------------------------------ state layout
+
+
+def _key_name(entry: Any) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(entry, attr):
+      return str(getattr(entry, attr))
+  return str(entry)
+
+
+def _checkpoint_tree(tree: Any) -> dict[str, Any]:
+  """The leaves of `tree` as nested dicts keyed by dict keys, attribute names and indices.
+
+  Why: Orbax writes dataclass and namedtuple nodes as dicts, so a persistent checkpoint read
+  back against a `TrainState` target does not match it leaf for leaf; nested dicts are the
+  same tree in every tier.
+  """
+  out: dict[str, Any] = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    keys = [_key_name(k) for k in path] or ["value"]
+    node = out
+    for key in keys[:-1]:
+      node = node.setdefault(key, {})
+      if not isinstance(node, dict):
+        raise ValueError(f"State leaf path {jax.tree_util.keystr(path)} clashes with another "
+                         "leaf of the same name.")
+    if keys[-1] in node:
+      raise ValueError(f"Two state leaves map to the name {jax.tree_util.keystr(path)}.")
+    node[keys[-1]] = leaf
+  return out
+
+
+def _from_checkpoint_tree(nested: Mapping[str, Any], like: Any) -> Any:
+  """`_checkpoint_tree`'s inverse: the leaves of `nested` put back into `like`'s structure."""
+  paths, treedef = jax.tree_util.tree_flatten_with_path(like)
+  leaves = []
+  for path, _ in paths:
+    node: Any = nested
+    for key in [_key_name(k) for k in path] or ["value"]:
+      node = node[key]
+    leaves.append(node)
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _state_step(state: Any) -> int:
+  """`state.step` of a Linen TrainState, a dict or an NNX optimizer state."""
+  for get in (lambda s: s.step, lambda s: s["step"], lambda s: s.optimizer.step):
+    try:
+      return int(get(state))
+    except (AttributeError, KeyError, TypeError):
+      continue
+  raise ValueError("Cannot find the step of the training state (state.step, state['step'] or "
+                   "state.optimizer.step); pass step= to maybe_save_checkpoint.")
+
+
+# ------------------------------------------------------------------ managers
+
+
+def _settings(overrides: Mapping[str, Any]) -> mtc_config.MtcSettings:
+  config = _current_config.get()
+  settings = mtc_config.read_settings(config if config is not None else {}, _extra_keys,
+                                      overrides)
+  assert settings is not None  # the overrides set one of the two flags
+  return settings
+
+
+def _build(settings: mtc_config.MtcSettings, global_mesh: jax.sharding.Mesh,
+           abstract_state: Any, orbax_logger: Any = None) -> mtc.CheckpointManager:
+  if not isinstance(global_mesh, jax.sharding.Mesh):
+    raise TypeError(f"global_mesh must be a jax.sharding.Mesh, got {type(global_mesh)}.")
+  mtc_config.check_mesh(settings, global_mesh.axis_names)
+  platform = global_mesh.devices.flat[0].platform
+  local = mtc_config.local_directory_for(settings.local_directory, jax.process_index(),
+                                         platform)
+  os.makedirs(local, exist_ok=True)
+  abstract = None if abstract_state is None else _checkpoint_tree(abstract_state)
+  manager = mtc.CheckpointManager(local, settings.persistent_directory, global_mesh, abstract,
+                                  options=mtc_config.manager_options(settings),
+                                  logger=orbax_logger)
+  logging.info(
+      "maxtext_patch: orbax-mtc %s manager: RAM %s every %d steps, persistent %s %s, peers "
+      "per node %s along %r", settings.mode, local, settings.local_interval,
+      settings.persistent_directory,
+      f"every {settings.backup_interval_minutes:g} min" if settings.backup_interval_minutes
+      else f"every {settings.persistent_interval_steps} steps",
+      "default" if settings.peers_per_node is None else settings.peers_per_node,
+      settings.replica_axis)
+  return manager
+
+
+def create_orbax_emergency_checkpoint_manager(
+    local_checkpoint_dir: str,
+    persistent_checkpoint_dir: str,
+    global_mesh: jax.sharding.Mesh,
+    abstract_state: Any,
+    local_save_interval_steps: int,
+    persistent_save_interval_steps: int,
+    orbax_logger: Any = None,
+) -> mtc.CheckpointManager:
+  """Standalone orbax-mtc manager (RAM tier + peers + persistent tier), MaxText's signature.
+
+  The other keys (backup minutes, retention, async, mtc_*) come from the config given to
+  `using_config` (MaxText's `create_checkpoint_manager` does that once installed).
+  """
+  settings = _settings({
+      "enable_emergency_checkpoint": True, "enable_multi_tier_checkpointing": False,
+      "local_checkpoint_directory": str(local_checkpoint_dir),
+      "checkpoint_dir": str(persistent_checkpoint_dir),
+      "local_checkpoint_period": local_save_interval_steps,
+      "checkpoint_period": persistent_save_interval_steps,
+  })
+  return _build(settings, global_mesh, abstract_state, orbax_logger)
+
+
+def create_orbax_emergency_replicator_checkpoint_manager(
+    local_checkpoint_dir: str,
+    save_interval_steps: int,
+    global_mesh: jax.sharding.Mesh,
+    colocated_python_checkpointing: bool = False,
+) -> mtc.CheckpointManager:
+  """Managed orbax-mtc manager (GKE's replicator copies and backs up), MaxText's signature.
+
+  The persistent directory (read when the replicator has nothing) is the config's
+  `checkpoint_dir`.
+  """
+  settings = _settings({
+      "enable_emergency_checkpoint": False, "enable_multi_tier_checkpointing": True,
+      "local_checkpoint_directory": str(local_checkpoint_dir),
+      "local_checkpoint_period": save_interval_steps,
+      "colocated_python_checkpointing": colocated_python_checkpointing,
+  })
+  return _build(settings, global_mesh, None)
+
+
+def create_orbax_checkpoint_manager(
+    checkpoint_dir: str,
+    enable_checkpointing: bool,
+    use_async: bool,
+    save_interval_steps: int,
+    dataset_type: None | str = None,
+    orbax_logger: Any = None,
+    use_ocdbt: bool = True,
+    use_zarr3: bool = True,
+    enable_continuous_checkpointing: bool = False,
+    max_num_checkpoints_to_keep: int = 10,
+    checkpoint_storage_concurrent_gb: int = 96,
+    enable_autocheckpoint: bool = False,
+    todelete_subdir: str | None = None,
+    todelete_full_path: str | None = None,
+) -> mtc.CheckpointManager | None:
+  """A one-tier manager on `checkpoint_dir` (orbax-mtc's parent-style form, which is exactly
+  `ocp.CheckpointManager`), with MaxText's item name and save policies. None when
+  checkpointing is off. The data iterator is not checkpointed here (`dataset_type` is
+  accepted for the signature)."""
+  del dataset_type  # grain iterators are MaxText's own handler; not part of this loop
+  if not enable_checkpointing:
+    logging.info("maxtext_patch: checkpointing disabled, no checkpoint manager.")
+    return None
+  if enable_continuous_checkpointing:
+    save_policy: policies.SaveDecisionPolicy = policies.ContinuousCheckpointingPolicy()
+  elif enable_autocheckpoint:
+    save_policy = policies.AnySavePolicy([policies.PreemptionCheckpointingPolicy(),
+                                          policies.FixedIntervalPolicy(save_interval_steps)])
+  else:
+    save_policy = policies.FixedIntervalPolicy(save_interval_steps)
+  handler = ocp.PyTreeCheckpointHandler(
+      use_ocdbt=use_ocdbt, use_zarr3=use_zarr3, save_concurrent_gb=checkpoint_storage_concurrent_gb,
+      restore_concurrent_gb=checkpoint_storage_concurrent_gb)
+  return mtc.CheckpointManager(
+      checkpoint_dir,
+      options=ocp.CheckpointManagerOptions(
+          create=True, enable_async_checkpointing=use_async, save_decision_policy=save_policy,
+          preservation_policy=(policies.LatestN(max_num_checkpoints_to_keep)
+                               if max_num_checkpoints_to_keep else None),
+          todelete_subdir=todelete_subdir, todelete_full_path=todelete_full_path),
+      item_names=(_ITEMS,), item_handlers={_ITEMS: handler}, logger=orbax_logger)
+
+
+def _abstract_state(init_state_fn: Callable[[], Any]) -> Any:
+  abstract = jax.eval_shape(init_state_fn)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+    if not isinstance(getattr(leaf, "sharding", None), jax.sharding.Sharding):
+      raise ValueError(
+          f"init_state_fn's output {jax.tree_util.keystr(path)} has no sharding: jit it with "
+          "out_shardings (as MaxText does) so that the checkpoint knows where each shard goes.")
+  return abstract
+
+
+def create_checkpoint_manager(config: Any, mesh: jax.sharding.Mesh,
+                              init_state_fn: Callable[[], Any]) -> Any:
+  """MaxText's `train_utils.create_checkpoint_manager`: the manager the config asks for.
+
+  `init_state_fn()` returns the initial training state (jitted with out_shardings); it is only
+  traced (`jax.eval_shape`) here.
+  """
+  mode = mtc_config.enabled_mode(config)
+  get = lambda key: mtc_config.value_of(config, key)  # noqa: E731
+  with using_config(config):
+    if mode == mtc_config.MANAGED:
+      return create_orbax_emergency_replicator_checkpoint_manager(
+          get("local_checkpoint_directory"), get("local_checkpoint_period"), mesh)
+    if mode == mtc_config.STANDALONE:
+      return create_orbax_emergency_checkpoint_manager(
+          get("local_checkpoint_directory"), get("checkpoint_dir"), mesh,
+          _abstract_state(init_state_fn), get("local_checkpoint_period"),
+          get("checkpoint_period"))
+    enabled = mtc_config.as_bool("enable_checkpointing", get("enable_checkpointing"))
+    return create_orbax_checkpoint_manager(
+        get("checkpoint_dir") if enabled else "", enabled,
+        mtc_config.as_bool("async_checkpointing", get("async_checkpointing")),
+        int(get("checkpoint_period")),
+        max_num_checkpoints_to_keep=get("max_num_checkpoints_to_keep"),
+        enable_autocheckpoint=mtc_config.as_bool("enable_autocheckpoint",
+                                                 get("enable_autocheckpoint")))
+
+
+# ------------------------------------------------------------------ small functions
+
+
+def print_save_message(step: int, async_checkpointing: bool) -> None:
+  if async_checkpointing:
+    logging.info("Started an asynchronous checkpoint save for step %d", step)
+  else:
+    logging.info("Saved a checkpoint at step %d.", step)
+
+
+def latest_step(checkpoint_manager: Any) -> int | None:
+  """Newest step this process sees (no collective; restore uses the agreed step instead)."""
+  return checkpoint_manager.latest_step()
+
+
+def wait_until_finished(checkpoint_manager: Any) -> None:
+  """Waits for the RAM write, peer copies and the backup in flight."""
+  return checkpoint_manager.wait_until_finished()
+
+
+def reached_preemption(checkpoint_manager: Any, step: int) -> bool:
+  """Whether `step` is the step every process saves on after a SIGTERM (JAX's sync point)."""
+  return checkpoint_manager.reached_preemption(step)
+
+
+# ------------------------------------------------------------------ restore
+
+
+def load_state_if_possible(
+    checkpoint_manager: Any,
+    data_iterator: Any,
+    load_parameters_from_path: str,
+    load_full_state_from_path: str,
+    checkpoint_storage_concurrent_gb: int,
+    abstract_unboxed_pre_state: Any,
+    enable_single_replica_ckpt_restoring: bool | None = False,
+    dataset_type: str | None = "tfds",
+    step: int = -1,
+    use_ocdbt: bool = True,
+    use_zarr3: bool = True,
+    enable_orbax_v1: bool = False,
+    checkpoint_conversion_fn: Any = None,
+    source_checkpoint_layout: str = "orbax",
+    expansion_factor_real_data: int = -1,
+    maxtext_config: Any | None = None,
+) -> tuple[Any, Any]:
+  """(full state, params) as MaxText returns them; at most one is not None.
+
+  With an orbax-mtc manager: (restored state, None) as for MaxText's emergency managers, the
+  state in the structure of `abstract_unboxed_pre_state`; `step=-1` is the newest step every
+  process can assemble (RAM, a peer's copy, else persistent). Nothing there: the parameter or
+  full-state paths, as MaxText (those need MaxText's loaders, i.e. `install()`).
+  """
+  kwargs = dict(
+      checkpoint_manager=checkpoint_manager, data_iterator=data_iterator,
+      load_parameters_from_path=load_parameters_from_path,
+      load_full_state_from_path=load_full_state_from_path,
+      checkpoint_storage_concurrent_gb=checkpoint_storage_concurrent_gb,
+      abstract_unboxed_pre_state=abstract_unboxed_pre_state,
+      enable_single_replica_ckpt_restoring=enable_single_replica_ckpt_restoring,
+      dataset_type=dataset_type, step=step, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3,
+      enable_orbax_v1=enable_orbax_v1, checkpoint_conversion_fn=checkpoint_conversion_fn,
+      source_checkpoint_layout=source_checkpoint_layout,
+      expansion_factor_real_data=expansion_factor_real_data, maxtext_config=maxtext_config)
+  if checkpoint_manager is not None:
+    if is_multi_tier(checkpoint_manager):
+      restored = checkpoint_manager.restore(
+          None if step is None or step < 0 else step,
+          args=ocp.args.Composite(**{_STATE_ITEM: ocp.args.PyTreeRestore(
+              item=_checkpoint_tree(abstract_unboxed_pre_state))}))
+      if restored is not None:
+        info = checkpoint_manager.last_restore
+        logging.info("maxtext_patch: restored step %s from the %s tier", info.step, info.tier)
+        return _from_checkpoint_tree(restored[_STATE_ITEM], abstract_unboxed_pre_state), None
+    else:
+      found = checkpoint_manager.latest_step() if step is None or step < 0 else step
+      if found is not None:
+        restored = checkpoint_manager.restore(found, args=ocp.args.Composite(**{
+            _ITEMS: ocp.args.PyTreeRestore(item=abstract_unboxed_pre_state)}))
+        return restored, None
+  kwargs["checkpoint_manager"] = None
+  if load_parameters_from_path or load_full_state_from_path:
+    if _fallback_loader is None:
+      raise NotImplementedError(
+          "load_parameters_path / load_full_state_path are read by MaxText's own loaders: run "
+          "under MaxText with maxtext_patch.install().")
+    return _fallback_loader(**kwargs)
+  logging.info("maxtext_patch: no checkpoint to restore; starting from the initial state.")
+  return None, None
+
+
+# ------------------------------------------------------------------ save
+
+
+def save_checkpoint(checkpoint_manager: Any, step: int, state: Any, config: Any = None,
+                    data_iterator: Any = None, force: bool = False) -> bool:
+  """Saves `state` as step `step` (the manager decides which tiers); True when it saved."""
+  del config, data_iterator  # the iterator is not part of an emergency checkpoint (as MaxText)
+  if is_multi_tier(checkpoint_manager):
+    args = ocp.args.Composite(**{_STATE_ITEM: ocp.args.PyTreeSave(_checkpoint_tree(state))})
+  else:
+    args = ocp.args.Composite(**{_ITEMS: ocp.args.PyTreeSave(state)})
+  return bool(checkpoint_manager.save(step, args=args, force=force))
+
+
+def _due(checkpoint_manager: Any, step: int, config: Any, force: bool) -> bool:
+  """MaxText's rule: forced, or on the persistent or the RAM period, or the preemption step
+  with enable_autocheckpoint."""
+  if force:
+    return True
+  get = lambda key: mtc_config.value_of(config, key)  # noqa: E731
+  if step == 0 and not mtc_config.as_bool("save_checkpoint_on_start",
+                                        get("save_checkpoint_on_start")):
+    return False
+  if step % int(get("checkpoint_period")) == 0:
+    return True
+  if mtc_config.enabled_mode(config) is not None:
+    local_period = int(get("local_checkpoint_period"))
+    if local_period > 0 and step % local_period == 0:
+      return True
+  return mtc_config.as_bool("enable_autocheckpoint",
+                          get("enable_autocheckpoint")) and \
+      reached_preemption(checkpoint_manager, step)
+
+
+def _after_save(checkpoint_manager: Any, step: int, force: bool) -> None:
+  """Waits for a forced or on-demand save; ends training at the preemption step."""
+  preempted = reached_preemption(checkpoint_manager, step)
+  if force or preempted:
+    wait_until_finished(checkpoint_manager)
+  if preempted:
+    raise _stop("Job received termination signal (SIGTERM).")
+
+
+def maybe_save_checkpoint(checkpoint_manager: Any, state: Any, config: Any, data_iterator: Any,
+                          step: int | None = None) -> None:
+  """Called after every training step (and once more at the end with step=None).
+
+  Saves when MaxText would (checkpoint_period, local_checkpoint_period, the agreed preemption
+  step with enable_autocheckpoint, or the final step), and raises `StopTraining` after the
+  preemption step once its save is durable.
+  """
+  if checkpoint_manager is None:
+    return
+  actual_step = int(step) if step is not None else _state_step(state) - 1
+  period = int(mtc_config.value_of(config, "checkpoint_period"))
+  force = step is None and actual_step != -1 and actual_step % period != 0
+  if _due(checkpoint_manager, actual_step, config, force):
+    if actual_step in checkpoint_manager.all_steps():
+      logging.info("maxtext_patch: step %d is already saved; not saving it again.", actual_step)
+    else:
+      started = time.perf_counter()
+      try:
+        saved = save_checkpoint(checkpoint_manager, actual_step, state, config, data_iterator,
+                                force)
+      except Exception as e:  # noqa: BLE001 - MaxText stops training on any save failure
+        raise _stop(f"Checkpointing failed. {e}") from e
+      if saved:
+        print_save_message(actual_step, mtc_config.as_bool(
+            "async_checkpointing", mtc_config.value_of(config, "async_checkpointing")))
+        logging.debug("maxtext_patch: save of step %d blocked %.3fs", actual_step,
+                      time.perf_counter() - started)
+  # Every process asks at every step (the sync point counts the asks), saved or not.
+  _after_save(checkpoint_manager, actual_step, force)

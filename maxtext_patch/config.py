@@ -1,0 +1,367 @@
+"""MaxText config keys -> orbax-mtc settings and options: reading and validation, no I/O.
+
+MaxText's own keys keep their meaning (names and defaults as in MaxText's `configs/base.yml`):
+
+  enable_emergency_checkpoint=true      standalone mode: RAM tier + peers + persistent tier
+  enable_multi_tier_checkpointing=true  managed mode: GKE's replicator (replicator.yaml)
+  local_checkpoint_directory            this host's RAM disk (`{process_index}` is replaced)
+  local_checkpoint_period               RAM-tier save interval in steps (> 0)
+  checkpoint_dir                        persistent tier (MaxText derives it from
+                                        base_output_directory and run_name)
+  checkpoint_period                     standalone: persistent backup every N steps ...
+  multi_tier_checkpointing_backup_interval_minutes|steps   ... or this schedule instead
+  mtc_data_parallelism                  managed: replicator's assume-data-parallelism (0: auto)
+  enable_autocheckpoint                 save the step all processes agree on after SIGTERM
+  async_checkpointing                   background RAM writes and backups
+  max_num_checkpoints_to_keep           persistent steps kept (None: all)
+
+MaxText's config rejects keys it does not know, so ours (`NEW_KEYS`) travel beside it:
+`python -m maxtext_patch.train` takes them out of the command line, `install(**keys)` takes
+them as arguments, and the example loop's config holds them directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+STANDALONE = "standalone"
+MANAGED = "managed"
+
+# MaxText's keys read here, with MaxText's defaults.
+MAXTEXT_DEFAULTS: dict[str, Any] = {
+    "enable_checkpointing": True,
+    "enable_emergency_checkpoint": False,
+    "enable_multi_tier_checkpointing": False,
+    "local_checkpoint_directory": "",
+    "local_checkpoint_period": 0,
+    "checkpoint_dir": "",
+    "checkpoint_period": 10_000,
+    "multi_tier_checkpointing_backup_interval_minutes": None,
+    "multi_tier_checkpointing_backup_interval_steps": None,
+    "mtc_data_parallelism": 0,
+    "enable_autocheckpoint": False,
+    "async_checkpointing": True,
+    "max_num_checkpoints_to_keep": None,
+    "save_checkpoint_on_start": True,
+    "run_name": "",
+    "enable_single_controller": False,
+    "colocated_python_checkpointing": False,
+}
+
+# Keys orbax-mtc adds, with their defaults and one line each (docs/maxtext.md lists them).
+NEW_KEYS: dict[str, Any] = {
+    "mtc_peers_per_node": None,
+    "mtc_replica_axis": "data",
+    "mtc_local_max_to_keep": 1,
+    "mtc_job_name": None,
+    "mtc_ondemand_grace_seconds": 270.0,
+}
+NEW_KEY_HELP: dict[str, str] = {
+    "mtc_peers_per_node": "other hosts holding a copy of each host's RAM step (default 1; 0: off)",
+    "mtc_replica_axis": "mesh axis along which the model is replicated (default: data)",
+    "mtc_local_max_to_keep": "RAM steps kept per host (default 1)",
+    "mtc_job_name": "first part of the <job>-s<step>-n<rank>-w<worker>.restore links "
+                    "(default: run_name)",
+    "mtc_ondemand_grace_seconds": "budget from SIGTERM to a durable on-demand step (default 270)",
+}
+
+PROCESS_INDEX_FIELD = "{process_index}"
+_TRUE, _FALSE, _NONE = ("true", "1", "yes"), ("false", "0", "no"), ("none", "null", "")
+
+
+class MaxTextConfigError(ValueError):
+  """A MaxText or orbax-mtc config key has a value orbax-mtc cannot use."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MtcSettings:
+  """What the MaxText keys ask of orbax-mtc, validated."""
+
+  mode: str  # STANDALONE or MANAGED
+  local_directory: str  # may hold {process_index}; see `local_directory_for`
+  persistent_directory: str
+  local_interval: int
+  persistent_interval_steps: int | None
+  backup_interval_minutes: float | None
+  persistent_max_to_keep: int | None
+  local_max_to_keep: int
+  peers_per_node: int | None
+  replica_axis: str
+  job_name: str
+  data_parallelism: int | None
+  enable_async: bool
+  autocheckpoint: bool
+  save_on_start: bool
+  checkpoint_period: int
+  ondemand_grace_seconds: float
+
+
+def value_of(config: Any, key: str) -> Any:
+  """`config.key` (MaxText's HyperParameters), `config[key]` (dicts), else MaxText's default."""
+  if isinstance(config, Mapping):
+    return config.get(key, MAXTEXT_DEFAULTS.get(key, NEW_KEYS.get(key)))
+  try:
+    return getattr(config, key)
+  except (AttributeError, KeyError):
+    return MAXTEXT_DEFAULTS.get(key, NEW_KEYS.get(key))
+
+
+def as_bool(key: str, value: Any) -> bool:
+  if isinstance(value, bool):
+    return value
+  if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+    return value.strip().lower() in _TRUE
+  raise MaxTextConfigError(f"{key} must be true or false, got {value!r}.")
+
+
+def _int(key: str, value: Any, *, minimum: int, optional: bool = False) -> int | None:
+  if optional and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
+    return None
+  if isinstance(value, str):
+    try:
+      value = int(value.strip().replace("_", ""))
+    except ValueError:
+      pass
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    also = " or None" if optional else ""
+    raise MaxTextConfigError(f"{key} must be an integer >= {minimum}{also}, got {value!r}.")
+  return value
+
+
+def _number(key: str, value: Any, *, positive: bool, optional: bool = False) -> float | None:
+  if optional and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
+    return None
+  if isinstance(value, str):
+    try:
+      value = float(value)
+    except ValueError:
+      pass
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+  if not ok or (value <= 0 if positive else value < 0):
+    bound = "> 0" if positive else ">= 0"
+    raise MaxTextConfigError(f"{key} must be a finite number {bound}, got {value!r}.")
+  return float(value)
+
+
+def _text(key: str, value: Any) -> str:
+  if value is None:
+    return ""
+  if not isinstance(value, str):
+    raise MaxTextConfigError(f"{key} must be a string, got {value!r}.")
+  return value.strip()
+
+
+def check_new_keys(keys: Mapping[str, Any]) -> dict[str, Any]:
+  """The orbax-mtc keys given outside MaxText's config; unknown names are errors."""
+  unknown = [k for k in keys if k not in NEW_KEYS]
+  if unknown:
+    hints = []
+    for key in unknown:
+      close = difflib.get_close_matches(key, list(NEW_KEYS), n=1)
+      hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise MaxTextConfigError(
+        f"Unknown orbax-mtc key(s) {', '.join(hints)}; the keys are {', '.join(NEW_KEYS)}.")
+  return dict(keys)
+
+
+def split_argv(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+  """MaxText's command line -> (what MaxText gets, orbax-mtc's own `key=value` pairs).
+
+  Our keys are taken out (MaxText would reject them); a key that looks like a misspelt one of
+  ours is an error here rather than MaxText's longer one.
+  """
+  rest: list[str] = []
+  ours: dict[str, str] = {}
+  for arg in argv:
+    key, sep, value = arg.partition("=")
+    key = key.strip()
+    if sep and key in NEW_KEYS:
+      ours[key] = value
+      continue
+    if sep and key.startswith("mtc_") and key not in MAXTEXT_DEFAULTS:
+      close = difflib.get_close_matches(key, list(NEW_KEYS), n=1, cutoff=0.8)
+      if close:
+        raise MaxTextConfigError(f"Unknown key {key!r}: did you mean {close[0]!r}?")
+    rest.append(arg)
+  return rest, ours
+
+
+def enabled_mode(config: Any) -> str | None:
+  """STANDALONE, MANAGED or None (neither flag is set); both set is an error."""
+  emergency = as_bool("enable_emergency_checkpoint",
+                      value_of(config, "enable_emergency_checkpoint"))
+  managed = as_bool("enable_multi_tier_checkpointing",
+                  value_of(config, "enable_multi_tier_checkpointing"))
+  if emergency and managed:
+    raise MaxTextConfigError(
+        "enable_emergency_checkpoint and enable_multi_tier_checkpointing are both true: choose "
+        "one. enable_emergency_checkpoint=true runs orbax-mtc standalone (it copies to peers "
+        "and backs up itself); enable_multi_tier_checkpointing=true hands both to GKE's "
+        "multi-tier checkpointing replicator.")
+  if managed:
+    return MANAGED
+  return STANDALONE if emergency else None
+
+
+def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
+                  overrides: Mapping[str, Any] | None = None) -> MtcSettings | None:
+  """Validated settings from a MaxText config (object or dict); None when neither
+  enable_emergency_checkpoint nor enable_multi_tier_checkpointing is set.
+
+  extra: orbax-mtc keys given outside the config (they win over the config's).
+  overrides: MaxText keys whose values the caller already has (a factory's arguments).
+  """
+  extra = check_new_keys(extra or {})
+  overrides = dict(overrides or {})
+
+  def get(key: str) -> Any:
+    if key in overrides:
+      return overrides[key]
+    if key in extra:
+      return extra[key]
+    return value_of(config, key)
+
+  mode = enabled_mode({k: get(k) for k in ("enable_emergency_checkpoint",
+                                           "enable_multi_tier_checkpointing")})
+  if mode is None:
+    return None
+  flag = "enable_emergency_checkpoint" if mode == STANDALONE else \
+      "enable_multi_tier_checkpointing"
+  if as_bool("enable_single_controller", get("enable_single_controller")) or \
+      as_bool("colocated_python_checkpointing", get("colocated_python_checkpointing")):
+    raise MaxTextConfigError(
+        f"{flag}=true with orbax-mtc needs one JAX process per host (multi-controller); "
+        "Pathways (enable_single_controller / colocated_python_checkpointing) is not "
+        "supported. Turn those off or use MaxText's own checkpointing.")
+
+  local_directory = _text("local_checkpoint_directory", get("local_checkpoint_directory"))
+  if not local_directory:
+    raise MaxTextConfigError(
+        f"{flag}=true needs local_checkpoint_directory: this host's RAM disk, e.g. "
+        "local_checkpoint_directory=/local (a tmpfs or GKE's multi-tier checkpointing volume).")
+  if mode == MANAGED and PROCESS_INDEX_FIELD in local_directory:
+    raise MaxTextConfigError(
+        f"local_checkpoint_directory={local_directory!r}: {PROCESS_INDEX_FIELD} cannot be used "
+        "with enable_multi_tier_checkpointing (the replicator handshake runs before process "
+        "indices are known); GKE mounts one volume per host, so name it as mounted.")
+  local_interval = _int("local_checkpoint_period", get("local_checkpoint_period"), minimum=0)
+  if local_interval == 0:
+    raise MaxTextConfigError(
+        f"{flag}=true needs local_checkpoint_period > 0: how often, in steps, each host saves "
+        "to its RAM disk (e.g. local_checkpoint_period=20).")
+
+  minutes = _number("multi_tier_checkpointing_backup_interval_minutes",
+                    get("multi_tier_checkpointing_backup_interval_minutes"), positive=True,
+                    optional=True)
+  backup_steps = _int("multi_tier_checkpointing_backup_interval_steps",
+                      get("multi_tier_checkpointing_backup_interval_steps"), minimum=1,
+                      optional=True)
+  if minutes is not None and backup_steps is not None:
+    raise MaxTextConfigError(
+        "Set one of multi_tier_checkpointing_backup_interval_minutes and "
+        "multi_tier_checkpointing_backup_interval_steps, not both (got "
+        f"{minutes:g} minutes and {backup_steps} steps).")
+  if mode == MANAGED and backup_steps is not None and backup_steps < local_interval:
+    raise MaxTextConfigError(
+        f"multi_tier_checkpointing_backup_interval_steps ({backup_steps}) is shorter than "
+        f"local_checkpoint_period ({local_interval}): backups are taken from RAM steps, so "
+        "back up at most as often as the RAM tier saves.")
+  checkpoint_period = _int("checkpoint_period", get("checkpoint_period"), minimum=1)
+  if mode == MANAGED and minutes is None and backup_steps is None:
+    minutes = 30.0  # GKE's and Orbax's default
+
+  persistent_directory = _text("checkpoint_dir", get("checkpoint_dir"))
+  if not persistent_directory:
+    raise MaxTextConfigError(
+        f"{flag}=true needs a persistent directory: set base_output_directory and run_name "
+        "(MaxText puts checkpoints under <base_output_directory>/<run_name>/checkpoints), or "
+        "checkpoint_dir.")
+  if persistent_directory.rstrip("/") == local_directory.rstrip("/"):
+    raise MaxTextConfigError(
+        f"local_checkpoint_directory and the persistent checkpoint_dir are the same folder "
+        f"({local_directory!r}): the RAM tier needs a folder of its own.")
+
+  data_parallelism = _int("mtc_data_parallelism", get("mtc_data_parallelism"), minimum=0)
+  peers = _int("mtc_peers_per_node", get("mtc_peers_per_node"), minimum=0, optional=True)
+  replica_axis = _text("mtc_replica_axis", get("mtc_replica_axis"))
+  if not replica_axis.isidentifier():
+    raise MaxTextConfigError(
+        f"mtc_replica_axis must name a mesh axis (e.g. data), got {replica_axis!r}.")
+  job_name = _text("mtc_job_name", get("mtc_job_name")) or \
+      _text("run_name", get("run_name")) or "maxtext"
+  if "/" in job_name:
+    raise MaxTextConfigError(
+        f"The job name {job_name!r} (mtc_job_name, else run_name) names .restore links in "
+        "the local directory and cannot contain '/'; set mtc_job_name.")
+  return MtcSettings(
+      mode=mode, local_directory=local_directory, persistent_directory=persistent_directory,
+      local_interval=local_interval,
+      persistent_interval_steps=None if minutes is not None else (
+          backup_steps if backup_steps is not None else checkpoint_period),
+      backup_interval_minutes=minutes,
+      persistent_max_to_keep=_int("max_num_checkpoints_to_keep",
+                                  get("max_num_checkpoints_to_keep"), minimum=1, optional=True),
+      local_max_to_keep=_int("mtc_local_max_to_keep", get("mtc_local_max_to_keep"), minimum=1),
+      peers_per_node=peers, replica_axis=replica_axis, job_name=job_name,
+      data_parallelism=data_parallelism or None,
+      enable_async=as_bool("async_checkpointing", get("async_checkpointing")),
+      autocheckpoint=as_bool("enable_autocheckpoint", get("enable_autocheckpoint")),
+      save_on_start=as_bool("save_checkpoint_on_start", get("save_checkpoint_on_start")),
+      checkpoint_period=checkpoint_period,
+      ondemand_grace_seconds=_number("mtc_ondemand_grace_seconds",
+                                     get("mtc_ondemand_grace_seconds"), positive=False),
+  )
+
+
+def local_directory_for(template: str, process_index: int, platform: str) -> str:
+  """This process's RAM-tier folder: `{process_index}` filled in; on GPU without the field,
+  `<dir>/<process_index>` (MaxText's layout there: several processes share a host)."""
+  if PROCESS_INDEX_FIELD in template:
+    return template.replace(PROCESS_INDEX_FIELD, str(process_index))
+  if platform == "gpu":
+    return f"{template.rstrip('/')}/{process_index}"
+  return template
+
+
+def check_mesh(settings: MtcSettings, axis_names: Sequence[str]) -> None:
+  """mtc_replica_axis must be an axis of the mesh the job trains on."""
+  names = tuple(axis_names)
+  if settings.replica_axis not in names:
+    raise MaxTextConfigError(
+        f"mtc_replica_axis={settings.replica_axis!r} is not an axis of the mesh (axes: "
+        f"{', '.join(names)}). Name the data-parallel axis, e.g. mtc_replica_axis={names[0]}; "
+        "an FSDP-only job may name any axis of size 1.")
+
+
+def manager_options(settings: MtcSettings) -> Any:
+  """The `orbax_mtc.CheckpointManagerOptions` the settings ask for."""
+  import orbax_mtc as mtc
+
+  persistent = mtc.PersistentCheckpointOptions(
+      save_interval_steps=settings.persistent_interval_steps,
+      backup_interval_minutes=settings.backup_interval_minutes,
+      max_to_keep=settings.persistent_max_to_keep)
+  kwargs: dict[str, Any] = dict(
+      local=mtc.LocalCheckpointOptions(save_interval_steps=settings.local_interval,
+                                       max_to_keep=settings.local_max_to_keep),
+      persistent=persistent,
+      replication=mtc.ReplicationOptions(replica_axis=settings.replica_axis,
+                                         peers_per_node=settings.peers_per_node),
+      job_name=settings.job_name,
+      enable_async_checkpointing=settings.enable_async,
+      ondemand_grace_seconds=settings.ondemand_grace_seconds,
+  )
+  if settings.mode == MANAGED:
+    managed_options = getattr(mtc, "ManagedOptions", None)
+    if managed_options is None:
+      raise MaxTextConfigError(
+          "enable_multi_tier_checkpointing=true needs orbax-mtc's managed mode "
+          "(orbax_mtc.ManagedOptions), which this orbax-mtc does not have; upgrade it, or use "
+          "enable_emergency_checkpoint=true (standalone).")
+    kwargs.update(mode=MANAGED, managed=managed_options(
+        peers_per_node=settings.peers_per_node, data_parallelism=settings.data_parallelism))
+  return mtc.CheckpointManagerOptions(**kwargs)

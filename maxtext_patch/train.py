@@ -1,0 +1,44 @@
+"""`python -m maxtext_patch.train <MaxText train args>`: MaxText's own training entry point
+(`maxtext.trainers.pre_train.train`) with its checkpointing on orbax-mtc.
+
+The arguments are MaxText's (a config file, then `key=value` overrides) plus orbax-mtc's own
+`mtc_*` keys (`maxtext_patch.config.NEW_KEYS`), which are taken out before MaxText parses the
+rest (its config rejects keys it does not know). Example, on every host:
+
+  python -m maxtext_patch.train src/maxtext/configs/base.yml run_name=run1 \\
+      base_output_directory=gs://bucket/out enable_emergency_checkpoint=true \\
+      local_checkpoint_directory=/local local_checkpoint_period=20 checkpoint_period=1000 \\
+      enable_autocheckpoint=true mtc_peers_per_node=1
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from collections.abc import Sequence
+
+import maxtext_patch
+from maxtext_patch import config as mtc_config
+
+MAXTEXT_TRAIN_MODULE = "maxtext.trainers.pre_train.train"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = list(sys.argv[1:] if argv is None else argv)
+  try:
+    maxtext_args, ours = mtc_config.split_argv(args)
+    version = maxtext_patch.install(**ours)
+  except (maxtext_patch.MaxTextNotAvailableError, maxtext_patch.UnsupportedMaxTextError,
+          mtc_config.MaxTextConfigError) as e:
+    print(f"maxtext_patch.train: {e}", file=sys.stderr)
+    return 2
+  print(f"maxtext_patch.train: MaxText {version or '(version unknown)'} checkpointing on "
+        f"orbax-mtc; running {MAXTEXT_TRAIN_MODULE}", file=sys.stderr, flush=True)
+  # As `python -m maxtext.trainers.pre_train.train ...`: MaxText's absl main reads sys.argv.
+  sys.argv = [MAXTEXT_TRAIN_MODULE, *maxtext_args]
+  runpy.run_module(MAXTEXT_TRAIN_MODULE, run_name="__main__", alter_sys=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
