@@ -157,7 +157,7 @@ def _initialize_multi_tier_checkpointing(
       local_checkpoint_directory, backup_interval_minutes=backup_interval_minutes,
       backup_interval_steps=backup_interval_steps, num_slices=num_slices, run_name=run_name,
       data_parallelism=data_parallelism,
-      peers_per_node=None if peers in (None, "", "None", "none") else int(peers),
+      peers_per_node=peers,
       jax_initialization_timeout_seconds=jax_initialization_timeout_seconds,
       use_mtc_process_ids=use_mtc_process_ids)
 

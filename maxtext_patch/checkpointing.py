@@ -131,6 +131,16 @@ def _from_checkpoint_tree(nested: Mapping[str, Any], like: Any) -> Any:
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def _as_pytree(state: Any) -> Any:
+  """An NNX train state (a Module, MaxText's `TrainStateNNX`) as its `nnx.State`; other
+  states as they are."""
+  try:
+    from flax import nnx
+  except ImportError:
+    return state
+  return nnx.state(state) if isinstance(state, nnx.Module) else state
+
+
 def _state_step(state: Any) -> int:
   """`state.step` of a Linen TrainState, a dict or an NNX optimizer state."""
   for get in (lambda s: s.step, lambda s: s["step"], lambda s: s.optimizer.step):
@@ -402,7 +412,8 @@ def save_checkpoint(checkpoint_manager: Any, step: int, state: Any, config: Any 
   """Saves `state` as step `step` (the manager decides which tiers); True when it saved."""
   del config, data_iterator  # the iterator is not part of an emergency checkpoint (as MaxText)
   if is_multi_tier(checkpoint_manager):
-    args = ocp.args.Composite(**{_STATE_ITEM: ocp.args.PyTreeSave(_checkpoint_tree(state))})
+    tree = _checkpoint_tree(_as_pytree(state))
+    args = ocp.args.Composite(**{_STATE_ITEM: ocp.args.PyTreeSave(tree)})
   else:
     args = ocp.args.Composite(**{_ITEMS: ocp.args.PyTreeSave(state)})
   return bool(checkpoint_manager.save(step, args=args, force=force))

@@ -155,8 +155,26 @@ def _text(key: str, value: Any) -> str:
   return value.strip()
 
 
+def _new_key_value(key: str, value: Any) -> Any:
+  """One orbax-mtc key's value, typed and checked (strings from a command line accepted)."""
+  if key == "mtc_peers_per_node":
+    return _int(key, value, minimum=0, optional=True)
+  if key == "mtc_local_max_to_keep":
+    return _int(key, value, minimum=1)
+  if key == "mtc_ondemand_grace_seconds":
+    return _number(key, value, positive=False)
+  text = _text(key, value)
+  if key == "mtc_replica_axis" and not text.isidentifier():
+    raise MaxTextConfigError(f"{key} must name a mesh axis (e.g. data), got {value!r}.")
+  if key == "mtc_job_name" and "/" in text:
+    raise MaxTextConfigError(
+        f"{key}={text!r} names .restore links in the local directory and cannot contain '/'.")
+  return text or None
+
+
 def check_new_keys(keys: Mapping[str, Any]) -> dict[str, Any]:
-  """The orbax-mtc keys given outside MaxText's config; unknown names are errors."""
+  """The orbax-mtc keys given outside MaxText's config, typed; unknown names and bad values
+  are errors."""
   unknown = [k for k in keys if k not in NEW_KEYS]
   if unknown:
     hints = []
@@ -165,7 +183,7 @@ def check_new_keys(keys: Mapping[str, Any]) -> dict[str, Any]:
       hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     raise MaxTextConfigError(
         f"Unknown orbax-mtc key(s) {', '.join(hints)}; the keys are {', '.join(NEW_KEYS)}.")
-  return dict(keys)
+  return {key: _new_key_value(key, value) for key, value in keys.items()}
 
 
 def split_argv(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
@@ -286,12 +304,9 @@ def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
         f"({local_directory!r}): the RAM tier needs a folder of its own.")
 
   data_parallelism = _int("mtc_data_parallelism", get("mtc_data_parallelism"), minimum=0)
-  peers = _int("mtc_peers_per_node", get("mtc_peers_per_node"), minimum=0, optional=True)
-  replica_axis = _text("mtc_replica_axis", get("mtc_replica_axis"))
-  if not replica_axis.isidentifier():
-    raise MaxTextConfigError(
-        f"mtc_replica_axis must name a mesh axis (e.g. data), got {replica_axis!r}.")
-  job_name = _text("mtc_job_name", get("mtc_job_name")) or \
+  peers = _new_key_value("mtc_peers_per_node", get("mtc_peers_per_node"))
+  replica_axis = _new_key_value("mtc_replica_axis", get("mtc_replica_axis")) or "data"
+  job_name = _new_key_value("mtc_job_name", get("mtc_job_name")) or \
       _text("run_name", get("run_name")) or "maxtext"
   if "/" in job_name:
     raise MaxTextConfigError(
@@ -305,15 +320,15 @@ def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
       backup_interval_minutes=minutes,
       persistent_max_to_keep=_int("max_num_checkpoints_to_keep",
                                   get("max_num_checkpoints_to_keep"), minimum=1, optional=True),
-      local_max_to_keep=_int("mtc_local_max_to_keep", get("mtc_local_max_to_keep"), minimum=1),
+      local_max_to_keep=_new_key_value("mtc_local_max_to_keep", get("mtc_local_max_to_keep")),
       peers_per_node=peers, replica_axis=replica_axis, job_name=job_name,
       data_parallelism=data_parallelism or None,
       enable_async=as_bool("async_checkpointing", get("async_checkpointing")),
       autocheckpoint=as_bool("enable_autocheckpoint", get("enable_autocheckpoint")),
       save_on_start=as_bool("save_checkpoint_on_start", get("save_checkpoint_on_start")),
       checkpoint_period=checkpoint_period,
-      ondemand_grace_seconds=_number("mtc_ondemand_grace_seconds",
-                                     get("mtc_ondemand_grace_seconds"), positive=False),
+      ondemand_grace_seconds=_new_key_value("mtc_ondemand_grace_seconds",
+                                            get("mtc_ondemand_grace_seconds")),
   )
 
 

@@ -265,6 +265,9 @@ def test_install_rebinds_maxtext_to_orbax_mtc(fake_maxtext, mesh, shm_dir, tmp_p
   import orbax_mtc as mtc
 
   fake_maxtext("0.2.4")
+  with pytest.raises(mtc_config.MaxTextConfigError, match="mtc_peers_per_node must be"):
+    maxtext_patch.install(mtc_peers_per_node="two")  # checked before MaxText is touched
+  assert maxtext_patch.installed_version() is None
   assert maxtext_patch.install(mtc_peers_per_node=0, mtc_local_max_to_keep=3) == "0.2.4"
   ckpt = importlib.import_module("maxtext.common.checkpointing")
   train_utils = importlib.import_module("maxtext.utils.train_utils")
