@@ -62,22 +62,29 @@ def _slice_count() -> int:
 
 
 def initialize_multi_tier_checkpointing(
-    local_directory: str | os.PathLike[str], *, backup_interval_minutes: float | None = None,
-    backup_interval_steps: int | None = None, num_slices: int | None = None,
-    run_name: str | None = None, data_parallelism: int | None = None,
-    peers_per_node: int | None = None, jax_initialization_timeout_seconds: int = 900,
-    use_mtc_process_ids: bool = True, handshake_timeout_seconds: float = 300.0,
+    local_checkpoint_directory: str | os.PathLike[str], *,
+    backup_interval_minutes: float | None = None, backup_interval_steps: int | None = None,
+    num_slices: int | None = None, run_name: str | None = None,
+    data_parallelism: int | None = None, jax_initialization_timeout_seconds: int = 900,
+    jax_shutdown_timeout_seconds: int = 300, use_mtc_process_ids: bool = True,
+    use_colocated_python: bool = False, devices: object = None,
+    peers_per_node: int | None = None, handshake_timeout_seconds: float = 300.0,
     poll_seconds: float = 0.1) -> int | None:
   """Joins `jax.distributed` and makes the replicator handshake; returns the step the
   replicator's restore entry names for this process (None: nothing to restore).
 
-  Same arguments and defaults as Orbax's function of this name (backup every 30 minutes when
-  no interval is given; the run name from JOBSET_NAME), plus `peers_per_node`. With
-  `use_mtc_process_ids` the process id and coordinator come from `<local>/jax-init-info.txt`
-  (waited for); an already initialised `jax.distributed` is kept. Build the manager with
-  `CheckpointManagerOptions(mode="managed")` afterwards: it restores that step.
+  Orbax's function of this name, same arguments and defaults (backup every 30 minutes when no
+  interval is given; the run name from JOBSET_NAME), plus `peers_per_node`,
+  `handshake_timeout_seconds` and `poll_seconds`. With `use_mtc_process_ids` the process id
+  and coordinator come from `<local>/jax-init-info.txt` (waited for); an already initialised
+  `jax.distributed` is kept. Colocated Python (Pathways) is not supported. Build the manager
+  with `CheckpointManagerOptions(mode="managed")` afterwards: it restores that step.
   """
-  local_directory = Path(local_directory)
+  if use_colocated_python or devices is not None:
+    raise ValueError("initialize_multi_tier_checkpointing: colocated Python (Pathways) is not "
+                     "supported by orbax-mtc; run one JAX process per host "
+                     "(use_colocated_python=False, devices=None).")
+  local_directory = Path(local_checkpoint_directory)
   if backup_interval_minutes is None and backup_interval_steps is None:
     backup_interval_minutes = 30
   run_name = run_name or os.environ.get("JOBSET_NAME")
@@ -94,7 +101,8 @@ def initialize_multi_tier_checkpointing(
                    coordinator, process_id, replicator.JAX_INIT_INFO_FILE)
       distributed._jax_initialize(  # noqa: SLF001
           coordinator, num_processes=num_processes, process_id=process_id,
-          initialization_timeout=jax_initialization_timeout_seconds)
+          initialization_timeout=jax_initialization_timeout_seconds,
+          shutdown_timeout_seconds=jax_shutdown_timeout_seconds)
     else:
       distributed.initialize(timeout_s=jax_initialization_timeout_seconds)
   nodes, node_rank = jax.process_count(), jax.process_index()

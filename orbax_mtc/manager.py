@@ -88,6 +88,20 @@ def _persistent_view_when_nested(method):
   return wrapper
 
 
+def _plain_path(key_path: Any) -> str:
+  """A leaf's path with every key as Orbax stores it (attribute and dict keys alike: a
+  dataclass or namedtuple is saved as a dict of its fields)."""
+  parts = []
+  for key in key_path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(key, attr):
+        parts.append(f"[{getattr(key, attr)!r}]")
+        break
+    else:
+      parts.append(str(key))
+  return "".join(parts)
+
+
 def _check_ram_savable(args: Any) -> None:
   """TypeError unless the RAM tier holds these save args exactly as the parent would save
   them (no per-leaf save options such as a dtype cast)."""
@@ -680,6 +694,14 @@ class CheckpointManager(ocp.CheckpointManager):
       return True
     if not (local_due or persistent_due):
       return False
+    if persistent_due and step in self._local_steps():
+      # Already committed in RAM, not yet persistent (e.g. the final step, forced): back up
+      # that RAM copy; `args` only describe it.
+      trees, jsons, _ = self._split_save_args(args)
+      self._schedule_backup(step, args, trees, jsons, metrics, custom_metadata, time.time())
+      if not self._mtc_options.enable_async_checkpointing:
+        self._flush_backup()
+      return True
     if local_due and step in self.all_steps():
       # As Orbax: a step is never silently replaced (the tiers would then disagree on it).
       raise ocp.checkpoint_manager.StepAlreadyExistsError(
@@ -1384,10 +1406,10 @@ class CheckpointManager(ocp.CheckpointManager):
     with ocp.PyTreeCheckpointer() as checkpointer:
       saved = checkpointer.metadata(item_dir)
     saved_tree = getattr(getattr(saved, "item_metadata", None), "tree", saved)
-    saved_leaves = {jax.tree_util.keystr(p): leaf
+    saved_leaves = {_plain_path(p): leaf
                     for p, leaf in jax.tree_util.tree_flatten_with_path(saved_tree)[0]}
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
-      path = jax.tree_util.keystr(key_path)
+      path = _plain_path(key_path)
       meta = saved_leaves.get(path)
       if meta is None:
         raise local_tier.AbstractStateMismatchError(

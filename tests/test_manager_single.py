@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import errno
 import os
 import shutil
@@ -627,3 +629,57 @@ def test_restore_of_an_older_step_keeps_newer_steps(open_manager, dirs, mesh):
   assert mgr.latest_step() == 8
   assert_trees_equal(mgr.restore(None).state, states[8])
   assert mgr.last_restore.tier == "local"
+
+
+@dataclasses.dataclass
+class _TrainState:
+  """A flax-TrainState-like pytree: attribute keys, and a namedtuple inside."""
+
+  step: jax.Array
+  params: dict
+  opt_state: tuple
+
+
+jax.tree_util.register_dataclass(_TrainState, data_fields=["step", "params", "opt_state"],
+                                 meta_fields=[])
+_Moments = collections.namedtuple("_Moments", ["mu", "nu"])
+
+
+def test_dataclass_and_namedtuple_state_restores_from_the_persistent_tier(open_manager, dirs,
+                                                                           mesh):
+  base = make_state(mesh, 3)
+  w = base["params"]["w"]
+  state = _TrainState(step=jax.numpy.asarray(3, dtype=jax.numpy.int32),
+                      params={"w": w}, opt_state=(_Moments(mu=w + 1, nu=w * 2),))
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                         sharding=x.sharding), state)
+  mgr = open_manager(abstract=abstract)
+  mgr.save(0, args=_composite(state), force=True)
+  mgr.wait_until_finished()
+  mgr.close()
+  shutil.rmtree(dirs[0])  # only the persistent tier has it now
+  again = open_manager(abstract=abstract)
+  restored = again.restore(None, args=ocp.args.Composite(
+      state=ocp.args.PyTreeRestore(item=abstract)))
+  assert again.last_restore.tier == "persistent"
+  assert isinstance(restored.state, _TrainState)
+  assert_trees_equal(restored.state, state)
+
+
+def test_forcing_a_step_already_in_ram_backs_that_copy_up(open_manager, dirs, mesh):
+  """The final step is often on the RAM schedule only: save(step, force=True) then takes it
+  to the persistent tier from RAM (Orbax would refuse a step that exists)."""
+  mgr = open_manager(options=_options(persistent_every=1000))
+  states, _ = _save_range(mgr, mesh, range(1, 7))
+  # The first step is backed up (as Orbax saves the first step it sees); 6 is in RAM only.
+  assert _persistent_steps(dirs[1]) == [1] and 6 in mgr.all_steps()
+  assert mgr.save(6, args=_composite(states[6]), force=True)
+  mgr.wait_until_finished()
+  assert _persistent_steps(dirs[1]) == [1, 6]
+  assert mgr.last_backup.step == 6 and mgr.last_backup.state == "done"
+  mgr.close()
+  shutil.rmtree(dirs[0])
+  again = open_manager(options=_options(persistent_every=1000))
+  restored = again.restore(None)
+  assert (again.last_restore.step, again.last_restore.tier) == (6, "persistent")
+  assert_trees_equal(restored.state, states[6])

@@ -175,3 +175,18 @@ def test_handshake_waits_for_the_old_file_and_reports_failure(tmp_path):
   finally:
     stop.set()
     thread.join(5)
+
+
+def test_initialize_takes_every_argument_of_orbax_function_of_that_name():
+  import inspect
+
+  from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing import initialization
+
+  theirs = inspect.signature(initialization.initialize_multi_tier_checkpointing).parameters
+  ours = inspect.signature(mtc.initialize_multi_tier_checkpointing).parameters
+  assert list(ours)[0] == list(theirs)[0] == "local_checkpoint_directory"
+  for name, param in theirs.items():
+    assert name in ours, name
+    assert ours[name].default == param.default, name
+  with pytest.raises(ValueError, match="colocated Python"):
+    mtc.initialize_multi_tier_checkpointing("/tmp/x", run_name="r", use_colocated_python=True)
