@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from mp_helpers import (
   REPO_ROOT,
   assert_ok,
   assert_results,
+  child_env,
   mp_worker,
   run_job,
   started_job,
@@ -216,3 +218,43 @@ def test_jax_joins_from_jax_init_info_written_after_the_job_started(tmp_path, sh
         0: (job.coordinator, "None"), 1: (job.coordinator, "None")}, tail(out)
     assert [len(sim.events("CONFIG")) for sim in sims] == [1, 1]  # one handshake each
     assert_results(out, 2, step=None, tier="none")
+
+
+def _loop(persistent: pathlib.Path, steps: int) -> list[str]:
+  # As on GKE, each host names its own mounted volume (here the launcher's per-process folder).
+  return ["sh", "-c", f"exec {shlex.quote(sys.executable)} -m maxtext_patch.example_train "
+          f"run_name=mtx base_output_directory={shlex.quote(str(persistent))} "
+          "enable_multi_tier_checkpointing=true "
+          'local_checkpoint_directory="$ORBAX_MTC_LOCAL_DIR" local_checkpoint_period=2 '
+          "multi_tier_checkpointing_backup_interval_steps=4 ici_data_parallelism=2 "
+          f"ici_fsdp_parallelism=-1 steps={steps}"]
+
+
+def test_maxtext_enable_multi_tier_checkpointing_runs_managed(tmp_path, shm_root):
+  """MaxText's key switches the MaxText-shaped loop to managed mode: the replicator gets the
+  yaml, copies the RAM steps, and a restart resumes from its entry bit for bit."""
+  from orbax_mtc import launch
+
+  def run(steps: int):
+    out = mp_worker.LineCollector()
+    with launch.Job(_loop(tmp_path / "out", steps), 2, devices_per_process=2,
+                    local_root=shm_root, env=child_env(), output=out) as job:
+      job.start()
+      result = job.wait(120)
+    assert_ok(result, out)
+    return out
+
+  with simulators(shm_root, tmp_path / "backup", 2) as sims:
+    first = run(7)
+    assert [c["job"] for c in sims[0].events("CONFIG")] == ["mtx"]
+    assert sims[0].events("CONFIG")[0]["peers"] == "[1]"  # twins across ici_data=2
+    newest = max(int(s) for s in (local.name for local in (shm_root / "node0").iterdir())
+                 if s.isdigit())
+    digests = {(n, int(f["step"])): f["digest"] for n, f in mp_worker.events(first.lines,
+                                                                             "STEP")}
+    second = run(newest + 3)
+  restored = dict(mp_worker.events(second.lines, "RESTORED"))
+  assert {n: (f["step"], f["tier"]) for n, f in restored.items()} == {
+      0: (str(newest), "replicator"), 1: (str(newest), "replicator")}, tail(second)
+  for node in (0, 1):
+    assert restored[node]["digest"] == digests[(node, newest)]
