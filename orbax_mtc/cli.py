@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 # Verbs whose arguments are parsed by their own module.
-_PASSTHROUGH = ("launch", "demo", "bench", "gc")
+_PASSTHROUGH = ("launch", "demo", "bench", "gc", "size")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
   verbs.add_parser(
       "gc", add_help=False,
       help="apply a retention policy to a persistent directory (orbax-mtc gc --help)")
+  verbs.add_parser(
+      "size", add_help=False,
+      help="RAM disk to request per node on GKE, and the filled-in manifests "
+      "(orbax-mtc size --help)")
   status = verbs.add_parser("status", help="show the checkpoints held in a directory")
   status.add_argument("directory", help="a local (RAM-disk) or persistent checkpoint directory")
   verify = verbs.add_parser(
@@ -84,6 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
       from orbax_mtc import persistent_gc
 
       return persistent_gc.main(rest)
+    if verb == "size":
+      from orbax_mtc import sizing
+
+      return sizing.main(rest)
     from orbax_mtc import demo
 
     return int(demo.main(rest) or 0)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Requests Cloud TPU capacity as a queued resource with Autocheckpoint enabled: before a
+# maintenance event Cloud TPU sends SIGTERM to the training processes and waits (up to about
+# five minutes) for them to save. orbax-mtc turns that SIGTERM into one on-demand checkpoint
+# of a step every process agrees on (RAM, peers, persistent tier), then the job stops.
+#
+#   PROJECT_ID=my-project ZONE=us-east5-b JOB_NAME=my-job SLICES=2 \
+#     bash configs/tpu-vm/create-queued-resource.sh
+#
+# Every setting is an environment variable with a default; DRY_RUN=1 prints the command.
+set -euo pipefail
+
+PROJECT_ID="${PROJECT_ID:-my-project}"
+ZONE="${ZONE:-us-east5-b}"
+JOB_NAME="${JOB_NAME:-mtc-job}"                 # node name (SLICES=1) or node prefix
+QUEUED_RESOURCE_ID="${QUEUED_RESOURCE_ID:-${JOB_NAME}}"
+ACCELERATOR_TYPE="${ACCELERATOR_TYPE:-v5litepod-16}"
+RUNTIME_VERSION="${RUNTIME_VERSION:-v2-alpha-tpuv5-lite}"
+SLICES="${SLICES:-1}"                           # > 1: a multislice job
+# e.g. --spot, --reserved, --best-effort, --valid-until-duration=6h
+EXTRA_ARGS="${EXTRA_ARGS:-}"
+
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+if ((SLICES == 1)); then
+  nodes=(--node-id="${JOB_NAME}")
+else
+  nodes=(--node-prefix="${JOB_NAME}" --node-count="${SLICES}")
+fi
+# shellcheck disable=SC2086  # EXTRA_ARGS holds several flags
+run gcloud alpha compute tpus queued-resources create "${QUEUED_RESOURCE_ID}" \
+  --project="${PROJECT_ID}" --zone="${ZONE}" \
+  --accelerator-type="${ACCELERATOR_TYPE}" --runtime-version="${RUNTIME_VERSION}" \
+  "${nodes[@]}" --autocheckpoint-enabled ${EXTRA_ARGS}
+echo "wait for ACTIVE: gcloud alpha compute tpus queued-resources describe" \
+  "${QUEUED_RESOURCE_ID} --project=${PROJECT_ID} --zone=${ZONE}"

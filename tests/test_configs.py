@@ -1,0 +1,374 @@
+"""configs/: every template parses, carries the keys GKE needs, and agrees with the others and
+with `orbax-mtc size`; the shell scripts pass `bash -n` and, run with DRY_RUN=1, issue the
+commands and flags the set-up needs."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shlex
+import stat
+import subprocess
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orbax_mtc import sizing
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+README = CONFIGS / "README.md"
+YAMLS = sorted(CONFIGS.rglob("*.yaml"))
+SCRIPTS = sorted(CONFIGS.rglob("*.sh"))
+LIBRARIES = {CONFIGS / "gke" / "lib.sh", CONFIGS / "tpu-vm" / "common.sh"}
+# spec fields of checkpointing.gke.io/v1 CheckpointConfiguration (the public CRD).
+CPC_FIELDS = {"cloudStorageBucketName", "enableExternalJaxProcessIds", "nodeSelector",
+              "tolerations", "inMemoryVolumeSize", "csiEphemeralLimit", "replicationOptions",
+              "gcsFuseMountOptions"}
+CPC_REQUIRED = {"cloudStorageBucketName", "nodeSelector", "tolerations", "inMemoryVolumeSize"}
+
+
+def _docs(text: str) -> list[dict]:
+  return [d for d in yaml.safe_load_all(text) if d is not None]
+
+
+def _pod(jobset: dict) -> dict:
+  return jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+
+
+def _args(command: list[str]) -> dict[str, str]:
+  return dict(item.split("=", 1) for item in command if "=" in item)
+
+
+def _bash(script: Path | str, *args: str, env: dict[str, str] | None = None,
+          check: bool = True) -> subprocess.CompletedProcess:
+  base = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "DRY_RUN": "1"}
+  return subprocess.run(["bash", str(script), *args], env={**base, **(env or {})},
+                        capture_output=True, text=True, check=check, timeout=60)
+
+
+def _dry_run_lines(output: str) -> list[list[str]]:
+  return [shlex.split(line[2:]) for line in output.splitlines() if line.startswith("+ ")]
+
+
+# ----------------------------------------------------------------------------- the example
+
+
+def _documented_example(accelerator: str) -> tuple[list[str], str]:
+  """The README's `orbax-mtc size` arguments for one accelerator, and the quantity it says."""
+  text = README.read_text()
+  marker = f"<!-- size-example-{accelerator} -->"
+  assert marker in text, f"README lost its {marker} example"
+  after = text.split(marker, 1)[1]
+  block = after.split("```bash\n", 1)[1].split("```", 1)[0]
+  words = shlex.split(block.replace("\\\n", " "))
+  assert words[:2] == ["orbax-mtc", "size"], words
+  quantity = re.search(r"inMemoryVolumeSize: (\d+Gi)", after)
+  assert quantity, f"README does not say which inMemoryVolumeSize its {accelerator} example gets"
+  return words[2:], quantity.group(1)
+
+
+def _option(argv: list[str], flag: str, default: str | None = None) -> str | None:
+  """The value of `flag` as argparse sees it (the last one given)."""
+  return argv[len(argv) - argv[::-1].index(flag)] if flag in argv else default
+
+
+def _render_example(accelerator: str, tmp_path: Path, *overrides: str) -> dict:
+  """The README's example (argv then `overrides`) rendered into tmp_path: argv, the quantity
+  the README states, CPC, JobSet, env."""
+  argv, quantity = _documented_example(accelerator)
+  argv += overrides
+  out = tmp_path / f"rendered-{accelerator}-{len(overrides)}"
+  argv[argv.index("--render") + 1] = str(out)
+  assert sizing.main(argv) == 0
+  (cpc,) = _docs((out / "checkpoint-configuration.yaml").read_text())
+  (jobset,) = _docs((out / "jobset-maxtext.yaml").read_text())
+  env = dict(re.findall(r"^export (\w+)=(\S+)$", (out / "env.sh").read_text(), re.M))
+  return {"accelerator": accelerator, "argv": argv, "quantity": quantity, "cpc": cpc,
+          "jobset": jobset, "env": env, "dir": out}
+
+
+@pytest.fixture(params=["tpu", "gpu"])
+def rendered(request, tmp_path):
+  return _render_example(request.param, tmp_path)
+
+
+# ----------------------------------------------------------------------------- YAML templates
+
+
+def test_configs_hold_what_the_issue_asks_for():
+  names = {str(p.relative_to(CONFIGS)) for p in CONFIGS.rglob("*") if p.is_file()}
+  for accelerator in ("tpu", "gpu"):
+    for name in ("checkpoint-configuration.yaml", "jobset-maxtext.yaml", "cluster-setup.sh"):
+      assert f"gke/{accelerator}/{name}" in names
+  for name in ("create-queued-resource.sh", "create-single-vm.sh", "launch-maxtext.sh",
+               "launch-pax.sh"):
+    assert f"tpu-vm/{name}" in names
+  readme = README.read_text()
+  for name in names - {"README.md"}:
+    assert name in readme, f"configs/README.md does not list {name}"
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_every_yaml_parses_with_kubernetes_keys(path):
+  docs = _docs(path.read_text())
+  assert docs, f"{path} holds no document"
+  for doc in docs:
+    assert {"apiVersion", "kind", "metadata", "spec"} <= set(doc), sorted(doc)
+    assert doc["metadata"]["name"]
+    assert (doc["apiVersion"], doc["kind"]) in {
+        ("checkpointing.gke.io/v1", "CheckpointConfiguration"),
+        ("jobset.x-k8s.io/v1alpha2", "JobSet")}
+
+
+@pytest.mark.parametrize("accelerator", ["tpu", "gpu"])
+def test_checkpoint_configuration_fields(accelerator):
+  (cpc,) = _docs((CONFIGS / "gke" / accelerator / "checkpoint-configuration.yaml").read_text())
+  spec = cpc["spec"]
+  assert CPC_REQUIRED <= set(spec) <= CPC_FIELDS, sorted(set(spec) ^ CPC_FIELDS)
+  assert spec["inMemoryVolumeSize"] == "${IN_MEMORY_VOLUME_SIZE}"
+  assert spec["cloudStorageBucketName"] == "${BUCKET}"
+  assert spec["nodeSelector"] == {"node.kubernetes.io/instance-type": "${MACHINE_TYPE}"}
+  for toleration in spec["tolerations"]:
+    assert set(toleration) == {"key", "operator", "effect"}
+    assert toleration["operator"] == "Exists" and toleration["effect"] == "NoSchedule"
+  assert spec["tolerations"][0]["key"] == {"tpu": "google.com/tpu",
+                                           "gpu": "nvidia.com/gpu"}[accelerator]
+  options = spec["gcsFuseMountOptions"]
+  assert options and all(isinstance(o, str) and " " not in o for o in options)
+  assert "implicit-dirs" in options
+
+
+@pytest.mark.parametrize("accelerator", ["tpu", "gpu"])
+def test_every_placeholder_is_one_render_fills(accelerator):
+  used = set()
+  for path in (CONFIGS / "gke" / accelerator).glob("*.yaml"):
+    found = set(sizing.PLACEHOLDER.findall(path.read_text()))
+    unknown = found - set(sizing.RENDERED_KEYS[accelerator])
+    assert not unknown, f"{path} uses {sorted(unknown)}, which --render does not fill"
+    used |= found
+  # And every value render computes lands somewhere (no stale keys).
+  assert used == set(sizing.RENDERED_KEYS[accelerator])
+
+
+# ----------------------------------------------------------------------------- rendered example
+
+
+def test_documented_example_gets_the_size_orbax_mtc_size_computes(rendered):
+  argv = rendered["argv"]
+  expected = sizing.size(accelerator=_option(argv, "--accelerator"),
+                         state_size=_option(argv, "--state-size"),
+                         nodes=int(_option(argv, "--nodes", "1")),
+                         peers=None if "--peers" not in argv else int(_option(argv, "--peers")))
+  got = rendered["cpc"]["spec"]["inMemoryVolumeSize"]
+  assert got == rendered["quantity"] == expected.quantity
+  gib = int(re.fullmatch(r"(\d+)Gi", got).group(1))
+  assert gib * sizing.GIB >= expected.factor * expected.local.nbytes
+  assert (gib - 1) * sizing.GIB < expected.factor * expected.local.nbytes
+  anchor = {"tpu": Fraction(22, 10), "gpu": Fraction(66, 10)}
+  assert expected.factor == anchor[rendered["accelerator"]]
+  assert rendered["env"]["IN_MEMORY_VOLUME_SIZE"] == got
+
+
+def test_rendered_manifests_have_no_placeholder_left(rendered):
+  for name in ("checkpoint-configuration.yaml", "jobset-maxtext.yaml"):
+    text = (rendered["dir"] / name).read_text()
+    assert not sizing.PLACEHOLDER.search(text) and "${" not in text, name
+
+
+def test_jobset_mounts_the_csi_volume_at_the_local_checkpoint_dir(rendered):
+  jobset, cpc = rendered["jobset"], rendered["cpc"]
+  assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and jobset["kind"] == "JobSet"
+  pod = _pod(jobset)
+  csi = [v for v in pod["volumes"] if "csi" in v]
+  assert len(csi) == 1 and csi[0]["csi"] == {"driver": sizing.CSI_DRIVER}
+  (container,) = pod["containers"]
+  mounts = [m for m in container["volumeMounts"] if m["name"] == csi[0]["name"]]
+  assert len(mounts) == 1
+  args = _args(container["command"])
+  assert mounts[0]["mountPath"] == args["local_checkpoint_directory"] \
+      == rendered["env"]["LOCAL_DIR"] == _option(rendered["argv"], "--local-dir", "/local")
+  # The RAM disk exists only on the nodes the CheckpointConfiguration selects.
+  assert cpc["spec"]["nodeSelector"].items() <= pod["nodeSelector"].items()
+  assert {t["key"] for t in cpc["spec"]["tolerations"]} <= {t["key"] for t in pod["tolerations"]}
+
+
+def test_jobset_runs_maxtext_on_orbax_mtc_in_managed_mode(rendered):
+  jobset, cpc, argv = rendered["jobset"], rendered["cpc"], rendered["argv"]
+  (container,) = _pod(jobset)["containers"]
+  command = container["command"]
+  assert command[:4] == ["python", "-m", "maxtext_patch.train", "src/MaxText/configs/base.yml"]
+  args = _args(command)
+  assert args["enable_multi_tier_checkpointing"] == "true"
+  assert args["local_checkpoint_period"] == "20"
+  assert args["multi_tier_checkpointing_backup_interval_minutes"] == "30"
+  assert args["run_name"] == jobset["metadata"]["name"] == _option(argv, "--job-name")
+  assert args["base_output_directory"] == f"gs://{cpc['spec']['cloudStorageBucketName']}"
+  assert cpc["spec"]["cloudStorageBucketName"] == _option(argv, "--bucket").removeprefix("gs://")
+  job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+  assert job["parallelism"] == job["completions"] == int(_option(argv, "--nodes", "1"))
+  assert _pod(jobset)["terminationGracePeriodSeconds"] >= 270  # orbax-mtc's on-demand budget
+
+
+def test_tpu_jobset_is_a_multislice_job_matching_its_node_pools(tmp_path):
+  rendered = _render_example("tpu", tmp_path)
+  jobset, env = rendered["jobset"], rendered["env"]
+  pod = _pod(jobset)
+  replicated = jobset["spec"]["replicatedJobs"][0]
+  assert replicated["replicas"] == int(env["SLICES"]) >= 2  # twins: the sized peers = 0
+  assert jobset["metadata"]["annotations"][
+      "alpha.jobset.sigs.k8s.io/exclusive-topology"] == "cloud.google.com/gke-nodepool"
+  chips = pod["containers"][0]["resources"]["limits"]["google.com/tpu"]
+  topology = pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"]
+  assert math.prod(int(d) for d in topology.split("x")) == chips * replicated["template"][
+      "spec"]["parallelism"]
+  assert topology == env["TPU_TOPOLOGY"]
+  assert "mtc_peers_per_node" not in _args(pod["containers"][0]["command"])
+
+
+@pytest.mark.parametrize("overrides", [(), ("--nodes", "2", "--peers", "2")])
+def test_gpu_jobset_asks_for_the_peers_it_was_sized_for(tmp_path, overrides):
+  rendered = _render_example("gpu", tmp_path, *overrides)
+  jobset, argv = rendered["jobset"], rendered["argv"]
+  if overrides:
+    assert rendered["cpc"]["spec"]["inMemoryVolumeSize"] == "352Gi"  # 32 GiB x 11
+  pod = _pod(jobset)
+  (container,) = pod["containers"]
+  args = _args(container["command"])
+  peers = sizing.resolve_peers("gpu", int(_option(argv, "--peers")) if "--peers" in argv
+                               else None)
+  assert args["mtc_peers_per_node"] == str(peers)
+  assert args["hardware"] == "gpu"
+  env = {e["name"]: e for e in container["env"]}
+  name = jobset["metadata"]["name"]
+  rjob = jobset["spec"]["replicatedJobs"][0]
+  assert env["JAX_COORDINATOR_IP"]["value"] == f"{name}-{rjob['name']}-0-0.{name}"
+  assert env["NNODES"]["value"] == str(rjob["template"]["spec"]["parallelism"])
+  assert "job-completion-index" in env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+  assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+
+
+# ----------------------------------------------------------------------------- shell scripts
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_shell_scripts_pass_bash_n(path):
+  result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr
+  text = path.read_text()
+  if path in LIBRARIES:
+    assert not text.startswith("#!"), "a sourced library is not run on its own"
+  else:
+    assert text.startswith("#!/usr/bin/env bash\n")
+    assert "set -euo pipefail" in text
+    assert path.stat().st_mode & stat.S_IXUSR, f"{path} is not executable"
+
+
+def test_tpu_vm_creation_enables_autocheckpoint():
+  for name in ("create-queued-resource.sh", "create-single-vm.sh"):
+    assert "--autocheckpoint-enabled" in (CONFIGS / "tpu-vm" / name).read_text()
+  env = {"JOB_NAME": "llm-run", "PROJECT_ID": "p", "ZONE": "us-east5-b"}
+  (one,) = _dry_run_lines(_bash(CONFIGS / "tpu-vm" / "create-queued-resource.sh",
+                                env={**env, "SLICES": "1"}).stdout)
+  assert one[:6] == ["gcloud", "alpha", "compute", "tpus", "queued-resources", "create"]
+  assert "--autocheckpoint-enabled" in one and "--node-id=llm-run" in one
+  (multi,) = _dry_run_lines(_bash(CONFIGS / "tpu-vm" / "create-queued-resource.sh",
+                                  env={**env, "SLICES": "3", "EXTRA_ARGS": "--spot"}).stdout)
+  assert {"--autocheckpoint-enabled", "--node-prefix=llm-run", "--node-count=3",
+          "--spot"} <= set(multi)
+  (vm,) = _dry_run_lines(_bash(CONFIGS / "tpu-vm" / "create-single-vm.sh", env=env).stdout)
+  assert vm[:6] == ["gcloud", "alpha", "compute", "tpus", "tpu-vm", "create"]
+  assert vm[6] == "llm-run" and "--autocheckpoint-enabled" in vm
+
+
+def _remote_commands(script: str, env: dict[str, str]) -> dict[str, str]:
+  """node -> the command `gcloud compute tpus tpu-vm ssh --worker=all` would run."""
+  lines = _dry_run_lines(_bash(CONFIGS / "tpu-vm" / script, env=env).stdout)
+  commands = {}
+  for line in lines:
+    assert line[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh"]
+    assert "--worker=all" in line
+    (command,) = [a.removeprefix("--command=") for a in line if a.startswith("--command=")]
+    commands[line[5]] = command
+  return commands
+
+
+def test_launch_maxtext_runs_the_patch_on_every_node_with_its_flags(tmp_path):
+  env = {"JOB_NAME": "llm-run", "SLICES": "2", "BUCKET": "my-ckpt-bucket", "PROJECT_ID": "p"}
+  commands = _remote_commands("launch-maxtext.sh", env)
+  assert set(commands) == {"llm-run-0", "llm-run-1"}  # create-queued-resource's node names
+  words = shlex.split(commands["llm-run-0"].split(" && cd ", 1)[1])
+  at = words.index("maxtext_patch.train")
+  assert words[at - 1] == "-m" and words[at + 1] == "src/MaxText/configs/base.yml"
+  args = _args(words[at + 2:])
+  assert args == {**args, "run_name": "llm-run", "base_output_directory": "gs://my-ckpt-bucket",
+                  "enable_emergency_checkpoint": "true",
+                  "local_checkpoint_directory": "/dev/shm/ckpt", "local_checkpoint_period": "20",
+                  "checkpoint_period": "200", "mtc_peers_per_node": "1",
+                  "enable_autocheckpoint": "true"}
+
+  # The remote command itself: checks the RAM disk, then starts training (python -> echo).
+  local = tmp_path / "ram"
+  env = {**env, "SLICES": "1", "LOCAL_DIR": str(local), "PYTHON": "echo",
+         "MAXTEXT_DIR": str(tmp_path)}
+  command = _remote_commands("launch-maxtext.sh", {**env, "RAMDISK_GI": "0"})["llm-run"]
+  ran = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
+  assert ran.returncode == 0 and "-m maxtext_patch.train" in ran.stdout and local.is_dir()
+  command = _remote_commands("launch-maxtext.sh", {**env, "RAMDISK_GI": "999999999"})["llm-run"]
+  ran = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
+  assert ran.returncode == 1 and "orbax-mtc size asks for 999999999G" in ran.stderr
+  assert "maxtext_patch" not in ran.stdout
+
+
+def test_launch_pax_runs_the_patch_with_its_flags():
+  env = {"JOB_NAME": "llm-run", "BUCKET": "my-ckpt-bucket", "EXP": "my.Exp", "PROJECT_ID": "p"}
+  (command,) = _remote_commands("launch-pax.sh", env).values()
+  words = shlex.split(command.split(" && python3 ", 1)[1])
+  assert words[:2] == ["-m", "pax_patch.main"]
+  assert set(words[2:]) == {
+      "--exp=my.Exp", "--job_log_dir=gs://my-ckpt-bucket/llm-run",
+      "--jax_fully_async_checkpoint=1", "--exit_after_ondemand_checkpoint=1",
+      "--mtc_local_checkpoint_dir=/dev/shm/ckpt", "--mtc_local_save_interval_steps=100",
+      "--mtc_peers_per_node=1"}
+
+
+def test_cluster_setup_enables_the_add_on_and_applies_the_rendered_manifests(rendered):
+  accelerator, env = rendered["accelerator"], rendered["env"]
+  script = CONFIGS / "gke" / accelerator / "cluster-setup.sh"
+  result = _bash("-c", f"source {rendered['dir'] / 'env.sh'} && "
+                 f"PROJECT_ID=proj bash {script} create")
+  lines = _dry_run_lines(result.stdout)
+  flat = [" ".join(line) for line in lines]
+  bucket = env["BUCKET"]
+  assert any(f"buckets create gs://{bucket}" in c and "--enable-hierarchical-namespace" in c
+             for c in flat)
+  (create,) = [line for line in lines if line[:4] == ["gcloud", "container", "clusters",
+                                                       "create"]]
+  assert "--addons=HighScaleCheckpointing,GcsFuseCsiDriver" in create
+  assert "--workload-pool=proj.svc.id.goog" in create
+  members = [a for c in lines for a in c if a.startswith("--member=")]
+  assert any(m.endswith("/ns/gke-managed-checkpointing/sa/gke-checkpointing-multitier-node")
+             for m in members)
+  assert all("workloadIdentityPools/proj.svc.id.goog" in m for m in members) and len(members) == 2
+  assert all("--role=roles/storage.objectUser" in c for c in flat if "iam-policy" in c)
+  pools = [line for line in lines if line[:4] == ["gcloud", "container", "node-pools", "create"]]
+  assert all(f"--machine-type={env['MACHINE_TYPE']}" in p for p in pools)
+  assert all(f"--num-nodes={env['NODES']}" in p for p in pools)
+  if accelerator == "tpu":
+    assert len(pools) == int(env["SLICES"])
+    assert all(f"--tpu-topology={env['TPU_TOPOLOGY']}" in p for p in pools)
+  else:
+    (pool,) = pools
+    assert f"--accelerator=type={env['GPU_TYPE']},count={env['GPUS_PER_NODE']}," \
+        "gpu-driver-version=latest" in pool
+  assert ["kubectl", "apply", "-f", f"{env['RENDERED']}/checkpoint-configuration.yaml"] in lines
+  assert f"next: kubectl apply -f {env['RENDERED']}/jobset-maxtext.yaml" in result.stdout
+
+  update = _dry_run_lines(_bash(script, "update", env={"PROJECT_ID": "proj"}).stdout)
+  assert not any(line[:4] == ["gcloud", "container", "clusters", "create"] for line in update)
+  assert any("--update-addons=HighScaleCheckpointing=ENABLED,GcsFuseCsiDriver=ENABLED" in line
+             for line in update)
+  bad = _bash(script, "delete", check=False)
+  assert bad.returncode == 2 and "usage" in bad.stderr
