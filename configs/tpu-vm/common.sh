@@ -2,16 +2,16 @@
 
 run() {
   if [[ -n "${DRY_RUN:-}" ]]; then
-    local arg
-    printf '+'
+    # One write per command line, so lines of commands run at once never interleave.
+    local arg line="+"
     for arg in "$@"; do
       if [[ "${arg}" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then
-        printf ' %s' "${arg}"
+        line+=" ${arg}"
       else
-        printf " '%s'" "${arg//\'/\'\\\'\'}"
+        line+=" '${arg//\'/\'\\\'\'}'"
       fi
     done
-    printf '\n'
+    printf '%s\n' "${line}"
   else
     "$@"
   fi
