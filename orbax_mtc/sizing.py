@@ -303,6 +303,10 @@ def tpu_labels(machine_type: str, nodes: int, *, accelerator_label: str | None =
     topology = "x".join(str(d) for d in dims)
   if not re.fullmatch(r"\d+(x\d+){1,2}", topology):
     raise SizingError(f"--tpu-topology must look like 4x4 or 2x2x4, got {topology!r}")
+  slice_chips = math.prod(int(d) for d in topology.split("x"))
+  if slice_chips != chips * nodes:
+    raise SizingError(f"--tpu-topology {topology} has {slice_chips} chips, but {nodes} x "
+                      f"{machine_type} have {chips * nodes}: fix --nodes or --tpu-topology")
   return accelerator_label, topology, chips
 
 

@@ -287,6 +287,7 @@ def test_render_single_tpu_slice_sizes_for_one_peer(tmp_path, capsys):
     (["--local-dir", "local"], "ct6e-standard-4t", "tpu", "an absolute path"),
     (["--nodes", "3"], "ct6e-standard-4t", "tpu", "pass --tpu-topology"),
     (["--tpu-topology", "4-4"], "ct6e-standard-4t", "tpu", "must look like 4x4"),
+    (["--tpu-topology", "4x8"], "ct6e-standard-4t", "tpu", "has 32 chips, but 4 x "),
     (["--slices", "2"], "a3-megagpu-8g", "gpu", "--slices applies to TPU jobs"),
     (["--templates", "/nonexistent"], "ct6e-standard-4t", "tpu", "templates not found"),
 ])
