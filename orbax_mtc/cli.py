@@ -1,4 +1,4 @@
-"""The `orbax-mtc` command: launch, demo, bench, status, verify, gc.
+"""The `orbax-mtc` command: launch, demo, bench, status, verify, gc, size.
 
 `launch` and `demo` take the rest of the command line as their own arguments; their modules
 (and JAX) are imported only when the verb is used, so `orbax-mtc --help` stays fast.
