@@ -258,3 +258,21 @@ def test_maxtext_enable_multi_tier_checkpointing_runs_managed(tmp_path, shm_root
       0: (str(newest), "replicator"), 1: (str(newest), "replicator")}, tail(second)
   for node in (0, 1):
     assert restored[node]["digest"] == digests[(node, newest)]
+
+
+def test_nothing_to_restore_from_the_replicator_falls_back_to_the_persistent_tier(
+    tmp_path, shm_root):
+  """A standalone run left a standard Orbax checkpoint; the RAM disks are new and the
+  replicator has nothing: the managed job restores the newest persistent step."""
+  persistent = ["--persistent-dir", str(tmp_path / "persistent"), "--persistent-interval", "4"]
+  result, out = run_job(["save", *persistent, "--steps", "9"], 2, shm_root)
+  assert_ok(result, out)
+  shutil.rmtree(shm_root)
+  with simulators(shm_root, tmp_path / "backup", 2) as sims:
+    result, out = run_job(["restore", *_common(tmp_path), "--expect-step", "8",
+                           "--expect-tier", "persistent"], 2, shm_root, timeout_s=120)
+    assert [s.events("RESTORE") for s in sims] == [
+        [{"rank": "0", "step": "0", "source": "none"}],
+        [{"rank": "1", "step": "0", "source": "none"}]]
+  assert_ok(result, out)
+  assert_results(out, 2, step=8, tier="persistent")
