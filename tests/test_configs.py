@@ -22,7 +22,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 README = CONFIGS / "README.md"
 YAMLS = sorted(CONFIGS.rglob("*.yaml"))
 SCRIPTS = sorted(CONFIGS.rglob("*.sh"))
-LIBRARIES = {CONFIGS / "gke" / "lib.sh", CONFIGS / "tpu-vm" / "common.sh"}
+LIBRARIES = {CONFIGS / "run.sh", CONFIGS / "gke" / "lib.sh", CONFIGS / "tpu-vm" / "common.sh"}
 # spec fields of checkpointing.gke.io/v1 CheckpointConfiguration (the public CRD).
 CPC_FIELDS = {"cloudStorageBucketName", "enableExternalJaxProcessIds", "nodeSelector",
               "tolerations", "inMemoryVolumeSize", "csiEphemeralLimit", "replicationOptions",

@@ -1,22 +1,8 @@
 # Shared by gke/tpu/cluster-setup.sh and gke/gpu/cluster-setup.sh (sourced, not run).
 # DRY_RUN=1 prints every command instead of running it.
 
-run() {
-  if [[ -n "${DRY_RUN:-}" ]]; then
-    # One write per command line, so lines of commands run at once never interleave.
-    local arg line="+"
-    for arg in "$@"; do
-      if [[ "${arg}" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then
-        line+=" ${arg}"
-      else
-        line+=" '${arg//\'/\'\\\'\'}'"
-      fi
-    done
-    printf '%s\n' "${line}"
-  else
-    "$@"
-  fi
-}
+# shellcheck source=../run.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../run.sh"
 
 # The bucket holds the replicator's backups; without hierarchical namespace they fail.
 create_bucket() {

@@ -1,21 +1,7 @@
 # Shared by the Cloud TPU VM scripts (sourced, not run). DRY_RUN=1 prints every command.
 
-run() {
-  if [[ -n "${DRY_RUN:-}" ]]; then
-    # One write per command line, so lines of commands run at once never interleave.
-    local arg line="+"
-    for arg in "$@"; do
-      if [[ "${arg}" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then
-        line+=" ${arg}"
-      else
-        line+=" '${arg//\'/\'\\\'\'}'"
-      fi
-    done
-    printf '%s\n' "${line}"
-  else
-    "$@"
-  fi
-}
+# shellcheck source=../run.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../run.sh"
 
 # The TPU nodes of the job: create-queued-resource.sh names one node JOB_NAME, or with
 # SLICES > 1 the nodes JOB_NAME-0 ... JOB_NAME-(SLICES-1) (gcloud's --node-prefix naming).
