@@ -220,6 +220,16 @@ def initialize(*, timeout_s: int = 120) -> DistributedInfo:
   return DistributedInfo(0, 1, None, local_dir, index)
 
 
+def join(coordinator: str, process_id: int, *, timeout_s: int = 120,
+         shutdown_timeout_s: int = 300) -> None:
+  """Joins `jax.distributed` at a coordinator named elsewhere (GKE's jax-init-info.txt). The
+  process count comes from the launcher's variables when set, else JAX detects it."""
+  params = _launcher_params()
+  _jax_initialize(coordinator, num_processes=params[1] if params is not None else None,
+                  process_id=process_id, initialization_timeout=int(timeout_s),
+                  shutdown_timeout_seconds=int(shutdown_timeout_s))
+
+
 def _jax_initialize(*args, **kwargs) -> None:
   """`jax.distributed.initialize` with a clearer error when a backend is already up."""
   try:

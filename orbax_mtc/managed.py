@@ -95,14 +95,10 @@ def initialize_multi_tier_checkpointing(
     if use_mtc_process_ids:
       process_id, coordinator = replicator.read_jax_init_info(
           local_directory, timeout_s=jax_initialization_timeout_seconds)
-      launcher = distributed._launcher_params()  # noqa: SLF001 - local runs name the count
-      num_processes = launcher[1] if launcher is not None else None
       logging.info("orbax-mtc: joining jax.distributed at %s as process %d (from %s)",
                    coordinator, process_id, replicator.JAX_INIT_INFO_FILE)
-      distributed._jax_initialize(  # noqa: SLF001
-          coordinator, num_processes=num_processes, process_id=process_id,
-          initialization_timeout=jax_initialization_timeout_seconds,
-          shutdown_timeout_seconds=jax_shutdown_timeout_seconds)
+      distributed.join(coordinator, process_id, timeout_s=jax_initialization_timeout_seconds,
+                       shutdown_timeout_s=jax_shutdown_timeout_seconds)
     else:
       distributed.initialize(timeout_s=jax_initialization_timeout_seconds)
   nodes, node_rank = jax.process_count(), jax.process_index()

@@ -312,20 +312,19 @@ class CheckpointManager(ocp.CheckpointManager):
           "The replicator handshake failed on process(es) "
           f"{[p for p, bad in enumerate(failed) if bad]}; their logs say why.")
     # The first restore(None) honours the entry; 0 = the replicator has nothing.
-    self._replicator_entry: int | None = step or 0
+    self._replicator_entry = step or 0
 
   def _replicator_step(self) -> int | None:
     """The step every process's restore entry names (collective), once: 0 when all say
     nothing to restore, None when they disagree or cannot be used (then the usual plan)."""
-    mine = self.__dict__.get("_replicator_entry")
+    mine, self._replicator_entry = self._replicator_entry, None
     if mine is None:
       return None
-    self._replicator_entry = None
     row = np.asarray([mine, int(mine in self._local_steps())], dtype=np.int64)
     rows = self._allgather(row)
     steps = [int(s) for s in rows[:, 0]]
     agreed = replicator.agree(steps)
-    if agreed is None and any(steps) and len(set(steps)) > 1:
+    if agreed is None:
       logging.warning("orbax-mtc: the replicator's restore entries disagree across processes "
                       "(steps %s); restoring the newest step every process holds instead.",
                       steps)
@@ -482,6 +481,8 @@ class CheckpointManager(ocp.CheckpointManager):
     self._recovered: tuple[local_tier.StepManifest, np.ndarray] | None = None
     self.last_restore: RestoreInfo | None = None
     self.last_save_blocking_seconds: float | None = None
+    # Managed mode: the step this worker's .restore entry named, until restore(None) used it.
+    self._replicator_entry: int | None = None
     self._backup_policy: backup.BackupIntervalPolicy | None = None
     self._last_backup_attempt: tuple[int, float] | None = None  # (step, seconds since epoch)
     self._backup_pending: backup.PendingBackup | None = None
@@ -804,16 +805,15 @@ class CheckpointManager(ocp.CheckpointManager):
     self._poll_backup(block=True)
     backed_up = step in self._persistent_steps()
     left = budget - (t - started)
-    if self._managed:
-      pass  # the replicator backs the RAM step up
-    elif not backed_up and left > 0:
+    wanted = not backed_up and not self._managed  # managed: the replicator backs it up
+    if wanted and left > 0:
       metadata = dict(custom_metadata or {})
       metadata[ONDEMAND_METADATA_KEY] = {"step": step, "signal_time": signal_time,
                                          "budget_seconds": budget, "seconds": dict(seconds)}
       self._start_backup(step, args, metrics, metadata)
       self._poll_backup(block=True)
       backed_up = step in self._persistent_steps()
-    elif not backed_up:
+    elif wanted:
       logging.warning("orbax-mtc: no on-demand persistent backup of step %d: the %.0fs grace "
                       "budget is spent (RAM tier and peers hold the step).", step, budget)
     seconds["persistent"] = time.time() - t
