@@ -1131,15 +1131,20 @@ class CheckpointManager(ocp.CheckpointManager):
                     f"{type(args).__name__}.")
 
   def _try_local(self, step: int, targets: dict[str, Any], single: bool | None,
-                 source: tuple[local_tier.StepManifest, np.ndarray] | None = None
+                 source: tuple[local_tier.StepManifest, np.ndarray] | None = None,
+                 own_crcs: dict[tuple[int, int], int] | None = None
                  ) -> tuple[int, Any, str]:
-    """Builds the targets from this node's folder of `step`, or from `source` (a step that
-    came from a twin or a peer). Returns (status, (items, default_item), message)."""
+    """Builds the targets from this node's folder of `step`, or from `source`: a step that
+    came from a twin or a peer, or (with `own_crcs`, its checksums) this node's own step
+    already read. Returns (status, (items, default_item), message)."""
     try:
-      crcs: dict[tuple[int, int], int] = {}
+      crcs: dict[tuple[int, int], int] = dict(own_crcs or {})
       if source is None:
         manifest = self._local.manifest(step)
         data = local_tier.read_data(self._local.directory / str(step), manifest, crcs)
+        where = str(self._local.directory / str(step))
+      elif own_crcs is not None:
+        manifest, data = source
         where = str(self._local.directory / str(step))
       else:
         manifest, data = source
@@ -1161,6 +1166,8 @@ class CheckpointManager(ocp.CheckpointManager):
     me, step = self._process_index, assembly.step
     transfers = assembly.transfers
     received: tuple[local_tier.StepManifest, np.ndarray] | None = None
+    # A twin that serves its own folder and restores from it reads (and checks) it once.
+    own_read: replication.OwnStep | None = None
     if transfers:
       outgoing: dict[int, peer_store.OutgoingStream] = {}
       sizes = np.zeros((len(transfers),), dtype=np.int64)
@@ -1168,7 +1175,11 @@ class CheckpointManager(ocp.CheckpointManager):
         if holder != me:
           continue
         try:
-          outgoing[dest] = replication.outgoing_step(kind, dest, step, self._local, self._store)
+          if kind == "twin" and own_read is None:
+            own_read = replication.read_own(self._local, step)
+          outgoing[dest] = replication.outgoing_step(
+              kind, dest, step, self._local, self._store,
+              own=own_read[:2] if kind == "twin" else None)
           sizes[j] = outgoing[dest].nbytes
         except (local_tier.LocalTierError, OSError) as e:
           logging.warning("orbax-mtc: cannot serve step %d to process %d from %s: %s", step,
@@ -1197,6 +1208,9 @@ class CheckpointManager(ocp.CheckpointManager):
     mine = assembly.sources[me]
     if mine.kind != restore_plan.OWN and received is None:
       status, value, message = _STATUS_UNUSABLE, None, "nothing usable received"
+    elif mine.kind == restore_plan.OWN and own_read is not None:
+      status, value, message = self._try_local(step, targets, single, own_read[:2],
+                                               own_read[2])
     else:
       status, value, message = self._try_local(step, targets, single, received)
     statuses = self._allgather(np.asarray([status], dtype=np.int64)).reshape(-1)

@@ -152,13 +152,14 @@ class ReplicationOptions:
     `peers_per_node`; mutually exclusive, as in the GKE replicator's replicator.yaml.
   chunk_mib / chunks_in_flight: transfers move in chunks of this size with at most this many
     in flight, so replication holds at most 2 x chunk_mib x chunks_in_flight MiB of extra host
-    or device memory per process (default 256 MiB).
+    or device memory per process (default 32 MiB). Small chunks stay in the CPU caches and
+    reuse their buffers: on CPU (gloo) 4-8 MiB chunks move bytes 2-4x faster than 64 MiB ones.
   """
 
   replica_axis: str | None = None
   peers_per_node: int | None = None
   peer_ranks: Sequence[Sequence[int]] | None = None
-  chunk_mib: int = 64
+  chunk_mib: int = 8
   chunks_in_flight: int = 2
 
   def __post_init__(self):

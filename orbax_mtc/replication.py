@@ -6,8 +6,9 @@ reaches in the same order (`save()`, `replicate_pending()`, `wait_until_finished
 1. `schedule(step, edges)` after a local save (or a recovery) was issued;
 2. `progress()`: one tiny all-gather of "is the step committed here, and how many bytes do I
    send on each edge"; once every node has committed, the streams are fixed;
-3. then each `progress()` retires the chunks issued last time (they ran while training went on)
-   and issues the next few, so a save blocks for no more than the device-to-host copy;
+3. then each `progress()` hands the chunks that have arrived to the writer and issues up to
+   128 MiB more (at most `window` chunks in flight; those still running when it returns run
+   while training goes on), so a step's copies are out within a few training steps;
 4. received chunks are written to `<local>/peers/<source>/.tmp-*` by the writer thread, which
    commits the copy by renaming it once the last chunk is in.
 
@@ -30,6 +31,9 @@ from orbax_mtc import local_tier, peer_store, transport
 from orbax_mtc.topology import Topology
 
 ShardKey = tuple[str, str, local_tier.Index]  # (item, leaf path, global index)
+
+# Bytes a non-blocking `progress()` issues per call (the replication share of one training step).
+_BYTES_PER_CALL = 128 << 20
 
 # Status a process reports for the step being replicated.
 WRITING, COMMITTED, FAILED = 0, 1, -1
@@ -77,20 +81,25 @@ def outgoing_step(kind: str, destination: int, step: int, local: local_tier.Loca
   Every checksum is verified here, on the reading side, before anything is sent.
   """
   if kind == "twin":
-    manifest, data = own if own is not None else _read_own(local, step)
+    manifest, data = own if own is not None else read_own(local, step)[:2]
     manifest = dataclasses.replace(manifest, process_index=destination)
   else:
     manifest, data = store.read(destination, step, local.directory / str(step))
   return peer_store.step_stream(manifest, data)
 
 
-def _read_own(local: local_tier.LocalTier, step: int
-              ) -> tuple[local_tier.StepManifest, np.ndarray]:
+# This node's own step as read: manifest, data, and the checksums computed while reading.
+OwnStep = tuple[local_tier.StepManifest, np.ndarray, dict[tuple[int, int], int]]
+
+
+def read_own(local: local_tier.LocalTier, step: int) -> OwnStep:
+  """Reads this node's committed `step` and verifies every checksum."""
   manifest = local.manifest(step)
   crcs: dict[tuple[int, int], int] = {}
   data = local_tier.read_data(local.directory / str(step), manifest, crcs)
   local_tier.verify_buffer(data, manifest, str(local.directory / str(step)), crcs)
-  return manifest, data
+  return manifest, data, crcs
+
 
 
 @dataclasses.dataclass
@@ -118,6 +127,9 @@ class Replicator:
     self._allgather = allgather
     self._chunk_bytes = chunk_bytes
     self._window = window
+    # Chunks issued per non-blocking call (at most `window` in flight at once): about
+    # _BYTES_PER_CALL, so a step of a few hundred MiB is out within a few training steps.
+    self._chunks_per_call = max(window, _BYTES_PER_CALL // max(1, chunk_bytes))
     self._job: _Job | None = None
     self.last_bytes_sent = 0
 
@@ -149,11 +161,12 @@ class Replicator:
     if job.transfer is None and not self._start(job, status):
       return
     assert job.transfer is not None
-    job.transfer.retire_finished()
     if block:
       job.transfer.run()
     else:
-      job.transfer.advance(self._window)
+      job.transfer.retire_ready()
+      job.transfer.advance(self._chunks_per_call)
+      job.transfer.retire_ready()
     if job.transfer.done:
       self._finish(job)
 

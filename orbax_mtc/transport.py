@@ -104,7 +104,10 @@ class Transfer:
       if receive is not None:
         self._sinks[receive] = sink_for(receive)
       for offset in range(0, largest, length):
-        self._chunks.append(_Chunk(tuple(round_edges), length, send, receive, offset))
+        # The last chunk only as long as what is left (rounded up): a 1 KiB tail of a
+        # manifest must not cost a whole chunk on the wire.
+        size = min(length, _chunk_bytes_for(largest - offset, chunk_limit))
+        self._chunks.append(_Chunk(tuple(round_edges), size, send, receive, offset))
     self._in_flight: collections.deque[tuple[_Chunk, jax.Array, np.ndarray]] = \
         collections.deque()
     self._free: list[np.ndarray] = []
@@ -154,6 +157,12 @@ class Transfer:
         self._retire()
       self._issue(self._chunks.popleft())
       issued += 1
+
+  def retire_ready(self) -> None:
+    """Hands the chunks that have already arrived to their sinks, in order, without waiting
+    (on CPU a chunk is complete when its dispatch returns; elsewhere this frees the window)."""
+    while self._in_flight and self._in_flight[0][1].is_ready():
+      self._retire()
 
   def retire_finished(self) -> None:
     """Hands every chunk already issued to its sink (waits for them; issues nothing)."""

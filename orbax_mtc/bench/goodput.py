@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from orbax_mtc.bench import limits
+
 FAILURE_KINDS = ("sigterm", "sigkill", "wipe")
 SYSTEMS = ("mtc", "orbax")
 _JOB_TIMEOUT_S = 900.0
@@ -75,6 +77,10 @@ def summarize(events: list[dict], failures: list[Failure], steps: int,
   saving = sum(e["save_s"] for e in step_events) + sum(
       e.get("wait_s", 0.0) for e in events if e["event"] in ("preempted", "done"))
   restoring = sum(e["restore_s"] for e in starts.values())
+  # Where the time inside save() goes: steps that saved, and the calls in between (which move
+  # peer copies forward).
+  saves = [e["save_s"] for e in step_events if e.get("saved")]
+  between = [e["save_s"] for e in step_events if not e.get("saved")]
   per_failure = []
   for f in failures:
     if f.run is None:
@@ -96,6 +102,8 @@ def summarize(events: list[dict], failures: list[Failure], steps: int,
       "productive_s": productive, "goodput": productive / wall_s if wall_s > 0 else None,
       "steps_executed": len(step_events), "steps_recomputed": len(step_events) - steps,
       "saving_s": saving, "restoring_s": restoring, "runs": len(starts),
+      "save_calls": {"saving": limits.spread(saves) | {"total_s": sum(saves)},
+                     "between": limits.spread(between) | {"total_s": sum(between)}},
       "failures": per_failure,
   }
 

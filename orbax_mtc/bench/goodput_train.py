@@ -119,10 +119,11 @@ def main(argv: list[str] | None = None) -> int:
       time.sleep(pad)  # simulated device time, not synchronisation
     t1 = time.perf_counter()
     state = {"w": w, "step": np.asarray(step, np.int32)}
-    mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+    saved = mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
     t2 = time.perf_counter()
     preempted = mgr.should_exit() if args.system == "mtc" else mgr.reached_preemption(step)
-    log("step", step=step, compute_s=t1 - t0, save_s=t2 - t1, preempted=bool(preempted))
+    log("step", step=step, compute_s=t1 - t0, save_s=t2 - t1, saved=bool(saved),
+        preempted=bool(preempted))
     print(f"{_CTRL} STEP {step}", flush=True)
     if preempted:
       t3 = time.perf_counter()

@@ -1,0 +1,35 @@
+"""The chunked `ppermute` transport between 3 real JAX processes: streams of odd sizes in
+both directions around the ring plus a longer one, in chunks far smaller than the streams
+(so every round ends with a short chunk), issued one chunk per call first and then all at
+once; every process checks each stream it received byte for byte (`mp_worker.py transport`)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import mp_helpers
+import pytest
+from mp_helpers import assert_ok, new_root, tail
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 65536])
+def test_streams_arrive_bit_exact_in_small_chunks(chunk_bytes):
+  root = new_root(f"transport-{chunk_bytes}")
+  try:
+    result, out = mp_helpers.run_job(
+        ["transport", "--chunk-bytes", str(chunk_bytes)], 3, root, devices=1, timeout_s=120)
+    assert_ok(result, out)
+    lines = [m.groups() for m in map(
+        re.compile(r"TRANSPORT process=(\d+) streams=(\d+) bad=(\[.*?\]) calls=(\d+)").search,
+        out.lines) if m]
+    assert sorted(int(p) for p, *_ in lines) == [0, 1, 2], tail(out)
+    for process, streams, bad, calls in lines:
+      assert bad == "[]", f"process {process} got corrupt streams {bad}\n{tail(out)}"
+      # Every process receives from both of its neighbours (the long stream replaces 0 -> 2).
+      assert int(streams) == 2, tail(out)
+      assert int(calls) == 6, "the stepwise phase should not have finished every chunk"
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
