@@ -695,25 +695,23 @@ class CheckpointManager(ocp.CheckpointManager):
       return True
     if not (local_due or persistent_due):
       return False
-    if persistent_due and step in self._local_steps():
-      # Already committed in RAM, not yet persistent (e.g. the final step, forced): back up
-      # that RAM copy; `args` only describe it.
-      trees, jsons, _ = self._split_save_args(args)
-      self._schedule_backup(step, args, trees, jsons, metrics, custom_metadata, time.time())
-      if not self._mtc_options.enable_async_checkpointing:
-        self._flush_backup()
-      return True
-    if local_due and step in self.all_steps():
-      # As Orbax: a step is never silently replaced (the tiers would then disagree on it).
-      raise ocp.checkpoint_manager.StepAlreadyExistsError(
-          f"Step {step} already exists (RAM tier {self._local.directory} or persistent tier "
-          f"{self.directory}). Delete it first with mgr.delete({step}) to save it again.")
     if local_due:
+      # Whether the step is already in RAM or persistent is decided there, after the save's
+      # one all-gather, so that every process takes the same branch.
       self._save_local(step, args, backup_wanted=persistent_due, metrics=metrics,
                        custom_metadata=custom_metadata)
     elif persistent_due:  # no RAM tier to take it from (read_only): straight from the arrays
+      if step in self._persistent_steps():
+        raise self._step_exists(step)
       self._start_backup(step, args, metrics, custom_metadata)
     return True
+
+  def _step_exists(self, step: int, holders: str = "") -> Exception:
+    # As Orbax: a step is never silently replaced (the tiers would then disagree on it).
+    return ocp.checkpoint_manager.StepAlreadyExistsError(
+        f"Step {step} already exists (RAM tier {self._local.directory}{holders} or persistent "
+        f"tier {self.directory}). Delete it first with mgr.delete({step}) on every process to "
+        "save it again.")
 
   def _save_parent_style(self, step: int, items: Any, save_kwargs: Any, metrics: Any,
                          force: bool | None, args: Any,
@@ -750,7 +748,7 @@ class CheckpointManager(ocp.CheckpointManager):
       return parent_saved
     self._mesh_from(trees)
     try:
-      self._save_local(step, args)
+      self._save_local(step, args, parent_saved=True)
     except TypeError as e:  # a leaf the RAM tier cannot hold (the same on every process)
       self._warn_once("ram-leaf", "orbax-mtc: step %d goes to %s alone: %s", step,
                       self.directory, e)
@@ -851,7 +849,11 @@ class CheckpointManager(ocp.CheckpointManager):
       logging.warning("orbax-mtc: cannot record the on-demand breakdown in %s: %s", step_dir, e)
 
   def _save_local(self, step: int, args: Any, *, backup_wanted: bool = False,
-                  metrics: Any = None, custom_metadata: dict[str, Any] | None = None) -> None:
+                  metrics: Any = None, custom_metadata: dict[str, Any] | None = None,
+                  parent_saved: bool = False) -> None:
+    """Stages and writes `step` to RAM (and schedules its backup and peer copies).
+    `parent_saved`: Orbax's own save has just written the step to `directory` (the parent-style
+    form, which mirrors it into RAM)."""
     trees, jsons, default_item = self._split_save_args(args)
     self._wait_local()  # one write in flight: the staging buffer is reused
     # The previous step's copies must be out before retention may retire its folder.
@@ -864,13 +866,30 @@ class CheckpointManager(ocp.CheckpointManager):
       saving = super().is_saving_in_progress()
     # One all-gather per local save (every process saves the same steps, so it is issued in
     # the same order everywhere: main thread, rule 2): the newest step each node holds, where
-    # each node is with the pending backup, whether Orbax is still writing one, and the clock
-    # of process 0 (which alone decides backups by minutes).
+    # each node is with the pending backup, whether Orbax is still writing one, the clock of
+    # process 0 (which alone decides backups by minutes), and whether the node already holds
+    # this step in RAM or persistent (so that every process takes the same branch below).
     steps = self._local_steps()
     row = np.asarray([steps[-1] if steps else -1,
                       pending.state() if pending is not None else backup.NONE,
-                      int(saving), int(time.time() * 1000)], dtype=np.int64)
+                      int(saving), int(time.time() * 1000), int(step in steps),
+                      int(step in self._persistent_steps())], dtype=np.int64)
     gathered = self._allgather(row)
+    in_ram, in_persistent = gathered[:, 4].astype(bool), gathered[:, 5].astype(bool)
+    if not parent_saved and in_ram.all() and backup_wanted and not in_persistent.any():
+      # Committed in RAM everywhere, not yet persistent (e.g. the final step, forced): back
+      # up those RAM copies; `args` only describe them.
+      if pending is not None:
+        self._advance_backup(gathered[:, 1], bool(gathered[:, 2].any()))
+      trees, jsons, _ = self._split_save_args(args)
+      self._schedule_backup(step, args, trees, jsons, metrics, custom_metadata, time.time())
+      if not self._mtc_options.enable_async_checkpointing:
+        self._flush_backup()
+      return
+    if not parent_saved and (in_ram.any() or in_persistent.any()):
+      where = "" if in_ram.all() or not in_ram.any() else \
+          f" of process(es) {np.flatnonzero(in_ram).tolist()} only"
+      raise self._step_exists(step, where)
     if self._process_count > 1:
       # Its minimum is the newest step all nodes hold.
       floor = int(gathered[:, 0].min())

@@ -188,6 +188,7 @@ class IncomingCopy:
     self.tmp.mkdir()
     self._fd = os.open(self.tmp / local_tier.DATA, os.O_RDWR | os.O_CREAT, 0o644)
     self.failed: BaseException | None = None
+    self.received = 0  # bytes written; chunks never overlap, so == nbytes when complete
 
   def write(self, offset: int, data: np.ndarray) -> None:
     if self.failed is not None:
@@ -197,6 +198,7 @@ class IncomingCopy:
       written = 0
       while written < len(view):
         written += os.pwrite(self._fd, view[written:], offset + written)
+      self.received += written
     except OSError as e:
       self.failed = e
 
@@ -205,6 +207,10 @@ class IncomingCopy:
     try:
       if self.failed is not None:
         raise self.failed
+      # A transfer cut short (an error on either side) must never commit a partial copy.
+      if self.received != self.nbytes or os.fstat(self._fd).st_size != self.nbytes:
+        raise local_tier.CorruptStepError(
+            f"incomplete copy: {self.received} of {self.nbytes} bytes received")
       os.fsync(self._fd)
       head = os.pread(self._fd, 1 << 16, 0)
       (length,) = _LEN.unpack(head[:_LEN.size])
@@ -237,6 +243,15 @@ class IncomingCopy:
       os.close(self._fd)
     self._store.apply_retention(self.source, keep_floor)
     return final
+
+
+  def abort(self) -> None:
+    """Drops a copy whose transfer failed (its temporary folder goes)."""
+    try:
+      os.close(self._fd)
+    except OSError:
+      pass
+    _remove(self.tmp)
 
 
 def _write_file(path: Path, text: str) -> None:
@@ -350,7 +365,11 @@ class PeerStore:
                 f"{folder}: shard {name}{leaf.path} {shard.index} is not in {own_dir}")
           got = os.preadv(own_fd, [target], mine.offset)
         if got != shard.nbytes:
-          raise local_tier.CorruptStepError(f"{folder}: short read of {name}{leaf.path}")
+          source_file = folder / local_tier.DATA if at >= 0 else own_path
+          raise local_tier.CorruptStepError(
+              f"{folder}: short read of {name}{leaf.path} ({got} of {shard.nbytes} bytes at "
+              f"{at if at >= 0 else own_index[(name, leaf.path, shard.index)].offset} of "
+              f"{source_file}, {os.path.getsize(source_file)} bytes)")
     finally:
       os.close(copy_fd)
       if own_fd >= 0:

@@ -161,12 +161,20 @@ class Replicator:
     if job.transfer is None and not self._start(job, status):
       return
     assert job.transfer is not None
-    if block:
-      job.transfer.run()
-    else:
-      job.transfer.retire_ready()
-      job.transfer.advance(self._chunks_per_call)
-      job.transfer.retire_ready()
+    try:
+      if block:
+        job.transfer.run()
+      else:
+        job.transfer.retire_ready()
+        job.transfer.advance(self._chunks_per_call)
+        job.transfer.retire_ready()
+    except BaseException:
+      # A chunk that failed to go out or come in leaves the streams incomplete: drop this
+      # step's copies instead of finishing (and committing) them later.
+      for incoming in job.incoming.values():
+        self._writer.submit(incoming.abort)
+      self._job = None
+      raise
     if job.transfer.done:
       self._finish(job)
 

@@ -439,6 +439,38 @@ def cmd_restore(args) -> int:
   return 0 if ok else EXIT_MISMATCH
 
 
+def cmd_resave(args) -> int:
+  """Saves steps [0, --steps), then every process saves again, forced: the newest step after
+  --drop-process lost it from RAM (only), then the one before (in RAM everywhere)."""
+  import jax
+  import orbax.checkpoint as ocp
+  from jax.experimental import multihost_utils
+
+  from orbax_mtc import distributed
+
+  distributed.initialize()
+  mesh = make_mesh()
+  me = jax.process_index()
+  with _manager(args, mesh) as mgr:
+    _save_loop(args, mgr, mesh, 0, args.steps)
+    newest = args.steps - 1
+    if me == args.drop_process:
+      mgr._local.delete(newest)  # this node alone no longer holds it (e.g. a failed write)
+    multihost_utils.sync_global_devices("mp-worker-resave")
+    for step in (newest, newest - 1):
+      state = make_state(mesh, args.rows, args.seed, step)
+      try:
+        saved = mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)),
+                         force=True)
+        outcome = f"saved={int(saved)}"
+      except Exception as e:  # noqa: BLE001 - reported to the test
+        outcome = f"{type(e).__name__}: {e}".replace("\n", " ")
+      _out(f"RESAVE process={me} step={step} detail={outcome}")
+    mgr.wait_until_finished()
+    _out(f"PERSISTENT process={me} steps={_fmt(mgr._persistent_steps())}")
+  return 0
+
+
 def _stream_bytes(source: int, destination: int, nbytes: int):
   import numpy as np
 
@@ -848,6 +880,11 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--data", type=int, required=True, help="data axis size when saved")
   p.add_argument("--model", type=int, required=True, help="model axis size when saved")
   p.set_defaults(fn=cmd_plain_restore)
+
+  p = common(sub.add_parser("resave"))
+  p.add_argument("--steps", type=int, required=True)
+  p.add_argument("--drop-process", type=int, default=1)
+  p.set_defaults(fn=cmd_resave, die_at_step=None, die_process=None)
 
   p = sub.add_parser("transport")
   p.add_argument("--chunk-bytes", type=int, default=16384)

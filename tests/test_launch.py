@@ -90,9 +90,10 @@ if want is not None:
   assert jax.device_count() == 2 * want, jax.devices()
   assert "--xla_backend_optimization_level=2" in os.environ["XLA_FLAGS"]
 open(os.path.join(info.local_directory, "ok"), "w").write(str(jax.local_device_count()))
-# One write: with several print() arguments an unbuffered stream gets one write each, and
-# gloo's own stderr lines can land between them.
-print(f"gathered {np.asarray(gathered).tolist()}", flush=True)
+# One write of the whole line: print() writes the text and its newline separately on an
+# unbuffered stream, and gloo's own stderr lines can land between them.
+sys.stdout.write(f"gathered {np.asarray(gathered).tolist()}\\n")
+sys.stdout.flush()
 """
 
 

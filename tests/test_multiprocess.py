@@ -10,9 +10,10 @@ restored step, printing `@@mtc RESULT process=i step=S tier=T ok=1`.
 
 Covered: round trip from RAM; restart after a SIGKILL that left nodes with different steps;
 all RAM folders wiped; one node replaced; a corrupt shard on one node; the persistent tier read
-by plain Orbax in one process with one device; 4 processes x 1 device. Two tests guard fixes
+by plain Orbax in one process with one device; 4 processes x 1 device. Three tests guard fixes
 for bugs found here (retention keeps the newest step every node holds; a restore that finds
-nothing drops abandoned local steps).
+nothing drops abandoned local steps; a forced re-save of a step only some nodes hold is refused
+on every node instead of desynchronising the collectives).
 
 Wall time on a 2-core machine: about 45 s.
 """
@@ -327,6 +328,24 @@ def test_restart_from_scratch_drops_abandoned_local_steps(shm_root, tmp_path):
   result, out = run_job(["restore", *b_args], 2, shm_root)
   assert_results(out, 2, step=9, tier="local")
   assert_ok(result, out)
+
+
+def test_forced_resave_takes_the_same_branch_on_every_process(shm_root, tmp_path):
+  """save(step, force=True) of a step that only some processes hold in RAM raises
+  StepAlreadyExistsError on every process, naming the holders (it used to back the step up on
+  those and wait in the save's all-gather on the others: a hang); a step every process holds
+  is backed up from RAM on all of them."""
+  args = ["--local-interval", "1", "--local-keep", "3", "--persistent-interval", "1000",
+          "--peers-per-node", "0", "--persistent-dir", str(tmp_path / "persistent")]
+  result, out = run_job(["resave", "--steps", "6", "--drop-process", "1", *args], 2, shm_root)
+  assert_ok(result, out)
+  outcomes = {(node, f["step"]): f["detail"] for node, f in mp_worker.events(out.lines, "RESAVE")}
+  for node in (0, 1):
+    assert outcomes[(node, "5")].startswith("StepAlreadyExistsError"), tail(out)
+    assert "process(es) [0] only" in outcomes[(node, "5")], outcomes
+    assert outcomes[(node, "4")] == "saved=1", outcomes
+  persistent = {node: f["steps"] for node, f in mp_worker.events(out.lines, "PERSISTENT")}
+  assert persistent == {0: "0,4", 1: "0,4"}, tail(out)
 
 
 # ----------------------------------------------------------------------------- 4 x 1

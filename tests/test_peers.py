@@ -18,6 +18,7 @@ import pathlib
 import shutil
 
 import mp_helpers
+import numpy as np
 import pytest
 from mp_helpers import assert_ok, mp_worker, new_root, tail
 
@@ -200,3 +201,17 @@ def test_without_peers_a_lost_node_means_persistent(mixed_run, shm_root, tmp_pat
   persistent = clone(mixed_run, shm_root, tmp_path, wipe=(1,))
   out = restore(mixed_run, shm_root, persistent, "--peers-per-node", "0")
   assert restored(out) == expect(0, tier_others="persistent")
+
+
+def test_incomplete_copy_is_never_committed(tmp_path):
+  """A transfer cut short (the peer died mid-stream, a chunk failed) leaves a copy without
+  its last bytes: commit must refuse it even though its header parses, and abort removes it."""
+  store = peer_store.PeerStore(tmp_path, max_to_keep=None)
+  incoming = store.begin(1, 3, 1 << 20)
+  incoming.write(0, np.zeros(1 << 19, np.uint8))  # half of the stream arrived
+  assert incoming.commit(None) is None
+  assert store.copies() == []
+  dropped = store.begin(1, 4, 1 << 20)
+  dropped.write(0, np.zeros(1 << 19, np.uint8))
+  dropped.abort()
+  assert store.copies() == [] and not dropped.tmp.exists()

@@ -114,6 +114,7 @@ class _Watch:
   def __init__(self):
     self.cond = threading.Condition()
     self.max_step = 0
+    self.stepped = False  # this run has trained a step
     self._partial = ""
     self.tail: list[str] = []
 
@@ -125,6 +126,7 @@ class _Watch:
         self.tail = (self.tail + [line])[-40:]
         if line.startswith("[node 0] @@gp STEP "):
           self.max_step = max(self.max_step, int(line.rsplit(" ", 1)[1]))
+          self.stepped = True
       self.cond.notify_all()
     return len(text)
 
@@ -167,7 +169,11 @@ def _run_system(system: str, args, schedule: list[Failure], root: Path) -> dict[
         with watch.cond:
           watch.cond.wait(timeout=0.5)  # woken by output; the timeout notices exits
           reached = watch.max_step
-        if pending and reached >= pending[0].at_step:
+          stepped = watch.stepped
+        # One failure per run, once it trains: a job that goes on after its failure (SIGTERM:
+        # to the agreed step) must not take the next one too, which belongs to the restart.
+        if pending and stepped and reached >= pending[0].at_step and not any(
+            f.run == run for f in failures):
           failure = pending.pop(0)
           failure.injected_at, failure.run = time.time(), run
           pid = job.pids[failure.node]
