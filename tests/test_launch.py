@@ -108,7 +108,9 @@ def test_two_processes_allgather(tmp_path, local_root):
   assert result.returncodes == [0, 0] and result.failed_process is None
   lines = out.getvalue().splitlines()
   for i in range(2):
-    assert f"[node {i}] gathered [0, 1]" in lines, out.getvalue()
+    # gloo writes its own stderr lines in pieces, so ours may share a line with one of them.
+    assert any(line.startswith(f"[node {i}] ") and "gathered [0, 1]" in line
+               for line in lines), out.getvalue()
     # The RAM tier outlives the job.
     assert (local_root / f"node{i}" / "ok").is_file()
 
