@@ -244,7 +244,6 @@ class IncomingCopy:
     self._store.apply_retention(self.source, keep_floor)
     return final
 
-
   def abort(self) -> None:
     """Drops a copy whose transfer failed (its temporary folder goes)."""
     try:

@@ -101,7 +101,6 @@ def read_own(local: local_tier.LocalTier, step: int) -> OwnStep:
   return manifest, data, crcs
 
 
-
 @dataclasses.dataclass
 class _Job:
   step: int
