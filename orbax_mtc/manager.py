@@ -701,17 +701,8 @@ class CheckpointManager(ocp.CheckpointManager):
       self._save_local(step, args, backup_wanted=persistent_due, metrics=metrics,
                        custom_metadata=custom_metadata)
     elif persistent_due:  # no RAM tier to take it from (read_only): straight from the arrays
-      if step in self._persistent_steps():
-        raise self._step_exists(step)
       self._start_backup(step, args, metrics, custom_metadata)
     return True
-
-  def _step_exists(self, step: int, holders: str = "") -> Exception:
-    # As Orbax: a step is never silently replaced (the tiers would then disagree on it).
-    return ocp.checkpoint_manager.StepAlreadyExistsError(
-        f"Step {step} already exists (RAM tier {self._local.directory}{holders} or persistent "
-        f"tier {self.directory}). Delete it first with mgr.delete({step}) on every process to "
-        "save it again.")
 
   def _save_parent_style(self, step: int, items: Any, save_kwargs: Any, metrics: Any,
                          force: bool | None, args: Any,
@@ -887,9 +878,13 @@ class CheckpointManager(ocp.CheckpointManager):
         self._flush_backup()
       return
     if not parent_saved and (in_ram.any() or in_persistent.any()):
+      # As Orbax: a step is never silently replaced (the tiers would then disagree on it).
       where = "" if in_ram.all() or not in_ram.any() else \
           f" of process(es) {np.flatnonzero(in_ram).tolist()} only"
-      raise self._step_exists(step, where)
+      raise ocp.checkpoint_manager.StepAlreadyExistsError(
+          f"Step {step} already exists (RAM tier {self._local.directory}{where} or persistent "
+          f"tier {self.directory}). Delete it first with mgr.delete({step}) on every process "
+          "to save it again.")
     if self._process_count > 1:
       # Its minimum is the newest step all nodes hold.
       floor = int(gathered[:, 0].min())
@@ -1162,12 +1157,10 @@ class CheckpointManager(ocp.CheckpointManager):
         manifest = self._local.manifest(step)
         data = local_tier.read_data(self._local.directory / str(step), manifest, crcs)
         where = str(self._local.directory / str(step))
-      elif own_crcs is not None:
-        manifest, data = source
-        where = str(self._local.directory / str(step))
       else:
         manifest, data = source
-        where = f"step {step} received from another node"
+        where = str(self._local.directory / str(step)) if own_crcs is not None else \
+            f"step {step} received from another node"
       if single is None and manifest.default_item:  # args omitted: follow how it was saved
         targets = {_DEFAULT_ITEM: targets["state"]}
       restored = local_tier.arrays_from_buffer(data, manifest, targets, where, crcs=crcs)
@@ -1197,8 +1190,7 @@ class CheckpointManager(ocp.CheckpointManager):
           if kind == "twin" and own_read is None:
             own_read = replication.read_own(self._local, step)
           outgoing[dest] = replication.outgoing_step(
-              kind, dest, step, self._local, self._store,
-              own=own_read[:2] if kind == "twin" else None)
+              kind, dest, step, self._local, self._store, own_read)
           sizes[j] = outgoing[dest].nbytes
         except (local_tier.LocalTierError, OSError) as e:
           logging.warning("orbax-mtc: cannot serve step %d to process %d from %s: %s", step,

@@ -208,7 +208,7 @@ class IncomingCopy:
       if self.failed is not None:
         raise self.failed
       # A transfer cut short (an error on either side) must never commit a partial copy.
-      if self.received != self.nbytes or os.fstat(self._fd).st_size != self.nbytes:
+      if self.received != self.nbytes:
         raise local_tier.CorruptStepError(
             f"incomplete copy: {self.received} of {self.nbytes} bytes received")
       os.fsync(self._fd)
@@ -356,19 +356,18 @@ class PeerStore:
       for (name, leaf, shard), at in zip(entries, meta.layout, strict=True):
         target = memoryview(data[shard.offset:shard.offset + shard.nbytes])
         if at >= 0:
-          got = os.preadv(copy_fd, [target], at)
+          fd, offset, source_file = copy_fd, at, folder / local_tier.DATA
         else:
           mine = own_index.get((name, leaf.path, shard.index))
           if mine is None or mine.nbytes != shard.nbytes:
             raise local_tier.CorruptStepError(
                 f"{folder}: shard {name}{leaf.path} {shard.index} is not in {own_dir}")
-          got = os.preadv(own_fd, [target], mine.offset)
+          fd, offset, source_file = own_fd, mine.offset, own_path
+        got = os.preadv(fd, [target], offset)
         if got != shard.nbytes:
-          source_file = folder / local_tier.DATA if at >= 0 else own_path
           raise local_tier.CorruptStepError(
               f"{folder}: short read of {name}{leaf.path} ({got} of {shard.nbytes} bytes at "
-              f"{at if at >= 0 else own_index[(name, leaf.path, shard.index)].offset} of "
-              f"{source_file}, {os.path.getsize(source_file)} bytes)")
+              f"{offset} of {source_file}, {os.fstat(fd).st_size} bytes)")
     finally:
       os.close(copy_fd)
       if own_fd >= 0:

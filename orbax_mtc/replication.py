@@ -73,21 +73,6 @@ def skip_ordinals(manifest: local_tier.StepManifest, receiver: frozenset[ShardKe
           if leaf.kind == "array" and (name, leaf.path, shard.index) in receiver}
 
 
-def outgoing_step(kind: str, destination: int, step: int, local: local_tier.LocalTier,
-                  store: peer_store.PeerStore, own: tuple[local_tier.StepManifest, np.ndarray]
-                  | None = None) -> peer_store.OutgoingStream:
-  """A whole step for `destination`: from this node's own folder (a twin) or a copy it holds.
-
-  Every checksum is verified here, on the reading side, before anything is sent.
-  """
-  if kind == "twin":
-    manifest, data = own if own is not None else read_own(local, step)[:2]
-    manifest = dataclasses.replace(manifest, process_index=destination)
-  else:
-    manifest, data = store.read(destination, step, local.directory / str(step))
-  return peer_store.step_stream(manifest, data)
-
-
 # This node's own step as read: manifest, data, and the checksums computed while reading.
 OwnStep = tuple[local_tier.StepManifest, np.ndarray, dict[tuple[int, int], int]]
 
@@ -99,6 +84,22 @@ def read_own(local: local_tier.LocalTier, step: int) -> OwnStep:
   data = local_tier.read_data(local.directory / str(step), manifest, crcs)
   local_tier.verify_buffer(data, manifest, str(local.directory / str(step)), crcs)
   return manifest, data, crcs
+
+
+def outgoing_step(kind: str, destination: int, step: int, local: local_tier.LocalTier,
+                  store: peer_store.PeerStore, own: OwnStep | None) -> peer_store.OutgoingStream:
+  """A whole step for `destination`: this node's own step `own` (as a twin, read with
+  `read_own`) or a copy it holds.
+
+  Every checksum is verified on the reading side, before anything is sent.
+  """
+  if kind == "twin":
+    assert own is not None, "a twin serves its own step, read by read_own"
+    manifest, data = own[:2]
+    manifest = dataclasses.replace(manifest, process_index=destination)
+  else:
+    manifest, data = store.read(destination, step, local.directory / str(step))
+  return peer_store.step_stream(manifest, data)
 
 
 @dataclasses.dataclass
