@@ -68,6 +68,23 @@ def test_summarize_computes_ratios_against_limits_and_orbax():
   assert "10.00x" in text and "4 x 4096 MiB (needs 96 GiB)" in text
 
 
+def test_summarize_pairs_each_figure_with_the_limit_taken_beside_it():
+  # Repetition 2 ran while the machine was slow for both: paired, it is a 1.0x repetition;
+  # the medians of the two series would make it 2.0x.
+  row = suite.summarize(_record(
+      mtc_blocking_s=[0.010, 0.030, 0.020], paired_memcpy_s=[0.010, 0.030, 0.010],
+      mtc_save_s=[0.040, 0.080, 0.040], paired_raw_write_s=[0.020, 0.060, 0.030],
+      mtc_restore_s=[0.020, 0.020], paired_raw_read_s=[0.010, 0.010, 0.010],
+      mtc_local_restore_ring_s=[0.1, 0.4, 0.1], mtc_recovery_ring_s=[0.1, 0.4, 0.3]))
+  r = row["ratios"]
+  assert r["save blocking / memcpy"] == pytest.approx(1.0)  # per repetition: 1, 1, 2
+  assert r["local save / raw write"] == pytest.approx(0.75)  # 0.5, 0.75, 0.75
+  assert r["recovery / local restore (ring)"] == pytest.approx(1.0)  # 1, 1, 3
+  # Series of different lengths are not pairs: the medians of the phases are compared.
+  assert r["restore / raw read"] == pytest.approx(0.5)
+  assert row["paired_memcpy_gbps"] == pytest.approx(100 * 2**20 / 0.010 / 1e9)
+
+
 def test_summarize_leaves_unmeasured_contenders_out():
   row = suite.summarize({"procs": 1, "mib": 8, "bytes_per_process": 8 * 2**20, "replicas": 1,
                          "seconds": {"memcpy_s": [0.01], "mtc_blocking_s": [0.02]}})
@@ -115,13 +132,17 @@ def test_suite_smoke_run(tmp_path):
   for run in raw["runs"]:
     seconds = run["seconds"]
     expected = {"memcpy_s", "raw_write_new_s", "raw_read_s", "orbax_save_s", "mtc_save_s",
-                "mtc_blocking_s", "mtc_restore_s", "loop_plain_s", "loop_local_s"}
+                "mtc_blocking_s", "mtc_restore_s", "loop_plain_s", "loop_local_s",
+                "paired_memcpy_s", "paired_raw_write_s", "paired_raw_read_s"}
     if run["procs"] == 2:
       expected |= {"raw_ppermute_s", "raw_broadcast_s", "emergency_save_s",
                    "emergency_restore_s", "mtc_replication_ring_s", "mtc_recovery_ring_s",
                    "mtc_recovery_twin_s", "loop_peers_s"}
     assert expected <= set(seconds), expected - set(seconds)
     assert all(len(v) >= 1 and all(x > 0 for x in v) for v in seconds.values())
+    for ours, limit in (("mtc_blocking_s", "paired_memcpy_s"), ("mtc_save_s",
+                        "paired_raw_write_s"), ("mtc_restore_s", "paired_raw_read_s")):
+      assert len(seconds[ours]) == len(seconds[limit])  # one pair per repetition
   for row in raw["summary"]:
     assert row["mtc_save_gbps"] > 0 and row["ondemand_s"] > 0
   table = (out / "suite.md").read_text()

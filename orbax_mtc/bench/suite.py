@@ -89,10 +89,19 @@ def summarize(record: dict[str, Any], ondemand: Sequence[dict[str, Any]] = ()) -
   def ratio(a: float, b: float) -> float:
     return a / b if b and b == b and a == a else float("nan")
 
+  def paired(ours: str, limit: str, *, bandwidth: bool) -> float | None:
+    """Median over repetitions of ours against the limit taken beside it in the same
+    repetition (bandwidth: the limit's seconds over ours); None if not measured in pairs."""
+    a, b = sec.get(ours), sec.get(limit)
+    if not a or not b or len(a) != len(b):
+      return None
+    return statistics.median(ratio(y, x) if bandwidth else ratio(x, y)
+                             for x, y in zip(a, b, strict=True))
+
   out: dict[str, Any] = {"procs": record["procs"], "mib": record["mib"],
                          "bytes_per_process": nbytes}
   for key in ("memcpy", "raw_write_new", "raw_write_overwrite", "raw_read", "raw_ppermute",
-              "raw_broadcast", "mtc_save", "mtc_restore", "orbax_save", "orbax_restore",
+              "raw_broadcast", "paired_memcpy", "paired_raw_write", "paired_raw_read", "mtc_save", "mtc_restore", "orbax_save", "orbax_restore",
               "emergency_save", "emergency_restore"):
     if f"{key}_s" in sec:
       out[f"{key}_gbps"] = gbps(f"{key}_s")
@@ -101,18 +110,28 @@ def summarize(record: dict[str, Any], ondemand: Sequence[dict[str, Any]] = ()) -
       out[f"{key}_s"] = med(f"{key}_s")
   raw_write = max(out.get("raw_write_new_gbps", float("nan")),
                   out.get("raw_write_overwrite_gbps", float("nan")))
-  ratios = {
-      "local save / raw write": ratio(out.get("mtc_save_gbps", float("nan")), raw_write),
-      "restore / raw read": ratio(out.get("mtc_restore_gbps", float("nan")),
-                                  out.get("raw_read_gbps", float("nan"))),
-      "save blocking / memcpy": ratio(med("mtc_blocking_s"), med("memcpy_s")),
+  # Target ratios pair each of our figures with its limit from the same repetition where the
+  # worker measured them so (records from before that compare the medians of the phases).
+  pairs = {
+      "local save / raw write": (paired("mtc_save_s", "paired_raw_write_s", bandwidth=True),
+                                 ratio(out.get("mtc_save_gbps", float("nan")), raw_write)),
+      "restore / raw read": (paired("mtc_restore_s", "paired_raw_read_s", bandwidth=True),
+                             ratio(out.get("mtc_restore_gbps", float("nan")),
+                                   out.get("raw_read_gbps", float("nan")))),
+      "save blocking / memcpy": (paired("mtc_blocking_s", "paired_memcpy_s", bandwidth=False),
+                                 ratio(med("mtc_blocking_s"), med("memcpy_s"))),
   }
+  ratios = {name: by_pairs if by_pairs is not None else by_medians
+            for name, (by_pairs, by_medians) in pairs.items()}
   for layout in ("ring", "twin"):
     if f"mtc_recovery_{layout}_s" in sec:
       out[f"recovery_{layout}_s"] = med(f"mtc_recovery_{layout}_s")
       out[f"local_restore_{layout}_s"] = med(f"mtc_local_restore_{layout}_s")
-      ratios[f"recovery / local restore ({layout})"] = ratio(
-          out[f"recovery_{layout}_s"], out[f"local_restore_{layout}_s"])
+      # The local restore of each repetition is taken just before its recovery.
+      by_pairs = paired(f"mtc_recovery_{layout}_s", f"mtc_local_restore_{layout}_s",
+                        bandwidth=False)
+      ratios[f"recovery / local restore ({layout})"] = by_pairs if by_pairs is not None else \
+          ratio(out[f"recovery_{layout}_s"], out[f"local_restore_{layout}_s"])
       moved = _median(sec.get(f"mtc_replication_{layout}_bytes"))
       out[f"replication_{layout}_bytes"] = moved
       out[f"replication_{layout}_s"] = med(f"mtc_replication_{layout}_s")
@@ -163,7 +182,8 @@ def markdown(rows: Sequence[dict[str, Any]], skipped: Sequence[dict[str, Any]],
              command: str) -> str:
   """The ratio tables (pure)."""
   lines = [f"`{command}`", "",
-           "Targets (orbax-mtc / limit measured in the same run; medians, slowest process):", "",
+           "Targets (slowest process; each of our figures against its limit measured beside it "
+           "in the same repetition, median over the repetitions):", "",
            "| procs | MiB/proc | local save / raw write (≥0.6) | restore / raw read (≥0.6) | "
            "blocking / memcpy (≤1.25) | recovery / local restore (≤1.5): ring, twin | "
            "loop overhead (≤5 %): local, peers | replication / ppermute |",
@@ -342,7 +362,7 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 2048, 4096],
                       help="state MiB per process (combinations that do not fit are skipped)")
   parser.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4])
-  parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--reps", type=int, default=5)
   parser.add_argument("--ondemand-reps", type=int, default=1,
                       help="SIGTERM jobs per process count and size (0: none)")
   parser.add_argument("--loop-steps", type=int, default=30)

@@ -304,14 +304,30 @@ def _plain_orbax(job: _Job, mib: int, state: Any, abstract: Any, res: dict) -> N
 
 
 def _mtc_local(job: _Job, mib: int, state: Any, abstract: Any, res: dict) -> None:
-  """Local tier alone (peers off): blocking time, save until committed, restore."""
+  """Local tier alone (peers off): blocking time, save until committed, restore.
+
+  Each repetition also takes the limit each of these is held to right beside it (a memcpy
+  before the save, a raw overwrite of the same bytes after it, a raw read before the
+  restore), so that a target ratio compares figures taken moments apart: on a shared VM the
+  machine's speed drifts between the phases of a run.
+  """
   import jax
+  import numpy as np
   import orbax.checkpoint as ocp
 
+  from orbax_mtc.bench import limits
+
   folder = job.local_root / f"mtc-{mib}"
+  data = limits.host_bytes(state)
+  scratch = np.empty_like(data)
+  limits.memcpy(scratch, data)  # as the staging buffer: pages already mapped
+  raw = str(job.local_root / f"paired-{mib}.bin")
+  limits.raw_write(raw, data, overwrite=False)  # as the reused step file: overwritten in place
   with job.mtc_manager(folder, abstract, peers=False) as mgr:
     for rep in range(job.args.reps + 1):
       step = rep + 1
+      if rep > 0:
+        job.measure(res, "paired_memcpy_s", lambda: limits.memcpy(scratch, data))
       job.barrier()
       start = time.perf_counter()
       mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
@@ -322,12 +338,16 @@ def _mtc_local(job: _Job, mib: int, state: Any, abstract: Any, res: dict) -> Non
         continue
       job.record(res, "mtc_blocking_s", blocking)
       job.record(res, "mtc_save_s", total)
+      job.measure(res, "paired_raw_write_s", lambda: limits.raw_write(raw, data, overwrite=True))
+      job.measure(res, "paired_raw_read_s", lambda: limits.raw_read(raw), warm=True)
       restored = job.measure(res, "mtc_restore_s", lambda s=step: jax.block_until_ready(
           mgr.restore(s).state), warm=True)
       assert mgr.last_restore.tier == "local", mgr.last_restore
       if rep == 1 and not job.equal(restored, state):
         raise AssertionError("orbax-mtc restore is not bit-exact")
       del restored
+  data = scratch = None  # freed before the next phase
+  os.unlink(raw)
   job.barrier()
   shutil.rmtree(folder, ignore_errors=True)
 
