@@ -30,7 +30,7 @@ from typing import Any
 def _parse(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser()
   parser.add_argument("--sizes", type=int, nargs="+", required=True, help="MiB per process")
-  parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--reps", type=int, default=5)
   parser.add_argument("--persistent", required=True, help="shared folder for Orbax/persistent")
   parser.add_argument("--shared-local", required=True,
                       help="shared RAM-disk folder for plain Orbax (one checkpoint for all)")
