@@ -25,7 +25,8 @@ from typing import Any
 
 # Peak memory of one process for one size, in multiples of the state, measured by the worker
 # (`peak_rss_bytes` in suite.json): up to 7x in memory (the ring phase holds the state, its
-# one-replica copy, a restore and the transport's buffers; Orbax's restore about 5x) plus the
+# one-replica copy, a restore and the transport's buffers; the local phase, with its paired
+# limits, about 7x too; Orbax's restore about 5x) plus the
 # RAM-disk files alive at once (step, peer copy, raw file).
 PEAK_STATE_MULTIPLE = 10
 RUNTIME_BYTES_PER_PROCESS = 2**29  # Python, JAX and XLA before any state
@@ -101,8 +102,9 @@ def summarize(record: dict[str, Any], ondemand: Sequence[dict[str, Any]] = ()) -
   out: dict[str, Any] = {"procs": record["procs"], "mib": record["mib"],
                          "bytes_per_process": nbytes}
   for key in ("memcpy", "raw_write_new", "raw_write_overwrite", "raw_read", "raw_ppermute",
-              "raw_broadcast", "paired_memcpy", "paired_raw_write", "paired_raw_read", "mtc_save", "mtc_restore", "orbax_save", "orbax_restore",
-              "emergency_save", "emergency_restore"):
+              "raw_broadcast", "paired_memcpy", "paired_raw_write", "paired_raw_read",
+              "mtc_save", "mtc_restore", "orbax_save", "orbax_restore", "emergency_save",
+              "emergency_restore"):
     if f"{key}_s" in sec:
       out[f"{key}_gbps"] = gbps(f"{key}_s")
   for key in ("memcpy", "mtc_blocking", "orbax_blocking", "emergency_blocking"):
