@@ -872,7 +872,6 @@ class CheckpointManager(ocp.CheckpointManager):
       # up those RAM copies; `args` only describe them.
       if pending is not None:
         self._advance_backup(gathered[:, 1], bool(gathered[:, 2].any()))
-      trees, jsons, _ = self._split_save_args(args)
       self._schedule_backup(step, args, trees, jsons, metrics, custom_metadata, time.time())
       if not self._mtc_options.enable_async_checkpointing:
         self._flush_backup()
