@@ -19,8 +19,10 @@ background thread.
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -46,6 +48,7 @@ TMP_PREFIX = ".tmp-"
 SPARE_PREFIX = ".spare-"
 _ALIGN = 64
 _WRITE_CHUNK = 64 << 20
+_IOV_MAX = 1024  # Linux: views per pwritev call
 _CRC_CHUNK = 16 << 20
 _PIPELINE_PIECE = 4 << 20  # read, then checksum, this much at a time: it stays in cache
 
@@ -168,13 +171,47 @@ class _PendingShard:
 
 @dataclasses.dataclass
 class StagedStep:
-  """Host copy of this node's part of one step, ready for the background writer."""
+  """This node's part of one step in host memory, ready for the background writer."""
 
   step: int
-  buffer: np.ndarray  # uint8, at least `size` bytes; owned by the writer until it finishes
+  # (offset in data.bin, its bytes as uint8), ascending and disjoint; nothing may change these
+  # bytes until the writer is done with them (see `stage`).
+  pieces: list[tuple[int, np.ndarray]]
   size: int
   items: dict[str, ItemRecord]  # leaves with crc32c still 0: the writer fills them in
   default_item: bool
+
+  @classmethod
+  def from_buffer(cls, step: int, buffer: np.ndarray, size: int, items: dict[str, ItemRecord],
+                  default_item: bool) -> StagedStep:
+    """A step already laid out as one buffer (a copy received from a peer)."""
+    return cls(step=step, pieces=[(0, buffer[:size])], size=size, items=items,
+               default_item=default_item)
+
+  def bytes_at(self, offset: int, nbytes: int) -> np.ndarray:
+    """The `nbytes` staged at `offset` (one shard's range lies within one piece)."""
+    i = bisect.bisect_right(self._starts, offset) - 1
+    if i < 0 or offset + nbytes > self.pieces[i][0] + self.pieces[i][1].nbytes:
+      raise ValueError(f"step {self.step}: bytes {offset}+{nbytes} are not staged")
+    start, piece = self.pieces[i]
+    return piece[offset - start:offset - start + nbytes]
+
+  @functools.cached_property
+  def _starts(self) -> list[int]:
+    return [start for start, _ in self.pieces]
+
+  def views(self) -> list[memoryview]:
+    """data.bin from offset 0 to `size` as consecutive views: the pieces, with zero bytes
+    for the alignment gaps between them."""
+    out, at = [], 0
+    for start, piece in self.pieces:
+      if start > at:
+        out.append(memoryview(np.zeros(start - at, np.uint8)))
+      out.append(memoryview(piece).cast("B"))
+      at = start + piece.nbytes
+    if self.size > at:
+      out.append(memoryview(np.zeros(self.size - at, np.uint8)))
+    return out
 
 
 def _is_array_leaf(x: Any) -> bool:
@@ -251,25 +288,17 @@ def _lists_from_int_keys(node: Any) -> Any:
   return node
 
 
-class BufferPool:
-  """One reusable host staging buffer: reusing pages avoids first-touch page faults."""
+def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any], *,
+          default_item: bool) -> StagedStep:
+  """This node's unique shards in host memory (the blocking part of a save).
 
-  def __init__(self):
-    self._buffer: np.ndarray | None = None
-
-  def get(self, nbytes: int) -> np.ndarray:
-    if self._buffer is None or self._buffer.nbytes < nbytes or self._buffer.nbytes > 2 * nbytes:
-      self._buffer = np.empty(max(nbytes, 1), dtype=np.uint8)
-    return self._buffer
-
-
-def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any],
-          pool: BufferPool, *, default_item: bool) -> StagedStep:
-  """Copies this node's unique shards to one host buffer (the blocking part of a save).
-
-  Each distinct shard index this process holds is written once: the copy that restores this
-  node's devices without any transfer. Data-parallel twins on other nodes write the same
-  shard, which is what makes them free copies of each other.
+  A jax array's shard is its host value: on accelerators a device-to-host copy; on CPU a
+  read-only view of the array's own buffer, which JAX neither frees nor donates to another
+  computation while the view is alive, so no copy is needed there. Host leaves (numpy arrays,
+  scalars) are copied: the caller may change them once `save` returns. Each distinct shard
+  index this process holds is staged once: the copy that restores this node's devices without
+  any transfer. Data-parallel twins on other nodes write the same shard, which is what makes
+  them free copies of each other.
   """
   pending: list[_PendingShard] = []
   items: dict[str, ItemRecord] = {}
@@ -313,12 +342,21 @@ def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any],
   for p in pending:
     if isinstance(p.source, jax.Array):
       p.source.copy_to_host_async()
-  buffer = pool.get(offset)
-  for p in pending:
-    target = buffer[p.offset:p.offset + p.nbytes].view(p.dtype).reshape(p.shape)
-    np.copyto(target, np.asarray(p.source), casting="no")
-  return StagedStep(step=step, buffer=buffer, size=offset, items=items,
+  pieces = [(p.offset, _host_bytes(p)) for p in pending]
+  return StagedStep(step=step, pieces=pieces, size=offset, items=items,
                     default_item=default_item)
+
+
+def _host_bytes(shard: _PendingShard) -> np.ndarray:
+  """One staged shard as C-ordered uint8 that nothing changes until the write is done."""
+  if isinstance(shard.source, jax.Array):
+    host = np.asarray(shard.source)
+  else:
+    host = np.array(shard.source, copy=True)
+  if host.dtype != shard.dtype or host.shape != shard.shape or host.nbytes != shard.nbytes:
+    raise TypeError(f"a shard of dtype {host.dtype} shape {host.shape} was staged as "
+                    f"{shard.dtype} {shard.shape}")
+  return np.ascontiguousarray(host).reshape(-1).view(np.uint8)
 
 
 # ----------------------------------------------------------------------------- directory
@@ -358,15 +396,52 @@ def fsync_dir(path: Path) -> None:
     os.close(fd)
 
 
+def _crc(data: np.ndarray) -> int:
+  value = 0
+  for start in range(0, data.nbytes, _CRC_CHUNK):
+    value = crc32c.crc32c(data[start:start + _CRC_CHUNK], value)
+  return value
+
+
 def _crc_ranges(buffer: np.ndarray, ranges: Sequence[tuple[int, int]]) -> list[int]:
-  out = []
-  for offset, nbytes in ranges:
-    value = 0
-    for start in range(offset, offset + nbytes, _CRC_CHUNK):
-      stop = min(start + _CRC_CHUNK, offset + nbytes)
-      value = crc32c.crc32c(buffer[start:stop], value)
-    out.append(value)
-  return out
+  return [_crc(buffer[offset:offset + nbytes]) for offset, nbytes in ranges]
+
+
+def _crc_staged(staged: StagedStep, ranges: Sequence[tuple[int, int]]) -> list[int]:
+  return [_crc(staged.bytes_at(offset, nbytes)) for offset, nbytes in ranges]
+
+
+def _write_views(fd: int, views: Sequence[memoryview]) -> None:
+  """Writes `views` back to back from offset 0: gathered into calls of up to _WRITE_CHUNK
+  bytes and _IOV_MAX views (many small leaves cost few system calls), short writes resumed."""
+  batch: list[memoryview] = []
+  batch_bytes = offset = 0
+
+  def flush() -> None:
+    nonlocal batch_bytes, offset
+    done = os.pwritev(fd, batch, offset)
+    at = offset + done
+    for view in batch:  # resumes a short write (rare): the rest one view at a time
+      if done >= view.nbytes:
+        done -= view.nbytes
+        continue
+      rest, done = view[done:], 0
+      while rest.nbytes:
+        n = os.pwrite(fd, rest, at)
+        rest, at = rest[n:], at + n
+    offset += batch_bytes
+    batch.clear()
+    batch_bytes = 0
+
+  for view in views:
+    for start in range(0, view.nbytes, _WRITE_CHUNK):
+      part = view[start:start + _WRITE_CHUNK]
+      if batch and (batch_bytes + part.nbytes > _WRITE_CHUNK or len(batch) >= _IOV_MAX):
+        flush()
+      batch.append(part)
+      batch_bytes += part.nbytes
+  if batch:
+    flush()
 
 
 class LocalTier:
@@ -430,15 +505,12 @@ class LocalTier:
       tmp.mkdir()
     ranges = [(s.offset, s.nbytes) for it in staged.items.values() for leaf in it.leaves
               for s in leaf.shards]
-    crcs = self._crc_pool.submit(_crc_ranges, staged.buffer, ranges)
+    crcs = self._crc_pool.submit(_crc_staged, staged, ranges)
     data_path = tmp / DATA
     try:
       fd = os.open(data_path, os.O_WRONLY | os.O_CREAT, 0o644)
       try:
-        view = memoryview(staged.buffer)[: staged.size]
-        written = 0
-        while written < staged.size:
-          written += os.pwrite(fd, view[written:written + _WRITE_CHUNK], written)
+        _write_views(fd, staged.views())
         os.ftruncate(fd, staged.size)
         os.fsync(fd)
       finally:

@@ -463,7 +463,6 @@ class CheckpointManager(ocp.CheckpointManager):
           return
 
   def _init_runtime(self) -> None:
-    self._buffers = local_tier.BufferPool()
     self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtc-local-write")
     self._pending: concurrent.futures.Future | None = None
     self._pending_step: int | None = None
@@ -846,7 +845,7 @@ class CheckpointManager(ocp.CheckpointManager):
     `parent_saved`: Orbax's own save has just written the step to `directory` (the parent-style
     form, which mirrors it into RAM)."""
     trees, jsons, default_item = self._split_save_args(args)
-    self._wait_local()  # one write in flight: the staging buffer is reused
+    self._wait_local()  # one write in flight (as Orbax): steps commit in order
     # The previous step's copies must be out before retention may retire its folder.
     self._replication_progress(block=True)
     pending = self._backup_pending
@@ -900,7 +899,7 @@ class CheckpointManager(ocp.CheckpointManager):
       backup_wanted = backup.interval_due(self._backup_policy, step, now,
                                           self._last_backup_attempt, saving_anywhere)
     started = time.perf_counter()
-    staged = local_tier.stage(step, trees, jsons, self._buffers, default_item=default_item)
+    staged = local_tier.stage(step, trees, jsons, default_item=default_item)
     self.last_save_blocking_seconds = time.perf_counter() - started
     self._pending_step = step
     if self._mtc_options.enable_async_checkpointing:
@@ -1249,8 +1248,8 @@ class CheckpointManager(ocp.CheckpointManager):
       manifest, data = received
       if step in self._local_steps():  # its own copy was unusable (corrupt): replace it
         self._local.delete(step)
-      staged = local_tier.StagedStep(step=step, buffer=data, size=manifest.data_size,
-                                     items=manifest.items, default_item=manifest.default_item)
+      staged = local_tier.StagedStep.from_buffer(step, data, manifest.data_size, manifest.items,
+                                                 manifest.default_item)
       self._pending_step = step
       self._pending = self._writer.submit(self._write_local, staged)
     if self._replicator is not None and sets is not None:

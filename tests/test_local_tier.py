@@ -18,10 +18,9 @@ from orbax_mtc import local_tier as lt
 pytestmark = pytest.mark.timeout(60)
 
 
-def _write(tier, mesh, step, seed=None, pool=None, default_item=False):
+def _write(tier, mesh, step, seed=None, default_item=False):
   state = make_state(mesh, seed=step if seed is None else seed)
-  staged = lt.stage(step, {"state": state}, {"meta": {"step": step}}, pool or lt.BufferPool(),
-                    default_item=default_item)
+  staged = lt.stage(step, {"state": state}, {"meta": {"step": step}}, default_item=default_item)
   return state, tier.write(staged, process_index=0, process_count=1)
 
 
@@ -87,9 +86,8 @@ def test_item_metadata_from_manifest(tier, mesh):
 
 
 def test_default_item_metadata_is_bare_tree(tier, mesh):
-  pool = lt.BufferPool()
   state = make_state(mesh, 1)
-  staged = lt.stage(1, {"default": state}, {}, pool, default_item=True)
+  staged = lt.stage(1, {"default": state}, {}, default_item=True)
   step_dir = tier.write(staged, 0, 1)
   meta = lt.item_metadata(lt.read_manifest(step_dir))
   assert set(meta) == set(state)
@@ -128,10 +126,9 @@ def test_prepare_removes_interrupted_saves_and_extra_spares(shm_dir, mesh):
 
 
 def test_retention_keeps_max_to_keep_and_reuses_a_spare(tier, mesh):
-  pool = lt.BufferPool()
   saved = {}
   for step in range(0, 12, 2):
-    saved[step], _ = _write(tier, mesh, step, pool=pool)
+    saved[step], _ = _write(tier, mesh, step)
     steps = lt.committed_steps(tier.directory)
     assert steps == sorted(saved)[-2:]
     names = [p.name for p in tier.directory.iterdir()]
@@ -158,11 +155,10 @@ def test_retention_never_drops_the_newest(shm_dir, mesh):
 
 def test_spare_reuse_with_a_smaller_state_truncates(tier, mesh):
   big = make_state(mesh, 1, scale=8)
-  pool = lt.BufferPool()
   for step in (1, 2, 3):
-    tier.write(lt.stage(step, {"state": big}, {}, pool, default_item=False), 0, 1)
+    tier.write(lt.stage(step, {"state": big}, {}, default_item=False), 0, 1)
   small = make_state(mesh, 4)
-  step_dir = tier.write(lt.stage(4, {"state": small}, {}, pool, default_item=False), 0, 1)
+  step_dir = tier.write(lt.stage(4, {"state": small}, {}, default_item=False), 0, 1)
   manifest = lt.verify_step(step_dir)
   assert (step_dir / lt.DATA).stat().st_size == manifest.data_size
   restored = lt.read_step(step_dir, manifest, {"state": abstract_of(small)})
@@ -282,9 +278,9 @@ def test_read_onto_host_targets(tier, mesh):
 
 def test_unsupported_leaf_type_rejected(mesh):
   with pytest.raises(TypeError, match="cannot store"):
-    lt.stage(0, {"state": {"x": "a string"}}, {}, lt.BufferPool(), default_item=False)
+    lt.stage(0, {"state": {"x": "a string"}}, {}, default_item=False)
   with pytest.raises(TypeError, match="not JSON-serialisable"):
-    lt.stage(0, {}, {"meta": {"x": object()}}, lt.BufferPool(), default_item=False)
+    lt.stage(0, {}, {"meta": {"x": object()}}, default_item=False)
 
 
 def test_prepare_rejects_a_file(shm_dir):
@@ -326,3 +322,48 @@ def test_prepare_rejects_non_writable_directory(shm_dir):
       lt.LocalTier(path, max_to_keep=1).prepare()
   finally:
     path.chmod(0o700)
+
+
+def test_stage_holds_jax_shards_in_place_and_copies_host_leaves(tier, mesh):
+  state = make_state(mesh, 3)
+  want = {**state, "host": state["host"].copy()}
+  staged = lt.stage(1, {"state": state}, {}, default_item=False)
+  shard_views = [np.asarray(s.data) for leaf in jax.tree.leaves(state)
+                 if isinstance(leaf, jax.Array) for s in leaf.addressable_shards]
+  in_place = [piece for _, piece in staged.pieces
+              if any(np.shares_memory(piece, v) for v in shard_views)]
+  # One piece per distinct shard of each jax array, none a copy (on CPU, the array's buffer).
+  distinct = sum(len({lt.normalize_index(s.index, leaf.shape) for s in leaf.addressable_shards})
+                 for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array))
+  assert len(in_place) == distinct
+  assert not any(np.shares_memory(piece, state["host"]) for _, piece in staged.pieces)
+  state["host"][:] = -1.0  # the caller may change a numpy leaf once save returns
+  step_dir = tier.write(staged, 0, 1)
+  restored = lt.read_step(step_dir, lt.verify_step(step_dir), {"state": abstract_of(want)})
+  assert_trees_equal(restored["state"], want)
+
+
+def test_write_views_gathers_small_views_and_resumes_short_writes(shm_dir, monkeypatch):
+  rng = np.random.default_rng(0)
+  views = [memoryview(rng.integers(0, 256, n, dtype=np.uint8)) for n in
+           (0, 1, 250, 7, 0, 5, 6, 8, 64, 1000, 3, 99, 2)]
+  monkeypatch.setattr(lt, "_WRITE_CHUNK", 100)  # splits and batches at small sizes
+  monkeypatch.setattr(lt, "_IOV_MAX", 3)
+  real_pwritev, real_pwrite = os.pwritev, os.pwrite
+  calls = []
+
+  def short_pwritev(fd, buffers, offset):  # the kernel may write less than asked
+    calls.append(len(buffers))
+    return real_pwritev(fd, [bytes(b)[:17] for b in buffers[:1]], offset)
+
+  monkeypatch.setattr(os, "pwritev", short_pwritev)
+  monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: real_pwrite(fd, bytes(data)[:40],
+                                                                         offset))
+  path = shm_dir / "data.bin"
+  fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+  try:
+    lt._write_views(fd, views)
+  finally:
+    os.close(fd)
+  assert path.read_bytes() == b"".join(bytes(v) for v in views)
+  assert max(calls) == 3 and len(calls) < sum(-(-v.nbytes // 100) for v in views)

@@ -9,6 +9,7 @@ import errno
 import os
 import shutil
 import subprocess
+import threading
 import uuid
 
 import jax
@@ -587,6 +588,36 @@ def test_pending_step_counts_and_delete_waits(open_manager, dirs, mesh):
   assert mgr.all_steps() == []
   assert local_tier.committed_steps(dirs[0]) == []
 
+
+
+def test_donating_the_state_while_its_write_is_in_flight_keeps_the_saved_bytes(
+    open_manager, mesh, monkeypatch):
+  """save() stages CPU arrays without copying them; a training step that donates those arrays
+  while the write is still running must neither change the step nor get wrong inputs."""
+  writing, release = threading.Event(), threading.Event()
+  write = local_tier.LocalTier.write
+
+  def held_write(self, staged, *args):
+    writing.set()
+    assert release.wait(60), "the test never released the write"
+    return write(self, staged, *args)
+
+  monkeypatch.setattr(local_tier.LocalTier, "write", held_write)
+  mgr = open_manager(_options(local_every=2, persistent_every=10**6))
+  state = make_state(mesh, 5)
+  want = jax.tree.map(lambda x: np.array(x, copy=True), state)
+  arrays = {k: v for k, v in state.items() if isinstance(v, jax.Array)}
+  train_step = jax.jit(lambda tree: jax.tree.map(lambda x: x * 2, tree), donate_argnums=0)
+  mgr.save(2, args=_composite(state))
+  assert writing.wait(60)
+  stepped = jax.block_until_ready(train_step(arrays))  # the write has not read a byte yet
+  release.set()
+  mgr.wait_until_finished()
+  for name, value in stepped.items():
+    np.testing.assert_array_equal(np.asarray(value), want[name] * 2)
+  restored = mgr.restore(2).state
+  assert mgr.last_restore.tier == "local"
+  assert_host_equal(restored, want)
 
 def _lkg_consistent(local_dir):
   """Every LKG link of the directory points at a committed step, the newest one."""

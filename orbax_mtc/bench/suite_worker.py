@@ -259,7 +259,7 @@ def _limits(job: _Job, state: Any, res: dict) -> None:
   data = limits.host_bytes(state)
   raw = str(job.local_root / "raw.bin")
   scratch = np.empty_like(data)
-  limits.memcpy(scratch, data)  # a staging buffer is reused: its pages are already mapped
+  limits.memcpy(scratch, data)  # into pages already mapped, as a reused buffer's
   for _ in range(job.args.reps):
     job.measure(res, "memcpy_s", lambda: limits.memcpy(scratch, data))
     job.measure(res, "raw_write_new_s", lambda: limits.raw_write(raw, data, overwrite=False))
@@ -320,7 +320,7 @@ def _mtc_local(job: _Job, mib: int, state: Any, abstract: Any, res: dict) -> Non
   folder = job.local_root / f"mtc-{mib}"
   data = limits.host_bytes(state)
   scratch = np.empty_like(data)
-  limits.memcpy(scratch, data)  # as the staging buffer: pages already mapped
+  limits.memcpy(scratch, data)  # into pages already mapped, as a reused buffer's
   raw = str(job.local_root / f"paired-{mib}.bin")
   limits.raw_write(raw, data, overwrite=False)  # as the reused step file: overwritten in place
   with job.mtc_manager(folder, abstract, peers=False) as mgr:
@@ -334,7 +334,7 @@ def _mtc_local(job: _Job, mib: int, state: Any, abstract: Any, res: dict) -> Non
       blocking = time.perf_counter() - start
       mgr.wait_until_finished()
       total = time.perf_counter() - start
-      if rep == 0:  # the first save allocates the staging buffer and the first file
+      if rep == 0:  # the first save creates the tier's first step file
         continue
       job.record(res, "mtc_blocking_s", blocking)
       job.record(res, "mtc_save_s", total)
@@ -472,10 +472,9 @@ def _loop_overhead(job: _Job, mib: int, state: Any, abstract: Any, res: dict) ->
                                                         every=args.save_every)
       if mgr is not None:
         # Steady state: a long run pays the first saves' one-time costs once, not every
-        # `--loop-steps`: the staging buffer, and the tier's max_to_keep + 1 step files (later
-        # saves overwrite the file of the step retention retired; a new file costs fresh RAM-disk
-        # pages, seconds per GiB on this VM). Steps 1 and 2 (step 0 would be due in the
-        # persistent tier too).
+        # `--loop-steps`: the tier's max_to_keep + 1 step files (later saves overwrite the file
+        # of the step retention retired; a new file costs fresh RAM-disk pages, seconds per GiB
+        # on this VM). Steps 1 and 2 (step 0 would be due in the persistent tier too).
         for warm_step in (1, 2):
           mgr.save(warm_step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(current)),
                    force=True)
