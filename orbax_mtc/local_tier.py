@@ -352,8 +352,8 @@ def _host_bytes(shard: _PendingShard) -> np.ndarray:
   if isinstance(shard.source, jax.Array):
     host = np.asarray(shard.source)
   else:
-    host = np.array(shard.source, copy=True)
-  if host.dtype != shard.dtype or host.shape != shard.shape or host.nbytes != shard.nbytes:
+    host = np.array(shard.source, copy=True, order="C")  # one copy, already C-ordered
+  if host.dtype != shard.dtype or host.shape != shard.shape:
     raise TypeError(f"a shard of dtype {host.dtype} shape {host.shape} was staged as "
                     f"{shard.dtype} {shard.shape}")
   return np.ascontiguousarray(host).reshape(-1).view(np.uint8)
