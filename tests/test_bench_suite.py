@@ -21,12 +21,16 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_plan_runs_skips_what_does_not_fit_and_says_why():
-  runs, skipped = suite.plan_runs([1, 2, 4], [64, 1024, 4096], available_bytes=20 * 2**30)
-  # Each process needs 10x its state plus 0.5 GiB: 2 x 1024 MiB needs 21 GiB.
-  assert runs == {1: [64, 1024], 2: [64], 4: [64]}
-  assert {(s["procs"], s["mib"]) for s in skipped} == {(1, 4096), (2, 1024), (2, 4096),
-                                                        (4, 1024), (4, 4096)}
+  runs, skipped = suite.plan_runs([1, 2, 4], [64, 1024, 2048, 4096],
+                                  available_bytes=20 * 2**30)
+  # One process needs 9x its state plus 0.5 GiB (1 x 2048 MiB: 18.5 GiB); with peers 10x
+  # (2 x 1024 MiB: 21 GiB).
+  assert runs == {1: [64, 1024, 2048], 2: [64], 4: [64]}
+  assert {(s["procs"], s["mib"]) for s in skipped} == {
+      (1, 4096), (2, 1024), (2, 2048), (2, 4096), (4, 1024), (4, 2048), (4, 4096)}
   assert all("GiB" in s["why"] and "available" in s["why"] for s in skipped)
+  assert next(s for s in skipped if s["procs"] == 1)["why"].startswith(
+      "needs about 36.5 GiB of memory and RAM disk (9x the state")
 
 
 def _record(**extra):
@@ -85,6 +89,37 @@ def test_summarize_pairs_each_figure_with_the_limit_taken_beside_it():
   assert row["paired_memcpy_gbps"] == pytest.approx(100 * 2**20 / 0.010 / 1e9)
 
 
+def test_on_an_accelerator_blocking_is_held_to_the_device_to_host_copy():
+  # --fresh-state (the default off CPU): the paired limit of the blocking time is the
+  # device-to-host copy of the state, not a host memcpy.
+  record = _record(mtc_blocking_s=[0.010, 0.012], paired_memcpy_s=[0.001, 0.001],
+                   paired_d2h_s=[0.010, 0.008], d2h_s=[0.009])
+  row = suite.summarize({**record, "backend": "gpu", "device_kind": "NVIDIA H100"}, [])
+  row_cpu = suite.summarize(_record(mtc_blocking_s=[0.010, 0.012],
+                                    paired_memcpy_s=[0.001, 0.001]), [])
+  assert row["blocking_limit"] == "device-to-host copy"
+  assert row["ratios"]["save blocking / memcpy"] == pytest.approx((1.0 + 1.5) / 2)
+  assert row["targets"]["save blocking / memcpy"]["met"] is True
+  assert row["d2h_gbps"] == pytest.approx(100 * 2**20 / 0.009 / 1e9)
+  assert row_cpu["blocking_limit"] == "memcpy"
+  assert row_cpu["ratios"]["save blocking / memcpy"] == pytest.approx(11.0)
+  text = suite.markdown([row], [], "cmd")
+  assert "blocking / device-to-host copy (≤1.25)" in text and "fresh device copy" in text
+  assert "| memcpy / device-to-host |" in text and "Arrays on: gpu (NVIDIA H100)." in text
+  assert "blocking / memcpy (≤1.25)" in suite.markdown([row_cpu], [], "cmd")
+
+
+def test_device_to_host_copies_every_distinct_shard():
+  import jax.numpy as jnp
+
+  tree = {"a": jnp.arange(12, dtype=jnp.float32).reshape(3, 4), "b": limits.np.ones(5)}
+  parts = limits.device_to_host(tree)
+  assert [p.shape for p in parts] == [(3, 4), (5,)]
+  assert limits.np.array_equal(parts[0], limits.np.arange(12).reshape(3, 4))
+  assert all(isinstance(p, limits.np.ndarray) for p in parts)
+  assert limits.local_nbytes(tree) == sum(p.nbytes for p in parts)
+
+
 def test_summarize_leaves_unmeasured_contenders_out():
   row = suite.summarize({"procs": 1, "mib": 8, "bytes_per_process": 8 * 2**20, "replicas": 1,
                          "seconds": {"memcpy_s": [0.01], "mtc_blocking_s": [0.02]}})
@@ -103,8 +138,8 @@ def test_limits_raw_write_and_read_round_trip(tmp_path):
   assert limits.spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
 
 
-@pytest.mark.timeout(500)
-def test_suite_smoke_run(tmp_path):
+def _run_suite(tmp_path: pathlib.Path, *args: str) -> tuple[dict, str]:
+  """Runs `orbax-mtc bench suite ARGS` in a fresh RAM-disk scratch folder; (suite.json, .md)."""
   shm = pathlib.Path("/dev/shm")
   base = shm if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path
   scratch = base / f"orbax-mtc-suite-test-{uuid.uuid4().hex[:8]}"
@@ -113,9 +148,8 @@ def test_suite_smoke_run(tmp_path):
   env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
   try:
     done = subprocess.run(
-        [sys.executable, "-m", "orbax_mtc", "bench", "suite", "--sizes", "1", "3",
-         "--procs", "1", "2", "--reps", "1", "--loop-steps", "4", "--save-every", "2",
-         "--step-ms", "5", "--out", str(out), "--scratch", str(scratch), "--quiet"],
+        [sys.executable, "-m", "orbax_mtc", "bench", "suite", *args, "--out", str(out),
+         "--scratch", str(scratch), "--quiet"],
         env=env, capture_output=True, text=True, timeout=480, start_new_session=True)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert list(scratch.iterdir()) == []
@@ -126,6 +160,14 @@ def test_suite_smoke_run(tmp_path):
     raise AssertionError(f"non-JSON number {token} in suite.json")
 
   raw = json.loads((out / "suite.json").read_text(), parse_constant=no_nan)
+  assert (out / "suite.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  return raw, (out / "suite.md").read_text()
+
+
+@pytest.mark.timeout(500)
+def test_suite_smoke_run(tmp_path):
+  raw, table = _run_suite(tmp_path, "--sizes", "1", "3", "--procs", "1", "2", "--reps", "1",
+                          "--loop-steps", "4", "--save-every", "2", "--step-ms", "5")
   assert raw["environment"]["jax"] and raw["environment"]["orbax_checkpoint"]
   assert {(r["procs"], r["mib"]) for r in raw["summary"]} == {(1, 1), (1, 3), (2, 1), (2, 3)}
   assert len(raw["ondemand"]) == 4
@@ -145,6 +187,26 @@ def test_suite_smoke_run(tmp_path):
       assert len(seconds[ours]) == len(seconds[limit])  # one pair per repetition
   for row in raw["summary"]:
     assert row["mtc_save_gbps"] > 0 and row["ondemand_s"] > 0
-  table = (out / "suite.md").read_text()
   assert table.count("\n| 1 | ") == 6 and table.count("\n| 2 | ") == 6  # 2 sizes x 3 tables
-  assert (out / "suite.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert all(run["backend"] == "cpu" and run["fresh_state"] is False for run in raw["runs"])
+  assert "blocking / memcpy (≤1.25)" in table and "Arrays on: cpu." in table
+
+
+@pytest.mark.timeout(300)
+def test_suite_fresh_state_run_holds_blocking_to_the_device_to_host_copy(tmp_path):
+  # The path an accelerator takes (--fresh-state auto turns it on off CPU), run on CPU: every
+  # save gets a fresh device copy, and the limits include the device-to-host copy.
+  raw, table = _run_suite(tmp_path, "--sizes", "1", "--procs", "1", "--reps", "2",
+                          "--contenders", "limits", "orbax", "mtc", "loop", "--loop-steps",
+                          "4", "--save-every", "2", "--step-ms", "5", "--ondemand-reps", "0",
+                          "--fresh-state", "on")
+  (run,) = raw["runs"]
+  seconds = run["seconds"]
+  assert run["fresh_state"] is True
+  assert len(seconds["d2h_s"]) == 2
+  assert len(seconds["paired_d2h_s"]) == len(seconds["mtc_blocking_s"]) == 2
+  assert {"orbax_save_s", "mtc_save_s", "mtc_restore_s", "loop_local_s"} <= set(seconds)
+  (row,) = raw["summary"]
+  assert row["blocking_limit"] == "device-to-host copy"
+  assert row["targets"]["save blocking / memcpy"]["value"] > 0
+  assert "blocking / device-to-host copy (≤1.25)" in table

@@ -69,6 +69,17 @@ def memcpy(dst: np.ndarray, src: np.ndarray) -> None:
   np.copyto(dst, src)
 
 
+def device_to_host(tree: Any) -> list[np.ndarray]:
+  """This process's distinct shards of `tree` in host memory, every copy started before any
+  is awaited: on an accelerator, what a save must wait for before training may change the
+  arrays. Meaningful on arrays whose host copy JAX has not cached yet (`np.asarray` keeps it)."""
+  parts = _distinct_local_parts(tree)
+  for part in parts:
+    if hasattr(part, "copy_to_host_async"):
+      part.copy_to_host_async()
+  return [np.asarray(part) for part in parts]
+
+
 def raw_write(path: str, data: np.ndarray, *, overwrite: bool) -> None:
   """Writes `data` to `path` and fsyncs it; without `overwrite` the file is new."""
   if not overwrite and os.path.exists(path):

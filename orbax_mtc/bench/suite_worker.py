@@ -9,6 +9,11 @@ orbax-mtc (save blocking, local save, restore, replication, recovery of a node w
 is wiped, training-loop overhead). Each figure is the slowest process's. Process 0 prints one
 `@@suite <json>` line per size.
 
+With `--fresh-state on` (the default off CPU) every save, and every device-to-host limit, starts
+from a fresh device copy of the state: JAX keeps an array's host copy once it was fetched, so
+saving the same arrays again would skip the device-to-host copy a training step's new arrays
+need. The blocking limit is then that copy (all shards at once), not a host memcpy.
+
 With 2 or more processes (an even count) the mesh is (data=2, model=N/2): two data-parallel
 replicas, each process holding `mib` MiB of the state, its twin in the other replica holding the
 same shards. With one process the mesh is 1x1 and the multi-process contenders are skipped.
@@ -38,6 +43,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--loop-reps", type=int, default=1)
   parser.add_argument("--save-every", type=int, default=10)
   parser.add_argument("--step-ms", type=float, default=200.0)
+  parser.add_argument("--fresh-state", choices=("auto", "on", "off"), default="auto",
+                      help="save a fresh device copy of the state each time (auto: off on CPU)")
   parser.add_argument("--contenders", nargs="+",
                       default=["limits", "orbax", "emergency", "mtc", "loop"])
   return parser.parse_args(argv)
@@ -48,6 +55,7 @@ class _Job:
 
   def __init__(self, args: argparse.Namespace):
     import jax
+    import jax.numpy as jnp
 
     from orbax_mtc import distributed
 
@@ -59,6 +67,10 @@ class _Job:
     self.local_root = Path(distributed.local_directory())
     self._barriers = 0
     self.state_bytes = 0  # per process, of the size being measured
+    self.backend = jax.default_backend()
+    self.fresh_state = args.fresh_state == "on" or (
+        args.fresh_state == "auto" and self.backend != "cpu")
+    self._copy_tree = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
     if "emergency" in args.contenders and self.replicas > 1:
       from orbax.checkpoint._src.multihost import multihost as ocp_multihost
 
@@ -110,6 +122,15 @@ class _Job:
     out = fn()
     res.setdefault(name, []).append(self.slowest(time.perf_counter() - start))
     return out
+
+  def fresh(self, state: Any) -> Any:
+    """With --fresh-state, a copy of `state` in new device buffers, as a training step leaves
+    its arrays (no host copy cached yet); otherwise `state` itself."""
+    if not self.fresh_state:
+      return state
+    import jax
+
+    return jax.block_until_ready(self._copy_tree(state))
 
   def record(self, res: dict, name: str, seconds: float) -> None:
     res.setdefault(name, []).append(self.slowest(seconds))
@@ -210,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     if job.me == 0:
       print("@@suite " + json.dumps({
           "procs": job.n, "mib": mib, "bytes_per_process": nbytes, "replicas": job.replicas,
+          "backend": job.backend, "device_kind": jax.devices()[0].device_kind,
+          "fresh_state": job.fresh_state,
           "seconds": res, "notes": notes,
           "rss_bytes_after": rss_after, "peak_rss_bytes": rss_peak}), flush=True)
   return 0
@@ -266,6 +289,10 @@ def _limits(job: _Job, state: Any, res: dict) -> None:
     job.measure(res, "raw_write_overwrite_s",
                 lambda: limits.raw_write(raw, data, overwrite=True))
     job.measure(res, "raw_read_s", lambda: limits.raw_read(raw), warm=True)
+    if job.fresh_state:
+      probe = job.fresh(state)
+      job.measure(res, "d2h_s", lambda p=probe: limits.device_to_host(p))
+      del probe
   os.unlink(raw)
   if job.n > 1:
     permute = limits.RingPermute(data.nbytes)
@@ -285,9 +312,10 @@ def _plain_orbax(job: _Job, mib: int, state: Any, abstract: Any, res: dict) -> N
       max_to_keep=1)) as plain:
     for rep in range(job.args.reps + 1):
       step = rep + 1
+      current = job.fresh(state)
       job.barrier()
       start = time.perf_counter()
-      plain.save(step, args=ocp.args.StandardSave(state))
+      plain.save(step, args=ocp.args.StandardSave(current))
       blocking = time.perf_counter() - start
       plain.wait_until_finished()
       total = time.perf_counter() - start
@@ -328,9 +356,14 @@ def _mtc_local(job: _Job, mib: int, state: Any, abstract: Any, res: dict) -> Non
       step = rep + 1
       if rep > 0:
         job.measure(res, "paired_memcpy_s", lambda: limits.memcpy(scratch, data))
+        if job.fresh_state:
+          probe = job.fresh(state)
+          job.measure(res, "paired_d2h_s", lambda p=probe: limits.device_to_host(p))
+          del probe
+      current = job.fresh(state)
       job.barrier()
       start = time.perf_counter()
-      mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+      mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(current)))
       blocking = time.perf_counter() - start
       mgr.wait_until_finished()
       total = time.perf_counter() - start
@@ -369,9 +402,10 @@ def _emergency(job: _Job, mib: int, state: Any, abstract: Any, res: dict) -> Non
                                    options=options) as manager:
     for rep in range(job.args.reps + 1):
       step = rep + 1
+      current = job.fresh(state)
       job.barrier()
       start = time.perf_counter()
-      manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+      manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(current)))
       blocking = time.perf_counter() - start
       manager.wait_until_finished()
       total = time.perf_counter() - start
@@ -418,7 +452,8 @@ def _replicate_and_recover(job: _Job, folder_name: str, layout: str, state: Any,
     with job.mtc_manager(folder, abstract, peers=True, mesh=mesh) as mgr:
       # Due in RAM only (a forced save would also start a persistent backup, whose threads
       # would run during the replication measured next).
-      assert mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+      assert mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(
+          job.fresh(state))))
       mgr._wait_local()  # committed in RAM; the peer copies are still to go
       job.measure(res, f"mtc_replication_{layout}_s", mgr.replicate_pending)
       res.setdefault(f"mtc_replication_{layout}_bytes", []).append(
@@ -455,10 +490,13 @@ def _loop_overhead(job: _Job, mib: int, state: Any, abstract: Any, res: dict) ->
   # the host's own cores, so an update that rewrote the whole state would take the host time
   # an accelerator leaves free (and at 1 GiB outlast the step). Only the step counter changes;
   # the arrays are passed through, and every save still copies and writes all their bytes.
+  # With --fresh-state (an accelerator) the arrays are copied on the device each step, so
+  # that every save waits for their device-to-host copy, as after a real step.
   bump = jax.jit(lambda step: step + 1)
 
   def update(s: dict) -> dict:
-    return {"w": s["w"], "h": s["h"], "step": bump(s["step"])}
+    arrays = job.fresh({"w": s["w"], "h": s["h"]})
+    return {**arrays, "step": bump(s["step"])}
 
   jax.block_until_ready(update(state))
   variants = [("loop_plain_s", None), ("loop_local_s", False)]
