@@ -49,7 +49,11 @@ ACCELERATORS = ("tpu", "gpu")
 # Peers holding different bytes: TPU peers are twins in other slices; GPU jobs have no replicas.
 DEFAULT_PEERS = {"tpu": 0, "gpu": 1}
 CSI_DRIVER = "multitier-checkpoint.csi.storage.gke.io"
-TEMPLATES = Path(__file__).resolve().parents[1] / "configs"
+# Installed from a wheel, the templates are package data (orbax_mtc/configs); in a checkout
+# (also an editable install) they are the checkout's configs/.
+_INSTALLED_TEMPLATES = Path(__file__).resolve().parent / "configs"
+TEMPLATES = _INSTALLED_TEMPLATES if _INSTALLED_TEMPLATES.is_dir() else \
+    Path(__file__).resolve().parents[1] / "configs"
 MANIFEST_FILES = ("checkpoint-configuration.yaml", "jobset-maxtext.yaml")
 PLACEHOLDER = re.compile(r"\$\{([A-Z][A-Z0-9_]*)\}")
 # What --render fills, per accelerator (the templates may use no other placeholder).
@@ -392,8 +396,8 @@ def render(outdir: str | Path, sizing: Sizing, *, templates: str | Path | None =
   source = source / "gke" / sizing.accelerator
   if not all((source / name).is_file() for name in MANIFEST_FILES):
     raise SizingError(
-        f"templates not found in {source}: run from a checkout of orbax-mtc (pip install -e .) "
-        "or pass --templates path/to/configs")
+        f"templates not found in {source}: reinstall orbax-mtc (its wheel carries them) or "
+        "pass --templates path/to/configs")
   outdir = Path(outdir)
   outdir.mkdir(parents=True, exist_ok=True)
   written = []
@@ -462,7 +466,7 @@ def _parser() -> argparse.ArgumentParser:
   render_group.add_argument("--tpu-accelerator", help="override the gke-tpu-accelerator label")
   render_group.add_argument("--tpu-topology", help="slice topology as in the node pool (default: "
                             "inferred from --nodes and the machine type)")
-  render_group.add_argument("--templates", help="the configs/ folder (default: this checkout's)")
+  render_group.add_argument("--templates", help="the configs/ folder (default: the installed package's)")
   return parser
 
 

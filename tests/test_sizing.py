@@ -338,3 +338,51 @@ def test_render_refuses_a_template_that_does_not_parse(tmp_path):
   with pytest.raises(SizingError, match="does not parse once filled in"):
     sizing.render(tmp_path / "out", result, templates=templates, bucket="bkt",
                   machine_type="a3-highgpu-8g", job_name="j")
+
+
+@pytest.mark.timeout(300)
+def test_the_wheel_carries_the_templates_and_renders_from_them(tmp_path):
+  # A user who installs the wheel has no checkout: the templates must come with the package.
+  import os
+  import shutil
+  import subprocess
+  import sys
+  import zipfile
+
+  repo = Path(__file__).resolve().parents[1]
+  source = tmp_path / "src"  # built from a copy: the build leaves nothing in the checkout
+  source.mkdir()
+  for name in ("pyproject.toml", "README.md"):
+    shutil.copy(repo / name, source / name)
+  packages = [p.parent.relative_to(repo) for p in sorted(repo.glob("*/**/__init__.py"))
+              if p.parts[len(repo.parts)] not in ("tests", "build", ".venv")]
+  for top in {p.parts[0] for p in packages} | {"configs"}:
+    shutil.copytree(repo / top, source / top, ignore=shutil.ignore_patterns("__pycache__"))
+  built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                          str(tmp_path / "dist"), str(source)],
+                         capture_output=True, text=True, timeout=280)
+  assert built.returncode == 0, built.stdout + built.stderr
+  (wheel,) = (tmp_path / "dist").glob("orbax_mtc-*.whl")
+  site = tmp_path / "site"
+  with zipfile.ZipFile(wheel) as archive:
+    names = set(archive.namelist())
+    archive.extractall(site)
+  for package in packages:  # every package of the checkout is in the wheel
+    assert f"{package.as_posix()}/__init__.py" in names, package
+  templates = {p.relative_to(repo / "configs").as_posix() for p in (repo / "configs").rglob("*")
+               if p.is_file()}
+  assert {f"orbax_mtc/configs/{t}" for t in templates} <= names
+
+  out = tmp_path / "rendered"
+  env = {**os.environ, "PYTHONPATH": str(site)}
+  where = subprocess.run([sys.executable, "-c", "from orbax_mtc import sizing; "
+                          "print(sizing.__file__); print(sizing.TEMPLATES)"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+  assert where.stdout.split() == [str(site / "orbax_mtc" / "sizing.py"),
+                                  str(site / "orbax_mtc" / "configs")], where.stderr
+  done = subprocess.run([sys.executable, "-m", "orbax_mtc", "size",
+                         *_render_args(out, "tpu", "ct6e-standard-4t")],
+                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stdout + done.stderr
+  (cpc,) = _docs(out / "checkpoint-configuration.yaml")
+  assert cpc["spec"]["inMemoryVolumeSize"] == "36Gi"
