@@ -30,7 +30,7 @@ from typing import Any
 # file): 9x. With several processes the ring phase holds the state, its one-replica copy, a
 # restore and the transport's buffers (up to 6.8x at 256 MiB) plus the node's own step and
 # its peer's copy on the RAM disk: 10x.
-PEAK_STATE_MULTIPLE = {1: 9}
+PEAK_STATE_MULTIPLE_ONE_PROCESS = 9
 PEAK_STATE_MULTIPLE_PEERS = 10
 RUNTIME_BYTES_PER_PROCESS = 2**29  # Python, JAX and XLA before any state
 TARGETS = {  # name: (limit, higher is better)
@@ -49,7 +49,7 @@ def plan_runs(procs: Sequence[int], sizes_mib: Sequence[int],
   skipped = []
   for n in procs:
     for mib in sorted(sizes_mib):
-      multiple = PEAK_STATE_MULTIPLE.get(n, PEAK_STATE_MULTIPLE_PEERS)
+      multiple = PEAK_STATE_MULTIPLE_ONE_PROCESS if n == 1 else PEAK_STATE_MULTIPLE_PEERS
       need = n * (mib * 2**20 * multiple + RUNTIME_BYTES_PER_PROCESS)
       if need <= available_bytes:
         runs.setdefault(n, []).append(mib)
