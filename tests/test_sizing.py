@@ -4,6 +4,11 @@ and rendering the GKE manifests."""
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
 from fractions import Fraction
 from pathlib import Path
 
@@ -343,20 +348,14 @@ def test_render_refuses_a_template_that_does_not_parse(tmp_path):
 @pytest.mark.timeout(300)
 def test_the_wheel_carries_the_templates_and_renders_from_them(tmp_path):
   # A user who installs the wheel has no checkout: the templates must come with the package.
-  import os
-  import shutil
-  import subprocess
-  import sys
-  import zipfile
-
   repo = Path(__file__).resolve().parents[1]
   source = tmp_path / "src"  # built from a copy: the build leaves nothing in the checkout
   source.mkdir()
   for name in ("pyproject.toml", "README.md"):
     shutil.copy(repo / name, source / name)
-  packages = [p.parent.relative_to(repo) for p in sorted(repo.glob("*/**/__init__.py"))
-              if p.parts[len(repo.parts)] not in ("tests", "build", ".venv")]
-  for top in {p.parts[0] for p in packages} | {"configs"}:
+  tops = [d for d in sorted(repo.iterdir()) if (d / "__init__.py").is_file()]
+  packages = [p.parent.relative_to(repo) for top in tops for p in sorted(top.rglob("__init__.py"))]
+  for top in [d.name for d in tops] + ["configs"]:
     shutil.copytree(repo / top, source / top, ignore=shutil.ignore_patterns("__pycache__"))
   built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
                           str(tmp_path / "dist"), str(source)],

@@ -132,6 +132,13 @@ class _Job:
 
     return jax.block_until_ready(self._copy_tree(state))
 
+  def measure_device_to_host(self, res: dict, name: str, state: Any) -> None:
+    """Times the device-to-host copy of a fresh device copy of `state` (--fresh-state)."""
+    from orbax_mtc.bench import limits
+
+    probe = self.fresh(state)
+    self.measure(res, name, lambda: limits.device_to_host(probe))
+
   def record(self, res: dict, name: str, seconds: float) -> None:
     res.setdefault(name, []).append(self.slowest(seconds))
 
@@ -290,9 +297,7 @@ def _limits(job: _Job, state: Any, res: dict) -> None:
                 lambda: limits.raw_write(raw, data, overwrite=True))
     job.measure(res, "raw_read_s", lambda: limits.raw_read(raw), warm=True)
     if job.fresh_state:
-      probe = job.fresh(state)
-      job.measure(res, "d2h_s", lambda p=probe: limits.device_to_host(p))
-      del probe
+      job.measure_device_to_host(res, "d2h_s", state)
   os.unlink(raw)
   if job.n > 1:
     permute = limits.RingPermute(data.nbytes)
@@ -357,9 +362,7 @@ def _mtc_local(job: _Job, mib: int, state: Any, abstract: Any, res: dict) -> Non
       if rep > 0:
         job.measure(res, "paired_memcpy_s", lambda: limits.memcpy(scratch, data))
         if job.fresh_state:
-          probe = job.fresh(state)
-          job.measure(res, "paired_d2h_s", lambda p=probe: limits.device_to_host(p))
-          del probe
+          job.measure_device_to_host(res, "paired_d2h_s", state)
       current = job.fresh(state)
       job.barrier()
       start = time.perf_counter()
