@@ -852,8 +852,7 @@ class CheckpointManager(ocp.CheckpointManager):
     if pending is not None:
       # Read back right after its write, from RAM: done by now but for a very short interval.
       concurrent.futures.wait([pending.read])
-    with self._persistent_view():
-      saving = super().is_saving_in_progress()
+    saving = self._persistent_busy()
     # One all-gather per local save (every process saves the same steps, so it is issued in
     # the same order everywhere: main thread, rule 2): the newest step each node holds, where
     # each node is with the pending backup, whether Orbax is still writing one, the clock of
@@ -990,6 +989,7 @@ class CheckpointManager(ocp.CheckpointManager):
                     custom_metadata: dict[str, Any] | None) -> None:
     """The parent's save of `step` (Orbax writes in the background); every process calls it."""
     self._poll_backup()
+    self._drain_parent_errors()
     self.last_backup = backup.BackupInfo(step=step, state="uploading", started_at=time.time())
     self._backup_inflight = step
     try:
@@ -998,6 +998,22 @@ class CheckpointManager(ocp.CheckpointManager):
                      custom_metadata=custom_metadata)
     except Exception as e:  # noqa: BLE001 - a failed backup must not stop training
       self._backup_failed(step, e)
+
+  def _drain_parent_errors(self) -> None:
+    """Consumes what Orbax still holds of earlier backups on this process, waiting for any of
+    it still running (backups by schedule start only when none runs anywhere): errors its
+    next `save()` would otherwise raise here alone, between barriers every process must
+    reach, which would leave the others waiting there for good."""
+    errors = []
+    with self._persistent_view():
+      try:
+        super().wait_until_finished()
+      except Exception as e:  # noqa: BLE001 - logged below
+        errors.append(e)
+    errors += backup.collect_orbax_errors(self._checkpointer)
+    for error in errors:
+      logging.warning("orbax-mtc: an earlier backup to %s ended with %s: %s", self.directory,
+                      type(error).__name__, error)
 
   def _record_backup(self, step: int, state: str, error: str | None = None) -> None:
     """How the attempt at `step` ended, in `last_backup` and `backup_history`."""
@@ -1020,9 +1036,9 @@ class CheckpointManager(ocp.CheckpointManager):
     step = self._backup_inflight
     if step is None:
       return
+    if not block and self._persistent_finalizing():
+      return
     with self._persistent_view():
-      if not block and super().is_saving_in_progress():
-        return
       try:
         super().wait_until_finished()  # raises the background failure, once
       except Exception as e:  # noqa: BLE001 - reported through _backup_error
@@ -1528,8 +1544,27 @@ class CheckpointManager(ocp.CheckpointManager):
       return True
     if self._backup_pending is not None:
       return True
-    with self._persistent_view():
-      return super().is_saving_in_progress()
+    return self._persistent_busy()
+
+  def _persistent_busy(self) -> bool:
+    """Whether Orbax still works on a backup on this process (finalize thread, commit thread,
+    metadata file write): a backup started now would wait for it on the main thread."""
+    return self._persistent_finalizing() or backup.orbax_writes_running(self._checkpointer)
+
+  def _persistent_finalizing(self) -> bool:
+    """Whether Orbax's finalize thread of the newest backup still runs on this process.
+
+    Asked of the thread, not of the parent's `is_saving_in_progress()`: that flag is cleared
+    through a barrier (with Orbax's timeout) on the finalize thread, and when a process's
+    finalize comes late (a hung write) the barrier times out and the flag stays True for
+    good, which would stop every later backup. Another Orbax version without the thread
+    falls back to the flag.
+    """
+    finalize = self.__dict__.get("_finalize_thread")
+    if finalize is None or not hasattr(finalize, "map"):
+      with self._persistent_view():
+        return super().is_saving_in_progress()
+    return bool(finalize.map(lambda thread: thread is not None and thread.is_alive()))
 
   # ------------------------------------------------------------------ lifecycle
 

@@ -5,7 +5,8 @@ package intermittently answers TensorStore's conditional writes with generations
 
 The server keeps its objects in a folder, so it can be frozen (SIGSTOP: requests hang), killed
 (connections refused) and started again on the same port with the same objects: the outages
-of the Cloud Storage tier's tests. Clients find it through STORAGE_EMULATOR_HOST (gcsfs,
+of the Cloud Storage tier's tests. `FreezeOnRequest` freezes it at one exact request. Clients
+find it through STORAGE_EMULATOR_HOST (gcsfs,
 google-cloud-storage) and TENSORSTORE_GCS_HTTP_URL (TensorStore's GCS driver).
 """
 
@@ -16,6 +17,7 @@ import pathlib
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 
@@ -82,3 +84,101 @@ class GcsServer:
       os.killpg(self.process.pid, signal.SIGKILL)
       self.process.wait()
     self.process = None
+
+
+class FreezeOnRequest:
+  """A loopback TCP proxy in front of `server` that, the moment a request naming the armed
+  marker passes, either freezes the whole server (SIGSTOP, `hold="server"`) or holds that one
+  request unanswered (`hold="request"`), just before the request reaches the server: the
+  outage lands at one exact point of the client's protocol instead of wherever a test's timing
+  puts it.
+
+  Clients use `env()`; bytes pass through unchanged. `release()` drops a held request; killing
+  the server ends its connections; after `server.start()` new connections reach the new server.
+  """
+
+  def __init__(self, server: GcsServer):
+    self.server = server
+    self.triggered = threading.Event()
+    self._released = threading.Event()
+    self._marker: bytes | None = None
+    self._hold = "server"
+    self._lock = threading.Lock()
+    self._listener = socket.create_server(("127.0.0.1", 0))
+    self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+    self._open: set[socket.socket] = set()
+    threading.Thread(target=self._accept, name="freeze-proxy", daemon=True).start()
+
+  def env(self) -> dict[str, str]:
+    return {**self.server.env(), "STORAGE_EMULATOR_HOST": self.url,
+            "TENSORSTORE_GCS_HTTP_URL": self.url}
+
+  def arm(self, marker: str, hold: str = "server") -> None:
+    """The next request whose bytes hold `marker` freezes the server or is held."""
+    if hold not in ("server", "request"):
+      raise ValueError(f"hold is 'server' or 'request', got {hold!r}")
+    with self._lock:
+      self._marker, self._hold = marker.encode(), hold
+
+  def release(self) -> None:
+    """A held request is dropped (its connection closes unanswered)."""
+    self._released.set()
+
+  def close(self) -> None:
+    self.release()
+    self._listener.close()
+    with self._lock:
+      for sock in self._open:
+        sock.close()
+      self._open.clear()
+
+  def _accept(self) -> None:
+    while True:
+      try:
+        client, _ = self._listener.accept()
+      except OSError:
+        return  # closed
+      try:
+        upstream = socket.create_connection(("127.0.0.1", self.server.port))
+      except OSError:
+        client.close()  # the server is down: as a refused connection would
+        continue
+      with self._lock:
+        self._open.update((client, upstream))
+      threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+      threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+  def _matches(self, data: bytes) -> str | None:
+    """How to hold the request in `data`, if it is the armed one (disarms)."""
+    with self._lock:
+      if self._marker is None or self._marker not in data:
+        return None
+      self._marker = None
+      if self._hold == "server":
+        self.server.freeze()
+      self.triggered.set()
+      return self._hold
+
+  def _pump(self, source: socket.socket, sink: socket.socket, watch: bool) -> None:
+    tail = b""
+    try:
+      while chunk := source.recv(65536):
+        if watch:
+          seen, tail = tail + chunk, (tail + chunk)[-256:]  # a marker split across chunks
+          if self._matches(seen) == "request":
+            self._released.wait()
+            return
+        sink.sendall(chunk)
+    except OSError:
+      pass
+    finally:
+      for sock in (source, sink):
+        try:
+          sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+          pass
+      with self._lock:
+        for sock in (source, sink):
+          if sock in self._open:
+            self._open.discard(sock)
+            sock.close()

@@ -119,3 +119,51 @@ def test_a_failed_backup_is_reported_once_and_training_goes_on(shm_dir, mesh):
     mgr.wait_until_finished()
     assert [(i.step, i.state) for i in mgr.backup_history] == [
         (0, "done"), (2, "failed"), (4, "done")]
+
+
+def test_orbax_busy_with_a_metadata_write_defers_the_next_backup(shm_dir, mesh):
+  """Orbax writes step metadata on a thread of its own, with no timeout, and its next save
+  waits for it on the calling thread. While such a write hangs (here: on a FIFO nobody reads
+  yet), save() goes on and the due backup waits; once the write ends, it lands. A write that
+  failed is consumed before a backup starts, which then lands instead of failing on that old
+  error."""
+  import os
+
+  import orbax.checkpoint as ocp
+
+  options = _options(save_interval_steps=2)
+  states = {step: make_state(mesh, step) for step in range(7)}
+
+  def save(mgr, step):
+    mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(states[step])))
+
+  with mtc.CheckpointManager(shm_dir / "l", shm_dir / "p", mesh, abstract_of(states[0]),
+                             options=options) as mgr:
+    save(mgr, 0)
+    mgr.wait_until_finished()
+    assert mgr.last_backup.state == "done"
+    store = mgr._checkpointer._metadata_store  # the store Orbax's own writes go through
+    hung = shm_dir / "hung" / "_CHECKPOINT_METADATA"
+    hung.parent.mkdir()
+    os.mkfifo(hung)
+    store.write(hung, {"hung": True})  # blocks in open() until the FIFO is read
+    try:
+      assert backup.orbax_writes_running(mgr._checkpointer)
+      assert mgr.is_saving_in_progress()
+      for step in (1, 2, 3):
+        save(mgr, step)  # returns: nothing waits for the hung write
+      assert [(i.step, i.state) for i in mgr.backup_history] == [(0, "done")]
+      assert mgr.last_backup.step == 0 and mgr._backup_pending.step == 2
+    finally:
+      with open(hung, "rb") as reader:  # the write ends (also when an assert failed)
+        written = reader.read()
+    assert written == b'{"hung": true}'
+    store.write(shm_dir / "missing" / "_CHECKPOINT_METADATA", {})  # fails at once
+    store._single_thread_executor.submit(lambda: None).result()  # both writes are over
+    assert not backup.orbax_writes_running(mgr._checkpointer)
+    save(mgr, 4)  # the waiting backup of step 2 starts; step 4 is due too
+    mgr.wait_until_finished()
+    assert [(i.step, i.state) for i in mgr.backup_history] == [
+        (0, "done"), (2, "done"), (4, "done")]
+    assert mgr._persistent_steps() == [0, 2, 4]
+    assert backup.collect_orbax_errors(mgr._checkpointer) == []  # the failure was consumed

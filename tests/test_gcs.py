@@ -16,7 +16,7 @@ import uuid
 
 import jax
 import pytest
-from gcs_server import BUCKET, GcsServer
+from gcs_server import BUCKET, FreezeOnRequest, GcsServer
 from mp_helpers import (
   WORKER,
   assert_ok,
@@ -151,57 +151,92 @@ def _phase_step(out, name: str) -> int | None:
   return steps[0] if steps else None
 
 
+def _phase_changes(out) -> int:
+  return sum(1 for n, _ in mp_worker.events(out.lines, "PHASE") if n == 0)
+
+
+def _last_phase_step(out) -> int:
+  return max((int(f["step"]) for n, f in mp_worker.events(out.lines, "PHASE") if n == 0),
+             default=-1)
+
+
 def _wait(out, predicate, what: str, timeout_s: float = 90) -> None:
-  assert out.wait_for(lambda _: predicate(), timeout_s), f"no {what}:\n{tail(out, 80)}"
+  if not out.wait_for(lambda _: predicate(), timeout_s):
+    # Tracebacks crowd the tail: the job's own events first.
+    events = "\n".join(line for line in out.lines if " @@mtc " in line)
+    raise AssertionError(f"no {what}:\n{events[-6000:]}\n--- tail:\n{tail(out, 60)}")
 
 
+@pytest.mark.parametrize("hold", ["server", "request"])
 def test_server_stopped_mid_backup_training_goes_on_and_the_next_backup_lands(
-    tmp_path, shm_root):
-  """The GCS server freezes during a backup and dies; training keeps saving; the failure is
-  logged once with its step; no partial step is listed; after a restart a backup lands."""
+    tmp_path, shm_root, hold):
+  """While a backup writes its step metadata file, the GCS server freezes (`server`) or that
+  one request hangs (`request`): training goes on past later scheduled backups meanwhile (the
+  main thread never waits for hung writes); the server dies: the backup fails, logged once
+  with its step; the server comes back; no partial step is listed; a later backup lands.
+
+  The two differ in where Orbax waits for the hung write: with everything frozen its finalize
+  thread mostly waits for it; with one request held the commit times out first and the next
+  `save()` would wait for it on the main thread."""
   server = GcsServer(tmp_path / "gcs-data")
   server.start()
+  proxy = FreezeOnRequest(server)
   control = tmp_path / "phase"
   run = f"outage-{uuid.uuid4().hex[:8]}"
   persistent = f"gs://{BUCKET}/{run}"
+  interval = 4
   command = ["outage", "--persistent-dir", persistent, "--rows", str(ROWS), "--control",
-             str(control), "--local-interval", "1", "--persistent-interval", "4",
+             str(control), "--local-interval", "1", "--persistent-interval", str(interval),
              "--backup-timeout", "5"]
   try:
-    with started_job(command, 2, shm_root, env=server.env()) as (job, out):
+    with started_job(command, 2, shm_root, env=proxy.env()) as (job, out):
       def landed(after: int = -1) -> list[int]:
         return sorted({int(f["step"]) for node in (0, 1) for f in _backups(out, node)
                        if f["state"] == "done" and int(f["step"]) > after})
 
       _wait(out, lambda: landed(), "first backup")
       first = landed()[0]
-      server.freeze()
+      # Orbax writes this file on a thread of its own, with no timeout, and its next save
+      # waits for it: the outage that used to stall training.
+      proxy.arm("_CHECKPOINT_METADATA", hold)
+      assert proxy.triggered.wait(90), f"no metadata write of a later backup:\n{tail(out)}"
       control.write_text("frozen")
       _wait(out, lambda: _phase_step(out, "frozen") is not None, "frozen phase")
       frozen_at = _phase_step(out, "frozen")
+      # Training passes more scheduled backups while the write hangs. Each phase
+      # change is seen at a step of the loop, so a stalled main thread would show no new one.
+      past = frozen_at + 3 * interval
+      for toggle in range(4 * past):
+        if _last_phase_step(out) > past:
+          break
+        changes = _phase_changes(out)
+        control.write_text(("held", "frozen")[toggle % 2])
+        _wait(out, lambda seen=changes: _phase_changes(out) > seen,
+              f"training while the write hangs (since step {frozen_at})")
+      assert _last_phase_step(out) > past, tail(out)
+      server.kill()  # the server held its requests, now it is gone
+      proxy.release()
 
-      def started_after_freeze() -> int | None:
-        steps = [int(f["step"]) for f in _backups(out, 0)
-                 if f["state"] == "uploading" and int(f["step"]) > frozen_at]
+      def caught() -> int | None:
+        """The first step after `first` whose backup failed on both nodes: the one the outage
+        caught (it fails on Orbax's timeout, or once its hung metadata write fails)."""
+        failed = [{int(f["step"]) for f in _backups(out, node) if f["state"] == "failed"}
+                  for node in (0, 1)]
+        steps = sorted(s for s in failed[0] & failed[1] if s > first)
         return steps[0] if steps else None
 
-      _wait(out, lambda: started_after_freeze() is not None, "backup during the freeze")
-      stuck = started_after_freeze()
-      server.kill()  # mid-backup: the server held its requests, now it is gone
-      control.write_text("down")
-
-      def failed_on_both() -> bool:
-        return all(any(f["step"] == str(stuck) and f["state"] == "failed"
-                       for f in _backups(out, node)) for node in (0, 1))
-
-      _wait(out, failed_on_both, f"failure of the backup of step {stuck}")
+      # While the server is down the caught backup cannot land (a restart within Orbax's
+      # timeout could still let it through).
+      _wait(out, lambda: caught() is not None, "failure of the backup the outage caught",
+            timeout_s=120)
+      stuck = caught()
       failed_at = min(int(f["at"]) for node in (0, 1) for f in _backups(out, node)
                       if f["step"] == str(stuck) and f["state"] == "failed")
       server.start()
       control.write_text("up")
       _wait(out, lambda: _phase_step(out, "up") is not None, "up phase")
       up_at = _phase_step(out, "up")
-      _wait(out, lambda: all(any(f["state"] == "done" and int(f["step"]) > stuck
+      _wait(out, lambda: all(any(f["state"] == "done" and int(f["step"]) >= up_at
                                  for f in _backups(out, node)) for node in (0, 1)),
             "a backup after the restart", timeout_s=120)
       control.write_text("stop")
@@ -234,3 +269,4 @@ def test_server_stopped_mid_backup_training_goes_on_and_the_next_backup_lands(
     plain_orbax_restores(server, persistent, newest)
   finally:
     server.kill()
+    proxy.close()
