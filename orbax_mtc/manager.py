@@ -1581,7 +1581,8 @@ class CheckpointManager(ocp.CheckpointManager):
   @_persistent_view_when_nested
   def wait_until_finished(self):
     """Waits for the RAM write, the peer copies and the backup in flight (a backup is bounded
-    by Orbax's `AsyncOptions.timeout_secs`). Raises `BackupError` if the newest backup failed
+    by Orbax's `AsyncOptions.timeout_secs`, but for its step metadata write, which only the
+    storage client's own timeouts bound). Raises `BackupError` if the newest backup failed
     (once per failure); the RAM tier still holds the step."""
     self._finish_all()
     self._report_backup_error()
