@@ -5,9 +5,9 @@ package intermittently answers TensorStore's conditional writes with generations
 
 The server keeps its objects in a folder, so it can be frozen (SIGSTOP: requests hang), killed
 (connections refused) and started again on the same port with the same objects: the outages
-of the Cloud Storage tier's tests. `FreezeOnRequest` freezes it at one exact request. Clients
-find it through STORAGE_EMULATOR_HOST (gcsfs,
-google-cloud-storage) and TENSORSTORE_GCS_HTTP_URL (TensorStore's GCS driver).
+of the Cloud Storage tier's tests. `FreezeOnRequest` makes the outage start at one exact
+request. Clients find the server through STORAGE_EMULATOR_HOST (gcsfs, google-cloud-storage)
+and TENSORSTORE_GCS_HTTP_URL (TensorStore's GCS driver).
 """
 
 from __future__ import annotations

@@ -588,7 +588,7 @@ def cmd_plain_restore(args) -> int:
   return 0 if ok else EXIT_MISMATCH
 
 
-_PHASES = ("", "frozen", "down", "up", "stop", "held")
+_PHASES = ("", "frozen", "held", "up", "stop")
 
 
 def cmd_outage(args) -> int:
