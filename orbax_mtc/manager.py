@@ -790,11 +790,15 @@ class CheckpointManager(ocp.CheckpointManager):
 
     t = time.time()
     self._drop_pending_backup("an on-demand checkpoint")
-    self._poll_backup(block=True)
+    self._poll_backup(block=True)  # a backup in flight may be of this very step
     backed_up = step in self._persistent_steps()
-    left = budget - (t - started)
     wanted = not backed_up and not self._managed  # managed: the replicator backs it up
-    if wanted and left > 0:
+    in_budget = time.time() - started < budget  # after the wait above, which may be long
+    # Orbax's save has barriers, so every process must take the same branch; their clocks,
+    # and when each got here, differ.
+    votes = self._allgather(np.asarray([wanted, in_budget], dtype=np.int64))
+    wanted, in_budget = bool(votes[:, 0].all()), bool(votes[:, 1].all())
+    if wanted and in_budget:
       metadata = dict(custom_metadata or {})
       metadata[ONDEMAND_METADATA_KEY] = {"step": step, "signal_time": signal_time,
                                          "budget_seconds": budget, "seconds": dict(seconds)}
