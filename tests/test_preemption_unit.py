@@ -196,6 +196,37 @@ def test_zero_grace_skips_the_persistent_backup(fresh_state, shm_dir, mesh):
     mgr.close()
 
 
+def test_the_wait_for_a_backup_in_flight_counts_against_the_grace_budget(
+    fresh_state, shm_dir, mesh, monkeypatch):
+  """At the sync step a backup still in flight is waited for first; when that wait uses up
+  the budget, no persistent backup of the on-demand step starts (RAM holds it)."""
+  import time
+
+  state = make_state(mesh, seed=4)
+  budget = 1.0
+  mgr = _manager(shm_dir, mesh, state, ondemand_grace_seconds=budget)
+  original_poll = mgr._poll_backup
+  waited = []
+
+  def slow_poll(*, block=False):
+    if block and not waited:  # the first blocking wait: for the backup of step 0
+      waited.append(True)
+      time.sleep(1.5 * budget)  # it takes longer than the whole budget (elapsed time is the
+      # subject here, not an ordering)
+    original_poll(block=block)
+
+  try:
+    mgr.save(0, args=_composite(state))  # RAM; its backup starts at the next local save
+    monkeypatch.setattr(mgr, "_poll_backup", slow_poll)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert mgr.save(1, args=_composite(state))
+    assert waited
+    assert mgr.last_ondemand.step == 1 and mgr.last_ondemand.persistent is False
+    assert 1 in mgr._local_steps() and mgr._persistent_steps() == [0]
+  finally:
+    mgr.close()
+
+
 def test_other_threads_only_read_answers(fresh_state, shm_dir, mesh):
   import threading
 
