@@ -487,6 +487,9 @@ class CheckpointManager(ocp.CheckpointManager):
     self._backup_pending: backup.PendingBackup | None = None
     self._backup_inflight: int | None = None
     self._backup_error: backup.BackupError | None = None  # newest failure, not yet reported
+    # Since when a due backup waits for an earlier one still running (monotonic seconds).
+    self._backup_waiting_since: float | None = None
+    self._warned_backup_waiting = False
     self.last_backup: backup.BackupInfo | None = None
     # Finished backup attempts, newest last ("done" or "failed"), for monitoring.
     self.backup_history: collections.deque[backup.BackupInfo] = collections.deque(maxlen=100)
@@ -873,7 +876,7 @@ class CheckpointManager(ocp.CheckpointManager):
       # Committed in RAM everywhere, not yet persistent (e.g. the final step, forced): back
       # up those RAM copies; `args` only describe them.
       if pending is not None:
-        self._advance_backup(gathered[:, 1], bool(gathered[:, 2].any()))
+        self._advance_backup(gathered[:, 1], gathered[:, 2])
       self._schedule_backup(step, args, trees, jsons, metrics, custom_metadata, time.time())
       if not self._mtc_options.enable_async_checkpointing:
         self._flush_backup()
@@ -895,7 +898,7 @@ class CheckpointManager(ocp.CheckpointManager):
       self._local.apply_retention()
     saving_anywhere = bool(gathered[:, 2].any())
     if pending is not None:
-      self._advance_backup(gathered[:, 1], saving_anywhere)
+      self._advance_backup(gathered[:, 1], gathered[:, 2])
       saving_anywhere = saving_anywhere or self._backup_inflight is not None
     now = float(gathered[0, 3]) / 1000
     if self._backup_policy is not None and not backup_wanted:
@@ -966,10 +969,10 @@ class CheckpointManager(ocp.CheckpointManager):
     if pending is not None:
       logging.info("orbax-mtc: backup of step %d superseded by %s.", pending.step, reason)
 
-  def _advance_backup(self, states: np.ndarray, saving_anywhere: bool) -> None:
+  def _advance_backup(self, states: np.ndarray, busy: np.ndarray) -> None:
     """Starts the pending backup once every process has read its copy and no earlier backup
-    is being written (`states` and `saving_anywhere` come from an all-gather: the same
-    decision everywhere)."""
+    is being written on any (`states` and `busy`, per process, come from an all-gather: the
+    same decision everywhere)."""
     pending = self._backup_pending
     if pending is None:
       return
@@ -982,16 +985,38 @@ class CheckpointManager(ocp.CheckpointManager):
                       "process(es) %s%s; the next scheduled backup takes a newer step.",
                       pending.step, bad, f" ({error})" if error is not None else "")
       return
-    if saving_anywhere or not (states == backup.READY).all():
+    if busy.any():
+      self._note_backup_waiting(pending.step, np.flatnonzero(busy).tolist())
+      return
+    if not (states == backup.READY).all():
       return
     self._backup_pending = None
     values = pending.read.result()
     args = backup.backup_args(pending.templates, pending.single, values)
     self._start_backup(pending.step, args, pending.metrics, pending.custom_metadata)
 
+  def _note_backup_waiting(self, step: int, busy: list[int]) -> None:
+    """Warns once when due backups have waited longer than Orbax's timeout for an earlier one
+    that still runs: a storage write hangs (Orbax's timeout does not cover its metadata
+    write), and no backup starts until it ends."""
+    now = time.monotonic()
+    if self._backup_waiting_since is None:
+      self._backup_waiting_since = now
+      return
+    timeout = (self._mtc_options.async_options or ocp.AsyncOptions()).timeout_secs
+    waited = now - self._backup_waiting_since
+    if waited > timeout and not self._warned_backup_waiting:
+      self._warned_backup_waiting = True
+      logging.warning(
+          "orbax-mtc: no backup has started for %.0f s, longer than Orbax's timeout (%d s): an "
+          "earlier backup to %s still runs on process(es) %s, so a storage write may hang. "
+          "Training goes on and the RAM tier and peers keep the newest steps; the backup of "
+          "step %d starts once it ends.", waited, timeout, self.directory, busy, step)
+
   def _start_backup(self, step: int, args: Any, metrics: Any,
                     custom_metadata: dict[str, Any] | None) -> None:
     """The parent's save of `step` (Orbax writes in the background); every process calls it."""
+    self._backup_waiting_since, self._warned_backup_waiting = None, False
     self._poll_backup()
     self._drain_parent_errors()
     self.last_backup = backup.BackupInfo(step=step, state="uploading", started_at=time.time())
@@ -1062,7 +1087,7 @@ class CheckpointManager(ocp.CheckpointManager):
       concurrent.futures.wait([pending.read])
       self._poll_backup(block=True)
       states = self._allgather(np.asarray([pending.state()], dtype=np.int64))[:, 0]
-      self._advance_backup(states, saving_anywhere=False)
+      self._advance_backup(states, np.zeros_like(states))
     self._poll_backup(block=True)
 
   def _report_backup_error(self) -> None:

@@ -121,18 +121,22 @@ def test_a_failed_backup_is_reported_once_and_training_goes_on(shm_dir, mesh):
         (0, "done"), (2, "failed"), (4, "done")]
 
 
-def test_orbax_busy_with_a_metadata_write_defers_the_next_backup(shm_dir, mesh):
+def test_orbax_busy_with_a_metadata_write_defers_the_next_backup(shm_dir, mesh, caplog):
   """Orbax writes step metadata on a thread of its own, with no timeout, and its next save
   waits for it on the calling thread. While such a write hangs (here: on a FIFO nobody reads
-  yet), save() goes on and the due backup waits; once the write ends, it lands. A write that
-  failed is consumed before a backup starts, which then lands instead of failing on that old
-  error."""
+  yet), save() goes on and the due backup waits, with one warning once that lasts longer than
+  Orbax's timeout; once the write ends, the backup lands. A write that failed is consumed
+  before a backup starts, which then lands instead of failing on that old error."""
+  import dataclasses
   import os
+  import time
 
   import orbax.checkpoint as ocp
 
-  options = _options(save_interval_steps=2)
-  states = {step: make_state(mesh, step) for step in range(5)}
+  timeout_s = 2
+  options = dataclasses.replace(_options(save_interval_steps=2),
+                                async_options=ocp.AsyncOptions(timeout_secs=timeout_s))
+  states = {step: make_state(mesh, step) for step in range(7)}
 
   def save(mgr, step):
     mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(states[step])))
@@ -154,6 +158,13 @@ def test_orbax_busy_with_a_metadata_write_defers_the_next_backup(shm_dir, mesh):
         save(mgr, step)  # returns: nothing waits for the hung write
       assert [(i.step, i.state) for i in mgr.backup_history] == [(0, "done")]
       assert mgr.last_backup.step == 0 and mgr._backup_pending.step == 2
+      waiting = "no backup has started for"
+      assert waiting not in caplog.text
+      time.sleep(timeout_s + 0.2)  # the time waited is the subject, not an ordering
+      for step in (4, 5):
+        save(mgr, step)
+      assert caplog.text.count(waiting) == 1, caplog.text
+      assert mgr._backup_pending.step == 4
     finally:
       with open(hung, "rb") as reader:  # the write ends (also when an assert failed)
         written = reader.read()
@@ -161,9 +172,9 @@ def test_orbax_busy_with_a_metadata_write_defers_the_next_backup(shm_dir, mesh):
     store.write(shm_dir / "missing" / "_CHECKPOINT_METADATA", {})  # fails at once
     store._single_thread_executor.submit(lambda: None).result()  # both writes are over
     assert not backup.orbax_writes_running(mgr._checkpointer)
-    save(mgr, 4)  # the waiting backup of step 2 starts; step 4 is due too
+    save(mgr, 6)  # the waiting backup of step 4 starts; step 6 is due too
     mgr.wait_until_finished()
     assert [(i.step, i.state) for i in mgr.backup_history] == [
-        (0, "done"), (2, "done"), (4, "done")]
-    assert mgr._persistent_steps() == [0, 2, 4]
+        (0, "done"), (4, "done"), (6, "done")]
+    assert mgr._persistent_steps() == [0, 4, 6]
     assert backup.collect_orbax_errors(mgr._checkpointer) == []  # the failure was consumed
