@@ -863,15 +863,19 @@ class CheckpointManager(ocp.CheckpointManager):
     # One all-gather per local save (every process saves the same steps, so it is issued in
     # the same order everywhere: main thread, rule 2): the newest step each node holds, where
     # each node is with the pending backup, whether Orbax is still writing one, the clock of
-    # process 0 (which alone decides backups by minutes), and whether the node already holds
-    # this step in RAM or persistent (so that every process takes the same branch below).
+    # process 0 (which alone decides backups by minutes), whether the node already holds
+    # this step in RAM or persistent, and whether it wants the step backed up (so that every
+    # process takes the same branches below: a node's view of the persistent steps can lag
+    # after a failed backup, and with it Orbax's answer to "is this step due").
     steps = self._local_steps()
     row = np.asarray([steps[-1] if steps else -1,
                       pending.state() if pending is not None else backup.NONE,
                       int(saving), int(time.time() * 1000), int(step in steps),
-                      int(step in self._persistent_steps())], dtype=np.int64)
+                      int(step in self._persistent_steps()), int(backup_wanted)],
+                     dtype=np.int64)
     gathered = self._allgather(row)
     in_ram, in_persistent = gathered[:, 4].astype(bool), gathered[:, 5].astype(bool)
+    backup_wanted = bool(gathered[:, 6].any())
     if not parent_saved and in_ram.all() and backup_wanted and not in_persistent.any():
       # Committed in RAM everywhere, not yet persistent (e.g. the final step, forced): back
       # up those RAM copies; `args` only describe them.
