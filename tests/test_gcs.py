@@ -179,8 +179,7 @@ def test_server_stopped_mid_backup_training_goes_on_and_the_next_backup_lands(
   thread mostly waits for it; with one request held the commit times out first and the next
   `save()` would wait for it on the main thread."""
   server = GcsServer(tmp_path / "gcs-data")
-  server.start()
-  proxy = FreezeOnRequest(server)
+  proxy = FreezeOnRequest(server)  # before start: the finally below ends both
   control = tmp_path / "phase"
   run = f"outage-{uuid.uuid4().hex[:8]}"
   persistent = f"gs://{BUCKET}/{run}"
@@ -189,6 +188,7 @@ def test_server_stopped_mid_backup_training_goes_on_and_the_next_backup_lands(
              str(control), "--local-interval", "1", "--persistent-interval", str(interval),
              "--backup-timeout", "5"]
   try:
+    server.start()
     with started_job(command, 2, shm_root, env=proxy.env()) as (job, out):
       def landed(after: int = -1) -> list[int]:
         return sorted({int(f["step"]) for node in (0, 1) for f in _backups(out, node)
