@@ -876,11 +876,11 @@ class CheckpointManager(ocp.CheckpointManager):
     gathered = self._allgather(row)
     in_ram, in_persistent = gathered[:, 4].astype(bool), gathered[:, 5].astype(bool)
     backup_wanted = bool(gathered[:, 6].any())
+    # Here, on the gathered figures alone, so that every process starts it or none does.
+    backup_started = self._advance_backup(gathered[:, 1], gathered[:, 2])
     if not parent_saved and in_ram.all() and backup_wanted and not in_persistent.any():
       # Committed in RAM everywhere, not yet persistent (e.g. the final step, forced): back
       # up those RAM copies; `args` only describe them.
-      if pending is not None:
-        self._advance_backup(gathered[:, 1], gathered[:, 2])
       self._schedule_backup(step, args, trees, jsons, metrics, custom_metadata, time.time())
       if not self._mtc_options.enable_async_checkpointing:
         self._flush_backup()
@@ -900,10 +900,9 @@ class CheckpointManager(ocp.CheckpointManager):
       # Steps kept only as the previous floor can go now, before this write reuses their file:
       # the RAM footprint stays at max_to_keep committed steps plus the one being written.
       self._local.apply_retention()
-    saving_anywhere = bool(gathered[:, 2].any())
-    if pending is not None:
-      self._advance_backup(gathered[:, 1], gathered[:, 2])
-      saving_anywhere = saving_anywhere or self._backup_inflight is not None
+    # Not `_backup_inflight`: each process clears that when it sees its own part end, so it
+    # can differ between processes, and this answer decides whether the step is backed up.
+    saving_anywhere = bool(gathered[:, 2].any()) or backup_started
     now = float(gathered[0, 3]) / 1000
     if self._backup_policy is not None and not backup_wanted:
       backup_wanted = backup.interval_due(self._backup_policy, step, now,
@@ -973,13 +972,13 @@ class CheckpointManager(ocp.CheckpointManager):
     if pending is not None:
       logging.info("orbax-mtc: backup of step %d superseded by %s.", pending.step, reason)
 
-  def _advance_backup(self, states: np.ndarray, busy: np.ndarray) -> None:
+  def _advance_backup(self, states: np.ndarray, busy: np.ndarray) -> bool:
     """Starts the pending backup once every process has read its copy and no earlier backup
     is being written on any (`states` and `busy`, per process, come from an all-gather: the
-    same decision everywhere)."""
+    same decision everywhere). Returns whether it started it."""
     pending = self._backup_pending
     if pending is None:
-      return
+      return False
     if (states == backup.FAILED).any():
       self._backup_pending = None
       bad = [p for p, state in enumerate(states) if state == backup.FAILED]
@@ -988,16 +987,17 @@ class CheckpointManager(ocp.CheckpointManager):
       logging.warning("orbax-mtc: no backup of step %d: its RAM copy could not be read on "
                       "process(es) %s%s; the next scheduled backup takes a newer step.",
                       pending.step, bad, f" ({error})" if error is not None else "")
-      return
+      return False
     if busy.any():
       self._note_backup_waiting(pending.step, np.flatnonzero(busy).tolist())
-      return
+      return False
     if not (states == backup.READY).all():
-      return
+      return False
     self._backup_pending = None
     values = pending.read.result()
     args = backup.backup_args(pending.templates, pending.single, values)
     self._start_backup(pending.step, args, pending.metrics, pending.custom_metadata)
+    return True
 
   def _note_backup_waiting(self, step: int, busy: list[int]) -> None:
     """Warns once when due backups have waited longer than Orbax's timeout for an earlier one
