@@ -8,7 +8,9 @@ Public API::
 """
 
 from orbax_mtc import distributed
+from orbax_mtc.agreement import CheckpointError
 from orbax_mtc.backup import BackupError, BackupInfo, BackupIntervalPolicy
+from orbax_mtc.collectives import AgreementTimeoutError
 from orbax_mtc.local_tier import AbstractStateMismatchError, CorruptStepError, LocalTierError
 from orbax_mtc.managed import initialize_multi_tier_checkpointing
 from orbax_mtc.manager import CheckpointManager, OnDemandSave, RestoreInfo
@@ -25,10 +27,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AbstractStateMismatchError",
+    "AgreementTimeoutError",
     "BackupError",
     "BackupInfo",
     "BackupIntervalPolicy",
     "CheckpointManager",
+    "CheckpointError",
     "CheckpointManagerOptions",
     "CorruptStepError",
     "LocalCheckpointOptions",

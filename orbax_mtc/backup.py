@@ -26,6 +26,8 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
+from orbax_mtc.agreement import Status
+
 _DEFAULT_ITEM = "default"
 
 
@@ -188,7 +190,8 @@ def collect_orbax_errors(checkpointer: Any) -> list[BaseException]:
   return errors
 
 
-READING, READY, FAILED, NONE = 0, 1, 2, 3  # a pending backup's state, as all-gathered
+# A pending backup's state, as all-gathered (the one set of codes: agreement.Status).
+READING, READY, FAILED, NONE = Status.READING, Status.READY, Status.FAILED, Status.NONE
 
 
 @dataclasses.dataclass
@@ -204,7 +207,7 @@ class PendingBackup:
   custom_metadata: dict[str, Any] | None
   read: Any = None  # concurrent.futures.Future of {item: value} read back from RAM
 
-  def state(self) -> int:
+  def state(self) -> Status:
     """READING, READY or FAILED (for the all-gather)."""
     if self.read is None or not self.read.done():
       return READING

@@ -3,6 +3,10 @@
 The link lives in the node's local directory and points at the newest committed step folder.
 Standalone mode keeps it up to date after each local commit; managed mode reads the entries a
 GKE replicator writes (where a zero-size regular file with step 0 means "nothing to restore").
+
+A link is made as `.<link name>.<id>.tmp` and renamed into place; a process killed between the
+two leaves that temporary link behind, so `update`, `remove_all` and `cleanup_temporary` (for
+start-up) remove this node's and worker's leftovers.
 """
 
 from __future__ import annotations
@@ -10,11 +14,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import threading
 import uuid
 from pathlib import Path
 
 RESTORE_SUFFIX = ".restore"
 _RESTORE_RE = re.compile(r"^(?P<job>.+)-s(?P<step>\d+)-n(?P<node>\d+)-w(?P<worker>\d+)\.restore$")
+_TMP_RE = re.compile(r"^\.(?P<link>.+-s\d+-n\d+-w\d+\.restore)\.[^./]+\.tmp$")
+# One process owns its local directory (local_lock), but its writer thread and main thread both
+# keep the link: the sweep of leftovers must not take a temporary link another thread is making.
+_lock = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,26 +75,72 @@ def list_entries(directory: Path, *, strict: bool = True) -> list[LkgEntry]:
   return sorted(entries, key=lambda e: e.step)
 
 
+def _is_ours(entry: LkgEntry, job_name: str, node_rank: int, worker_index: int) -> bool:
+  return (entry.job_name, entry.node_rank, entry.worker_index) == (job_name, node_rank,
+                                                                   worker_index)
+
+
+def _remove_temporary(directory: Path, job_name: str, node_rank: int,
+                      worker_index: int) -> list[Path]:
+  removed = []
+  try:
+    names = os.listdir(directory)
+  except FileNotFoundError:
+    return removed
+  for name in names:
+    match = _TMP_RE.match(name)
+    if match is None:
+      continue
+    try:
+      entry = parse_link_name(match["link"])
+    except ValueError:
+      continue
+    path = directory / name
+    # Only symlinks: that is all `update` makes; anything else under such a name is not ours.
+    if _is_ours(entry, job_name, node_rank, worker_index) and path.is_symlink():
+      path.unlink(missing_ok=True)
+      removed.append(path)
+  return removed
+
+
+def cleanup_temporary(directory: Path, job_name: str, node_rank: int,
+                      worker_index: int) -> list[Path]:
+  """Removes this node's and worker's temporary links left by a process killed inside `update`
+  (`.<job>-s<step>-n<node_rank>-w<worker_index>.restore.<id>.tmp`); returns those removed."""
+  with _lock:
+    return _remove_temporary(Path(directory), job_name, node_rank, worker_index)
+
+
 def update(directory: Path, job_name: str, step: int, node_rank: int, worker_index: int) -> Path:
-  """Points this node's LKG link at `<directory>/<step>` and drops its older links.
+  """Points this node's LKG link at `<directory>/<step>` and drops its older links (and
+  temporary links a killed process left).
 
   The new link is made under a temporary name and renamed into place, so a reader always sees
   either the old link or the new one.
   """
+  directory = Path(directory)
   name = link_name(job_name, step, node_rank, worker_index)
   final = directory / name
-  tmp = directory / f".{name}.{uuid.uuid4().hex}.tmp"
-  os.symlink(str(step), tmp)  # relative: the local directory may be mounted elsewhere later
-  os.replace(tmp, final)
-  for entry in list_entries(directory, strict=False):
-    if (entry.name != name and entry.job_name == job_name and entry.node_rank == node_rank
-        and entry.worker_index == worker_index):
-      (directory / entry.name).unlink(missing_ok=True)
+  with _lock:
+    _remove_temporary(directory, job_name, node_rank, worker_index)
+    tmp = directory / f".{name}.{uuid.uuid4().hex}.tmp"
+    os.symlink(str(step), tmp)  # relative: the local directory may be mounted elsewhere later
+    try:
+      os.replace(tmp, final)
+    except BaseException:
+      tmp.unlink(missing_ok=True)
+      raise
+    for entry in list_entries(directory, strict=False):
+      if entry.name != name and _is_ours(entry, job_name, node_rank, worker_index):
+        (directory / entry.name).unlink(missing_ok=True)
   return final
 
 
 def remove_all(directory: Path, job_name: str, node_rank: int, worker_index: int) -> None:
-  for entry in list_entries(directory, strict=False):
-    if (entry.job_name == job_name and entry.node_rank == node_rank
-        and entry.worker_index == worker_index):
-      (directory / entry.name).unlink(missing_ok=True)
+  """Removes this node's and worker's links, and their leftover temporary links."""
+  directory = Path(directory)
+  with _lock:
+    _remove_temporary(directory, job_name, node_rank, worker_index)
+    for entry in list_entries(directory, strict=False):
+      if _is_ours(entry, job_name, node_rank, worker_index):
+        (directory / entry.name).unlink(missing_ok=True)

@@ -3,15 +3,18 @@
 Layout of one node's local directory::
 
   <local>/<step>/data.bin        the node's shard bytes, back to back
-  <local>/<step>/manifest.json   every leaf: global shape, dtype, and per shard its index,
-                                 offset, length and CRC32C
+  <local>/<step>/manifest.json   every leaf: global shape, dtype, saved sharding, and per shard
+                                 its index, offset, length and CRC32C; signed with the CRC32C
+                                 of its own canonical JSON and checked field by field on reading
   <local>/.tmp-<step>-<id>/      a step being written (never read)
   <local>/.spare-<id>/           a retired step whose data file the next save overwrites
 
 A step folder only ever appears by renaming a complete temporary folder, so a process killed
 at any instant leaves either the whole step or nothing restore would pick. Files of the step
 that retention retires are overwritten in place by the next save: on tmpfs overwriting pages
-that already exist is about twice as fast as writing a new file.
+that already exist is about twice as fast as writing a new file. The weights are private:
+folders are created 0700 and files 0600 (by default), and a step-named symbolic link is never
+followed.
 
 This module does file I/O only. It never issues a collective, so its writer runs safely in a
 background thread.
@@ -22,11 +25,16 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import dataclasses
+import errno
 import functools
+import itertools
 import json
 import math
+import mmap
 import os
+import reprlib
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -41,11 +49,21 @@ import numpy as np
 from absl import logging
 from orbax.checkpoint import args as ocp_args
 
-FORMAT = "orbax-mtc/local/1"
+FORMAT = "orbax-mtc/local/2"
+CHECKSUM_FIELD = "manifest_crc32c"
 MANIFEST = "manifest.json"
 DATA = "data.bin"
+# A peer copy's folder (peer_store) holds this too: its data file is the received stream, not
+# the manifest's layout, so its size is checked against copy.json instead.
+PEER_COPY_META = "copy.json"
 TMP_PREFIX = ".tmp-"
 SPARE_PREFIX = ".spare-"
+# Far above one node's RAM, far below sizes that break int64 arithmetic in numpy or the OS.
+MAX_DATA_SIZE = 1 << 50
+_MAX_STEP = (1 << 63) - 1  # steps travel as int64 in collectives
+_MAX_PROCESSES = 1 << 24
+_MAX_LEAF_BYTES = 1 << 62
+_MAX_DESCRIPTION = 1000  # characters of a sharding description kept in the manifest
 _ALIGN = 64
 _WRITE_CHUNK = 64 << 20
 _IOV_MAX = 1024  # Linux: views per pwritev call
@@ -61,6 +79,10 @@ class LocalTierError(RuntimeError):
 
 class CorruptStepError(LocalTierError):
   """Bytes on the RAM disk do not match their checksum."""
+
+
+class ManifestError(LocalTierError):
+  """A manifest is unreadable, inconsistent, or does not belong where it was found."""
 
 
 class AbstractStateMismatchError(ValueError):
@@ -91,6 +113,7 @@ class LeafRecord:
   shards: tuple[ShardRecord, ...]
   python_type: str | None = None  # "int"/"float"/"bool" for Python scalars
   keys: tuple[tuple[str, Any], ...] = ()  # the key path, for metadata without a target tree
+  sharding: str | None = None  # the saved sharding, described (`describe_sharding`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +121,10 @@ class ItemRecord:
   kind: str  # "pytree" or "json"
   leaves: tuple[LeafRecord, ...] = ()
   value: Any = None  # the JSON value of a "json" item
+
+
+def _canonical_json(fields: dict[str, Any]) -> bytes:
+  return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,38 +138,252 @@ class StepManifest:
   default_item: bool  # saved from a single (non-Composite) argument
 
   def to_json(self) -> str:
+    """The manifest as JSON, signed with the CRC32C of its canonical form."""
     def leaf(r: LeafRecord) -> dict[str, Any]:
       return {"path": r.path, "kind": r.kind, "shape": list(r.shape), "dtype": r.dtype,
               "python_type": r.python_type, "keys": [list(k) for k in r.keys],
+              "sharding": r.sharding,
               "shards": [[[list(d) for d in s.index], s.offset, s.nbytes, s.crc32c]
                          for s in r.shards]}
     items = {name: {"kind": it.kind, "leaves": [leaf(x) for x in it.leaves], "value": it.value}
              for name, it in self.items.items()}
-    return json.dumps({"format": FORMAT, "step": self.step, "process_index": self.process_index,
-                       "process_count": self.process_count, "data_size": self.data_size,
-                       "created_at": self.created_at, "default_item": self.default_item,
-                       "items": items})
+    fields = {"format": FORMAT, "step": self.step, "process_index": self.process_index,
+              "process_count": self.process_count, "data_size": self.data_size,
+              "created_at": self.created_at, "default_item": self.default_item,
+              "items": items}
+    # Signed as a reader will see it: JSON turns tuples into lists and dict keys into strings.
+    fields = json.loads(json.dumps(fields))
+    fields[CHECKSUM_FIELD] = crc32c.crc32c(_canonical_json(fields))
+    return json.dumps(fields)
 
   @classmethod
-  def from_json(cls, text: str) -> StepManifest:
-    raw = json.loads(text)
-    if raw.get("format") != FORMAT:
-      raise LocalTierError(f"unknown manifest format {raw.get('format')!r}, expected {FORMAT!r}")
+  def from_json(cls, text: str | bytes, where: str = "manifest") -> StepManifest:
+    """Parses and checks a manifest: its checksum, then every field's type and range.
 
-    def leaf(d: dict[str, Any]) -> LeafRecord:
-      shards = tuple(ShardRecord(index=tuple((int(a), int(b)) for a, b in idx), offset=int(off),
-                                 nbytes=int(n), crc32c=int(c))
-                     for idx, off, n, c in d["shards"])
-      return LeafRecord(path=d["path"], kind=d["kind"], shape=tuple(d["shape"]),
-                        dtype=d["dtype"], shards=shards, python_type=d.get("python_type"),
-                        keys=tuple((k, v) for k, v in d.get("keys", ())))
-    items = {name: ItemRecord(kind=it["kind"], leaves=tuple(leaf(x) for x in it["leaves"]),
-                              value=it.get("value"))
-             for name, it in raw["items"].items()}
-    return cls(step=int(raw["step"]), process_index=int(raw["process_index"]),
-               process_count=int(raw["process_count"]), items=items,
-               data_size=int(raw["data_size"]), created_at=float(raw["created_at"]),
-               default_item=bool(raw["default_item"]))
+    Raises ManifestError naming `where` (the file) and the problem, never anything else.
+    """
+    if not isinstance(text, (str, bytes, bytearray)):
+      raise ManifestError(f"{where}: expected JSON text, got {type(text).__name__}")
+    try:
+      raw = json.loads(text)  # a flipped bit may break UTF-8 too: a ValueError
+    except (ValueError, RecursionError) as e:
+      raise ManifestError(f"{where} is unreadable: {e}") from e
+    if not isinstance(raw, dict):
+      raise ManifestError(f"{where}: expected a JSON object, got {_json_type(raw)}")
+    fmt = raw.get("format")
+    if fmt != FORMAT:
+      if isinstance(fmt, str) and fmt.startswith("orbax-mtc/local/"):
+        raise ManifestError(f"{where}: manifest format {fmt!r} is from another version of "
+                            f"orbax-mtc; this version reads {FORMAT!r} only")
+      raise ManifestError(f"{where}: unknown manifest format {_show(fmt)}, expected {FORMAT!r}")
+    stored = raw.pop(CHECKSUM_FIELD, None)
+    if type(stored) is not int or not 0 <= stored < 1 << 32:
+      raise ManifestError(f"{where}: field {CHECKSUM_FIELD!r} holds {_show(stored)}, expected "
+                          "a CRC32C (an integer in 0..2**32-1)")
+    try:
+      computed = crc32c.crc32c(_canonical_json(raw))
+    except (ValueError, TypeError, RecursionError) as e:
+      raise ManifestError(f"{where} is unreadable: {e}") from e
+    if computed != stored:
+      raise ManifestError(f"{where}: manifest checksum mismatch (crc32c {computed:#010x}, "
+                          f"stored {stored:#010x}): the file was changed or damaged")
+    return _ManifestParser(where).manifest(raw)
+
+
+def _json_type(value: Any) -> str:
+  names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+           int: "an integer", float: "a number", type(None): "null"}
+  return names.get(type(value), type(value).__name__)
+
+
+def _show(value: Any) -> str:
+  return reprlib.repr(value)
+
+
+def _np_dtype(name: str) -> np.dtype:
+  """The numpy dtype a manifest's dtype name stands for (bfloat16 and friends included)."""
+  return np.dtype(jnp.dtype(name))
+
+
+def _checked_dtype(name: Any) -> np.dtype | None:
+  """The dtype for a manifest dtype name, or None when the name is not one stage() writes."""
+  if not isinstance(name, str):
+    return None
+  try:
+    dtype = _np_dtype(name)
+  except (TypeError, ValueError, KeyError, AttributeError, SyntaxError):
+    return None
+  # The name must be numpy's own (no byte order or alias lost), of plain fixed-size elements.
+  if (dtype.name != name or dtype.itemsize <= 0 or dtype.hasobject or dtype.fields is not None
+      or dtype.subdtype is not None or dtype.kind in "OSUMm"):
+    return None
+  return dtype
+
+
+def _align(n: int) -> int:
+  return -(-n // _ALIGN) * _ALIGN
+
+
+class _ManifestParser:
+  """Turns the parsed JSON of a manifest into a StepManifest, checking every field."""
+
+  def __init__(self, where: str):
+    self.where = where
+
+  def fail(self, what: str, value: Any, expected: str) -> ManifestError:
+    return ManifestError(f"{self.where}: {what} holds {_show(value)}, expected {expected}")
+
+  def field(self, d: dict[str, Any], key: str, what: str) -> Any:
+    if key not in d:
+      raise ManifestError(f"{self.where}: {what} has no field {key!r}")
+    return d[key]
+
+  def integer(self, value: Any, what: str, lo: int, hi: int) -> int:
+    # JSON true/false are bools, which Python counts as ints: not here.
+    if type(value) is not int or not lo <= value <= hi:
+      raise self.fail(what, value, f"an integer in {lo}..{hi}")
+    return value
+
+  def sequence(self, value: Any, what: str, length: int | None = None) -> list[Any]:
+    if not isinstance(value, list) or (length is not None and len(value) != length):
+      raise self.fail(what, value, "a list" if length is None else f"a list of {length}")
+    return value
+
+  def manifest(self, raw: dict[str, Any]) -> StepManifest:
+    top = "the manifest"
+    step = self.integer(self.field(raw, "step", top), "'step'", 0, _MAX_STEP)
+    count = self.integer(self.field(raw, "process_count", top), "'process_count'", 1,
+                         _MAX_PROCESSES)
+    index = self.integer(self.field(raw, "process_index", top), "'process_index'", 0, count - 1)
+    data_size = self.integer(self.field(raw, "data_size", top), "'data_size'", 0, MAX_DATA_SIZE)
+    created_at = self.field(raw, "created_at", top)
+    if type(created_at) not in (int, float) or not math.isfinite(created_at):
+      raise self.fail("'created_at'", created_at, "a finite number (seconds since the epoch)")
+    default_item = self.field(raw, "default_item", top)
+    if not isinstance(default_item, bool):
+      raise self.fail("'default_item'", default_item, "true or false")
+    items_raw = self.field(raw, "items", top)
+    if not isinstance(items_raw, dict):
+      raise self.fail("'items'", items_raw, "an object of item name -> item")
+    items = {name: self.item(name, it, data_size) for name, it in items_raw.items()}
+    self.check_layout(items, data_size)
+    return StepManifest(step=step, process_index=index, process_count=count, items=items,
+                        data_size=data_size, created_at=float(created_at),
+                        default_item=default_item)
+
+  def item(self, name: str, it: Any, data_size: int) -> ItemRecord:
+    what = f"item {name!r}"
+    if not isinstance(it, dict):
+      raise self.fail(what, it, "an object")
+    kind = self.field(it, "kind", what)
+    if kind not in ("pytree", "json"):
+      raise self.fail(f"{what} 'kind'", kind, "'pytree' or 'json'")
+    leaves_raw = self.sequence(self.field(it, "leaves", what), f"{what} 'leaves'")
+    if kind == "json" and leaves_raw:
+      raise self.fail(f"{what} 'leaves'", leaves_raw, "no leaves in a JSON item")
+    leaves = tuple(self.leaf(what, i, d, data_size) for i, d in enumerate(leaves_raw))
+    paths = [leaf.path for leaf in leaves]
+    if len(set(paths)) != len(paths):
+      raise ManifestError(f"{self.where}: {what} lists a leaf path twice")
+    return ItemRecord(kind=kind, leaves=leaves, value=it.get("value"))
+
+  def leaf(self, item: str, i: int, d: Any, data_size: int) -> LeafRecord:
+    what = f"{item} leaf {i}"
+    if not isinstance(d, dict):
+      raise self.fail(what, d, "an object")
+    path = self.field(d, "path", what)
+    if not isinstance(path, str):
+      raise self.fail(f"{what} 'path'", path, "a string")
+    what = f"{item} leaf {path!r}"
+    kind = self.field(d, "kind", what)
+    if kind not in ("array", "host"):
+      raise self.fail(f"{what} 'kind'", kind, "'array' or 'host'")
+    shape = tuple(self.integer(x, f"{what} 'shape'", 0, _MAX_LEAF_BYTES)
+                  for x in self.sequence(self.field(d, "shape", what), f"{what} 'shape'"))
+    dtype_name = self.field(d, "dtype", what)
+    dtype = _checked_dtype(dtype_name)
+    if dtype is None:
+      raise self.fail(f"{what} 'dtype'", dtype_name, "the name of a numeric dtype")
+    if math.prod(shape) * dtype.itemsize > _MAX_LEAF_BYTES:
+      raise self.fail(f"{what} 'shape'", list(shape), f"at most {_MAX_LEAF_BYTES} bytes")
+    python_type = d.get("python_type")
+    if python_type not in (None, "int", "float", "bool") or (
+        python_type is not None and (kind != "host" or shape != ())):
+      raise self.fail(f"{what} 'python_type'", python_type,
+                      "null, or 'int'/'float'/'bool' for a scalar host leaf")
+    keys = []
+    for key in self.sequence(d.get("keys", []), f"{what} 'keys'"):
+      pair = self.sequence(key, f"{what} key", 2)
+      if not isinstance(pair[0], str) or not isinstance(pair[1], (str, int, float, type(None))):
+        raise self.fail(f"{what} key", key, "a [kind, key] pair of a string and a scalar")
+      keys.append((pair[0], pair[1]))
+    sharding = d.get("sharding")
+    if sharding is not None and not isinstance(sharding, str):
+      raise self.fail(f"{what} 'sharding'", sharding, "a string or null")
+    shards_raw = self.sequence(self.field(d, "shards", what), f"{what} 'shards'")
+    shards = tuple(self.shard(f"{what} shard {i}", s, shape, dtype, data_size)
+                   for i, s in enumerate(shards_raw))
+    if len({s.index for s in shards}) != len(shards):
+      raise ManifestError(f"{self.where}: {what} lists a shard index twice")
+    if kind == "host" and [s.index for s in shards] != [tuple((0, n) for n in shape)]:
+      raise ManifestError(f"{self.where}: {what} is a host value but its shards are not the "
+                          "whole array")
+    return LeafRecord(path=path, kind=kind, shape=shape, dtype=dtype_name, shards=shards,
+                      python_type=python_type, keys=tuple(keys), sharding=sharding)
+
+  def shard(self, what: str, s: Any, shape: tuple[int, ...], dtype: np.dtype,
+            data_size: int) -> ShardRecord:
+    index_raw, offset, nbytes, crc = self.sequence(s, what, 4)
+    index = []
+    for dim, bounds in zip(shape, self.sequence(index_raw, f"{what} index", len(shape)),
+                           strict=True):
+      start, stop = self.sequence(bounds, f"{what} index", 2)
+      start = self.integer(start, f"{what} index start", 0, dim)
+      stop = self.integer(stop, f"{what} index stop", start, dim)
+      index.append((start, stop))
+    offset = self.integer(offset, f"{what} offset", 0, data_size)
+    want = math.prod(b - a for a, b in index) * dtype.itemsize
+    if type(nbytes) is not int or nbytes != want:
+      raise self.fail(f"{what} nbytes", nbytes, f"{want} (its index's size times the itemsize)")
+    if offset + nbytes > data_size:
+      raise ManifestError(f"{self.where}: {what} ends at byte {offset + nbytes}, beyond "
+                          f"'data_size' {data_size}")
+    crc = self.integer(crc, f"{what} crc32c", 0, (1 << 32) - 1)
+    return ShardRecord(index=tuple(index), offset=offset, nbytes=nbytes, crc32c=crc)
+
+  def check_layout(self, items: dict[str, ItemRecord], data_size: int) -> None:
+    """Shards never share bytes, and data.bin is no larger than its shards laid out back to
+    back (64-byte aligned, as `stage` writes them): a size no shard backs is refused."""
+    ranges = sorted((s.offset, s.nbytes, f"{name}{leaf.path} {s.index}")
+                    for name, it in items.items() for leaf in it.leaves for s in leaf.shards
+                    if s.nbytes)
+    for (a_off, a_len, a), (b_off, _, b) in itertools.pairwise(ranges):
+      if a_off + a_len > b_off:
+        raise ManifestError(f"{self.where}: shards {a} and {b} overlap in {DATA}")
+    packed = sum(_align(n) for _, n, _ in ranges)
+    if data_size > packed:
+      raise ManifestError(f"{self.where}: 'data_size' {data_size} exceeds the {packed} bytes "
+                          "its shards take")
+
+
+def validate_for(manifest: StepManifest, *, where: str = "manifest", step: int | None = None,
+                 process_index: int | None = None, process_count: int | None = None,
+                 data_file_size: int | None = None) -> None:
+  """Checks a parsed manifest against where it was found and who reads it.
+
+  `step`: the folder's step; `process_index`/`process_count`: the reading process's;
+  `data_file_size`: the size of the data file beside it. ManifestError on a mismatch,
+  CorruptStepError when the data file is shorter than the manifest says.
+  """
+  for name, expected, why in (("step", step, "the folder's name"),
+                              ("process_index", process_index, "this process's index"),
+                              ("process_count", process_count, "this job's process count")):
+    held = getattr(manifest, name)
+    if expected is not None and held != expected:
+      raise ManifestError(f"{where}: field {name!r} holds {held}, expected {expected} ({why})")
+  if data_file_size is not None and data_file_size < manifest.data_size:
+    raise CorruptStepError(f"{where}: {DATA} holds {data_file_size} bytes, shorter than the "
+                           f"{manifest.data_size} its manifest says")
 
 
 # ----------------------------------------------------------------------------- staging
@@ -235,6 +476,15 @@ def _host_value(path: str, leaf: Any) -> tuple[np.ndarray, str | None]:
       "ocp.args.JsonSave item.")
 
 
+def describe_sharding(sharding: Any) -> str:
+  """A readable description of a sharding, for the manifest and for error messages."""
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    text = f"NamedSharding(mesh={dict(sharding.mesh.shape)!r}, spec={sharding.spec!r})"
+  else:
+    text = repr(sharding)
+  return text if len(text) <= _MAX_DESCRIPTION else text[:_MAX_DESCRIPTION - 3] + "..."
+
+
 def _encode_key_path(key_path: Sequence[Any]) -> tuple[tuple[str, Any], ...]:
   out = []
   for key in key_path:
@@ -252,7 +502,8 @@ def _encode_key_path(key_path: Sequence[Any]) -> tuple[tuple[str, Any], ...]:
 def item_metadata(manifest: StepManifest) -> Any:
   """Nested dicts/lists of jax.ShapeDtypeStruct rebuilt from a manifest (no target needed).
 
-  Attribute and custom-node keys become dict keys; JSON items give their value.
+  Attribute and custom-node keys become dict keys; JSON items give their value. Raises
+  ManifestError when the leaves' key paths contradict each other.
   """
   result: dict[str, Any] = {}
   for name, item in manifest.items.items():
@@ -263,14 +514,19 @@ def item_metadata(manifest: StepManifest) -> Any:
     for leaf in item.leaves:
       spec = jax.ShapeDtypeStruct(tuple(leaf.shape), jnp.dtype(leaf.dtype))
       if not leaf.keys:
+        if root is not None:
+          raise ManifestError(f"item {name!r}: leaf {leaf.path!r} has no key path but the item "
+                              "has other leaves")
         root = spec
         continue
       if root is None:
         root = {}
       node = root
       for i, (_, key) in enumerate(leaf.keys):
-        last = i == len(leaf.keys) - 1
-        if last:
+        if not isinstance(node, dict):
+          raise ManifestError(f"item {name!r}: the key path of leaf {leaf.path!r} runs "
+                              "through another leaf")
+        if i == len(leaf.keys) - 1:
           node[key] = spec
         else:
           node = node.setdefault(key, {})
@@ -316,10 +572,12 @@ def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any], *
         dtype = np.dtype(leaf.dtype)
         kind, python_type, sources = "array", None, list(chosen.items())
         shape = tuple(leaf.shape)
+        sharding = describe_sharding(leaf.sharding)
       else:
         host, python_type = _host_value(path, leaf)
         dtype, kind, shape = host.dtype, "host", tuple(host.shape)
         sources = [(tuple((0, d) for d in host.shape), host)]
+        sharding = None
       shards = []
       for index, source in sources:
         shard_shape = tuple(b - a for a, b in index)
@@ -329,7 +587,7 @@ def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any], *
         offset += -(-nbytes // _ALIGN) * _ALIGN
       records.append(LeafRecord(path=path, kind=kind, shape=shape, dtype=dtype.name,
                                 shards=tuple(shards), python_type=python_type,
-                                keys=_encode_key_path(key_path)))
+                                keys=_encode_key_path(key_path), sharding=sharding))
     items[item_name] = ItemRecord(kind="pytree", leaves=tuple(records))
   for item_name, value in json_items.items():
     try:
@@ -363,28 +621,127 @@ def _host_bytes(shard: _PendingShard) -> np.ndarray:
 
 
 def is_step_name(name: str) -> bool:
-  return name.isdigit()
+  """A committed step folder's name: ASCII decimal digits only (not "²" or "٣")."""
+  return name.isascii() and name.isdigit()
 
 
-def read_manifest(step_dir: Path) -> StepManifest:
+_warned_links: set[str] = set()
+
+
+def warn_link_skipped(path: str) -> None:
+  """Logs, once per path, that a step-named symbolic link was skipped."""
+  if path not in _warned_links:
+    _warned_links.add(path)
+    logging.warning("orbax-mtc: ignoring %s: a step-named symbolic link (step folders are "
+                    "never followed out of the local directory)", path)
+
+
+def open_step_file(step_dir: Path, name: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
+  """A file descriptor for `step_dir/name`, following no symbolic link on the way.
+
+  LocalTierError when the step folder is a link or not a folder; OSError (FileNotFoundError,
+  or ELOOP for a linked file) from opening the file.
+  """
+  if os.path.islink(step_dir):
+    raise LocalTierError(f"{step_dir} is a symbolic link: step folders are never followed")
   try:
-    raw = (step_dir / MANIFEST).read_bytes()
+    dir_fd = os.open(step_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+  except FileNotFoundError as e:
+    raise LocalTierError(f"{step_dir} does not exist: not a committed step") from e
+  except NotADirectoryError as e:
+    raise LocalTierError(f"{step_dir} is not a folder") from e
+  except OSError as e:
+    if e.errno == errno.ELOOP:  # became a link since the check above
+      raise LocalTierError(f"{step_dir} is a symbolic link: step folders are never followed") \
+          from e
+    raise
+  try:
+    return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+  finally:
+    os.close(dir_fd)
+
+
+def _open_regular(step_dir: Path, name: str) -> int:
+  """`open_step_file` for reading a regular file; LocalTierError for a link or a folder."""
+  try:
+    fd = open_step_file(step_dir, name)
+  except OSError as e:
+    if e.errno == errno.ELOOP:
+      raise LocalTierError(f"{step_dir / name} is a symbolic link: refused") from e
+    raise
+  if not stat.S_ISREG(os.fstat(fd).st_mode):
+    os.close(fd)
+    raise LocalTierError(f"{step_dir / name} is not a regular file")
+  return fd
+
+
+def read_step_file(step_dir: Path, name: str) -> bytes:
+  """The bytes of a small file of a step folder (manifest, copy record), links refused."""
+  fd = _open_regular(step_dir, name)
+  try:
+    with os.fdopen(fd, "rb", closefd=False) as f:
+      return f.read()
+  finally:
+    os.close(fd)
+
+
+def read_manifest(step_dir: Path, *, process_index: int | None = None,
+                  process_count: int | None = None) -> StepManifest:
+  """The manifest of a committed step folder, checked against the folder.
+
+  Beyond the checks of `StepManifest.from_json`: the folder is no symbolic link, its name is
+  the manifest's step, its data file holds at least `data_size` bytes (a peer copy's data
+  file, a stream, is checked by peer_store instead) and, when given, the process index and
+  count match. Raises LocalTierError (ManifestError, CorruptStepError) on any problem.
+  """
+  step_dir = Path(step_dir)
+  path = step_dir / MANIFEST
+  if not is_step_name(step_dir.name):
+    raise ManifestError(f"{path}: folder name {step_dir.name!r} is not a step number")
+  try:
+    raw = read_step_file(step_dir, MANIFEST)
   except FileNotFoundError as e:
     raise LocalTierError(f"{step_dir} has no {MANIFEST}: not a committed step") from e
-  try:
-    return StepManifest.from_json(raw.decode())  # a flipped bit may break UTF-8 too
-  except (ValueError, KeyError, TypeError) as e:
-    raise LocalTierError(f"{step_dir / MANIFEST} is unreadable: {e}") from e
+  except OSError as e:
+    raise LocalTierError(f"{path}: {e}") from e
+  manifest = StepManifest.from_json(raw, where=str(path))
+  data_size = None
+  if not os.path.lexists(step_dir / PEER_COPY_META):
+    try:
+      fd = _open_regular(step_dir, DATA)
+    except FileNotFoundError as e:
+      raise LocalTierError(f"{step_dir} has no {DATA}: not a committed step") from e
+    except OSError as e:
+      raise LocalTierError(f"{step_dir / DATA}: {e}") from e
+    try:
+      data_size = os.fstat(fd).st_size
+    finally:
+      os.close(fd)
+  validate_for(manifest, where=str(path), step=int(step_dir.name), process_index=process_index,
+               process_count=process_count, data_file_size=data_size)
+  return manifest
 
 
 def committed_steps(root: Path) -> list[int]:
-  """Steps with a committed folder (manifest present and parseable), oldest first."""
+  """Steps with a committed folder (a real folder, not a link, with a manifest), oldest
+  first."""
   if not root.is_dir():
     return []
   steps = []
-  for entry in root.iterdir():
-    if is_step_name(entry.name) and (entry / MANIFEST).is_file():
-      steps.append(int(entry.name))
+  with os.scandir(root) as entries:
+    for entry in entries:
+      if not is_step_name(entry.name):
+        continue
+      if entry.is_symlink():
+        warn_link_skipped(entry.path)
+        continue
+      try:
+        is_committed = entry.is_dir(follow_symlinks=False) and stat.S_ISREG(
+            os.lstat(os.path.join(entry.path, MANIFEST)).st_mode)
+      except OSError:  # no manifest, or the folder went away meanwhile
+        continue
+      if is_committed:
+        steps.append(int(entry.name))
   return sorted(steps)
 
 
@@ -394,6 +751,41 @@ def fsync_dir(path: Path) -> None:
     os.fsync(fd)
   finally:
     os.close(fd)
+
+
+def make_private_dir(path: Path, mode: int, *, exist_ok: bool = True) -> bool:
+  """Creates a folder with exactly `mode` (the umask could only narrow it); True if created."""
+  try:
+    os.mkdir(path, mode)
+  except FileExistsError:
+    if not exist_ok:
+      raise
+    return False
+  os.chmod(path, mode)
+  return True
+
+
+def write_private_file(path: Path, data: bytes, mode: int) -> None:
+  """Writes a new file (replacing a regular file, never through a link) with `mode`, fsynced."""
+  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+  try:
+    os.fchmod(fd, mode)
+    view = memoryview(data)
+    while view:
+      view = view[os.write(fd, view):]
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def check_owner(path: Path, what: str) -> None:
+  """ValueError unless this process's user owns `path` (it holds private model weights)."""
+  owner, me = os.stat(path).st_uid, os.geteuid()
+  if owner != me:
+    raise ValueError(
+        f"{what} {path} is owned by uid {owner}, not by this process (uid {me}). The RAM tier "
+        "holds the model's weights, so it only uses a folder of its own: choose another folder, "
+        f"or give it to this user (chown {me} {path}; chmod 700 {path}).")
 
 
 def _crc(data: np.ndarray) -> int:
@@ -445,16 +837,27 @@ def _write_views(fd: int, views: Sequence[memoryview]) -> None:
 
 
 class LocalTier:
-  """This node's RAM-disk step folders: write, commit, list, read, verify, retire."""
+  """This node's RAM-disk step folders: write, commit, list, read, verify, retire.
+
+  Model weights are private: folders are created with `dir_mode`, files with `file_mode`
+  (whatever the umask), and a local directory owned by another user is refused. When
+  `process_index` / `process_count` are given, `manifest` checks them too.
+  """
 
   def __init__(self, directory: Path, *, max_to_keep: int | None,
-               on_commit: Callable[[int], None] | None = None, reuse_files: bool = True):
+               on_commit: Callable[[int], None] | None = None, reuse_files: bool = True,
+               process_index: int | None = None, process_count: int | None = None,
+               dir_mode: int = 0o700, file_mode: int = 0o600):
     self.directory = Path(directory)
     self.max_to_keep = max_to_keep
     self._on_commit = on_commit
     # False when another program (GKE's replicator) may still be copying a retired step:
     # its files must then never be overwritten in place.
     self.reuse_files = reuse_files
+    self.process_index = process_index
+    self.process_count = process_count
+    self.dir_mode = dir_mode
+    self.file_mode = file_mode
     # Newest step that every process had committed at the last save: kept even beyond
     # max_to_keep, so a crash between two nodes' commits still leaves a common RAM step.
     self.keep_floor: int | None = None
@@ -471,16 +874,25 @@ class LocalTier:
           f"local_directory {root} exists and is not a directory. Point local_directory at a "
           "folder on the RAM disk (e.g. /dev/shm/ckpt) or remove the file.")
     try:
-      root.mkdir(parents=True, exist_ok=True)
+      root.parent.mkdir(parents=True, exist_ok=True)
+      created = make_private_dir(root, self.dir_mode)
     except OSError as e:
       raise ValueError(f"Cannot create local_directory {root}: {e.strerror}. Choose a writable "
                        "folder on the RAM disk (e.g. /dev/shm/ckpt).") from e
+    check_owner(root, "local_directory")
     if not os.access(root, os.W_OK | os.X_OK):
       raise ValueError(f"local_directory {root} is not writable by this process (uid "
                        f"{os.getuid()}). Fix its permissions or choose another folder.")
+    mode = stat.S_IMODE(os.stat(root).st_mode)
+    if not created and mode & ~self.dir_mode & 0o077:
+      logging.warning("orbax-mtc: local_directory %s has mode %o: other users may read the "
+                      "saved weights (chmod %o %s to prevent it)", root, mode, self.dir_mode,
+                      root)
     spares = []
     for entry in root.iterdir():
-      if entry.name.startswith(TMP_PREFIX):
+      if entry.name.startswith((TMP_PREFIX, SPARE_PREFIX)) and entry.is_symlink():
+        entry.unlink()  # never ours: removing the link touches nothing it points to
+      elif entry.name.startswith(TMP_PREFIX):
         logging.info("orbax-mtc: removing interrupted local save %s", entry)
         shutil.rmtree(entry, ignore_errors=True)
       elif entry.name.startswith(SPARE_PREFIX):
@@ -491,25 +903,37 @@ class LocalTier:
   # -- writing (background thread: file I/O only)
 
   def write(self, staged: StagedStep, process_index: int, process_count: int) -> Path:
-    """Writes and commits one staged step; returns the committed folder."""
+    """Writes and commits one staged step, applies retention, then calls `on_commit` with
+    the newest committed step; returns the committed folder.
+
+    `on_commit` gets the newest step, not necessarily `staged.step`: a forced save of a step
+    older than those kept is retired again at once, and whatever `on_commit` points at it
+    (the LKG link) must not dangle.
+    """
     root = self.directory
     final = root / str(staged.step)
     tmp = root / f"{TMP_PREFIX}{staged.step}-{uuid.uuid4().hex}"
     spare = self._take_spare()
     if spare is not None:
       os.rename(spare, tmp)
+      os.chmod(tmp, self.dir_mode)
       for extra in tmp.iterdir():
-        if extra.name != DATA:
-          extra.unlink()
+        if extra.name != DATA or not stat.S_ISREG(extra.lstat().st_mode):
+          if extra.is_dir() and not extra.is_symlink():
+            shutil.rmtree(extra)
+          else:
+            extra.unlink()
     else:
-      tmp.mkdir()
+      make_private_dir(tmp, self.dir_mode, exist_ok=False)
     ranges = [(s.offset, s.nbytes) for it in staged.items.values() for leaf in it.leaves
               for s in leaf.shards]
     crcs = self._crc_pool.submit(_crc_staged, staged, ranges)
     data_path = tmp / DATA
     try:
-      fd = os.open(data_path, os.O_WRONLY | os.O_CREAT, 0o644)
+      fd = os.open(data_path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                   self.file_mode)
       try:
+        os.fchmod(fd, self.file_mode)  # the umask, or a reused spare's old mode
         _write_views(fd, staged.views())
         os.ftruncate(fd, staged.size)
         os.fsync(fd)
@@ -535,29 +959,30 @@ class LocalTier:
                               process_count=process_count, items=items, data_size=staged.size,
                               created_at=time.time(), default_item=staged.default_item)
       manifest_tmp = tmp / (MANIFEST + ".tmp")
-      with open(manifest_tmp, "w") as f:
-        f.write(manifest.to_json())
-        f.flush()
-        os.fsync(f.fileno())
+      write_private_file(manifest_tmp, manifest.to_json().encode(), self.file_mode)
       os.rename(manifest_tmp, tmp / MANIFEST)
       fsync_dir(tmp)
       with self._lock:
-        if final.exists():
+        if final.exists() or final.is_symlink():
           raise FileExistsError(f"local step {final} already exists")
         os.rename(tmp, final)  # the commit point
         fsync_dir(root)
     except BaseException:
       shutil.rmtree(tmp, ignore_errors=True)
       raise
-    if self._on_commit is not None:
-      self._on_commit(staged.step)
-    self.apply_retention()
+    try:
+      self.apply_retention()
+    finally:
+      if self._on_commit is not None:
+        steps = self.steps()
+        if steps:
+          self._on_commit(steps[-1])
     return final
 
   def _take_spare(self) -> Path | None:
     with self._lock:
       for entry in self.directory.iterdir():
-        if entry.name.startswith(SPARE_PREFIX):
+        if entry.name.startswith(SPARE_PREFIX) and not entry.is_symlink():
           return entry
     return None
 
@@ -588,6 +1013,9 @@ class LocalTier:
 
   def delete(self, step: int) -> None:
     src = self.directory / str(step)
+    if src.is_symlink():  # never a step of ours: drop the link, not what it points to
+      src.unlink()
+      return
     if not src.exists():
       return
     target = self.directory / f"{TMP_PREFIX}del-{uuid.uuid4().hex}"
@@ -599,7 +1027,9 @@ class LocalTier:
     return committed_steps(self.directory)
 
   def manifest(self, step: int) -> StepManifest:
-    return read_manifest(self.directory / str(step))
+    """The checked manifest of a committed step (see `read_manifest`)."""
+    return read_manifest(self.directory / str(step), process_index=self.process_index,
+                         process_count=self.process_count)
 
   def close(self) -> None:
     self._crc_pool.shutdown(wait=True)
@@ -610,7 +1040,7 @@ class LocalTier:
 
 def _check_leaf(item: str, path: str, record: LeafRecord, shape: tuple[int, ...],
                 dtype: np.dtype) -> None:
-  if tuple(record.shape) != tuple(shape) or np.dtype(jnp.dtype(record.dtype)) != dtype:
+  if tuple(record.shape) != tuple(shape) or _np_dtype(record.dtype) != dtype:
     raise AbstractStateMismatchError(
         f"Leaf {item}{path}: the checkpoint holds shape {tuple(record.shape)} dtype "
         f"{record.dtype}, but the target (abstract_state / restore args) asks for shape "
@@ -628,7 +1058,7 @@ class SavedLeaf:
 
 def _target_spec(leaf: Any, saved: LeafRecord) -> tuple[tuple[int, ...], np.dtype, Any]:
   if isinstance(leaf, SavedLeaf):
-    return tuple(saved.shape), np.dtype(saved.dtype), leaf.sharding
+    return tuple(saved.shape), _np_dtype(saved.dtype), leaf.sharding
   shape = tuple(getattr(leaf, "shape", ()))
   dtype = np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype))
   sharding = getattr(leaf, "sharding", None)
@@ -668,18 +1098,26 @@ def read_data(step_dir: Path, manifest: StepManifest,
   reading the buffer again. Comparing is still the consumer's job.
   """
   data_path = step_dir / DATA
-  data = aligned_empty(manifest.data_size)
-  ranges = [(shard.offset, shard.nbytes) for _, _, shard in manifest_entries(manifest)]
   try:
-    computed = _read_checksumming(data_path, data, ranges)
-  except FileNotFoundError as e:
+    fd = _open_regular(step_dir, DATA)
+  except OSError as e:
     raise LocalTierError(f"{data_path}: {e}") from e
+  try:
+    size = os.fstat(fd).st_size
+    if size < manifest.data_size:  # checked before the buffer is allocated
+      raise CorruptStepError(f"{data_path}: {size} bytes, shorter than the "
+                             f"{manifest.data_size} its manifest says")
+    data = aligned_empty(manifest.data_size)
+    ranges = [(shard.offset, shard.nbytes) for _, _, shard in manifest_entries(manifest)]
+    computed = _read_checksumming(fd, data_path, data, ranges)
+  finally:
+    os.close(fd)
   if crcs is not None:
     crcs.update(computed)
   return data
 
 
-def _read_checksumming(path: Path, buffer: np.ndarray,
+def _read_checksumming(fd: int, path: Path, buffer: np.ndarray,
                        ranges: Sequence[tuple[int, int]]) -> dict[tuple[int, int], int]:
   """Reads the file into `buffer` sequentially (one reader: parallel readers faulting in fresh
   pages contend) while a second thread computes the CRC32C of each (offset, nbytes) range as
@@ -703,7 +1141,6 @@ def _read_checksumming(path: Path, buffer: np.ndarray,
         start = piece
       out[(offset, nbytes)] = value
 
-  fd = os.open(path, os.O_RDONLY)
   follower = threading.Thread(target=follow, name="mtc-crc-follow", daemon=True)
   follower.start()
   try:
@@ -726,7 +1163,6 @@ def _read_checksumming(path: Path, buffer: np.ndarray,
     raise
   finally:
     follower.join()
-    os.close(fd)
   return out
 
 
@@ -736,13 +1172,33 @@ def read_step(step_dir: Path, manifest: StepManifest, targets: dict[str, Any],
 
   `targets` maps item name to a pytree of jax.ShapeDtypeStruct / jax.Array (with shardings)
   or numpy / scalar leaves; JSON items take any value (ignored). Raises
-  AbstractStateMismatchError for a target that does not match, LocalTierError when this node
-  cannot serve the step (corrupt bytes, a shard it does not hold).
+  AbstractStateMismatchError for a target that does not match (tree, shape, dtype, or a
+  sharding under which this node would need shards it did not save), LocalTierError when this
+  node cannot serve the step (corrupt bytes, a missing or short data file).
   """
   crcs: dict[tuple[int, int], int] = {}
   data = read_data(step_dir, manifest, crcs)
   return arrays_from_buffer(data, manifest, targets, str(step_dir), crc_threads=crc_threads,
                             crcs=crcs)
+
+
+def _sharding_mismatch(where: str, rec: LeafRecord, sharding: Any, index: Index,
+                       device: Any) -> Exception:
+  """The error for a target shard this node did not save.
+
+  A target sharding other than the saved one is the caller's mistake: AbstractStateMismatchError,
+  which no other copy of the step fixes. The same sharding with other shards here means this
+  process's devices changed since the save: LocalTierError, so restore tries another source.
+  """
+  target = describe_sharding(sharding)
+  if rec.sharding is not None and rec.sharding == target:
+    return LocalTierError(
+        f"{where}: this node holds no shard {index} for {device}, although the target sharding "
+        f"{target} is the saved one: this process's devices differ from those at save time")
+  return AbstractStateMismatchError(
+      f"{where}: the target sharding differs from the saved one: target {target}, saved "
+      f"{rec.sharding or 'unknown (the manifest does not record it)'}; this node holds no "
+      f"shard {index} for {device}. Restore with the sharding the step was saved with.")
 
 
 def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[str, Any],
@@ -782,12 +1238,14 @@ def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[s
       _check_leaf(item_name, path, rec, shape, dtype)
       where = f"{where_prefix}: leaf {item_name}{path}"
       if sharding is None:
-        if rec.kind != "host":
-          full = tuple((0, d) for d in rec.shape)
-          if not any(s.index == full for s in rec.shards):
-            raise LocalTierError(f"{where}: target has no sharding and this node does not "
-                                 "hold the whole array")
-        full_rec = next(s for s in rec.shards if s.index == tuple((0, d) for d in rec.shape))
+        full = tuple((0, d) for d in rec.shape)
+        full_rec = next((s for s in rec.shards if s.index == full), None)
+        if full_rec is None:
+          raise AbstractStateMismatchError(
+              f"{where}: the target has no sharding (a host value), but this node does not "
+              f"hold the whole array (saved with sharding {rec.sharding or 'unknown'}). Give "
+              "the target leaf a sharding (e.g. jax.ShapeDtypeStruct(shape, dtype, "
+              "sharding=...)).")
         slot = [None]
         jobs.append((slot, full_rec, dtype, where))
         leaf_plans.append(("host", slot, rec.python_type, leaf))
@@ -798,8 +1256,7 @@ def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[s
           norm = normalize_index(index, shape)
           shard_rec = by_index.get(norm)
           if shard_rec is None:
-            raise LocalTierError(f"{where}: this node holds no shard {norm} for {device}; the "
-                                 "target sharding differs from the saved one")
+            raise _sharding_mismatch(where, rec, sharding, norm, device)
           slot = [None]
           jobs.append((slot, shard_rec, dtype, where))
           device_slots.append((device, slot))
@@ -875,10 +1332,19 @@ def verify_step(step_dir: Path) -> StepManifest:
   """Re-checks every checksum of a committed step; raises LocalTierError on any problem."""
   manifest = read_manifest(step_dir)
   data_path = step_dir / DATA
-  size = data_path.stat().st_size if data_path.exists() else -1
-  if size != manifest.data_size:
-    raise CorruptStepError(f"{data_path}: {size} bytes, manifest says {manifest.data_size}")
-  data = np.memmap(data_path, dtype=np.uint8, mode="r") if size else np.empty(0, np.uint8)
+  try:
+    fd = _open_regular(step_dir, DATA)
+  except OSError as e:
+    raise LocalTierError(f"{data_path}: {e}") from e
+  try:
+    size = os.fstat(fd).st_size
+    if size != manifest.data_size:
+      raise CorruptStepError(f"{data_path}: {size} bytes, manifest says {manifest.data_size}")
+    # Unmapped when the last view goes (a mapping outlives its descriptor).
+    data = (np.frombuffer(mmap.mmap(fd, size, prot=mmap.PROT_READ), dtype=np.uint8) if size
+            else np.empty(0, np.uint8))
+  finally:
+    os.close(fd)
   for item_name, item in manifest.items.items():
     for leaf in item.leaves:
       for shard in leaf.shards:

@@ -22,6 +22,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import datetime
 import functools
 import json
 import os
@@ -36,14 +37,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
-from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
 from orbax_mtc import (
+  agreement,
   backup,
+  collectives,
   constructor,
   distributed,
   lkg,
+  local_lock,
   local_tier,
   managed,
   peer_store,
@@ -64,7 +67,6 @@ from orbax_mtc.options import (
 _PYTREE_SAVE = (ocp.args.PyTreeSave, ocp.args.StandardSave)
 _PYTREE_RESTORE = (ocp.args.PyTreeRestore, ocp.args.StandardRestore)
 _DEFAULT_ITEM = "default"  # Orbax's folder name for a single-item checkpoint
-_STATUS_OK, _STATUS_UNUSABLE, _STATUS_MISMATCH = 0, 1, 2
 ONDEMAND_FILE = "ondemand.json"  # in an on-demand step's local folder: its time breakdown
 ONDEMAND_METADATA_KEY = "orbax_mtc_ondemand"  # in custom_metadata of the persistent step
 
@@ -281,11 +283,14 @@ class CheckpointManager(ocp.CheckpointManager):
     self._init_runtime()
     if self._managed:
       self._connect_replicator()
-      return
-    minutes = options.persistent.backup_interval_minutes
-    if minutes is not None:
-      self._backup_policy = backup.BackupIntervalPolicy(minutes)
-      self._last_backup_attempt = self._newest_backup_time()
+    else:
+      minutes = options.persistent.backup_interval_minutes
+      if minutes is not None:
+        self._backup_policy = backup.BackupIntervalPolicy(minutes)
+        self._last_backup_attempt = self._newest_backup_time()
+    # One answer on every process from the start (rule 8): after a node loss the replaced
+    # node's own folder is empty, but the cluster can still restore from twins and peers.
+    self._agree_steps("starting the checkpoint manager")
 
   def _connect_replicator(self) -> None:
     """Managed mode: the replicator handshake (unless `initialize_multi_tier_checkpointing`
@@ -304,13 +309,15 @@ class CheckpointManager(ocp.CheckpointManager):
         error = e
     # Every process learns of a failure anywhere and stops too, instead of waiting in the
     # next collective for a process that has gone.
-    failed = self._allgather(np.asarray([int(error is not None)], dtype=np.int64))[:, 0]
+    records = self._agree(agreement.StartRecord(fault=agreement.Fault.of(error)),
+                          "the replicator handshake")
     if error is not None:
       raise error
-    if failed.any():
+    failed = agreement.faults(records)
+    if failed:
       raise replicator.ReplicatorError(
-          "The replicator handshake failed on process(es) "
-          f"{[p for p, bad in enumerate(failed) if bad]}; their logs say why.")
+          f"The replicator handshake failed on process(es) {sorted(failed)}: " + "; ".join(
+              f"process {p}: {f.kind}: {f.message}" for p, f in sorted(failed.items())))
     # The first restore(None) honours the entry; 0 = the replicator has nothing.
     self._replicator_entry = step or 0
 
@@ -320,18 +327,19 @@ class CheckpointManager(ocp.CheckpointManager):
     mine, self._replicator_entry = self._replicator_entry, None
     if mine is None:
       return None
-    row = np.asarray([mine, int(mine in self._local_steps())], dtype=np.int64)
-    rows = self._allgather(row)
-    steps = [int(s) for s in rows[:, 0]]
+    records = self._agree(agreement.EntryRecord(step=mine, readable=mine in self._local_steps()),
+                          "the replicator's restore entries")
+    steps = [r.step for r in records]
     agreed = replicator.agree(steps)
     if agreed is None:
       logging.warning("orbax-mtc: the replicator's restore entries disagree across processes "
                       "(steps %s); restoring the newest step every process holds instead.",
                       steps)
-    if agreed and not rows[:, 1].all():
+    unreadable = [p for p, r in enumerate(records) if not r.readable]
+    if agreed and unreadable:
       logging.warning("orbax-mtc: the replicator named step %d but process(es) %s cannot read "
                       "it; restoring the newest step every process holds instead.", agreed,
-                      [p for p, ok in enumerate(rows[:, 1]) if not ok])
+                      unreadable)
       return None
     return agreed
 
@@ -396,6 +404,7 @@ class CheckpointManager(ocp.CheckpointManager):
     with self._persistent_view():
       super().__init__(*parent_args)
     self._init_runtime()
+    self._agree_steps("starting the checkpoint manager")
 
   def _init_local_tier(self, local_directory, persistent_directory,
                        options: CheckpointManagerOptions, abstract_state: Any) -> None:
@@ -412,12 +421,53 @@ class CheckpointManager(ocp.CheckpointManager):
     self._local = local_tier.LocalTier(local_path, max_to_keep=options.local.max_to_keep,
                                        on_commit=self._after_local_commit,
                                        reuse_files=not self._managed)
-    self._local.prepare()
     self._store = peer_store.PeerStore(local_path, max_to_keep=options.local.max_to_keep)
-    self._store.prepare()
+    self._claim_local_directory(local_path, options)
     self._topology: topology.Topology | None = None
     self._replicator: replication.Replicator | None = None
     self._replica_axis: str | None = None
+
+  def _claim_local_directory(self, local_path: Path, options: CheckpointManagerOptions) -> None:
+    """Claims this process's local directory (a lock naming the holder) and prepares it.
+    A failure on any process (two processes given one folder, a folder that cannot be used)
+    is raised on every process together, before anything in the folder is touched."""
+    self._directory_lock: local_lock.LocalDirectoryLock | None = None
+    error: Exception | None = None
+    try:
+      if local_path.exists() and not local_path.is_dir():
+        raise ValueError(
+            f"local_directory {local_path} exists and is not a directory. Point "
+            "local_directory at a folder on the RAM disk (e.g. /dev/shm/ckpt) or remove the "
+            "file.")
+      existed = local_path.is_dir()
+      try:
+        self._directory_lock = local_lock.LocalDirectoryLock.claim(
+            local_path, job_name=options.job_name, process_index=self._process_index)
+      except OSError as e:
+        if not existed:
+          raise ValueError(f"Cannot create local_directory {local_path}: {e.strerror}. Choose "
+                           "a writable folder on the RAM disk (e.g. /dev/shm/ckpt).") from e
+        raise ValueError(f"local_directory {local_path} is not writable by this process (uid "
+                         f"{os.getuid()}): {e.strerror}. Fix its permissions or choose another "
+                         "folder.") from e
+      self._local.prepare()
+      self._store.prepare()
+      if not self._managed:
+        lkg.cleanup_temporary(local_path, options.job_name, self._process_index,
+                              self._worker_index)
+    except (local_lock.LocalDirectoryInUseError, ValueError, OSError) as e:
+      error = e
+    records = self._agree(agreement.StartRecord(fault=agreement.Fault.of(error)),
+                          "opening the local directory")
+    failed = agreement.faults(records)
+    if not failed:
+      return
+    if self._directory_lock is not None:
+      self._directory_lock.release()
+    if error is not None:
+      raise error
+    raise agreement.CheckpointError(
+        "opening the local directory", {p: f"{f.kind}: {f.message}" for p, f in failed.items()})
 
   def _set_mesh(self, global_mesh: jax.sharding.Mesh) -> None:
     """Replica axis and topology from the mesh (pure: no collective, no I/O)."""
@@ -466,7 +516,12 @@ class CheckpointManager(ocp.CheckpointManager):
     self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtc-local-write")
     self._pending: concurrent.futures.Future | None = None
     self._pending_step: int | None = None
-    self._local_error: BaseException | None = None
+    self._local_error: BaseException | None = None  # not yet handed to an agreement
+    self._fault_cause: BaseException | None = None  # handed, not yet raised
+    # The step lists every process agreed on (rule 8): RAM steps the cluster can assemble,
+    # and persistent steps every process sees. Set at start, each local save and restore.
+    self._agreed_ram: tuple[int, ...] = ()
+    self._agreed_persistent: tuple[int, ...] = ()
     # Only the thread that built the manager (the training loop) creates preemption ids.
     self._owner_thread = threading.current_thread()
     # The parent-style form keeps the parent's preemption handling (JAX's sync point).
@@ -561,10 +616,89 @@ class CheckpointManager(ocp.CheckpointManager):
   def _local_steps(self) -> list[int]:
     return self._local.steps()
 
-  def _allgather(self, row: np.ndarray) -> np.ndarray:
-    if self._process_count == 1:
-      return row[None]
-    return np.asarray(multihost_utils.process_allgather(row))
+  def _allgather(self, row: np.ndarray, what: str = "an agreement") -> np.ndarray:
+    """Every process's `row` (a collective), after a barrier bounded by
+    `agreement_timeout_seconds` that names the processes that never came."""
+    return collectives.allgather(row, what, self._process_count,
+                                 self._mtc_options.agreement_timeout_seconds)
+
+  def _agree(self, record: Any, what: str) -> list[Any]:
+    """Every process's record of this call (one all-gather; rule 8)."""
+    return agreement.gather(record, lambda row: self._allgather(row, what))
+
+  def _inventory(self, own_steps: list[int] | None = None,
+                 persistent_steps: list[int] | None = None) -> agreement.Inventory:
+    """What this node can serve now (its part of every steps agreement)."""
+    own = self._local_steps() if own_steps is None else own_steps
+    copies = self._store.servable(own) if self._replicator is not None else []
+    persistent = self._persistent_steps() if persistent_steps is None else persistent_steps
+    return agreement.Inventory.of(own, copies, persistent)
+
+  def _listing_groups(self) -> list[int] | None:
+    """Which processes hold the same shards (twins), for listing steps before any restore
+    target is known: from `abstract_state` when it has shardings; else none (own folders
+    and peer copies only, which never lists a step the cluster cannot assemble)."""
+    if self._topology is None or self._abstract_state is None:
+      return None
+    leaves = jax.tree_util.tree_leaves(self._abstract_state)
+    if not leaves or not all(_is_array_target(leaf) for leaf in leaves):
+      return None
+    return replication.shard_groups(self._shard_sets({"state": self._abstract_state}))
+
+  def _adopt(self, inventories: list[agreement.Inventory], *, saved: int | None = None,
+             floor: int | None = None) -> list[restore_plan.NodeInventory]:
+    """Takes the agreed step lists from gathered inventories (the same on every process).
+    `saved`: a step every process has just started writing to RAM."""
+    nodes = [restore_plan.NodeInventory(frozenset(inv.own_steps), frozenset(inv.copies))
+             for inv in inventories]
+    ram = restore_plan.restorable_steps(nodes, self._listing_groups())
+    if saved is not None:
+      ram = restore_plan.retained_steps([*ram, saved], self._mtc_options.local.max_to_keep,
+                                        floor)
+    self._agreed_ram = tuple(ram)
+    self._agreed_persistent = agreement.agreed_persistent_steps(inventories,
+                                                                self._persistent_steps())
+    return nodes
+
+  def _agree_steps(self, what: str, *, report_backup: bool = False) -> None:
+    """Agrees the step lists and raises, on every process alike, the errors any process
+    still holds (collective). `report_backup`: a failed newest backup is one of them."""
+    fault = self._take_fault()
+    backup_error = None
+    if report_backup and not fault.present:
+      backup_error, self._backup_error = self._backup_error, None
+      if backup_error is not None:
+        fault = agreement.Fault.of(backup_error.cause, backup_step=backup_error.step)
+    records = self._agree(agreement.FinishRecord(fault=fault, inventory=self._inventory()),
+                          what)
+    self._adopt([r.inventory for r in records])
+    self._raise_agreed_faults(records, what, own_backup_error=backup_error)
+
+  def _take_fault(self) -> agreement.Fault:
+    """This process's unreported error (a failed local write or write-back, an LKG or
+    retention error on the writer thread), handed to the next agreement."""
+    error, self._local_error = self._local_error, None
+    if error is not None:
+      self._fault_cause = error
+    return agreement.Fault.of(error)
+
+  def _raise_agreed_faults(self, records: list[Any], what: str, *,
+                           own_backup_error: backup.BackupError | None = None) -> None:
+    """The same error on every process when any reported one (rule 9): CheckpointError for
+    a local fault, else BackupError for a failed backup."""
+    cause, self._fault_cause = self._fault_cause, None
+    found = agreement.faults(records)
+    if not found:
+      return
+    local = {p: f for p, f in found.items() if f.backup_step < 0}
+    if local:
+      raise agreement.CheckpointError(
+          what, {p: f"{f.kind}: {f.message}" for p, f in local.items()}) from cause
+    if own_backup_error is not None:
+      raise own_backup_error
+    p, fault = min(found.items())
+    raise backup.BackupError(fault.backup_step, RuntimeError(
+        f"on process {p}: {fault.kind}: {fault.message}"))
 
   # ------------------------------------------------------------------ decisions
 
@@ -572,18 +706,18 @@ class CheckpointManager(ocp.CheckpointManager):
     local = self._mtc_options.local
     if local.read_only:
       return False
-    steps = self._local_steps()
-    if self._pending_step is not None:
-      steps.append(self._pending_step)
+    # Agreed steps only (the step being written is among them): a node whose folder was
+    # wiped must answer as the others do.
+    steps = list(self._agreed_ram)
     last = max(steps) if steps else None
     if last is not None and last >= step:
       return False
     if local.save_decision_policy is not None:
       infos = [ocp.checkpoint_manager.CheckpointInfo(step=s, time=None, metrics=None)  # type: ignore[arg-type]
                for s in sorted(steps)]
-      context = policies.DecisionContext(
-          is_saving_in_progress=self._pending is not None and not self._pending.done(),
-          reached_preemption=False)
+      # A write issued and not yet waited for: issued and waited for at agreed points.
+      context = policies.DecisionContext(is_saving_in_progress=self._pending is not None,
+                                         reached_preemption=False)
       current = ocp.checkpoint_manager.CheckpointInfo(step=step, time=None, metrics=None)  # type: ignore[arg-type]
       return bool(local.save_decision_policy.should_save(current, infos, context=context))
     if local.should_save_fn is not None:
@@ -595,17 +729,34 @@ class CheckpointManager(ocp.CheckpointManager):
       return False  # GKE's replicator backs the RAM steps up
     if self.__dict__.get("_backup_policy") is not None:
       return False  # by minutes: decided at local saves (_save_local), never per step
+    if self.__dict__.get("_parent_style"):
+      with self._persistent_view():
+        return bool(super().should_save(step))
     attempt = self.__dict__.get("_last_backup_attempt")
     schedule = self._mtc_options.persistent
-    if attempt is not None and schedule.save_decision_policy is None and \
-        not self._persistent_steps():
+    agreed = self.__dict__.get("_agreed_persistent", ())
+    if attempt is not None and schedule.save_decision_policy is None and not agreed:
       # Orbax saves the first step it is asked about; our first backup may still be on its
       # way (read from RAM, then written), so count from that attempt instead.
       if schedule.should_save_fn is not None:
         return bool(schedule.should_save_fn(step, attempt[0]))
       return step > attempt[0] and step % schedule.save_interval_steps == 0
-    with self._persistent_view():
-      return bool(super().should_save(step))
+    return self._parent_policy_says(step, agreed)
+
+  def _parent_policy_says(self, step: int, agreed: tuple[int, ...]) -> bool:
+    """Orbax's `should_save` for the persistent tier, asked with the agreed persistent steps
+    instead of this process's own list (which can lag after a failed finalize)."""
+    if agreed and agreed[-1] >= step:
+      return False
+    kept = set(agreed)
+    previous = [info for info in self._checkpoints if info.step in kept]
+    context = policies.DecisionContext(
+        is_saving_in_progress=False, reached_preemption=self.reached_preemption(step),
+        multiprocessing_options=self._multiprocessing_options)
+    current = ocp.checkpoint_manager.CheckpointInfo(
+        step=step, time=datetime.datetime.now(tz=datetime.UTC), metrics=None)
+    return bool(self._save_decision_policy.should_save(current, previous_steps=previous,
+                                                       context=context))
 
   @_persistent_view_when_nested
   def should_save(self, step: int) -> bool:
@@ -679,14 +830,16 @@ class CheckpointManager(ocp.CheckpointManager):
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
       raise ValueError(f"step must be a non-negative int, got {step!r}.")
     step = int(step)
-    self._check_local_errors()
+    # An error of an earlier write is not raised here, on this process alone: it travels in
+    # the next agreement, so every process raises it together (rule 9).
     self._poll_backup()
     self._replication_progress(block=False)
     preempted = self.reached_preemption(step)
     read_only = self._mtc_options.local.read_only
+    # Every input below is agreed (rule 8): the same branch on every process.
     persistent_due = not self._managed and (
         force or preempted or self._persistent_should_save(step)) and (
-        step not in self._persistent_steps())
+        step not in self._agreed_persistent)
     # A backup is taken from the RAM tier, so a step due for one is saved there too.
     local_due = not read_only and (force or preempted or persistent_due
                                    or self._local_should_save(step))
@@ -697,6 +850,9 @@ class CheckpointManager(ocp.CheckpointManager):
       return True
     if not (local_due or persistent_due):
       return False
+    newest_ram = self._agreed_ram[-1] if self._agreed_ram else None
+    if local_due and newest_ram is not None and step < newest_ram:
+      return self._save_older_step(step, args, metrics, custom_metadata, newest_ram)
     if local_due:
       # Whether the step is already in RAM or persistent is decided there, after the save's
       # one all-gather, so that every process takes the same branch.
@@ -706,13 +862,33 @@ class CheckpointManager(ocp.CheckpointManager):
       self._start_backup(step, args, metrics, custom_metadata)
     return True
 
+  def _save_older_step(self, step: int, args: Any, metrics: Any,
+                       custom_metadata: dict[str, Any] | None, newest_ram: int) -> bool:
+    """A forced save of a step older than the newest RAM step (Orbax allows it). RAM
+    retention keeps the newest steps, so the RAM tier would retire it at once and could lose
+    a newer step for it: it goes to the persistent tier only (docs/api.md)."""
+    if self._managed or step in self._agreed_persistent:
+      raise ValueError(
+          f"save({step}, force=True): step {step} is older than the newest RAM step "
+          f"{newest_ram}, and " + ("in managed mode the RAM tier is the only tier this "
+                                   "manager writes" if self._managed else
+                                   f"the persistent tier already has step {step}") +
+          ". Save a newer step, or delete the newer steps first with mgr.delete(step).")
+    logging.warning("orbax-mtc: step %d is older than the newest RAM step %d: saved to the "
+                    "persistent tier %s only.", step, newest_ram, self.directory)
+    self._start_backup(step, args, metrics, custom_metadata)
+    if not self._mtc_options.enable_async_checkpointing:
+      self._poll_backup(block=True)
+    return True
+
   def _save_parent_style(self, step: int, items: Any, save_kwargs: Any, metrics: Any,
                          force: bool | None, args: Any,
                          custom_metadata: dict[str, Any] | None) -> bool:
     """The parent's save on `directory`, unchanged; then the RAM tier, on its own schedule or
     (default) for each step the parent saved. Items the RAM tier cannot hold go to
     `directory` only."""
-    self.check_for_errors()
+    with self._persistent_view():
+      super().check_for_errors()  # Orbax's own (a failed RAM write travels in an agreement)
     self._replication_progress(block=False)
     with self._persistent_view():
       parent_saved = super().save(step, items=items, save_kwargs=save_kwargs, metrics=metrics,
@@ -723,7 +899,7 @@ class CheckpointManager(ocp.CheckpointManager):
     if self._mirror_parent_saves:
       self._drop_steps_parent_removed()
     local = self._mtc_options.local
-    if local.read_only or step in self._local_steps() or step == self._pending_step:
+    if local.read_only or step in self._agreed_ram:
       return parent_saved
     if self._mirror_parent_saves:
       local_due = parent_saved
@@ -751,7 +927,13 @@ class CheckpointManager(ocp.CheckpointManager):
   def _drop_steps_parent_removed(self) -> None:
     """Mirror mode: a step the parent's retention (or a delete) removed leaves RAM too."""
     kept = set(self._persistent_steps())
+    replicating = self._replicator.pending_step if self._replicator is not None else None
+    if replicating is not None and replicating not in kept:
+      # Its copies must be out before its folder goes (the parent's list is the same on
+      # every process: Orbax agrees it, so every process issues this collective).
+      self._replication_progress(block=True)
     gone = [s for s in self._local_steps() if s not in kept]
+    self._agreed_ram = tuple(s for s in self._agreed_ram if s in kept)
     if not gone:
       return
     self._wait_local()  # no write in flight while folders go (LKG link included)
@@ -781,8 +963,9 @@ class CheckpointManager(ocp.CheckpointManager):
                     "%.0fs)", step, seconds["agreement"], budget)
 
     t = time.time()
-    if not options.local.read_only and step not in self._local_steps():
-      self._save_local(step, args)
+    if not options.local.read_only:
+      # Whether the step is in RAM already is decided in the save's agreement (rule 8).
+      self._save_local(step, args, ondemand=True)
       self._wait_local()
     seconds["local"] = time.time() - t
 
@@ -799,8 +982,11 @@ class CheckpointManager(ocp.CheckpointManager):
     in_budget = time.time() - started < budget  # after the wait above, which may be long
     # Orbax's save has barriers, so every process must take the same branch; their clocks,
     # and when each got here, differ.
-    votes = self._allgather(np.asarray([wanted, in_budget], dtype=np.int64))
-    wanted, in_budget = bool(votes[:, 0].all()), bool(votes[:, 1].all())
+    votes = self._agree(agreement.OnDemandRecord(fault=self._take_fault(), wants_backup=wanted,
+                                                 in_budget=in_budget),
+                        f"the on-demand save of step {step}")
+    wanted = all(v.wants_backup for v in votes)
+    in_budget = all(v.in_budget for v in votes)
     if wanted and in_budget:
       metadata = dict(custom_metadata or {})
       metadata[ONDEMAND_METADATA_KEY] = {"step": step, "signal_time": signal_time,
@@ -825,6 +1011,9 @@ class CheckpointManager(ocp.CheckpointManager):
                 "%.2fs%s", step, seconds["total"], budget, seconds["agreement"],
                 seconds["local"], seconds["peers"], seconds["persistent"],
                 "" if backed_up else " (not backed up)")
+    # A RAM write that failed somewhere is raised on every process alike, after the
+    # persistent backup (taken from the arrays) had its chance.
+    self._raise_agreed_faults(votes, f"the on-demand save of step {step}")
     if options.exit_after_ondemand_checkpoint:
       logging.warning("orbax-mtc: exiting after the on-demand checkpoint of step %d "
                       "(exit_after_ondemand_checkpoint).", step)
@@ -847,10 +1036,11 @@ class CheckpointManager(ocp.CheckpointManager):
 
   def _save_local(self, step: int, args: Any, *, backup_wanted: bool = False,
                   metrics: Any = None, custom_metadata: dict[str, Any] | None = None,
-                  parent_saved: bool = False) -> None:
+                  parent_saved: bool = False, ondemand: bool = False) -> None:
     """Stages and writes `step` to RAM (and schedules its backup and peer copies).
     `parent_saved`: Orbax's own save has just written the step to `directory` (the parent-style
-    form, which mirrors it into RAM)."""
+    form, which mirrors it into RAM). `ondemand`: the preemption save, which skips a step
+    every node holds already."""
     trees, jsons, default_item = self._split_save_args(args)
     self._wait_local()  # one write in flight (as Orbax): steps commit in order
     # The previous step's copies must be out before retention may retire its folder.
@@ -859,33 +1049,51 @@ class CheckpointManager(ocp.CheckpointManager):
     if pending is not None:
       # Read back right after its write, from RAM: done by now but for a very short interval.
       concurrent.futures.wait([pending.read])
-    saving = self._persistent_busy()
-    # One all-gather per local save (every process saves the same steps, so it is issued in
-    # the same order everywhere: main thread, rule 2): the newest step each node holds, where
-    # each node is with the pending backup, whether Orbax is still writing one, the clock of
-    # process 0 (which alone decides backups by minutes), whether the node already holds
-    # this step in RAM or persistent, and whether it wants the step backed up (so that every
-    # process takes the same branches below: a node's view of the persistent steps can lag
-    # after a failed backup, and with it Orbax's answer to "is this step due").
-    steps = self._local_steps()
-    row = np.asarray([steps[-1] if steps else -1,
-                      pending.state() if pending is not None else backup.NONE,
-                      int(saving), int(time.time() * 1000), int(step in steps),
-                      int(step in self._persistent_steps()), int(backup_wanted)],
-                     dtype=np.int64)
-    gathered = self._allgather(row)
-    in_ram, in_persistent = gathered[:, 4].astype(bool), gathered[:, 5].astype(bool)
-    backup_wanted = bool(gathered[:, 6].any())
+    # The save's one agreement (every process saves the same steps, so it is issued in the
+    # same order everywhere: main thread, rule 2). It carries every per-process fact the
+    # branches below read, so that every process takes the same ones (rule 8), and any error
+    # a process holds, so that every process raises it together (rule 9).
+    own = self._local_steps()
+    persistent = self._persistent_steps()
+    record = agreement.SaveRecord(
+        step=step, fault=self._take_fault(), inventory=self._inventory(own, persistent),
+        has_step_in_ram=step in own, has_step_persistent=step in persistent,
+        wants_backup=backup_wanted,
+        backup_state=pending.state() if pending is not None else agreement.Status.NONE,
+        orbax_busy=self._persistent_busy(), clock_ms=int(time.time() * 1000))
+    records = self._agree(record, f"the save of step {step}")
+    if len({r.step for r in records}) > 1:
+      raise ValueError(
+          "save() was called with different steps on different processes: " + ", ".join(
+              f"process {p}: {r.step}" for p, r in enumerate(records)) +
+          ". Every process must save the same step at the same point of the loop.")
+    inventories = [r.inventory for r in records]
+    newest = [max(inv.own_steps) if inv.own_steps else -1 for inv in inventories]
+    floor = min(newest) if self._process_count > 1 and min(newest) >= 0 else None
+    self._adopt(inventories)
+    self._raise_agreed_faults(records, f"an earlier local write (before step {step})")
+    in_ram = np.asarray([r.has_step_in_ram for r in records])
+    in_persistent = np.asarray([r.has_step_persistent for r in records])
+    backup_wanted = any(r.wants_backup for r in records)
     # Here, on the gathered figures alone, so that every process starts it or none does.
-    backup_started = self._advance_backup(gathered[:, 1], gathered[:, 2])
-    if not parent_saved and in_ram.all() and backup_wanted and not in_persistent.any():
+    backup_started = self._advance_backup(
+        np.asarray([r.backup_state for r in records]), np.asarray([r.orbax_busy for r in records]))
+    if ondemand and in_ram.all():
+      return  # the preemption step is committed everywhere already
+    if not parent_saved and not ondemand and in_ram.all() and backup_wanted and \
+        not in_persistent.any():
       # Committed in RAM everywhere, not yet persistent (e.g. the final step, forced): back
       # up those RAM copies; `args` only describe them.
       self._schedule_backup(step, args, trees, jsons, metrics, custom_metadata, time.time())
       if not self._mtc_options.enable_async_checkpointing:
         self._flush_backup()
       return
-    if not parent_saved and (in_ram.any() or in_persistent.any()):
+    if ondemand and in_ram.any():
+      # The on-demand step is in some folders only (an earlier save of it failed elsewhere):
+      # those write it again with the others, from the same state.
+      if step in own:
+        self._local.delete(step)
+    elif not parent_saved and (in_ram.any() or in_persistent.any()):
       # As Orbax: a step is never silently replaced (the tiers would then disagree on it).
       where = "" if in_ram.all() or not in_ram.any() else \
           f" of process(es) {np.flatnonzero(in_ram).tolist()} only"
@@ -894,16 +1102,16 @@ class CheckpointManager(ocp.CheckpointManager):
           f"tier {self.directory}). Delete it first with mgr.delete({step}) on every process "
           "to save it again.")
     if self._process_count > 1:
-      # Its minimum is the newest step all nodes hold.
-      floor = int(gathered[:, 0].min())
-      self._local.keep_floor = floor if floor >= 0 else None
+      # The newest step all nodes hold: kept beyond max_to_keep.
+      self._local.keep_floor = floor
       # Steps kept only as the previous floor can go now, before this write reuses their file:
       # the RAM footprint stays at max_to_keep committed steps plus the one being written.
       self._local.apply_retention()
+    self._adopt(inventories, saved=step, floor=floor)
     # Not `_backup_inflight`: each process clears that when it sees its own part end, so it
     # can differ between processes, and this answer decides whether the step is backed up.
-    saving_anywhere = bool(gathered[:, 2].any()) or backup_started
-    now = float(gathered[0, 3]) / 1000
+    saving_anywhere = any(r.orbax_busy for r in records) or backup_started
+    now = records[0].clock_ms / 1000
     if self._backup_policy is not None and not backup_wanted:
       backup_wanted = backup.interval_due(self._backup_policy, step, now,
                                           self._last_backup_attempt, saving_anywhere)
@@ -914,8 +1122,13 @@ class CheckpointManager(ocp.CheckpointManager):
     if self._mtc_options.enable_async_checkpointing:
       self._pending = self._writer.submit(self._write_local, staged)
     else:
-      self._write_local(staged)
-      self._pending_step = None
+      self._pending = concurrent.futures.Future()
+      try:
+        self._write_local(staged)
+        self._pending.set_result(None)
+      except Exception as e:  # noqa: BLE001 - raised on every process by the agreement below
+        self._pending.set_exception(e)
+      self._wait_local()
     if backup_wanted:
       self._schedule_backup(step, args, trees, jsons, metrics, custom_metadata, now)
       if not self._mtc_options.enable_async_checkpointing:
@@ -924,6 +1137,9 @@ class CheckpointManager(ocp.CheckpointManager):
       self._replicator.schedule(step, self._shard_sets(trees))
       if not self._mtc_options.enable_async_checkpointing:
         self._replication_progress(block=True)
+    if not self._mtc_options.enable_async_checkpointing:
+      # Synchronous mode: the write is done, and its outcome is raised on every process alike.
+      self._agree_steps(f"the save of step {step}")
 
   # ------------------------------------------------------------------ persistent backups
 
@@ -1090,8 +1306,10 @@ class CheckpointManager(ocp.CheckpointManager):
     if pending is not None:
       concurrent.futures.wait([pending.read])
       self._poll_backup(block=True)
-      states = self._allgather(np.asarray([pending.state()], dtype=np.int64))[:, 0]
-      self._advance_backup(states, np.zeros_like(states))
+      records = self._agree(agreement.ReadBackRecord(state=pending.state()),
+                            f"the backup of step {pending.step}")
+      states = np.asarray([r.state for r in records])
+      self._advance_backup(states, np.zeros(states.shape, dtype=bool))
     self._poll_backup(block=True)
 
   def _report_backup_error(self) -> None:
@@ -1148,21 +1366,22 @@ class CheckpointManager(ocp.CheckpointManager):
           "2.2x the per-node checkpoint on TPU).") from e
 
   def _wait_local(self) -> None:
+    """Waits for the local write in flight. Its error is kept for the next agreement, which
+    raises it on every process alike (raised here, on one process, it would leave the others
+    waiting in their next collective)."""
     pending, self._pending = self._pending, None
     if pending is None:
       return
     try:
       pending.result()
-    except BaseException as e:  # surfaced once, on the main thread
-      self._local_error = e
+    except Exception as e:  # noqa: BLE001 - reported through the next agreement
+      if self._local_error is None:
+        self._local_error = e
+      else:
+        logging.error("orbax-mtc: a further local write failed before the first error was "
+                      "reported: %s: %s", type(e).__name__, e)
     finally:
       self._pending_step = None
-    self._raise_local_error()
-
-  def _raise_local_error(self) -> None:
-    if self._local_error is not None:
-      error, self._local_error = self._local_error, None
-      raise error
 
   # ------------------------------------------------------------------ restore
 
@@ -1194,10 +1413,11 @@ class CheckpointManager(ocp.CheckpointManager):
   def _try_local(self, step: int, targets: dict[str, Any], single: bool | None,
                  source: tuple[local_tier.StepManifest, np.ndarray] | None = None,
                  own_crcs: dict[tuple[int, int], int] | None = None
-                 ) -> tuple[int, Any, str]:
+                 ) -> tuple[agreement.Status, Any, str]:
     """Builds the targets from this node's folder of `step`, or from `source`: a step that
     came from a twin or a peer, or (with `own_crcs`, its checksums) this node's own step
-    already read. Returns (status, (items, default_item), message)."""
+    already read. Returns (status, (items, default_item), message); never raises, so that
+    every process reaches the agreement on the outcome."""
     try:
       crcs: dict[tuple[int, int], int] = dict(own_crcs or {})
       if source is None:
@@ -1211,11 +1431,13 @@ class CheckpointManager(ocp.CheckpointManager):
       if single is None and manifest.default_item:  # args omitted: follow how it was saved
         targets = {_DEFAULT_ITEM: targets["state"]}
       restored = local_tier.arrays_from_buffer(data, manifest, targets, where, crcs=crcs)
-      return _STATUS_OK, (restored, manifest.default_item), ""
+      return agreement.Status.OK, (restored, manifest.default_item), ""
     except local_tier.AbstractStateMismatchError as e:
-      return _STATUS_MISMATCH, None, str(e)
-    except (local_tier.LocalTierError, OSError) as e:
-      return _STATUS_UNUSABLE, None, str(e)
+      return agreement.Status.MISMATCH, None, str(e)
+    except Exception as e:  # noqa: BLE001 - any failure makes this source unusable
+      if not isinstance(e, (local_tier.LocalTierError, OSError)):
+        logging.exception("orbax-mtc: unexpected error reading step %d", step)
+      return agreement.Status.UNUSABLE, None, f"{type(e).__name__}: {e}"
 
   def _assemble(self, assembly: restore_plan.Assembly, targets: dict[str, Any],
                 single: bool | None) -> tuple[bool, Any, set[tuple[int, int, int]]]:
@@ -1239,11 +1461,11 @@ class CheckpointManager(ocp.CheckpointManager):
           outgoing[dest] = replication.outgoing_step(
               kind, dest, step, self._local, self._store, own_read)
           sizes[j] = outgoing[dest].nbytes
-        except (local_tier.LocalTierError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - every failure is agreed below, never raised
           logging.warning("orbax-mtc: cannot serve step %d to process %d from %s: %s", step,
                           dest, kind, e)
           sizes[j] = -1
-      gathered = self._allgather(sizes)
+      gathered = self._allgather(sizes, f"serving step {step} to replaced nodes")
       sizes = np.asarray([gathered[h, j] for j, (h, _, _) in enumerate(transfers)])
       failed = {(h, d, step) for (h, d, _), n in zip(transfers, sizes, strict=True) if n < 0}
       if failed:
@@ -1259,32 +1481,34 @@ class CheckpointManager(ocp.CheckpointManager):
         try:
           manifest, data = peer_store.received_step(buffers[mine.holder])
           received = (dataclasses.replace(manifest, process_index=me), data)
-        except (local_tier.LocalTierError, ValueError, KeyError) as e:
+        except Exception as e:  # noqa: BLE001 - an unusable copy is agreed below
           logging.warning("orbax-mtc: step %d from process %d is unusable: %s", step,
                           mine.holder, e)
           received = None
     mine = assembly.sources[me]
     if mine.kind != restore_plan.OWN and received is None:
-      status, value, message = _STATUS_UNUSABLE, None, "nothing usable received"
+      status, value, message = agreement.Status.UNUSABLE, None, "nothing usable received"
     elif mine.kind == restore_plan.OWN and own_read is not None:
       status, value, message = self._try_local(step, targets, single, own_read[:2],
                                                own_read[2])
     else:
       status, value, message = self._try_local(step, targets, single, received)
-    statuses = self._allgather(np.asarray([status], dtype=np.int64)).reshape(-1)
-    if (statuses == _STATUS_OK).all():
+    built = self._agree(agreement.BuildRecord(status=status, message=message),
+                        f"building step {step}")
+    if all(b.status == agreement.Status.OK for b in built):
       if received is not None:
         self._recovered = received
       return True, value, set()
-    if (statuses == _STATUS_MISMATCH).any():
-      culprit = int(np.argmax(statuses == _STATUS_MISMATCH))
+    mismatched = [p for p, b in enumerate(built) if b.status == agreement.Status.MISMATCH]
+    if mismatched:
+      # The caller's error, not a bad copy: the same error everywhere, and nothing deleted.
+      culprit = mismatched[0]
       raise local_tier.AbstractStateMismatchError(
-          message or f"process {culprit} found that the restore target does not match "
-          f"step {step}; see its log for the leaf.")
-    bad = [p for p, st in enumerate(statuses) if st != _STATUS_OK]
-    logging.warning("orbax-mtc: step %d unusable on process(es) %s%s; trying another source, "
+          f"process {culprit}: {built[culprit].message} (step {step} is kept in every tier).")
+    bad = [p for p, b in enumerate(built) if b.status != agreement.Status.OK]
+    logging.warning("orbax-mtc: step %d unusable on process(es) %s (%s); trying another source, "
                     "an older step or the persistent tier.", step, bad,
-                    f" ({message})" if message else "")
+                    "; ".join(f"process {p}: {built[p].message}" for p in bad))
     return False, None, {(assembly.sources[p].holder, p, step) for p in bad}
 
   def _after_recovery(self, assembly: restore_plan.Assembly, sets: list | None) -> None:
@@ -1330,7 +1554,7 @@ class CheckpointManager(ocp.CheckpointManager):
           self.last_restore = dataclasses.replace(self.last_restore, tier="replicator")
           return value
       elif entry_step == 0:  # the replicator has nothing: the persistent tier, else scratch
-        persistent_steps = self._persistent_steps()
+        persistent_steps = self._agreed_persistent
         if persistent_steps:
           restored = self._restore_persistent(persistent_steps[-1], targets, single)
           self._finish_restore(persistent_steps[-1], "persistent", started, drop_newer=True)
@@ -1390,10 +1614,23 @@ class CheckpointManager(ocp.CheckpointManager):
     """
     # Copies still in flight would race with the folders this restore reads and rewrites.
     self._replication_progress(block=True)
-    own_steps = self._local_steps()
-    copies = self._store.servable(own_steps) if self._replicator is not None else []
-    rows = self._allgather(restore_plan.encode_inventory(own_steps, copies))
-    inventories = restore_plan.decode_inventories(rows)
+    records = self._agree(agreement.RestoreRecord(
+        requested_step=-1 if step is None else int(step), fault=self._take_fault(),
+        inventory=self._inventory()), "restore")
+    asked = [r.requested_step for r in records]
+    if len(set(asked)) > 1:
+      raise ValueError(
+          "restore() was called with different steps on different processes: " + ", ".join(
+              f"process {p}: {'None' if s < 0 else s}" for p, s in enumerate(asked)) +
+          ". Every process must restore the same step; use step = mgr.latest_step(), which "
+          "is the same on every process.")
+    for p, fault in agreement.faults(records).items():
+      # An earlier write that failed left nothing committed: the plan below does not use it.
+      logging.warning("orbax-mtc: process %d: an earlier local write failed (%s: %s); "
+                      "restoring from what the cluster holds.", p, fault.kind, fault.message)
+    self._fault_cause = None
+    inventories = self._adopt([r.inventory for r in records])
+    persistent_steps = self._agreed_persistent
     groups = sets = None
     # Targets that take their shape from the checkpoint (SavedLeaf) cannot say which shards
     # twins share before a step is read: then every node restores from its own folder.
@@ -1405,7 +1642,7 @@ class CheckpointManager(ocp.CheckpointManager):
     excluded: set[tuple[int, int, int]] = set()
     failed_steps: set[int] = set()
     while True:
-      plan = restore_plan.plan_restore(inventories, self._persistent_steps(), step,
+      plan = restore_plan.plan_restore(inventories, persistent_steps, step,
                                        shard_groups=groups, excluded=excluded)
       candidates = [a for a in plan.candidates if a.step not in failed_steps]
       if not candidates:
@@ -1439,7 +1676,9 @@ class CheckpointManager(ocp.CheckpointManager):
       self._local.delete(s)
     if leftovers:
       self._refresh_lkg()
+    self._writer.submit(lambda: None).result()  # copies in flight land before the drop
     self._store.drop_newer(-1)
+    self._agreed_ram = ()
     self.last_restore = RestoreInfo(step=None, tier="none",
                                     seconds=time.perf_counter() - started)
 
@@ -1507,7 +1746,11 @@ class CheckpointManager(ocp.CheckpointManager):
         self._local.delete(s)
       if stale:
         self._refresh_lkg()
+      # Peer copies received before this restore are committed on the writer thread: let
+      # them land first, or a newer one could be committed after the drop below.
+      self._writer.submit(lambda: None).result()
       self._store.drop_newer(step)
+      self._agreed_ram = tuple(s for s in self._agreed_ram if s <= step)
     self.last_restore = RestoreInfo(step=step, tier=tier, seconds=time.perf_counter() - started)
     logging.info("orbax-mtc: restored step %d from the %s tier in %.2fs", step, tier,
                  self.last_restore.seconds)
@@ -1520,10 +1763,10 @@ class CheckpointManager(ocp.CheckpointManager):
       # The RAM tier holds copies of the parent's steps: the parent's list is the list.
       with self._persistent_view():
         return list(super().all_steps(read))
-    steps = set(self._local_steps()) | set(self._persistent_steps())
-    if self._pending_step is not None:
-      steps.add(self._pending_step)
-    return sorted(steps)
+    # The agreed lists (rule 8): the same on every process, and kept current by the
+    # agreements that start-up, each local save, restore, delete, reload and
+    # wait_until_finished make anyway; this call issues no collective.
+    return sorted(set(self._agreed_ram) | set(self._agreed_persistent))
 
   @_persistent_view_when_nested
   def latest_step(self) -> int | None:
@@ -1532,21 +1775,25 @@ class CheckpointManager(ocp.CheckpointManager):
 
   @_persistent_view_when_nested
   def reload(self):
+    """Re-reads both tiers and agrees the step lists again (every process calls it)."""
     with self._persistent_view():
       super().reload()
+    self._agree_steps("reload")
 
   @_persistent_view_when_nested
   def delete(self, step: int):
     """Deletes `step` from this node's RAM tier and from the persistent tier."""
     # Neither the local writer nor Orbax's finalize thread may still be writing the step.
-    self._finish_all()
+    self._finish_all(f"delete({step})")
     if step in self._local_steps():
       self._local.delete(step)
       self._refresh_lkg()
     self._store.delete_step(step)
-    if step in self._persistent_steps():
+    if step in self._agreed_persistent or step in self._persistent_steps():
       with self._persistent_view():
         super().delete(step)
+    self._agreed_ram = tuple(s for s in self._agreed_ram if s != step)
+    self._agreed_persistent = tuple(s for s in self._agreed_persistent if s != step)
 
   @_persistent_view_when_nested
   def item_metadata(self, step: int) -> Any:
@@ -1601,38 +1848,36 @@ class CheckpointManager(ocp.CheckpointManager):
 
   # ------------------------------------------------------------------ lifecycle
 
-  def _finish_all(self) -> None:
-    """RAM write, peer copies, the pending backup: all done (every process calls this)."""
+  def _finish_all(self, what: str, *, report_backup: bool = False) -> None:
+    """RAM write, peer copies, the pending backup: all done, and the step lists and errors
+    agreed (every process calls this; errors are raised on every process alike)."""
     self._wait_local()
     self.replicate_pending()
     if self._parent_style:
+      self._agree_steps(what)
       with self._persistent_view():
         super().wait_until_finished()
       return
     self._flush_backup()
+    self._agree_steps(what, report_backup=report_backup)
 
   @_persistent_view_when_nested
   def wait_until_finished(self):
     """Waits for the RAM write, the peer copies and the backup in flight (a backup is bounded
     by Orbax's `AsyncOptions.timeout_secs`, but for its step metadata write, which only the
-    storage client's own timeouts bound). Raises `BackupError` if the newest backup failed
-    (once per failure); the RAM tier still holds the step."""
-    self._finish_all()
-    self._report_backup_error()
-
-  def _check_local_errors(self) -> None:
-    if self._pending is not None and self._pending.done():
-      self._wait_local()
-    self._raise_local_error()
+    storage client's own timeouts bound). Every process calls it; on every process alike it
+    raises `CheckpointError` for a failed RAM write on any of them, else `BackupError` if the
+    newest backup failed (once per failure; the RAM tier still holds the step)."""
+    self._finish_all("wait_until_finished", report_backup=True)
 
   @_persistent_view_when_nested
   def check_for_errors(self):
-    """Raises a failed RAM write, or `BackupError` for a failed newest backup (once)."""
+    """Raises `BackupError` for a failed newest backup (once), on this process. A failed RAM
+    write is raised by the next save or `wait_until_finished`, on every process alike."""
     if not self._parent_style and threading.current_thread() is not self._owner_thread:
       # Orbax's finalize thread asks too: it means the persistent tier's own errors.
       with self._persistent_view():
         return super().check_for_errors()
-    self._check_local_errors()
     if self._parent_style:
       with self._persistent_view():
         super().check_for_errors()
@@ -1650,6 +1895,8 @@ class CheckpointManager(ocp.CheckpointManager):
     finally:
       self._writer.shutdown(wait=True)
       self._local.close()
+      if self._directory_lock is not None:
+        self._directory_lock.release()
       if self._own_sigterm_handler:
         preemption.detach()
       with self._persistent_view():

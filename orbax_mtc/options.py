@@ -259,6 +259,10 @@ class CheckpointManagerOptions:
     RAM tier and peers come first; the persistent backup starts only while budget is left
     (default 270 s: a 30 s margin inside the 5 minutes Cloud TPU maintenance gives). 0 never
     backs up on demand.
+  agreement_timeout_seconds: how long a process waits at an agreement (each local save,
+    restore, start-up, `wait_until_finished`) for the others. When a process failed, hangs or
+    was killed before it, the others raise an error naming the missing processes after this
+    long instead of waiting forever (default 600 s).
   """
 
   local: LocalCheckpointOptions = dataclasses.field(default_factory=LocalCheckpointOptions)
@@ -274,6 +278,7 @@ class CheckpointManagerOptions:
   cleanup_tmp_directories: bool = True
   exit_after_ondemand_checkpoint: bool = False
   ondemand_grace_seconds: float = 270.0
+  agreement_timeout_seconds: float = 600.0
   mode: str = "standalone"
   managed: ManagedOptions = dataclasses.field(default_factory=ManagedOptions)
 
@@ -318,6 +323,17 @@ class CheckpointManagerOptions:
           "CheckpointManagerOptions.ondemand_grace_seconds must be a finite number of seconds "
           f">= 0, got {grace!r}. Use the grace period your platform gives after SIGTERM minus "
           "a margin (Cloud TPU maintenance: 300 s, so e.g. 270).")
+    self._check_agreement_timeout()
+
+  def _check_agreement_timeout(self) -> None:
+    timeout = self.agreement_timeout_seconds
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+        not 0 < timeout < float("inf"):
+      raise ValueError(
+          "CheckpointManagerOptions.agreement_timeout_seconds must be a finite number of "
+          f"seconds > 0, got {timeout!r}. It bounds how long processes wait for each other at "
+          "each save and restore; use at least the longest gap between processes reaching "
+          "a save (e.g. 600).")
 
   def persistent_manager_options(self) -> ocp_manager.CheckpointManagerOptions:
     """The plain Orbax options the persistent tier is run with."""

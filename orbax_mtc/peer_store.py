@@ -23,7 +23,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import reprlib
 import shutil
+import stat
 import struct
 import uuid
 from collections.abc import Collection, Sequence
@@ -36,7 +38,7 @@ from absl import logging
 from orbax_mtc import local_tier
 
 PEERS = "peers"
-COPY_META = "copy.json"
+COPY_META = local_tier.PEER_COPY_META
 COPY_FORMAT = "orbax-mtc/peer-copy/1"
 STREAM_FORMAT = "orbax-mtc/stream/1"
 _ALIGN = 64
@@ -83,7 +85,7 @@ class OutgoingStream:
         else:
           assert seg.path is not None
           if seg.path not in fds:
-            fds[seg.path] = os.open(seg.path, os.O_RDONLY)
+            fds[seg.path] = os.open(seg.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
           got = os.preadv(fds[seg.path], [memoryview(target)], seg.file_offset + lo - seg.offset)
           if got != hi - lo:
             raise local_tier.CorruptStepError(f"{seg.path}: short read while sending a copy")
@@ -100,6 +102,7 @@ def stream_header(header: dict[str, Any]) -> tuple[np.ndarray, int]:
 
 
 def parse_stream_header(data: np.ndarray | bytes) -> tuple[dict[str, Any], int]:
+  """(header, offset of the first shard); CorruptStepError for anything malformed."""
   raw = memoryview(np.asarray(data, dtype=np.uint8)) if not isinstance(data, bytes) else data
   if len(raw) < _LEN.size:
     raise local_tier.CorruptStepError("stream shorter than its header")
@@ -108,11 +111,46 @@ def parse_stream_header(data: np.ndarray | bytes) -> tuple[dict[str, Any], int]:
     raise local_tier.CorruptStepError("stream header length is out of range")
   try:
     header = json.loads(bytes(raw[_LEN.size:_LEN.size + length]))
-  except ValueError as e:
+  except (ValueError, RecursionError) as e:
     raise local_tier.CorruptStepError(f"stream header is unreadable: {e}") from e
+  if not isinstance(header, dict):
+    raise local_tier.CorruptStepError(f"stream header is {type(header).__name__}, not an object")
   if header.get("format") != STREAM_FORMAT:
-    raise local_tier.CorruptStepError(f"unknown stream format {header.get('format')!r}")
+    raise local_tier.CorruptStepError(
+        f"unknown stream format {reprlib.repr(header.get('format'))}")
   return header, _align(_LEN.size + length)
+
+
+def _header_text(header: dict[str, Any], key: str) -> str:
+  """A string field of a stream header; CorruptStepError when missing or not a string."""
+  value = header.get(key)
+  if not isinstance(value, str):
+    raise local_tier.CorruptStepError(
+        f"stream header field {key!r} holds {reprlib.repr(value)}, expected a string")
+  return value
+
+
+def _check_layout(layout: Any, manifest: local_tier.StepManifest, data_start: int,
+                  stream_size: int, where: str) -> list[int]:
+  """The layout of a copy as absolute offsets in its data file (-1: in the holder's own
+  folder), each shard sent lying within the `stream_size` bytes; CorruptStepError if not."""
+  entries = local_tier.manifest_entries(manifest)
+  if not isinstance(layout, list) or len(layout) != len(entries):
+    raise local_tier.CorruptStepError(f"{where}: copy layout does not match its manifest")
+  out = []
+  for at, (name, leaf, shard) in zip(layout, entries, strict=True):
+    if type(at) is not int or at < -1:
+      raise local_tier.CorruptStepError(
+          f"{where}: layout entry of {name}{leaf.path} holds {reprlib.repr(at)}, expected -1 "
+          "or an offset")
+    if at >= 0:
+      at += data_start
+      if at + shard.nbytes > stream_size:
+        raise local_tier.CorruptStepError(
+            f"{where}: shard {name}{leaf.path} {shard.index} lies beyond the {stream_size} "
+            "bytes received")
+    out.append(at)
+  return out
 
 
 def copy_stream(step_dir: Path, manifest: local_tier.StepManifest, source: int,
@@ -154,8 +192,10 @@ def received_step(buffer: np.ndarray) -> tuple[local_tier.StepManifest, np.ndarr
   """(manifest, data view) of a whole-step stream received into an aligned buffer."""
   header, data_start = parse_stream_header(buffer)
   if header.get("kind") != "step":
-    raise local_tier.CorruptStepError(f"expected a step stream, got {header.get('kind')!r}")
-  manifest = local_tier.StepManifest.from_json(header["manifest"])
+    raise local_tier.CorruptStepError(
+        f"expected a step stream, got {reprlib.repr(header.get('kind'))}")
+  manifest = local_tier.StepManifest.from_json(_header_text(header, "manifest"),
+                                               where="manifest of a received step stream")
   data = buffer[data_start:data_start + manifest.data_size]
   if data.nbytes != manifest.data_size:
     raise local_tier.CorruptStepError("step stream is shorter than its manifest says")
@@ -182,11 +222,12 @@ class IncomingCopy:
   def __init__(self, store: PeerStore, source: int, step: int, nbytes: int):
     self._store = store
     self.source, self.step, self.nbytes = source, step, nbytes
-    parent = store.source_dir(source)
-    parent.mkdir(parents=True, exist_ok=True)
+    parent = store.make_source_dir(source)
     self.tmp = parent / f"{local_tier.TMP_PREFIX}{step}-{uuid.uuid4().hex}"
-    self.tmp.mkdir()
-    self._fd = os.open(self.tmp / local_tier.DATA, os.O_RDWR | os.O_CREAT, 0o644)
+    local_tier.make_private_dir(self.tmp, store.dir_mode, exist_ok=False)
+    self._fd = os.open(self.tmp / local_tier.DATA,
+                       os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, store.file_mode)
+    os.fchmod(self._fd, store.file_mode)  # whatever the umask
     self.failed: BaseException | None = None
     self.received = 0  # bytes written; chunks never overlap, so == nbytes when complete
 
@@ -212,25 +253,16 @@ class IncomingCopy:
         raise local_tier.CorruptStepError(
             f"incomplete copy: {self.received} of {self.nbytes} bytes received")
       os.fsync(self._fd)
-      head = os.pread(self._fd, 1 << 16, 0)
-      (length,) = _LEN.unpack(head[:_LEN.size])
-      if _LEN.size + length > len(head):
-        head = os.pread(self._fd, _LEN.size + length, 0)
-      header, data_start = parse_stream_header(head)
-      if header.get("kind") != "copy" or header.get("source") != self.source \
-          or header.get("step") != self.step:
-        raise local_tier.CorruptStepError(
-            f"stream for copy ({self.source}, {self.step}) carries "
-            f"({header.get('source')}, {header.get('step')})")
-      manifest = local_tier.StepManifest.from_json(header["manifest"])
-      layout = [x if x < 0 else x + data_start for x in header["layout"]]
-      if len(layout) != len(local_tier.manifest_entries(manifest)):
-        raise local_tier.CorruptStepError("copy layout does not match its manifest")
-      _write_file(self.tmp / local_tier.MANIFEST, manifest.to_json())
-      _write_file(self.tmp / COPY_META, json.dumps(
-          {"format": COPY_FORMAT, "source": self.source, "step": self.step, "layout": layout}))
+      manifest, layout = self._parse()
+      file_mode = self._store.file_mode
+      local_tier.write_private_file(self.tmp / local_tier.MANIFEST,
+                                    manifest.to_json().encode(), file_mode)
+      local_tier.write_private_file(self.tmp / COPY_META, json.dumps(
+          {"format": COPY_FORMAT, "source": self.source, "step": self.step,
+           "layout": layout}).encode(), file_mode)
+      local_tier.fsync_dir(self.tmp)
       final = self._store.source_dir(self.source) / str(self.step)
-      if final.exists():  # a re-sent copy (after a recovery) replaces the old one
+      if os.path.lexists(final):  # a re-sent copy (after a recovery) replaces the old one
         _remove(final)
       os.rename(self.tmp, final)
       local_tier.fsync_dir(final.parent)
@@ -244,6 +276,34 @@ class IncomingCopy:
     self._store.apply_retention(self.source, keep_floor)
     return final
 
+  def _parse(self) -> tuple[local_tier.StepManifest, list[int]]:
+    """(manifest, layout as absolute offsets) of the received stream, checked against this
+    copy; CorruptStepError / ManifestError for anything malformed."""
+    where = f"copy of step {self.step} from process {self.source}"
+    head = os.pread(self._fd, 1 << 16, 0)
+    if len(head) < _LEN.size:
+      raise local_tier.CorruptStepError(f"{where}: stream shorter than its header")
+    (length,) = _LEN.unpack(head[:_LEN.size])
+    if _LEN.size + length > self.nbytes:
+      raise local_tier.CorruptStepError(f"{where}: stream header length is out of range")
+    if _LEN.size + length > len(head):
+      head = os.pread(self._fd, _LEN.size + length, 0)
+    header, data_start = parse_stream_header(head)
+    kind = header.get("kind")
+    source = header.get("source")
+    step = header.get("step")
+    if kind != "copy" or type(source) is not int or source != self.source \
+        or type(step) is not int or step != self.step:
+      raise local_tier.CorruptStepError(
+          f"stream for copy ({self.source}, {self.step}) carries {reprlib.repr(kind)} "
+          f"({reprlib.repr(source)}, {reprlib.repr(step)})")
+    manifest = local_tier.StepManifest.from_json(_header_text(header, "manifest"),
+                                                 where=f"manifest of the {where}")
+    local_tier.validate_for(manifest, where=f"manifest of the {where}", step=self.step,
+                            process_index=self.source)
+    layout = _check_layout(header.get("layout"), manifest, data_start, self.nbytes, where)
+    return manifest, layout
+
   def abort(self) -> None:
     """Drops a copy whose transfer failed (its temporary folder goes)."""
     try:
@@ -253,73 +313,107 @@ class IncomingCopy:
     _remove(self.tmp)
 
 
-def _write_file(path: Path, text: str) -> None:
-  tmp = path.with_name(path.name + ".tmp")
-  with open(tmp, "w") as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.rename(tmp, path)
-
-
 def _remove(path: Path) -> None:
-  """Un-commits first (rename), then deletes: a half-deleted copy is never listed."""
-  if not path.exists():
+  """Un-commits first (rename), then deletes: a half-deleted copy is never listed. A link is
+  removed itself, never what it points to."""
+  if not os.path.lexists(path):
     return
   doomed = path.with_name(f"{local_tier.TMP_PREFIX}del-{uuid.uuid4().hex}")
   try:
     os.rename(path, doomed)
   except FileNotFoundError:
     return
-  shutil.rmtree(doomed, ignore_errors=True)
+  if doomed.is_symlink():
+    doomed.unlink()
+  else:
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _is_real_dir(path: Path) -> bool:
+  return not path.is_symlink() and path.is_dir()
 
 
 class PeerStore:
-  """`<local>/peers/`: copies of other nodes' steps held on this node."""
+  """`<local>/peers/`: copies of other nodes' steps held on this node.
 
-  def __init__(self, local_directory: Path, *, max_to_keep: int | None):
+  Folders are created with `dir_mode`, files with `file_mode`; links named like a source or a
+  step are never followed.
+  """
+
+  def __init__(self, local_directory: Path, *, max_to_keep: int | None,
+               dir_mode: int = 0o700, file_mode: int = 0o600):
     self.root = Path(local_directory) / PEERS
     self.max_to_keep = max_to_keep
+    self.dir_mode = dir_mode
+    self.file_mode = file_mode
 
   def prepare(self) -> None:
     """Drops copies interrupted while being received."""
-    if not self.root.is_dir():
+    if not _is_real_dir(self.root):
       return
     for source in self.root.iterdir():
-      if source.is_dir():
+      if _is_real_dir(source):
         for entry in source.iterdir():
           if entry.name.startswith(local_tier.TMP_PREFIX):
-            shutil.rmtree(entry, ignore_errors=True)
+            _remove(entry)
 
   def source_dir(self, source: int) -> Path:
     return self.root / str(int(source))
+
+  def make_source_dir(self, source: int) -> Path:
+    """The folder of `source`'s copies, created (with `dir_mode`) where missing. A link in
+    its place is removed: only this store writes there."""
+    folder = self.source_dir(source)
+    self.root.parent.mkdir(parents=True, exist_ok=True)
+    for path in (self.root, folder):
+      if path.is_symlink():
+        logging.warning("orbax-mtc: removing %s: a symbolic link where peer copies belong", path)
+        path.unlink()
+      local_tier.make_private_dir(path, self.dir_mode)
+    return folder
 
   def begin(self, source: int, step: int, nbytes: int) -> IncomingCopy:
     return IncomingCopy(self, source, step, nbytes)
 
   def copies(self) -> list[tuple[int, int]]:
-    """Committed copies as (source, step), sorted."""
-    out = []
-    if not self.root.is_dir():
+    """Committed copies as (source, step), sorted; links are skipped, never followed."""
+    out: list[tuple[int, int]] = []
+    if not _is_real_dir(self.root):
       return out
     for source in self.root.iterdir():
-      if not source.name.isdigit() or not source.is_dir():
+      if not local_tier.is_step_name(source.name) or not _is_real_dir(source):
         continue
       for entry in source.iterdir():
-        if entry.name.isdigit() and (entry / COPY_META).is_file() \
-            and (entry / local_tier.MANIFEST).is_file():
+        if not local_tier.is_step_name(entry.name):
+          continue
+        if entry.is_symlink():
+          local_tier.warn_link_skipped(str(entry))
+          continue
+        if entry.is_dir() and _is_regular(entry / COPY_META) \
+            and _is_regular(entry / local_tier.MANIFEST):
           out.append((int(source.name), int(entry.name)))
     return sorted(out)
 
   def meta(self, source: int, step: int) -> CopyMeta:
-    path = self.source_dir(source) / str(step) / COPY_META
+    """The checked copy record of a committed copy; LocalTierError if unusable."""
+    folder = self.source_dir(source) / str(step)
+    path = folder / COPY_META
     try:
-      raw = json.loads(path.read_text())
-      if raw.get("format") != COPY_FORMAT:
-        raise ValueError(f"format {raw.get('format')!r}")
-      return CopyMeta(int(raw["source"]), int(raw["step"]), tuple(int(x) for x in raw["layout"]))
-    except (OSError, ValueError, KeyError, TypeError) as e:
+      raw = json.loads(local_tier.read_step_file(folder, COPY_META))
+    except (OSError, ValueError, RecursionError) as e:
       raise local_tier.LocalTierError(f"{path} is unreadable: {e}") from e
+    if not isinstance(raw, dict) or raw.get("format") != COPY_FORMAT:
+      raise local_tier.LocalTierError(f"{path} is not a copy record of format {COPY_FORMAT!r}")
+    for key, want in (("source", source), ("step", step)):
+      if type(raw.get(key)) is not int or raw[key] != want:
+        raise local_tier.LocalTierError(
+            f"{path}: field {key!r} holds {reprlib.repr(raw.get(key))}, expected {want}")
+    layout = raw.get("layout")
+    if not isinstance(layout, list) or any(type(x) is not int or x < -1 for x in layout):
+      raise local_tier.LocalTierError(
+          f"{path}: field 'layout' holds {reprlib.repr(layout)}, expected a list of offsets "
+          "or -1")
+    return CopyMeta(source, step, tuple(layout))
 
   def servable(self, own_steps: Collection[int]) -> list[tuple[int, int]]:
     """Copies this node can serve now: complete, or completed by its own folder of the step."""
@@ -336,37 +430,60 @@ class PeerStore:
 
   def read(self, source: int, step: int, own_dir: Path) -> tuple[local_tier.StepManifest,
                                                                    np.ndarray]:
-    """The source's step rebuilt in its own layout, every checksum verified."""
+    """The source's step rebuilt in its own layout, every checksum verified.
+
+    LocalTierError (CorruptStepError, ManifestError) for anything missing or malformed.
+    """
     folder = self.source_dir(source) / str(step)
     manifest = local_tier.read_manifest(folder)
+    local_tier.validate_for(manifest, where=str(folder / local_tier.MANIFEST),
+                            process_index=source)
     meta = self.meta(source, step)
     entries = local_tier.manifest_entries(manifest)
     if len(meta.layout) != len(entries):
       raise local_tier.CorruptStepError(f"{folder}: layout and manifest disagree")
-    data = local_tier.aligned_empty(manifest.data_size)
     own_index: dict[tuple[str, str, Any], local_tier.ShardRecord] = {}
     own_path = own_dir / local_tier.DATA
     if meta.needs_own_step:
-      own_manifest = local_tier.read_manifest(own_dir)
+      own_manifest = local_tier.read_manifest(own_dir)  # its data file holds every shard
       own_index = {(name, leaf.path, shard.index): shard
                    for name, leaf, shard in local_tier.manifest_entries(own_manifest)}
-    copy_fd = os.open(folder / local_tier.DATA, os.O_RDONLY)
-    own_fd = os.open(own_path, os.O_RDONLY) if meta.needs_own_step else -1
     try:
+      copy_fd = local_tier.open_step_file(folder, local_tier.DATA)
+    except OSError as e:
+      raise local_tier.LocalTierError(f"{folder / local_tier.DATA}: {e}") from e
+    own_fd = -1
+    try:
+      copy_size = os.fstat(copy_fd).st_size
+      plan = []
+      # Every shard's source is checked before the buffer is allocated: a manifest cannot
+      # make this node allocate more than the bytes that back it.
       for (name, leaf, shard), at in zip(entries, meta.layout, strict=True):
-        target = memoryview(data[shard.offset:shard.offset + shard.nbytes])
         if at >= 0:
-          fd, offset, source_file = copy_fd, at, folder / local_tier.DATA
+          if at + shard.nbytes > copy_size:
+            raise local_tier.CorruptStepError(
+                f"{folder}: shard {name}{leaf.path} {shard.index} lies beyond the "
+                f"{copy_size} bytes of {folder / local_tier.DATA}")
+          plan.append((shard, copy_fd, at, folder / local_tier.DATA))
         else:
           mine = own_index.get((name, leaf.path, shard.index))
           if mine is None or mine.nbytes != shard.nbytes:
             raise local_tier.CorruptStepError(
                 f"{folder}: shard {name}{leaf.path} {shard.index} is not in {own_dir}")
-          fd, offset, source_file = own_fd, mine.offset, own_path
+          plan.append((shard, None, mine.offset, own_path))
+      if meta.needs_own_step:
+        try:
+          own_fd = local_tier.open_step_file(own_dir, local_tier.DATA)
+        except OSError as e:
+          raise local_tier.LocalTierError(f"{own_path}: {e}") from e
+      data = local_tier.aligned_empty(manifest.data_size)
+      for shard, fd, offset, source_file in plan:
+        fd = own_fd if fd is None else fd
+        target = memoryview(data[shard.offset:shard.offset + shard.nbytes])
         got = os.preadv(fd, [target], offset)
         if got != shard.nbytes:
           raise local_tier.CorruptStepError(
-              f"{folder}: short read of {name}{leaf.path} ({got} of {shard.nbytes} bytes at "
+              f"{folder}: short read of a shard ({got} of {shard.nbytes} bytes at "
               f"{offset} of {source_file}, {os.fstat(fd).st_size} bytes)")
     finally:
       os.close(copy_fd)
@@ -397,8 +514,15 @@ class PeerStore:
 
   def drop_sources(self, keep: Sequence[int]) -> None:
     """Removes copies of nodes this node no longer holds copies for."""
-    if not self.root.is_dir():
+    if not _is_real_dir(self.root):
       return
     for source in self.root.iterdir():
-      if source.name.isdigit() and int(source.name) not in set(keep):
-        shutil.rmtree(source, ignore_errors=True)
+      if local_tier.is_step_name(source.name) and int(source.name) not in set(keep):
+        _remove(source)
+
+
+def _is_regular(path: Path) -> bool:
+  try:
+    return stat.S_ISREG(os.lstat(path).st_mode)
+  except OSError:
+    return False

@@ -28,6 +28,7 @@ import numpy as np
 from absl import logging
 
 from orbax_mtc import local_tier, peer_store, transport
+from orbax_mtc.agreement import Status
 from orbax_mtc.topology import Topology
 
 ShardKey = tuple[str, str, local_tier.Index]  # (item, leaf path, global index)
@@ -35,8 +36,8 @@ ShardKey = tuple[str, str, local_tier.Index]  # (item, leaf path, global index)
 # Bytes a non-blocking `progress()` issues per call (the replication share of one training step).
 _BYTES_PER_CALL = 128 << 20
 
-# Status a process reports for the step being replicated.
-WRITING, COMMITTED, FAILED = 0, 1, -1
+# Status a process reports for the step being replicated (the one set of codes).
+WRITING, COMMITTED, FAILED = Status.WRITING, Status.COMMITTED, Status.FAILED
 
 
 def shard_sets(trees: dict[str, Any], process_count: int) -> list[frozenset[ShardKey]]:
@@ -131,6 +132,7 @@ class Replicator:
     # _BYTES_PER_CALL, so a step of a few hundred MiB is out within a few training steps.
     self._chunks_per_call = max(window, _BYTES_PER_CALL // max(1, chunk_bytes))
     self._job: _Job | None = None
+    self._commits: list[tuple[int, int, concurrent.futures.Future]] = []
     self.last_bytes_sent = 0
 
   @property
@@ -140,6 +142,7 @@ class Replicator:
   def schedule(self, step: int, shard_sets_by_process: Sequence[frozenset[ShardKey]],
                edges: Sequence[tuple[int, int]] | None = None) -> None:
     """Queues `step` for replication on `edges` (default: every copy edge of the topology)."""
+    self.reap_commits()
     chosen = tuple(sorted(self.topology.edges if edges is None else edges))
     if not chosen:
       return
@@ -190,8 +193,9 @@ class Replicator:
             skip = skip_ordinals(manifest, job.receivers[dst])
             outgoing[dst] = peer_store.copy_stream(step_dir, manifest, self.me, skip)
             sizes[j] = outgoing[dst].nbytes
-      except local_tier.LocalTierError as e:
-        logging.warning("orbax-mtc: cannot send step %d to peers: %s", job.step, e)
+      except Exception as e:  # noqa: BLE001 - agreed below: every process drops the step
+        logging.warning("orbax-mtc: cannot send step %d to peers: %s: %s", job.step,
+                        type(e).__name__, e)
         status = FAILED
     row = np.concatenate([np.asarray([status], dtype=np.int64), sizes])
     gathered = self._allgather(row)
@@ -222,10 +226,25 @@ class Replicator:
     return True
 
   def _finish(self, job: _Job) -> None:
-    for incoming in job.incoming.values():
-      self._writer.submit(incoming.commit, self._local.keep_floor)
+    self.reap_commits()
+    for source, incoming in job.incoming.items():
+      future = self._writer.submit(incoming.commit, self._local.keep_floor)
+      self._commits.append((source, job.step, future))
     self.last_bytes_sent = job.sent_bytes
     self._job = None
+
+  def reap_commits(self) -> None:
+    """Logs received copies whose commit failed on the writer thread (the copy is then
+    simply not held: restore plans only from copies listed in an agreed inventory)."""
+    waiting = []
+    for source, step, future in self._commits:
+      if not future.done():
+        waiting.append((source, step, future))
+      elif future.exception() is not None:
+        error = future.exception()
+        logging.warning("orbax-mtc: the copy of step %d from process %d was not kept: %s: %s",
+                        step, source, type(error).__name__, error)
+    self._commits = waiting
 
 
 def receive_buffers() -> tuple[dict[int, np.ndarray], Callable[[transport.Stream],

@@ -12,6 +12,13 @@ volume (the local directory):
                       written by the replicator after the handshake: a symlink to the step
                       folder this worker restores, or a zero-size file with step 0 ("nothing")
 
+A restore entry is checked before its folder is moved to `<local>/<step>`: the link must
+resolve (through any chain of links) to a folder directly in the local directory, or directly
+in a replicator staging folder (`STAGING_FOLDERS`), whose name does not start with '.' (this
+library's `.tmp-*` and `.spare-*` folders are never a step to restore) and which is not under
+`peers/` (copies this node holds for other nodes); and a `manifest.json` in it must name the
+entry's step and this process. Any other entry is ignored with a logged reason.
+
 `ReplicatorConfig` and `choose_entry` are pure; the rest is file I/O with bounded polling
 (the daemon gives no other notice than files appearing and disappearing).
 """
@@ -19,6 +26,7 @@ volume (the local directory):
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import time
@@ -37,6 +45,14 @@ REPLICATOR_TMP_FILE = REPLICATOR_FILE + ".tmp"
 ERRORS_FILE = "replicator.errors"
 FAILED_FILE = "replicator.failed"
 JAX_INIT_INFO_FILE = "jax-init-info.txt"
+# Where a replicator stages a step it copied in from a peer or a backup, relative to the local
+# directory: a restore entry may point at a folder directly in one of these. This is the test
+# simulator's choice; GKE's daemon does not document its own.
+STAGING_FOLDERS = (".replicator/restore",)
+# The names of local_tier.MANIFEST and peer_store.PEERS, not imported: those modules pull in
+# jax and numpy, and this file protocol needs neither.
+_MANIFEST = "manifest.json"
+_PEERS = "peers"
 
 _KEYS = ("job-name", "framework", "assume-data-parallelism", "node-rank", "nodes",
          "peer-ranks", "peers-per-node", "backup-interval-minutes", "backup-interval-steps")
@@ -253,15 +269,66 @@ def entries_present(local_directory: Path) -> bool:
   return any(p.name.endswith(lkg.RESTORE_SUFFIX) for p in Path(local_directory).iterdir())
 
 
+def _refuse_target(root: Path, target: Path,
+                   staging: Sequence[str] = STAGING_FOLDERS) -> str | None:
+  """Why `target` (resolved) is no step folder a restore entry may name; None if it may be."""
+  try:
+    parts = target.relative_to(root).parts
+  except ValueError:
+    return f"points to {target}, outside {root}"
+  if not parts:
+    return f"points to the local directory {root} itself"
+  if parts[0] == _PEERS:
+    return (f"points to {target}, under {_PEERS}/ (a copy this node holds for another node, "
+            "not this node's step)")
+  if parts[-1].startswith("."):
+    return (f"points to {target}, a hidden folder (a step being written or retired, or "
+            "another program's), not a step to restore")
+  if len(parts) > 1 and parts[:-1] not in {Path(f).parts for f in staging}:
+    return (f"points to {target}, which is neither directly in {root} nor directly in a "
+            f"replicator staging folder {list(staging)}")
+  if not target.is_dir():
+    return f"points to {target}, which is not a folder"
+  return None
+
+
+def _refuse_manifest(target: Path, step: int, process_index: int) -> str | None:
+  """Why the manifest in `target` does not fit the entry; None if it fits or there is none
+  (the RAM tier verifies the folder's contents when it restores)."""
+  path = target / _MANIFEST
+  if not (path.exists() or path.is_symlink()):
+    return None
+  try:
+    raw = json.loads(path.read_bytes())
+  except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON or bad UTF-8
+    return f"its folder's {path} cannot be read as JSON ({type(e).__name__}: {e})"
+  if not isinstance(raw, dict):
+    return f"its folder's {path} is not a JSON object"
+  for key, expected in (("step", step), ("process_index", process_index)):
+    value = raw.get(key)
+    if not _is_int(value):
+      return f"its folder's {path} has no integer {key!r} (got {value!r})"
+    if value != expected:
+      return (f"its folder's {path} says {key} {value}, not {expected} "
+              f"({'the entry names step' if key == 'step' else 'this process is'} {expected})")
+  return None
+
+
 def choose_entry(local_directory: Path, node_rank: int, worker_index: int,
-                 job_name: str | None = None) -> RestoreChoice:
+                 job_name: str | None = None, *, process_index: int | None = None,
+                 staging: Sequence[str] = STAGING_FOLDERS) -> RestoreChoice:
   """Reads this worker's `.restore` entries without following any blindly.
 
   Ignored with a reason: names that do not parse, entries of other workers (or, given
-  `job_name`, of other jobs), a symlink whose
-  target is outside the local directory or is not a folder, a non-empty regular file, a
-  zero-size file with a step other than 0. Two usable entries for different steps: error.
+  `job_name`, of other jobs), a symlink whose target is outside the local directory, hidden,
+  under `peers/`, deeper than a direct child of the local directory or of a `staging` folder,
+  or not a folder; a target whose `manifest.json` is malformed or names another step or another
+  process than `process_index` (default `node_rank`: in managed mode a node is one process);
+  a non-empty regular file, a zero-size file with a step other than 0. Two usable entries for
+  different steps: error.
   """
+  if process_index is None:
+    process_index = node_rank
   root = Path(local_directory).resolve()
   usable: dict[int, Path | None] = {}
   ignored: list[str] = []
@@ -281,15 +348,18 @@ def choose_entry(local_directory: Path, node_rank: int, worker_index: int,
                      f"not this one (node {node_rank} worker {worker_index})")
       continue
     if path.is_symlink() or path.is_dir():
-      target = path.resolve()
-      if root not in target.parents:
-        ignored.append(f"{path.name}: points to {target}, outside {root}")
+      try:
+        target = path.resolve(strict=True)
+      except (OSError, RuntimeError) as e:  # dangling link, or a loop (RuntimeError < 3.13)
+        ignored.append(f"{path.name}: its link cannot be followed ({type(e).__name__}: {e})")
         continue
-      if not target.is_dir():
-        ignored.append(f"{path.name}: points to {target}, which is not a folder")
-        continue
-      if entry.step == 0:
-        ignored.append(f"{path.name}: a step folder for step 0 (0 means nothing to restore)")
+      reason = _refuse_target(root, target, staging)
+      if reason is None and entry.step == 0:
+        reason = "a step folder for step 0 (0 means nothing to restore)"
+      if reason is None:
+        reason = _refuse_manifest(target, entry.step, process_index)
+      if reason is not None:
+        ignored.append(f"{path.name}: {reason}")
         continue
       usable[entry.step] = target
     elif path.is_file():
@@ -321,12 +391,20 @@ def wait_for_entries(local_directory: Path, *, timeout_s: float = 300.0,
   _poll(ready, timeout_s, poll_s, f"the replicator's *.restore entries in {local_directory}")
 
 
-def take_entry(local_directory: Path, choice: RestoreChoice) -> int | None:
+def take_entry(local_directory: Path, choice: RestoreChoice, *,
+               staging: Sequence[str] = STAGING_FOLDERS) -> int | None:
   """Moves the chosen step folder to `<local>/<step>` (where the RAM tier reads it) and removes
-  every `.restore` entry; returns the step (None when there is nothing to restore)."""
+  every `.restore` entry; returns the step (None when there is nothing to restore).
+
+  Raises ReplicatorError, moving nothing, for a target `choose_entry` would have refused.
+  """
   local_directory = Path(local_directory)
   step = choice.step
   if step and choice.target is not None:
+    # choose_entry checked it; a hand-made choice must not move a peer copy or a .tmp- folder.
+    reason = _refuse_target(local_directory.resolve(), Path(choice.target).resolve(), staging)
+    if reason is not None:
+      raise ReplicatorError(f"Refusing to restore step {step}: the chosen folder {reason}.")
     final = local_directory / str(step)
     if final.resolve() != choice.target:
       if final.exists() or final.is_symlink():
@@ -368,17 +446,24 @@ def handshake_result(local_directory: Path) -> tuple[bool, int | None]:
 
 
 def connect(local_directory: Path, config: ReplicatorConfig, worker_index: int, *,
-            timeout_s: float = 300.0, poll_s: float = 0.1) -> int | None:
-  """Handshake, then this worker's restore entry taken into `<local>/<step>`; returns its step
-  (None: nothing to restore)."""
+            timeout_s: float = 300.0, poll_s: float = 0.1,
+            staging: Sequence[str] = STAGING_FOLDERS) -> int | None:
+  """Handshake, then this worker's restore entry checked (see `choose_entry`) and taken into
+  `<local>/<step>`; returns its step (None: nothing to restore, or no usable entry)."""
   handshake(local_directory, config, timeout_s=timeout_s, poll_s=poll_s)
   wait_for_entries(local_directory, timeout_s=timeout_s, poll_s=poll_s)
-  choice = choose_entry(local_directory, config.node_rank, worker_index, config.job_name)
+  choice = choose_entry(local_directory, config.node_rank, worker_index, config.job_name,
+                        staging=staging)
   for reason in choice.ignored:
     logging.warning("orbax-mtc: ignoring restore entry %s", reason)
-  step = take_entry(local_directory, choice)
-  logging.info("orbax-mtc: the replicator's restore entry for node %d worker %d: %s",
-               config.node_rank, worker_index,
-               f"step {step}" if step else "nothing to restore")
+  step = take_entry(local_directory, choice, staging=staging)
+  if choice.step is None:
+    logging.warning("orbax-mtc: no usable restore entry for node %d worker %d in %s; nothing "
+                    "is restored from the local tier", config.node_rank, worker_index,
+                    local_directory)
+  else:
+    logging.info("orbax-mtc: the replicator's restore entry for node %d worker %d: %s",
+                 config.node_rank, worker_index,
+                 f"step {step}" if step else "nothing to restore")
   record_handshake(local_directory, step)
   return step

@@ -179,3 +179,27 @@ def common_steps(inventories: Sequence[Collection[int]]) -> list[int]:
     return []
   shared = set.intersection(*(set(inv) for inv in inventories))
   return sorted(shared, reverse=True)
+
+
+def restorable_steps(inventories: Sequence[NodeInventory],
+                     shard_groups: Sequence[int] | None = None) -> list[int]:
+  """RAM steps the whole cluster can assemble (own folder, twin or peer copy), oldest first:
+  what `all_steps()` lists besides the persistent steps."""
+  steps: set[int] = set()
+  for inv in inventories:
+    steps |= inv.own_steps
+    steps |= {s for _, s in inv.copies}
+  return sorted(s for s in steps if assemble(s, inventories, shard_groups) is not None)
+
+
+def retained_steps(steps: Collection[int], max_to_keep: int | None,
+                   keep_floor: int | None) -> list[int]:
+  """What RAM retention leaves of `steps`: the newest `max_to_keep`, plus the floor every
+  node held at the last save (see LocalTier.keep_floor); oldest first."""
+  ordered = sorted(set(steps))
+  if max_to_keep is None:
+    return ordered
+  kept = set(ordered[-max_to_keep:])
+  if keep_floor is not None and keep_floor in ordered:
+    kept.add(keep_floor)
+  return sorted(kept)

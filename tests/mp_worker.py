@@ -264,6 +264,8 @@ def _manager(args, mesh, *, exit_after_ondemand_checkpoint: bool | None = None,
     extra["ondemand_grace_seconds"] = ondemand_grace_seconds
   if getattr(args, "backup_timeout", None):
     extra["async_options"] = ocp.AsyncOptions(timeout_secs=args.backup_timeout)
+  if getattr(args, "agreement_timeout", None):
+    extra["agreement_timeout_seconds"] = args.agreement_timeout
   if getattr(args, "mode", "standalone") == "managed":
     extra["mode"] = "managed"
     extra["managed"] = mtc.ManagedOptions(peers_per_node=args.managed_peers_per_node,
@@ -818,6 +820,172 @@ def cmd_preempt(args) -> int:
   return EXIT_NO_PREEMPTION
 
 
+def _raised(error: BaseException) -> None:
+  import jax
+
+  text = f"{error}".replace("\n", " ")[:1500]
+  _out(f"RAISED process={jax.process_index()} type={type(error).__name__} message={text}")
+
+
+def cmd_steps(args) -> int:
+  """Prints all_steps()/latest_step(), then restores each of --restore-steps ('latest' is
+  `mgr.latest_step()`, Orbax's and MaxText's resume idiom) with explicit args and compares."""
+  import jax
+  import orbax.checkpoint as ocp
+
+  from orbax_mtc import distributed
+
+  distributed.initialize()
+  mesh = make_mesh()
+  me = jax.process_index()
+  ok = True
+  with _manager(args, mesh) as mgr:
+    _out(f"STEPS process={me} all={_fmt(mgr.all_steps())} latest={mgr.latest_step()}")
+    for wanted in args.restore_steps.split(","):
+      step = mgr.latest_step() if wanted == "latest" else int(wanted)
+      restored = mgr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(item=abstract_state(mesh, args.rows))))
+      problems = compare_state(restored.state, make_state(mesh, args.rows, args.seed, step))
+      ok = ok and not problems
+      detail = "; ".join(problems)[:500] or "-"
+      _out(f"RESULT process={me} step={mgr.last_restore.step} tier={mgr.last_restore.tier} "
+           f"ok={int(not problems)} leaves={len(_LEAVES)} detail={detail}")
+    _out(f"STEPS-AFTER process={me} all={_fmt(mgr.all_steps())} latest={mgr.latest_step()}")
+  _out("DONE")
+  return 0 if ok else EXIT_MISMATCH
+
+
+def cmd_mismatch(args) -> int:
+  """restore(None) with the shardings of another mesh layout (same shapes and dtypes: the
+  device order of the mesh reversed); prints what it raised, then the folders."""
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+
+  from orbax_mtc import distributed
+
+  distributed.initialize()
+  mesh = make_mesh()
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))[::-1]
+  other = jax.sharding.Mesh(np.array(devices, dtype=object).reshape(mesh.devices.shape),
+                            mesh.axis_names)
+  with _manager(args, mesh) as mgr:
+    try:
+      mgr.restore(None, args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(item=abstract_state(other, args.rows))))
+      _out(f"RESTORED process={jax.process_index()} step={mgr.last_restore.step}")
+    except Exception as e:  # noqa: BLE001 - reported to the test
+      _raised(e)
+    _committed(args, mgr)
+  _out("DONE")
+  return 0
+
+
+_FAULT_PHASES = ("write", "commit", "readback", "send", "restore-read", "writeback")
+
+
+def _install_fault(args, mgr, me: int) -> None:
+  """Makes --fault-process fail in --phase (at --fault-step where a step applies)."""
+  import errno
+
+  from orbax_mtc import local_tier, peer_store
+
+  if me != args.fault_process:
+    return
+  phase, at = args.phase, args.fault_step
+  if phase in ("write", "writeback"):
+    write = mgr._local.write
+    first = {"done": False}
+
+    def failing_write(staged, *rest, **kwargs):
+      # writeback: the first write after the restore (the recovered step written back).
+      if (phase == "write" and staged.step == at) or (phase == "writeback" and not first["done"]):
+        first["done"] = True
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+      first["done"] = True
+      return write(staged, *rest, **kwargs)
+    mgr._local.write = failing_write
+  elif phase == "commit":
+    on_commit = mgr._local._on_commit
+
+    def failing_commit(step):
+      if step == at:
+        raise PermissionError(errno.EACCES, "LKG link not writable (injected)")
+      return on_commit(step)
+    mgr._local._on_commit = failing_commit
+  elif phase == "readback":
+    read = mgr._read_for_backup
+
+    def failing_read(pending):
+      if pending.step == at:
+        raise local_tier.CorruptStepError("read-back failed (injected)")
+      return read(pending)
+    mgr._read_for_backup = failing_read
+  elif phase == "send":
+    copy_stream = peer_store.copy_stream
+
+    def failing_stream(step_dir, manifest, *rest, **kwargs):
+      if manifest.step == at:
+        raise RuntimeError("peer copy read failed (injected)")
+      return copy_stream(step_dir, manifest, *rest, **kwargs)
+    peer_store.copy_stream = failing_stream
+  elif phase == "restore-read":
+    read_data = local_tier.read_data
+
+    def failing_read_data(*a, **k):
+      raise RuntimeError("restore read failed (injected)")
+    local_tier.read_data = failing_read_data
+    mgr._restore_read_fault = read_data  # undone after the restore
+
+
+def cmd_fault(args) -> int:
+  """Restores if asked, injects one fault on --fault-process (see _install_fault), saves
+  steps up to --steps; prints RAISED for an exception the manager raised, then the folders."""
+  import jax
+
+  from orbax_mtc import distributed, local_tier
+
+  distributed.initialize()
+  mesh = make_mesh()
+  me = jax.process_index()
+  code = 0
+  with _manager(args, mesh) as mgr:
+    _install_fault(args, mgr, me)
+    start = 0
+    try:
+      if args.restore_first:
+        step, ok = _restore_and_check(args, mgr, mesh)
+        code = 0 if ok else EXIT_MISMATCH
+        start = 0 if step is None else step + 1
+        if getattr(mgr, "_restore_read_fault", None) is not None:
+          local_tier.read_data = mgr._restore_read_fault
+      _save_loop(args, mgr, mesh, start, args.steps)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+      _raised(e)
+      _committed(args, mgr)
+      # The error may leave an agreement behind on purpose (a write that failed): close
+      # without waiting for more, as a training job that dies on this error would.
+      os._exit(7)
+  _out("DONE")
+  return code
+
+
+def cmd_open(args) -> int:
+  """Only opens the manager (on --local-dir, which may be shared by mistake) and closes it."""
+  from orbax_mtc import distributed
+
+  distributed.initialize()
+  mesh = make_mesh()
+  try:
+    with _manager(args, mesh):
+      pass
+  except Exception as e:  # noqa: BLE001 - reported to the test
+    _raised(e)
+    return 7
+  _out("DONE")
+  return 0
+
+
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   sub = parser.add_subparsers(dest="cmd", required=True)
@@ -851,6 +1019,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="do not wait for each scheduled backup to land")
     p.add_argument("--backup-timeout", type=int, default=None,
                    help="AsyncOptions.timeout_secs of the persistent tier")
+    p.add_argument("--agreement-timeout", type=float, default=None,
+                   help="CheckpointManagerOptions.agreement_timeout_seconds")
     return p
 
   p = common(sub.add_parser("save"))
@@ -867,6 +1037,25 @@ def _parser() -> argparse.ArgumentParser:
   p = common(sub.add_parser("managed-init"))
   p.add_argument("--steps", type=int, required=True, help="save steps up to this one")
   p.set_defaults(fn=cmd_managed_init, die_at_step=None, die_process=None)
+
+  p = common(sub.add_parser("steps"))
+  p.add_argument("--restore-steps", default="latest",
+                 help="comma-separated steps to restore in turn; 'latest': mgr.latest_step()")
+  p.set_defaults(fn=cmd_steps)
+
+  p = common(sub.add_parser("mismatch"))
+  p.set_defaults(fn=cmd_mismatch)
+
+  p = common(sub.add_parser("fault"))
+  p.add_argument("--phase", choices=_FAULT_PHASES, required=True)
+  p.add_argument("--fault-process", type=int, default=1)
+  p.add_argument("--fault-step", type=int, default=None)
+  p.add_argument("--steps", type=int, required=True)
+  p.add_argument("--restore-first", action="store_true")
+  p.set_defaults(fn=cmd_fault, die_at_step=None, die_process=None)
+
+  p = common(sub.add_parser("open"))
+  p.set_defaults(fn=cmd_open)
 
   p = common(sub.add_parser("chaos"))
   p.add_argument("--steps", type=int, default=10_000, help="steps to save after the restore")

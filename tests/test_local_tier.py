@@ -270,10 +270,11 @@ def test_read_onto_host_targets(tier, mesh):
   restored = lt.read_step(step_dir, lt.read_manifest(step_dir), {"state": target})["state"]
   assert isinstance(restored["ids"], np.ndarray)
   assert np.array_equal(restored["ids"], np.asarray(state["ids"]))
-  # A sharded leaf has no whole copy here: a clear LocalTierError, not garbage.
+  # A sharded leaf has no whole copy here: the target is at fault (no other copy helps).
   target["params"]["w"] = np.zeros((8, 6), np.float32)
-  with pytest.raises(lt.LocalTierError, match="does not hold the whole array"):
+  with pytest.raises(lt.AbstractStateMismatchError, match="does not hold the whole array") as info:
     lt.read_step(step_dir, lt.read_manifest(step_dir), {"state": target})
+  assert "['params']['w']" in str(info.value) and "P('data', 'model')" in str(info.value)
 
 
 def test_unsupported_leaf_type_rejected(mesh):
@@ -367,3 +368,81 @@ def test_write_views_gathers_small_views_and_resumes_short_writes(shm_dir, monke
     os.close(fd)
   assert path.read_bytes() == b"".join(bytes(v) for v in views)
   assert max(calls) == 3 and len(calls) < sum(-(-v.nbytes // 100) for v in views)
+
+
+def test_manifest_records_the_saved_sharding(tier, mesh):
+  _, step_dir = _write(tier, mesh, 2)
+  leaves = {leaf.path: leaf for leaf in lt.read_manifest(step_dir).items["state"].leaves}
+  assert leaves["['params']['w']"].sharding == (
+      "NamedSharding(mesh={'data': 2, 'model': 2}, spec=P('data', 'model'))")
+  assert leaves["['ids']"].sharding == "NamedSharding(mesh={'data': 2, 'model': 2}, spec=P())"
+  assert leaves["['host']"].sharding is None and leaves["['step']"].sharding is None
+
+
+@pytest.mark.parametrize("layout", ["other_spec", "other_mesh"])
+def test_restore_onto_another_sharding_is_an_abstract_state_mismatch(tier, mesh, layout):
+  """Same shapes and dtypes, another layout whose shards this node did not save: the target is
+  at fault (no other copy of the step helps), named with both shardings."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  state, step_dir = _write(tier, mesh, 2)
+  target = abstract_of(state)
+  w = target["params"]["w"]
+  if layout == "other_spec":
+    other = NamedSharding(mesh, P("model", None))
+    want = "NamedSharding(mesh={'data': 2, 'model': 2}, spec=P('model', None))"
+  else:
+    other = NamedSharding(jax.make_mesh((4,), ("x",), devices=jax.devices()[:4]), P("x"))
+    want = "NamedSharding(mesh={'x': 4}, spec=P('x',))"
+  target["params"]["w"] = jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=other)
+  manifest = lt.read_manifest(step_dir)
+  crcs: dict = {}
+  data = lt.read_data(step_dir, manifest, crcs)
+  with pytest.raises(lt.AbstractStateMismatchError) as info:
+    lt.arrays_from_buffer(data, manifest, {"state": target}, str(step_dir), crcs=crcs)
+  message = str(info.value)
+  assert "['params']['w']" in message and want in message, message
+  assert "NamedSharding(mesh={'data': 2, 'model': 2}, spec=P('data', 'model'))" in message
+  assert not isinstance(info.value, lt.LocalTierError)
+  # Through read_step too; the step itself is fine.
+  with pytest.raises(lt.AbstractStateMismatchError, match="target sharding differs"):
+    lt.read_step(step_dir, manifest, {"state": target})
+  lt.verify_step(step_dir)
+
+
+def test_missing_shard_under_the_saved_sharding_is_a_local_tier_error(tier, mesh):
+  """The saved sharding, but a shard this node does not hold (its devices changed since the
+  save): the copy is unusable here, and restore may try another source."""
+  import dataclasses
+
+  state, step_dir = _write(tier, mesh, 2)
+  manifest = lt.read_manifest(step_dir)
+  item = manifest.items["state"]
+  leaves = tuple(dataclasses.replace(leaf, shards=leaf.shards[1:])
+                 if leaf.path == "['params']['w']" else leaf for leaf in item.leaves)
+  partial = dataclasses.replace(
+      manifest, items={**manifest.items, "state": dataclasses.replace(item, leaves=leaves)})
+  data = lt.read_data(step_dir, manifest)
+  with pytest.raises(lt.LocalTierError, match="devices differ"):
+    lt.arrays_from_buffer(data, partial, {"state": abstract_of(state)}, str(step_dir))
+
+
+def test_forced_old_save_applies_retention_before_on_commit(shm_dir, mesh):
+  """RAM holds 7, 8, 9 (max_to_keep=3); a forced save of 5 is retired at once: on_commit (the
+  LKG link) gets the newest step, 9, never the retired 5."""
+  committed = []
+  tier = lt.LocalTier(shm_dir / "local", max_to_keep=3, on_commit=committed.append)
+  tier.prepare()
+  try:
+    for step in (7, 8, 9):
+      _write(tier, mesh, step)
+    assert committed == [7, 8, 9]
+    _write(tier, mesh, 5)
+    assert committed == [7, 8, 9, 9]
+    assert not (tier.directory / "5").exists()
+    assert tier.steps() == [7, 8, 9]
+    _write(tier, mesh, 10)  # a normal save: on_commit gets it, 7 is retired
+    assert committed[-1] == 10 and tier.steps() == [8, 9, 10]
+  finally:
+    tier.close()

@@ -515,11 +515,11 @@ def test_full_ram_disk(tmpfs_mount, open_manager, dirs, mesh):
   big = make_state(mesh, 2, scale=1024)  # w alone is 8192 x 6 float32 = 192 KiB ...
   big["params"]["w2"] = big["params"]["w"] + 1  # ... and more than the 512 KiB disk in all
   big["params"]["w3"] = big["params"]["w"] + 2
-  with pytest.raises(OSError) as info:
+  with pytest.raises(mtc.CheckpointError) as info:
     mgr.save(2, args=_composite(big))
     mgr.wait_until_finished()
   message = str(info.value)
-  assert info.value.errno == errno.ENOSPC
+  assert info.value.__cause__.errno == errno.ENOSPC and "process 0" in message
   assert "step 2" in message and "Committed steps are untouched" in message
   assert local_tier.committed_steps(local) == [0]
   assert not [p for p in local.iterdir() if p.name.startswith(".tmp-")]

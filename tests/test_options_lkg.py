@@ -214,6 +214,58 @@ def test_update_same_step_twice_is_idempotent(tmp_path):
   assert os.readlink(tmp_path / "job-s3-n0-w0.restore") == "3"
 
 
+def _leftovers(directory):
+  """Temporary links a process killed inside `update` would leave, and look-alikes."""
+  uid = "0123456789abcdef0123456789abcdef"
+  ours = [f".job-s3-n0-w0.restore.{uid}.tmp", f".job-s9-n0-w0.restore.{uid[::-1]}.tmp"]
+  others = [f".job-s3-n1-w0.restore.{uid}.tmp",  # another node
+            f".job-s3-n0-w1.restore.{uid}.tmp",  # another worker
+            f".other-s3-n0-w0.restore.{uid}.tmp",  # another job
+            f".job-s3-n10-w0.restore.{uid}.tmp"]  # a node rank that starts like ours
+  for name in ours + others:
+    os.symlink("3", directory / name)
+  # Not symlinks, or not our names: never ours to remove.
+  (directory / f".job-s4-n0-w0.restore.{uid}.tmp").mkdir()
+  (directory / f".job-s5-n0-w0.restore.{uid}.tmp").write_text("x")
+  (directory / ".job-s3-n0-w0.restore.tmp").symlink_to("3")  # the replicator's own temp name
+  (directory / "notes.tmp").write_text("x")
+  (directory / "3").mkdir()
+  return ours
+
+
+def test_update_removes_temporary_links_a_killed_update_left(tmp_path):
+  ours = _leftovers(tmp_path)
+  before = set(os.listdir(tmp_path))
+  lkg.update(tmp_path, "job", 3, 0, 0)
+  assert set(os.listdir(tmp_path)) == before - set(ours) | {"job-s3-n0-w0.restore"}
+
+
+def test_remove_all_and_cleanup_temporary_remove_them_too(tmp_path):
+  (tmp_path / "a").mkdir()
+  (tmp_path / "b").mkdir()
+  ours = _leftovers(tmp_path / "a")
+  before = set(os.listdir(tmp_path / "a"))
+  lkg.remove_all(tmp_path / "a", "job", 0, 0)
+  assert set(os.listdir(tmp_path / "a")) == before - set(ours)
+  ours = _leftovers(tmp_path / "b")
+  before = set(os.listdir(tmp_path / "b"))
+  removed = lkg.cleanup_temporary(tmp_path / "b", "job", 0, 0)
+  assert sorted(p.name for p in removed) == sorted(ours)
+  assert set(os.listdir(tmp_path / "b")) == before - set(ours)
+  assert lkg.cleanup_temporary(tmp_path / "b", "job", 0, 0) == []
+  assert lkg.cleanup_temporary(tmp_path / "missing", "job", 0, 0) == []
+
+
+def test_a_failed_replace_leaves_no_temporary_link(tmp_path, monkeypatch):
+  def fail(src, dst):
+    raise OSError("disk gone")
+
+  monkeypatch.setattr(lkg.os, "replace", fail)
+  with pytest.raises(OSError, match="disk gone"):
+    lkg.update(tmp_path, "job", 3, 0, 0)
+  assert os.listdir(tmp_path) == []
+
+
 def test_reader_always_sees_a_link_during_updates(tmp_path):
   """A concurrent reader never sees zero links for this node (replace, then unlink old)."""
   lkg.update(tmp_path, "job", 0, 0, 0)

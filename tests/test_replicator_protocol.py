@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
@@ -110,6 +111,126 @@ def test_a_staged_step_replaces_a_stale_folder_of_the_same_number(tmp_path):
   os.symlink(".replicator/restore/30", local / "job-s30-n0-w0.restore")
   assert replicator.take_entry(local, replicator.choose_entry(local, 0, 0)) == 30
   assert sorted(p.name for p in (local / "30").iterdir()) == ["fresh"]
+
+
+def _step_folder(path, step=None, process_index=None, manifest=None):
+  """A step folder as the RAM tier writes it: a manifest naming its step and process."""
+  path.mkdir(parents=True)
+  (path / "data.bin").write_bytes(b"x")
+  if manifest is None and step is not None:
+    manifest = json.dumps({"format": "orbax-mtc/local/1", "step": step,
+                           "process_index": process_index, "process_count": 4})
+  if manifest is not None:
+    (path / "manifest.json").write_bytes(manifest if isinstance(manifest, bytes)
+                                         else manifest.encode())
+  return path
+
+
+@pytest.mark.parametrize("name, target, build, reason", [
+    ("manifest of another step", "90", lambda d: _step_folder(d / "90", 90, 1),
+     "says step 90, not 100"),
+    ("manifest of another process", "100", lambda d: _step_folder(d / "100", 100, 3),
+     "says process_index 3, not 1"),
+    ("a step being written", ".tmp-100-abc",
+     lambda d: _step_folder(d / ".tmp-100-abc", 100, 1), "a hidden folder"),
+    ("a retired step", ".spare-abc", lambda d: _step_folder(d / ".spare-abc", 100, 1),
+     "a hidden folder"),
+    ("a peer copy", "peers/3/100", lambda d: _step_folder(d / "peers" / "3" / "100", 100, 1),
+     "under peers/"),
+    ("the peers folder", "peers", lambda d: (d / "peers").mkdir(), "under peers/"),
+    ("relative outside", "../elsewhere/100",
+     lambda d: _step_folder(d.parent / "elsewhere" / "100", 100, 1), "outside"),
+    ("a chain leading out", "hop",
+     lambda d: (_step_folder(d.parent / "elsewhere" / "100", 100, 1),
+                os.symlink(d.parent / "elsewhere" / "100", d / "hop")), "outside"),
+    ("a chain into peers", "100",
+     lambda d: (_step_folder(d / "peers" / "3" / "100", 100, 1),
+                os.symlink("peers/3/100", d / "100")), "under peers/"),
+    ("inside a step folder", "100/sub", lambda d: _step_folder(d / "100" / "sub", 100, 1),
+     "neither directly in"),
+    ("a staging folder's temporary copy", ".replicator/restore/.tmp-100-x",
+     lambda d: _step_folder(d / ".replicator" / "restore" / ".tmp-100-x", 100, 1),
+     "a hidden folder"),
+    ("another node's copy the replicator keeps", ".replicator/n3/100",
+     lambda d: _step_folder(d / ".replicator" / "n3" / "100", 100, 3), "neither directly in"),
+    ("a dangling link", "missing", lambda d: None, "cannot be followed"),
+    ("a link loop", "loop", lambda d: os.symlink("loop", d / "loop"), "cannot be followed"),
+    ("a file", "file", lambda d: (d / "file").write_text("x"), "not a folder"),
+    ("malformed JSON", "100", lambda d: _step_folder(d / "100", manifest="{not json"),
+     "cannot be read as JSON"),
+    ("bad UTF-8", "100", lambda d: _step_folder(d / "100", manifest=b"\xff\xfe{"),
+     "cannot be read as JSON"),
+    ("too deep JSON", "100", lambda d: _step_folder(d / "100", manifest="[" * 100000),
+     "cannot be read as JSON"),
+    ("a JSON list", "100", lambda d: _step_folder(d / "100", manifest="[100, 1]"),
+     "not a JSON object"),
+    ("a string step", "100",
+     lambda d: _step_folder(d / "100", manifest='{"step": "100", "process_index": 1}'),
+     "no integer 'step'"),
+    ("a boolean process index", "100",
+     lambda d: _step_folder(d / "100", manifest='{"step": 100, "process_index": true}'),
+     "no integer 'process_index'"),
+    ("no process index", "100", lambda d: _step_folder(d / "100", manifest='{"step": 100}'),
+     "no integer 'process_index'"),
+    ("a manifest that is a folder", "100",
+     lambda d: (d / "100" / "manifest.json").mkdir(parents=True), "cannot be read as JSON"),
+])
+def test_a_restore_entry_is_refused_and_moves_nothing(tmp_path, name, target, build, reason):
+  local = tmp_path / "local"
+  local.mkdir()
+  build(local)
+  before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+  os.symlink(target, local / "job-s100-n1-w0.restore")
+  choice = replicator.choose_entry(local, node_rank=1, worker_index=0, job_name="job")
+  assert (choice.step, choice.target) == (None, None), name
+  assert len(choice.ignored) == 1 and choice.ignored[0].startswith("job-s100-n1-w0.restore: ")
+  assert reason in choice.ignored[0], choice.ignored[0]
+  assert replicator.take_entry(local, choice) is None
+  # Only the entry is gone: no folder was moved, renamed or deleted.
+  assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+
+
+def test_connect_logs_a_refused_entry_and_restores_nothing(tmp_path, monkeypatch):
+  local = tmp_path / "local"
+  _step_folder(local / "90", 90, 0)
+  os.symlink("90", local / "run1-s100-n0-w0.restore")
+  monkeypatch.setattr(replicator, "handshake", lambda *a, **k: None)
+  warnings = []
+  monkeypatch.setattr(replicator.logging, "warning", lambda msg, *a: warnings.append(msg % a))
+  config = _config(nodes=1, peer_ranks=(), data_parallelism=1)
+  assert replicator.connect(local, config, 0, timeout_s=5, poll_s=0.01) is None
+  assert any("says step 90, not 100" in w for w in warnings), warnings
+  assert any("no usable restore entry" in w for w in warnings), warnings
+  assert sorted(p.name for p in local.iterdir()) == ["90"]
+
+
+@pytest.mark.parametrize("target", ["100", ".replicator/restore/100"])
+def test_a_restore_entry_naming_its_step_and_process_is_taken(tmp_path, target):
+  local = tmp_path / "local"
+  _step_folder(local / target, 100, 1)
+  _step_folder(local / "peers" / "3" / "100", 100, 3)  # a peer copy is left alone
+  os.symlink(target, local / "job-s100-n1-w0.restore")
+  choice = replicator.choose_entry(local, node_rank=1, worker_index=0, job_name="job")
+  assert (choice.step, choice.target, choice.ignored) == (100, (local / target).resolve(), ())
+  assert replicator.take_entry(local, choice) == 100
+  manifest = json.loads((local / "100" / "manifest.json").read_text())
+  assert (manifest["step"], manifest["process_index"]) == (100, 1)
+  assert not list(local.glob("*.restore")) and not (local / ".replicator" / "restore" / "100").exists()
+  assert (local / "peers" / "3" / "100" / "manifest.json").is_file()
+  # process_index is the node rank unless given.
+  _step_folder(local / "200", 200, 7)
+  os.symlink("200", local / "job-s200-n1-w0.restore")
+  assert replicator.choose_entry(local, 1, 0, process_index=7).step == 200
+  assert replicator.choose_entry(local, 1, 0).step is None
+
+
+def test_take_entry_refuses_a_hand_made_choice_of_a_peer_copy(tmp_path):
+  local = tmp_path / "local"
+  peer = _step_folder(local / "peers" / "3" / "100", 100, 3)
+  choice = replicator.RestoreChoice(100, peer.resolve())
+  with pytest.raises(replicator.ReplicatorError, match="under peers/"):
+    replicator.take_entry(local, choice)
+  assert peer.is_dir() and not (local / "100").exists()
 
 
 def test_agreement_across_processes():

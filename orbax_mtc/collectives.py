@@ -1,0 +1,73 @@
+"""The all-gather every agreement uses, behind a barrier that cannot wait forever.
+
+A process that raised, or was killed, before an agreement would leave the others blocked in the
+all-gather for good (gloo and NCCL collectives have no timeout of their own). So each agreement
+first meets at a coordination-service barrier with a timeout; when it expires, every process
+that did arrive raises an error naming the processes that did not. Main thread only (rule 2).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from jax.experimental import multihost_utils
+
+# Barrier ids must be the same on every process and never reused in one job: every process
+# makes the same agreements in the same order, so one counter per process numbers them alike.
+_sequence = itertools.count()
+
+
+class AgreementTimeoutError(TimeoutError):
+  """Some processes did not reach an agreement in time (they failed, hang or were killed)."""
+
+
+def _client():
+  from jax._src import distributed as jax_distributed
+
+  return jax_distributed.global_state.client
+
+
+def _missing_processes(client, process_count: int) -> list[int] | None:
+  """Processes the coordination service no longer sees alive (None when it cannot say)."""
+  try:
+    live = client.get_live_nodes(list(range(process_count)))
+  except Exception:  # noqa: BLE001 - only used to word the error
+    return None
+  alive = {int(process) for process in live}  # process id -> incarnation
+  return sorted(set(range(process_count)) - alive)
+
+
+def barrier(what: str, process_count: int, timeout_s: float) -> None:
+  """Waits until every process reaches the same agreement, at most `timeout_s`."""
+  if process_count == 1:
+    return
+  client = _client()
+  if client is None:  # no coordination service: nothing to wait on but the collective
+    return
+  name = f"orbax_mtc_agreement_{next(_sequence)}"
+  try:
+    client.wait_at_barrier(name, int(timeout_s * 1000))
+  except Exception as e:  # noqa: BLE001 - the service's errors have no public type
+    gone = _missing_processes(client, process_count)
+    who = f"process(es) {gone} are no longer alive" if gone else (
+        "some processes did not arrive (the coordination service names them below)")
+    raise AgreementTimeoutError(
+        f"orbax-mtc: {what}: not every process arrived within {timeout_s:.0f} s: {who}. "
+        "A process failed, hangs or was killed before this point; see its log. Committed "
+        f"steps are untouched. ({type(e).__name__}: {e})") from e
+
+
+def allgather(row: np.ndarray, what: str, process_count: int, timeout_s: float) -> np.ndarray:
+  """`row` of every process, stacked (index = process), after a bounded barrier."""
+  if process_count == 1:
+    return np.asarray(row)[None]
+  barrier(what, process_count, timeout_s)
+  row = np.ascontiguousarray(row)
+  if row.dtype != np.int64:
+    return np.asarray(multihost_utils.process_allgather(row))
+  # Without jax_enable_x64, JAX carries int64 as int32 and drops the high half (a step size
+  # over 2 GiB, a clock in milliseconds, packed text): send each value as two int32 halves.
+  halves = np.asarray(multihost_utils.process_allgather(row.view(np.int32)))
+  return np.ascontiguousarray(halves, dtype=np.int32).view(np.int64).reshape(
+      halves.shape[0], *row.shape)
