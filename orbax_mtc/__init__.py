@@ -11,7 +11,13 @@ from orbax_mtc import distributed
 from orbax_mtc.agreement import CheckpointError
 from orbax_mtc.backup import BackupError, BackupInfo, BackupIntervalPolicy
 from orbax_mtc.collectives import AgreementTimeoutError
-from orbax_mtc.local_tier import AbstractStateMismatchError, CorruptStepError, LocalTierError
+from orbax_mtc.local_lock import LocalDirectoryInUseError
+from orbax_mtc.local_tier import (
+    AbstractStateMismatchError,
+    CorruptStepError,
+    LocalTierError,
+    ManifestError,
+)
 from orbax_mtc.managed import initialize_multi_tier_checkpointing
 from orbax_mtc.manager import CheckpointManager, OnDemandSave, RestoreInfo
 from orbax_mtc.options import (
@@ -36,7 +42,9 @@ __all__ = [
     "CheckpointManagerOptions",
     "CorruptStepError",
     "LocalCheckpointOptions",
+    "LocalDirectoryInUseError",
     "LocalTierError",
+    "ManifestError",
     "ManagedOptions",
     "OnDemandSave",
     "PersistentCheckpointOptions",

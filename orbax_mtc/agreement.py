@@ -189,7 +189,7 @@ def gather(record: R, allgather: Callable[[np.ndarray], np.ndarray]) -> list[R]:
 # ----------------------------------------------------------------------------- records
 
 _STEPS_WIDTH = 32  # retention keeps far fewer RAM steps; older ones are simply not listed
-_MESSAGE_BYTES = 400
+_MESSAGE_BYTES = 1200  # enough for a leaf path, two shardings and a folder
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,7 +50,7 @@ from absl import logging
 from orbax.checkpoint import args as ocp_args
 
 FORMAT = "orbax-mtc/local/2"
-CHECKSUM_FIELD = "manifest_crc32c"
+MANIFEST_CRC_KEY = "manifest_crc32c"
 MANIFEST = "manifest.json"
 DATA = "data.bin"
 # A peer copy's folder (peer_store) holds this too: its data file is the received stream, not
@@ -123,8 +123,10 @@ class ItemRecord:
   value: Any = None  # the JSON value of a "json" item
 
 
-def _canonical_json(fields: dict[str, Any]) -> bytes:
-  return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+def manifest_checksum(fields: dict[str, Any]) -> int:
+  """The manifest checksum of `fields` (the parsed manifest less MANIFEST_CRC_KEY): CRC32C
+  of their canonical JSON (sorted keys, compact separators)."""
+  return crc32c.crc32c(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +155,7 @@ class StepManifest:
               "items": items}
     # Signed as a reader will see it: JSON turns tuples into lists and dict keys into strings.
     fields = json.loads(json.dumps(fields))
-    fields[CHECKSUM_FIELD] = crc32c.crc32c(_canonical_json(fields))
+    fields[MANIFEST_CRC_KEY] = manifest_checksum(fields)
     return json.dumps(fields)
 
   @classmethod
@@ -176,12 +178,12 @@ class StepManifest:
         raise ManifestError(f"{where}: manifest format {fmt!r} is from another version of "
                             f"orbax-mtc; this version reads {FORMAT!r} only")
       raise ManifestError(f"{where}: unknown manifest format {_show(fmt)}, expected {FORMAT!r}")
-    stored = raw.pop(CHECKSUM_FIELD, None)
+    stored = raw.pop(MANIFEST_CRC_KEY, None)
     if type(stored) is not int or not 0 <= stored < 1 << 32:
-      raise ManifestError(f"{where}: field {CHECKSUM_FIELD!r} holds {_show(stored)}, expected "
+      raise ManifestError(f"{where}: field {MANIFEST_CRC_KEY!r} holds {_show(stored)}, expected "
                           "a CRC32C (an integer in 0..2**32-1)")
     try:
-      computed = crc32c.crc32c(_canonical_json(raw))
+      computed = manifest_checksum(raw)
     except (ValueError, TypeError, RecursionError) as e:
       raise ManifestError(f"{where} is unreadable: {e}") from e
     if computed != stored:
@@ -479,7 +481,11 @@ def _host_value(path: str, leaf: Any) -> tuple[np.ndarray, str | None]:
 def describe_sharding(sharding: Any) -> str:
   """A readable description of a sharding, for the manifest and for error messages."""
   if isinstance(sharding, jax.sharding.NamedSharding):
-    text = f"NamedSharding(mesh={dict(sharding.mesh.shape)!r}, spec={sharding.spec!r})"
+    # The device order too: the same axes over devices in another order place other shards
+    # on each process (another mesh layout), which the axes alone would not tell.
+    devices = [int(d.id) for d in sharding.mesh.devices.flat]
+    text = (f"NamedSharding(mesh={dict(sharding.mesh.shape)!r}, spec={sharding.spec!r}, "
+            f"devices={devices})")
   else:
     text = repr(sharding)
   return text if len(text) <= _MAX_DESCRIPTION else text[:_MAX_DESCRIPTION - 3] + "..."

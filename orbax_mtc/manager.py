@@ -418,10 +418,14 @@ class CheckpointManager(ocp.CheckpointManager):
     if str(local_path) == str(persistent_directory):
       raise ValueError("local_directory and persistent_directory must be different folders.")
     self._managed = options.mode == "managed"
+    modes = {"dir_mode": options.local.directory_mode, "file_mode": options.local.file_mode}
     self._local = local_tier.LocalTier(local_path, max_to_keep=options.local.max_to_keep,
                                        on_commit=self._after_local_commit,
-                                       reuse_files=not self._managed)
-    self._store = peer_store.PeerStore(local_path, max_to_keep=options.local.max_to_keep)
+                                       reuse_files=not self._managed,
+                                       process_index=self._process_index,
+                                       process_count=self._process_count, **modes)
+    self._store = peer_store.PeerStore(local_path, max_to_keep=options.local.max_to_keep,
+                                       **modes)
     self._claim_local_directory(local_path, options)
     self._topology: topology.Topology | None = None
     self._replicator: replication.Replicator | None = None
@@ -1480,6 +1484,9 @@ class CheckpointManager(ocp.CheckpointManager):
       if mine.kind != restore_plan.OWN:
         try:
           manifest, data = peer_store.received_step(buffers[mine.holder])
+          # A step stream's header names no step of its own: check the manifest's.
+          local_tier.validate_for(manifest, where=f"step {step} from process {mine.holder}",
+                                  step=step)
           received = (dataclasses.replace(manifest, process_index=me), data)
         except Exception as e:  # noqa: BLE001 - an unusable copy is agreed below
           logging.warning("orbax-mtc: step %d from process %d is unusable: %s", step,

@@ -57,6 +57,9 @@ class LocalCheckpointOptions:
   read_only: never save locally (restore still reads the RAM tier).
   should_save_fn: `fn(step, last_saved_step) -> bool`; overrides `save_interval_steps`.
   save_decision_policy: an Orbax `SaveDecisionPolicy`; overrides everything above.
+  directory_mode / file_mode: permissions of the RAM tier's folders and files (model weights
+    are private: 0o700 and 0o600 by default). Widen them only for a helper that runs as
+    another user, such as a replicator that must read the steps.
   """
 
   save_interval_steps: int = 10
@@ -64,6 +67,8 @@ class LocalCheckpointOptions:
   read_only: bool = False
   should_save_fn: Callable[[int, int | None], bool] | None = None
   save_decision_policy: policies.SaveDecisionPolicy | None = None
+  directory_mode: int = 0o700
+  file_mode: int = 0o600
 
   def __post_init__(self):
     _check_interval("LocalCheckpointOptions", "save_interval_steps", self.save_interval_steps,
@@ -73,6 +78,15 @@ class LocalCheckpointOptions:
       self.max_to_keep = 1
     if self.should_save_fn is not None and not callable(self.should_save_fn):
       raise TypeError("LocalCheckpointOptions.should_save_fn must be callable.")
+    for name in ("directory_mode", "file_mode"):
+      mode = getattr(self, name)
+      if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
+        raise ValueError(f"LocalCheckpointOptions.{name} must be permission bits such as "
+                         f"0o700, got {mode!r}.")
+    if not self.directory_mode & 0o700 == 0o700 or not self.file_mode & 0o600 == 0o600:
+      raise ValueError("LocalCheckpointOptions: the owner needs rwx on folders (directory_mode "
+                       "& 0o700) and rw on files (file_mode & 0o600); got "
+                       f"{oct(self.directory_mode)} and {oct(self.file_mode)}.")
 
 
 @dataclasses.dataclass

@@ -824,7 +824,7 @@ def _raised(error: BaseException) -> None:
   import jax
 
   text = f"{error}".replace("\n", " ")[:1500]
-  _out(f"RAISED process={jax.process_index()} type={type(error).__name__} message={text}")
+  _out(f"RAISED process={jax.process_index()} type={type(error).__name__} detail={text}")
 
 
 def cmd_steps(args) -> int:

@@ -155,8 +155,8 @@ def test_a_target_with_another_mesh_layout_raises_everywhere_and_keeps_every_ste
   for node, fields in errors.items():
     assert fields["type"] == "AbstractStateMismatchError", (node, fields)
     # The leaf and both shardings are named.
-    assert "params" in fields["message"] and fields["message"].count("NamedSharding") >= 2, \
-        fields["message"]
+    assert "leaf state[" in fields["detail"] and fields["detail"].count("NamedSharding") >= 2, \
+        fields["detail"]
   assert {n: local_steps(root, n) for n in (0, 1)} == before
   assert persistent_steps(persistent) == kept
 
@@ -173,7 +173,7 @@ def _resign(raw: dict) -> dict:
 
 def _corrupt(path: pathlib.Path, how: str) -> None:
   raw = json.loads(path.read_text())
-  leaf = raw["items"]["state"]["leaves"][0]
+  leaf = next(x for x in raw["items"]["state"]["leaves"] if x["shape"])
   if how == "null":
     path.write_text("null")
     return
@@ -253,12 +253,13 @@ def test_a_fault_on_one_process_ends_the_same_way_on_every_process(
   errors = raised(out)
   if outcome == "raise":
     assert sorted(errors) == [0, 1], tail(out)
-    messages = {f["message"] for f in errors.values()}
+    messages = {f["detail"] for f in errors.values()}
     assert len(messages) == 1, messages  # the same error on every process
     (message,) = messages
     assert {f["type"] for f in errors.values()} == {"CheckpointError"}
     assert "process(es) [1]" in message and "injected" in message, message
-    assert result.returncodes == [7, 7], result
+    # Each exits 7 after printing; the launcher may kill the slower one as it exits.
+    assert 7 in result.returncodes and 0 not in result.returncodes, result
   else:
     assert not errors and result.returncode == 0, tail(out)
     if restore_first:
@@ -287,6 +288,6 @@ def test_two_processes_given_one_local_directory_fail_together(root, tmp_path):
   types = sorted(f["type"] for f in errors.values())
   assert types == ["CheckpointError", "LocalDirectoryInUseError"], errors
   for fields in errors.values():
-    assert str(shared) in fields["message"] and "own local directory" in fields["message"], \
-        fields["message"]
-  assert result.returncodes == [7, 7], result
+    assert str(shared) in fields["detail"] and "own local directory" in fields["detail"], \
+        fields["detail"]
+  assert 7 in result.returncodes and 0 not in result.returncodes, result

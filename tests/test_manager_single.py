@@ -714,3 +714,47 @@ def test_forcing_a_step_already_in_ram_backs_that_copy_up(open_manager, dirs, me
   restored = again.restore(None)
   assert (again.last_restore.step, again.last_restore.tier) == (6, "persistent")
   assert_trees_equal(restored.state, states[6])
+
+
+def test_a_forced_save_of_an_older_step_keeps_the_newest_ram_steps_and_valid_links(
+    open_manager, dirs, mesh):
+  """RAM holds 7, 8, 9 with max_to_keep=3: save(5, force=True) goes to the persistent tier
+  only; the RAM steps and the LKG link (naming 9) are untouched; a restart restores 9."""
+  local_dir, persistent_dir = dirs
+  mgr = open_manager(_options(local_every=1, persistent_every=1000, local_keep=3))
+  states, _ = _save_range(mgr, mesh, range(7, 10))
+  assert local_tier.committed_steps(local_dir) == [7, 8, 9]
+  old = make_state(mesh, 5)
+  assert mgr.save(5, args=_composite(old), force=True)
+  mgr.wait_until_finished()
+  assert local_tier.committed_steps(local_dir) == [7, 8, 9]
+  assert 5 in _persistent_steps(persistent_dir)
+  links = lkg.list_entries(local_dir)
+  assert [e.step for e in links] == [9]
+  assert os.readlink(local_dir / links[0].name) == "9"
+  assert mgr.all_steps()[-1] == 9 and 5 in mgr.all_steps()
+  assert_trees_equal(mgr.restore(5).state, old)
+  mgr.close()
+  again = open_manager(_options(local_every=1, persistent_every=1000, local_keep=3))
+  assert again.latest_step() == 9
+  assert_trees_equal(again.restore(None).state, states[9])
+  assert again.last_restore.tier == "local"
+
+
+def test_manager_folders_and_files_are_private(open_manager, dirs, mesh):
+  local_dir, _ = dirs
+  mgr = open_manager(_options(local_every=1, persistent_every=1000))
+  _save_range(mgr, mesh, range(0, 2))
+  assert local_dir.stat().st_mode & 0o777 == 0o700
+  step_dir = local_dir / "1"
+  assert step_dir.stat().st_mode & 0o777 == 0o700
+  for name in (local_tier.DATA, local_tier.MANIFEST):
+    assert (step_dir / name).stat().st_mode & 0o777 == 0o600, name
+
+
+def test_a_second_manager_on_a_claimed_local_directory_is_refused(open_manager, dirs):
+  from orbax_mtc import local_lock
+
+  open_manager()
+  with pytest.raises(local_lock.LocalDirectoryInUseError, match="own local directory"):
+    open_manager()

@@ -33,9 +33,9 @@ HYPOTHESIS = settings(max_examples=300, deadline=None, derandomize=True, databas
 def sign(raw: dict[str, Any]) -> dict[str, Any]:
   """`raw` with its manifest checksum recomputed, as the spec says: CRC32C of the canonical JSON
   (sorted keys, compact separators) of every other field."""
-  fields = {k: v for k, v in raw.items() if k != lt.CHECKSUM_FIELD}
+  fields = {k: v for k, v in raw.items() if k != lt.MANIFEST_CRC_KEY}
   text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-  return {**fields, lt.CHECKSUM_FIELD: crc32c.crc32c(text.encode())}
+  return {**fields, lt.MANIFEST_CRC_KEY: crc32c.crc32c(text.encode())}
 
 
 def canonical(value: Any) -> str:
@@ -122,7 +122,7 @@ REPLACEMENTS = st.one_of(
 @st.composite
 def corruptions(draw, raw: dict[str, Any]) -> tuple[dict[str, Any] | Any, str]:
   """(corrupted manifest JSON, what was done) from the pristine parsed manifest."""
-  body = {k: v for k, v in raw.items() if k != lt.CHECKSUM_FIELD}
+  body = {k: v for k, v in raw.items() if k != lt.MANIFEST_CRC_KEY}
   path = draw(st.sampled_from(paths_of(body)))
   action = draw(st.sampled_from(["replace", "replace", "replace", "drop", "overlap",
                                  "out_of_range"]))
@@ -177,17 +177,17 @@ def test_generated_corruptions_resigned_reach_the_field_validators(saved):
 
 def test_generated_unsigned_edits_are_caught_by_the_checksum(saved):
   tier, step_dir, pristine, raw = saved
-  pristine_body = canonical({k: v for k, v in raw.items() if k != lt.CHECKSUM_FIELD})
+  pristine_body = canonical({k: v for k, v in raw.items() if k != lt.MANIFEST_CRC_KEY})
 
   @HYPOTHESIS
   @given(data=st.data())
   def run(data):
     mutated, what = data.draw(corruptions(raw))
     note(what)
-    mutated[lt.CHECKSUM_FIELD] = raw[lt.CHECKSUM_FIELD]  # the old checksum, not re-signed
+    mutated[lt.MANIFEST_CRC_KEY] = raw[lt.MANIFEST_CRC_KEY]  # the old checksum, not re-signed
     put(step_dir, pristine, mutated)
     unchanged = canonical({k: v for k, v in mutated.items()
-                           if k != lt.CHECKSUM_FIELD}) == pristine_body
+                           if k != lt.MANIFEST_CRC_KEY}) == pristine_body
     if unchanged:  # a no-op edit (the same value written back) reads back identically
       assert read_all(tier, step_dir) == lt.StepManifest.from_json(json.dumps(raw))
       return
@@ -344,7 +344,7 @@ def test_named_field_corruptions(saved, edit, pattern):
   assert str(step_dir / lt.MANIFEST) in str(info.value)  # names the file
   # The same edit without re-signing is caught by the checksum first.
   unsigned = edited(raw, edit)
-  unsigned[lt.CHECKSUM_FIELD] = raw[lt.CHECKSUM_FIELD]
+  unsigned[lt.MANIFEST_CRC_KEY] = raw[lt.MANIFEST_CRC_KEY]
   put(step_dir, pristine, unsigned)
   with pytest.raises(lt.ManifestError, match="checksum mismatch"):
     lt.read_manifest(step_dir)
@@ -364,8 +364,8 @@ def test_unsigned_edit_is_caught_by_the_checksum(saved):
   put(step_dir, pristine, changed)
   with pytest.raises(lt.ManifestError, match="checksum mismatch"):
     lt.read_manifest(step_dir)
-  put(step_dir, pristine, {k: v for k, v in raw.items() if k != lt.CHECKSUM_FIELD})
-  with pytest.raises(lt.ManifestError, match=lt.CHECKSUM_FIELD):
+  put(step_dir, pristine, {k: v for k, v in raw.items() if k != lt.MANIFEST_CRC_KEY})
+  with pytest.raises(lt.ManifestError, match=lt.MANIFEST_CRC_KEY):
     lt.read_manifest(step_dir)
   put(step_dir, pristine, raw)
   assert lt.read_manifest(step_dir) == lt.StepManifest.from_json(json.dumps(raw))
@@ -385,6 +385,8 @@ def test_checksum_is_over_the_canonical_json(saved):
   _, _, _, raw = saved
   assert raw["format"] == lt.FORMAT == "orbax-mtc/local/2"
   assert sign(raw) == raw
+  body = {k: v for k, v in raw.items() if k != lt.MANIFEST_CRC_KEY}
+  assert lt.manifest_checksum(body) == raw[lt.MANIFEST_CRC_KEY] == raw["manifest_crc32c"]
   # Key order and spacing do not matter, only the content.
   text = json.dumps(dict(reversed(list(raw.items()))), indent=3)
   assert lt.StepManifest.from_json(text) == lt.StepManifest.from_json(json.dumps(raw))
