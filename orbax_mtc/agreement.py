@@ -186,6 +186,17 @@ def gather(record: R, allgather: Callable[[np.ndarray], np.ndarray]) -> list[R]:
   return [decode(type(record), row) for row in rows]
 
 
+def gather_with_sizes(record: R, sizes: np.ndarray, allgather: Callable[[np.ndarray], np.ndarray]
+                      ) -> list[tuple[R, np.ndarray]]:
+    """Like `gather`, with a vector of byte counts after the record (one per stream of an
+    exchange, the same length on every process)."""
+    row = np.concatenate([encode(record), np.asarray(sizes, dtype=np.int64).reshape(-1)])
+    rows = np.asarray(allgather(row))
+    rows = rows.reshape(-1, rows.shape[-1])
+    width = row_size(type(record))
+    return [(decode(type(record), r[:width]), r[width:].copy()) for r in rows]
+
+
 # ----------------------------------------------------------------------------- records
 
 _STEPS_WIDTH = 32  # retention keeps far fewer RAM steps; older ones are simply not listed
@@ -261,6 +272,23 @@ class RestoreRecord:
   requested_step: int = _field(_Int(), -1)
   fault: Fault = _field(_Record(Fault), factory=Fault)
   inventory: Inventory = _field(_Record(Inventory), factory=Inventory)
+
+
+@dataclasses.dataclass(frozen=True)
+class SendRecord:
+  """Peer replication of one step: whether this node committed it (WRITING, COMMITTED or
+  FAILED); its byte count per copy edge follows (`gather_with_sizes`)."""
+
+  status: Status = _field(_Enum(Status), Status.WRITING)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeRecord:
+  """A restore's transfers: whether this node can serve what it was asked to (its byte
+  count per transfer follows, `gather_with_sizes`) and why not."""
+
+  status: Status = _field(_Enum(Status), Status.OK)
+  message: str = _field(_Text(_MESSAGE_BYTES), "")
 
 
 @dataclasses.dataclass(frozen=True)

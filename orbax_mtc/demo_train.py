@@ -155,8 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo: process {info.process_id} stops after the on-demand checkpoint of step "
               f"{step}", flush=True)
         break
-      if info.process_id == args.kill_rank and step == args.kill_at_step:
+      if step == args.kill_at_step:
+        # Every process at the same point: waiting is an agreement (errors anywhere raise
+        # everywhere), so one process alone would wait there for the others.
         mgr.wait_until_finished()
+      if info.process_id == args.kill_rank and step == args.kill_at_step:
         _write_report(args, info.process_id, report, mgr)
         print(f"demo: process {info.process_id} kills itself with SIGKILL at step {step}",
               flush=True)

@@ -8,12 +8,29 @@ checkpoint manager supports (RAM tier + persistent tier, SIGTERM through our own
 
 `initialize()` must run before anything that starts a JAX backend (`jax.devices()`, any
 computation), as `jax.distributed.initialize` requires.
+
+Leaving the job. JAX dispatches computations asynchronously, and a program may end while a
+collective it no longer waits for is still running: `multihost_utils.process_allgather` returns
+as soon as the first local device has its copy, while on the other local devices the same
+all-gather is still setting up its gloo connection (through the coordination service's key-value
+store) or exchanging data with the other processes. JAX's exit hook then runs
+`jax.distributed.shutdown()`: its barrier lets process 0 stop the coordination service, and a
+process whose collective still needed the service or a peer that has now left blocks for good in
+the CPU client's destructor, which joins the thread running that collective. So `initialize()`
+and `join()` also register an exit hook that runs before JAX's (atexit runs hooks in reverse
+order): every process meets at a bounded barrier and then runs one small collective on every
+device and waits for all of it. XLA launches collective programs one after another, so when that
+last one is done everywhere, no earlier one is still in flight anywhere, and the shutdown that
+follows strands nothing.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import itertools
 import os
+import sys
 
 import jax
 from absl import logging
@@ -26,6 +43,7 @@ __all__ = [
     "ORBAX_MTC_WORKER_INDEX",
     "DistributedInfo",
     "detected_cluster",
+    "finish_collectives",
     "initialize",
     "is_initialized",
     "local_directory",
@@ -40,6 +58,18 @@ ORBAX_MTC_LOCAL_DIR = "ORBAX_MTC_LOCAL_DIR"  # this process's own RAM-disk folde
 ORBAX_MTC_WORKER_INDEX = "ORBAX_MTC_WORKER_INDEX"  # index of the process inside its host
 
 _LAUNCHER_VARS = (ORBAX_MTC_COORDINATOR, ORBAX_MTC_NUM_PROCESSES, ORBAX_MTC_PROCESS_ID)
+
+# The exit barrier: how long a process waits at exit for the others to reach theirs. Processes of
+# one SPMD program end together; one that does not arrive is still running (or failed), and then
+# the in-flight collectives cannot be waited for anyway. A process leaving on an uncaught
+# exception waits less: the others are usually not leaving, and JAX's own shutdown barrier will
+# hold it again (up to `shutdown_timeout_seconds`) before the launcher can see it fail.
+EXIT_BARRIER_TIMEOUT_S = 60.0
+EXIT_BARRIER_TIMEOUT_ON_ERROR_S = 10.0
+_EXIT_KEY = "orbax_mtc_exit"
+# Numbers the calls of `finish_collectives` (alike on every process) so none reuses a key.
+_finish_calls = itertools.count()
+_exit_hook_registered = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +216,7 @@ def initialize(*, timeout_s: int = 120) -> DistributedInfo:
   index = worker_index()
 
   if is_initialized():
+    _register_exit_hook()
     info = _current_info()
     if params is not None:
       _, env_num_processes, env_process_id = params
@@ -231,7 +262,8 @@ def join(coordinator: str, process_id: int, *, timeout_s: int = 120,
 
 
 def _jax_initialize(*args, **kwargs) -> None:
-  """`jax.distributed.initialize` with a clearer error when a backend is already up."""
+  """`jax.distributed.initialize` with a clearer error when a backend is already up, and the
+  exit hook that lets no collective outlive the job (see the module docstring)."""
   try:
     jax.distributed.initialize(*args, **kwargs)
   except RuntimeError as e:
@@ -241,3 +273,87 @@ def _jax_initialize(*args, **kwargs) -> None:
           "jax.devices() call in this process; move it to the top of the program."
       ) from e
     raise
+  _register_exit_hook()
+
+
+def _register_exit_hook() -> None:
+  """Registers `_finish_collectives_at_exit` once. Registered after `import jax`, it runs before
+  JAX's own exit hook (`jax._src.api.clean_up`, which shuts `jax.distributed` down)."""
+  global _exit_hook_registered
+  if not _exit_hook_registered:
+    atexit.register(_finish_collectives_at_exit)
+    _exit_hook_registered = True
+
+
+def _exiting_on_error() -> bool:
+  """Whether the interpreter is exiting on an uncaught exception (it sets these before atexit)."""
+  return (getattr(sys, "last_exc", None) is not None
+          or getattr(sys, "last_value", None) is not None)
+
+
+def _finish_collectives_at_exit() -> None:
+  """Exit hook: never raises; a failure only costs the protection it gives."""
+  try:
+    finish_collectives(
+        EXIT_BARRIER_TIMEOUT_ON_ERROR_S if _exiting_on_error() else EXIT_BARRIER_TIMEOUT_S)
+  except Exception as e:  # noqa: BLE001 - at exit, a warning is all that is left to give
+    logging.warning("orbax-mtc: could not wait for in-flight collectives at exit: %s", e)
+
+
+def finish_collectives(barrier_timeout_s: float = EXIT_BARRIER_TIMEOUT_S) -> bool:
+  """Waits, with every process, until no collective of this job is still running anywhere.
+
+  Runs at exit on its own (see the module docstring); call it before an explicit
+  `jax.distributed.shutdown()`. Every process must call it, once: they meet at a
+  coordination-service barrier (at most `barrier_timeout_s`), then run one small collective on
+  every device and wait for all of its shards. No-op without `jax.distributed`, with a single
+  process, or when some process has never started a JAX backend (nothing was computed, so
+  nothing can be in flight, and a collective would start a backend just to leave).
+
+  Returns:
+    True when the collectives were waited for; False when there was nothing to do, or some
+    process did not reach the barrier in time (it is still running or failed: then nothing is
+    waited for, as before).
+  """
+  from jax._src import distributed as jax_distributed
+  from jax._src import xla_bridge
+
+  state = jax_distributed.global_state
+  client = state.client
+  if client is None or state.num_processes <= 1:
+    return False
+  has_backend = xla_bridge.backends_are_initialized()
+  name = f"{_EXIT_KEY}_{next(_finish_calls)}"
+  try:
+    client.key_value_set(f"{name}/{state.process_id}", "1" if has_backend else "0")
+    client.wait_at_barrier(name, int(barrier_timeout_s * 1000))
+    # Every process set its flag before the barrier, so every process reads the same ones.
+    flags = dict(client.key_value_dir_get(f"{name}/"))
+  except Exception as e:  # noqa: BLE001 - the service's errors have no public type
+    logging.warning(
+        "orbax-mtc: not every process reached the end of the program within %.0f s (%s: %s); "
+        "leaving without waiting for collectives still in flight.",
+        barrier_timeout_s, type(e).__name__, e)
+    return False
+  if len(flags) != state.num_processes or set(flags.values()) != {"1"}:
+    return False
+  _run_final_collective()
+  return True
+
+
+def _run_final_collective() -> None:
+  """One reduction over every device of the job, waited for on every local device."""
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  devices = jax.devices()
+  mesh = Mesh(np.array(devices), ("devices",))
+  ones = jax.make_array_from_callback(
+      (len(devices),), NamedSharding(mesh, PartitionSpec("devices")),
+      lambda index: np.ones(1, np.int32))
+  total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, PartitionSpec()))(ones)
+  total.block_until_ready()  # every local shard, not only the first
+  if int(np.asarray(total.addressable_data(0))) != len(devices):
+    raise RuntimeError(f"final collective summed to {total.addressable_data(0)}, "
+                       f"not {len(devices)}")

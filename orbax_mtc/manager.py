@@ -644,10 +644,18 @@ class CheckpointManager(ocp.CheckpointManager):
     and peer copies only, which never lists a step the cluster cannot assemble)."""
     if self._topology is None or self._abstract_state is None:
       return None
+    cached = self.__dict__.get("_listing_groups_cache")
+    if cached is not None:
+      return cached
     leaves = jax.tree_util.tree_leaves(self._abstract_state)
     if not leaves or not all(_is_array_target(leaf) for leaf in leaves):
       return None
-    return replication.shard_groups(self._shard_sets({"state": self._abstract_state}))
+    # Computed once (the abstract state and the mesh do not change); not through
+    # _shard_sets, whose one-entry cache serves the saves.
+    groups = replication.shard_groups(
+        replication.shard_sets({"state": self._abstract_state}, self._process_count))
+    self._listing_groups_cache = groups
+    return groups
 
   def _adopt(self, inventories: list[agreement.Inventory], *, saved: int | None = None,
              floor: int | None = None) -> list[restore_plan.NodeInventory]:
@@ -1456,6 +1464,7 @@ class CheckpointManager(ocp.CheckpointManager):
     if transfers:
       outgoing: dict[int, peer_store.OutgoingStream] = {}
       sizes = np.zeros((len(transfers),), dtype=np.int64)
+      problems: list[str] = []
       for j, (holder, dest, kind) in enumerate(transfers):
         if holder != me:
           continue
@@ -1466,11 +1475,18 @@ class CheckpointManager(ocp.CheckpointManager):
               kind, dest, step, self._local, self._store, own_read)
           sizes[j] = outgoing[dest].nbytes
         except Exception as e:  # noqa: BLE001 - every failure is agreed below, never raised
-          logging.warning("orbax-mtc: cannot serve step %d to process %d from %s: %s", step,
-                          dest, kind, e)
+          problems.append(f"to process {dest} from its {kind}: {type(e).__name__}: {e}")
           sizes[j] = -1
-      gathered = self._allgather(sizes, f"serving step {step} to replaced nodes")
-      sizes = np.asarray([gathered[h, j] for j, (h, _, _) in enumerate(transfers)])
+      served = agreement.ServeRecord(
+          status=agreement.Status.FAILED if problems else agreement.Status.OK,
+          message="; ".join(problems))
+      gathered = agreement.gather_with_sizes(
+          served, sizes, lambda row: self._allgather(row, f"serving step {step}"))
+      for p, (record, _) in enumerate(gathered):
+        if record.status != agreement.Status.OK:
+          logging.warning("orbax-mtc: process %d cannot serve step %d: %s", p, step,
+                          record.message)
+      sizes = np.asarray([gathered[h][1][j] for j, (h, _, _) in enumerate(transfers)])
       failed = {(h, d, step) for (h, d, _), n in zip(transfers, sizes, strict=True) if n < 0}
       if failed:
         return False, None, failed
@@ -1872,7 +1888,8 @@ class CheckpointManager(ocp.CheckpointManager):
   def wait_until_finished(self):
     """Waits for the RAM write, the peer copies and the backup in flight (a backup is bounded
     by Orbax's `AsyncOptions.timeout_secs`, but for its step metadata write, which only the
-    storage client's own timeouts bound). Every process calls it; on every process alike it
+    storage client's own timeouts bound). Every process calls it at the same point of the
+    loop (it is an agreement, as in Orbax's multi-host waits); on every process alike it
     raises `CheckpointError` for a failed RAM write on any of them, else `BackupError` if the
     newest backup failed (once per failure; the RAM tier still holds the step)."""
     self._finish_all("wait_until_finished", report_backup=True)

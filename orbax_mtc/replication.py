@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from orbax_mtc import local_tier, peer_store, transport
+from orbax_mtc import agreement, local_tier, peer_store, transport
 from orbax_mtc.agreement import Status
 from orbax_mtc.topology import Topology
 
@@ -197,17 +197,18 @@ class Replicator:
         logging.warning("orbax-mtc: cannot send step %d to peers: %s: %s", job.step,
                         type(e).__name__, e)
         status = FAILED
-    row = np.concatenate([np.asarray([status], dtype=np.int64), sizes])
-    gathered = self._allgather(row)
-    statuses = gathered[:, 0]
-    if (statuses == FAILED).any():
+    gathered = agreement.gather_with_sizes(agreement.SendRecord(status=status), sizes,
+                                           self._allgather)
+    statuses = [record.status for record, _ in gathered]
+    failed = [p for p, s in enumerate(statuses) if s == FAILED]
+    if failed:
       logging.warning("orbax-mtc: step %d is not replicated: process(es) %s did not commit it",
-                      job.step, np.flatnonzero(statuses == FAILED).tolist())
+                      job.step, failed)
       self._job = None
       return False
-    if (statuses == WRITING).any():
+    if WRITING in statuses:
       return False
-    all_sizes = gathered[:, 1:].max(axis=0)
+    all_sizes = np.max([sent for _, sent in gathered], axis=0)
     streams = [transport.Stream(src, dst, int(n))
                for (src, dst), n in zip(job.edges, all_sizes, strict=True)]
 

@@ -881,7 +881,7 @@ def cmd_mismatch(args) -> int:
   return 0
 
 
-_FAULT_PHASES = ("write", "commit", "readback", "send", "restore-read", "writeback")
+_FAULT_PHASES = ("write", "commit", "readback", "send", "restore-read", "writeback", "kill")
 
 
 def _install_fault(args, mgr, me: int) -> None:
@@ -893,7 +893,16 @@ def _install_fault(args, mgr, me: int) -> None:
   if me != args.fault_process:
     return
   phase, at = args.phase, args.fault_step
-  if phase in ("write", "writeback"):
+  if phase == "kill":
+    write = mgr._local.write
+
+    def dying_write(staged, *rest, **kwargs):
+      if staged.step == at:  # killed mid-save: the step is never committed here
+        _out(f"DYING process={me} step={at}")
+        os.kill(os.getpid(), signal.SIGKILL)
+      return write(staged, *rest, **kwargs)
+    mgr._local.write = dying_write
+  elif phase in ("write", "writeback"):
     write = mgr._local.write
     first = {"done": False}
 
@@ -968,6 +977,32 @@ def cmd_fault(args) -> int:
       os._exit(7)
   _out("DONE")
   return code
+
+
+def cmd_force_old(args) -> int:
+  """Saves steps [0, --steps), then every process forces a save of the older --old-step;
+  prints what save returned, the step lists and this node's LKG links."""
+  import jax
+  import orbax.checkpoint as ocp
+
+  from orbax_mtc import distributed, lkg
+
+  distributed.initialize()
+  mesh = make_mesh()
+  me = jax.process_index()
+  with _manager(args, mesh) as mgr:
+    _save_loop(args, mgr, mesh, 0, args.steps)
+    state = make_state(mesh, args.rows, args.seed, args.old_step)
+    saved = mgr.save(args.old_step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)),
+                     force=True)
+    mgr.wait_until_finished()
+    folder = pathlib.Path(mgr.local_directory)
+    links = ",".join(f"{e.step}->{os.readlink(folder / e.name)}"
+                     for e in lkg.list_entries(folder)) or "-"
+    _out(f"FORCED process={me} saved={int(saved)} all={_fmt(mgr.all_steps())} links={links}")
+    _committed(args, mgr)
+  _out("DONE")
+  return 0
 
 
 def cmd_open(args) -> int:
@@ -1053,6 +1088,11 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--steps", type=int, required=True)
   p.add_argument("--restore-first", action="store_true")
   p.set_defaults(fn=cmd_fault, die_at_step=None, die_process=None)
+
+  p = common(sub.add_parser("force-old"))
+  p.add_argument("--steps", type=int, required=True)
+  p.add_argument("--old-step", type=int, required=True)
+  p.set_defaults(fn=cmd_force_old, die_at_step=None, die_process=None)
 
   p = common(sub.add_parser("open"))
   p.set_defaults(fn=cmd_open)

@@ -23,7 +23,7 @@ import pathlib
 import shutil
 
 import pytest
-from mp_helpers import assert_ok, mp_worker, new_root, run_job, tail
+from mp_helpers import assert_ok, mp_worker, new_root, run_job, started_job, tail
 
 from orbax_mtc import local_tier
 
@@ -273,6 +273,55 @@ def test_a_fault_on_one_process_ends_the_same_way_on_every_process(
   got = results(out)
   assert sorted(got) == [0, 1] and got[0]["step"] == got[1]["step"], tail(out)
   assert all(f["ok"] == "1" for f in got.values()), tail(out)
+
+
+def test_a_process_killed_mid_save_is_named_by_the_others_which_do_not_wait_forever(
+    root, tmp_path):
+  """SIGKILL of process 1 while it writes step 6: process 0 raises AgreementTimeoutError at
+  its next agreement (bounded by agreement_timeout_seconds) instead of hanging in a
+  collective; a restart restores the newest step both processes committed, bit for bit."""
+  persistent = tmp_path / "persistent"
+  command = ["fault", "--phase", "kill", "--fault-process", "1", "--fault-step", "6",
+             "--persistent-dir", str(persistent), "--steps", "12",
+             *TWO[:-2], "--agreement-timeout", "10"]
+  with started_job(command, 2, root) as (job, out):
+    # Not job.wait(): the launcher would kill process 0 as soon as process 1 died.
+    seen = out.wait_for(lambda lines: any("RAISED process=0" in line for line in lines), 120)
+    assert seen, tail(out)
+  errors = raised(out)
+  assert list(errors) == [0], tail(out)
+  assert errors[0]["type"] == "AgreementTimeoutError", errors[0]
+  assert "not every process arrived within 10 s" in errors[0]["detail"], errors[0]
+  assert local_steps(root, 1) == [2, 4]
+  result, out = run_job(["restore", "--persistent-dir", str(persistent), *TWO], 2, root)
+  assert_ok(result, out)
+  got = results(out)
+  assert {n: (f["step"], f["ok"]) for n, f in got.items()} == {0: ("4", "1"), 1: ("4", "1")}, \
+      tail(out)
+
+
+# ----------------------------------------------------------------------------- 5. older step
+
+
+def test_a_forced_save_of_an_older_step_leaves_ram_and_links_on_the_newest_step(root, tmp_path):
+  """RAM 7, 8, 9 (max_to_keep=3): save(5, force=True) returns True and goes to the
+  persistent tier only; every node's link still names 9, which exists; a restart restores 9."""
+  persistent = tmp_path / "persistent"
+  args = ["--local-interval", "1", "--local-keep", "3", "--persistent-interval", "1000",
+          "--persistent-dir", str(persistent), *AGREE]
+  result, out = run_job(["force-old", "--steps", "10", "--old-step", "5", *args], 2, root)
+  assert_ok(result, out)
+  forced = events(out, "FORCED")
+  assert sorted(forced) == [0, 1], tail(out)
+  for node, fields in forced.items():
+    assert fields["saved"] == "1" and fields["all"] == "0,5,7,8,9", (node, fields)
+    assert fields["links"] == "9->9", (node, fields)
+    assert local_steps(root, node) == [7, 8, 9]
+  assert persistent_steps(persistent) == [0, 5]
+  result, out = run_job(["restore", "--persistent-dir", str(persistent), *args], 2, root)
+  assert_ok(result, out)
+  assert {n: (f["step"], f["tier"], f["ok"]) for n, f in results(out).items()} == {
+      0: ("9", "local", "1"), 1: ("9", "local", "1")}, tail(out)
 
 
 # ----------------------------------------------------------------------------- 6. lock

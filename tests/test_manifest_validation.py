@@ -475,7 +475,8 @@ def test_old_manifest_without_sharding_reads_as_none(saved):
   assert all(leaf.sharding is None for leaf in manifest.items["state"].leaves)
   described = lt.StepManifest.from_json(json.dumps(raw))
   w = next(leaf for leaf in described.items["state"].leaves if leaf.path == W)
-  assert w.sharding == "NamedSharding(mesh={'data': 2, 'model': 2}, spec=P('data', 'model'))"
+  assert w.sharding == ("NamedSharding(mesh={'data': 2, 'model': 2}, spec=P('data', 'model'), "
+                        "devices=[0, 1, 2, 3])")
 
 
 def test_conflicting_key_paths_are_a_manifest_error_in_item_metadata(saved):
