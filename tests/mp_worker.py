@@ -1005,6 +1005,50 @@ def cmd_force_old(args) -> int:
   return 0
 
 
+def cmd_mirror(args) -> int:
+  """The parent-style form with a RAM tier that mirrors the parent's steps (Orbax keeps one:
+  max_to_keep=1) and peer copies moved in 1 MiB chunks: saves [0, --steps) (restoring
+  first if --restore-first), then prints the folders and the peer copies held."""
+  import jax
+  import orbax.checkpoint as ocp
+
+  import orbax_mtc as mtc
+  from orbax_mtc import distributed, replication
+
+  # One save() call moves 1 MiB of copies here (not 128 MiB), so a step's copies are still
+  # on their way during the next saves, as a large model's are.
+  replication._BYTES_PER_CALL = 1 << 20
+  distributed.initialize()
+  mesh = make_mesh()
+  me = jax.process_index()
+  ok = True
+  with mtc.CheckpointManager(
+      args.persistent_dir,
+      options=ocp.CheckpointManagerOptions(max_to_keep=1, save_interval_steps=1),
+      local_directory=distributed.local_directory(), global_mesh=mesh,
+      replication_options=mtc.ReplicationOptions(replica_axis="data", chunk_mib=1)) as mgr:
+    start = 0
+    if args.restore_first:
+      step = mgr.latest_step()
+      restored = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+          item=abstract_state(mesh, args.rows))))
+      problems = compare_state(restored.state, make_state(mesh, args.rows, args.seed, step))
+      ok = not problems
+      _out(f"RESULT process={me} step={step} tier={mgr.last_restore.tier} ok={int(ok)} "
+           f"leaves={len(_LEAVES)} detail={'; '.join(problems)[:300] or '-'}")
+      start = step + 1
+    for step in range(start, args.steps):
+      state = make_state(mesh, args.rows, args.seed, step)
+      _train_step(state)
+      mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+    mgr.wait_until_finished()
+    copies = ",".join(f"{a}:{b}" for a, b in mgr._store.copies()) or "-"
+    _out(f"MIRROR process={me} all={_fmt(mgr.all_steps())} copies={copies}")
+    _committed(args, mgr)
+  _out("DONE")
+  return 0 if ok else EXIT_MISMATCH
+
+
 def cmd_open(args) -> int:
   """Only opens the manager (on --local-dir, which may be shared by mistake) and closes it."""
   from orbax_mtc import distributed
@@ -1093,6 +1137,11 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--steps", type=int, required=True)
   p.add_argument("--old-step", type=int, required=True)
   p.set_defaults(fn=cmd_force_old, die_at_step=None, die_process=None)
+
+  p = common(sub.add_parser("mirror"))
+  p.add_argument("--steps", type=int, required=True)
+  p.add_argument("--restore-first", action="store_true")
+  p.set_defaults(fn=cmd_mirror)
 
   p = common(sub.add_parser("open"))
   p.set_defaults(fn=cmd_open)

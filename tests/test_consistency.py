@@ -324,6 +324,30 @@ def test_a_forced_save_of_an_older_step_leaves_ram_and_links_on_the_newest_step(
       0: ("9", "local", "1"), 1: ("9", "local", "1")}, tail(out)
 
 
+# ----------------------------------------------------------------------------- 7. mirror mode
+
+
+def test_mirror_mode_keeps_a_step_until_its_multi_chunk_copies_are_out(root, tmp_path):
+  """Parent-style form mirroring the parent's one kept step into RAM, each node's step
+  (about 4 MiB) sent to its peer in 1 MiB chunks: the parent's retention used to delete the
+  previous step's folder while its copies were still being read. Every step's copies land,
+  and a replaced node restores the newest step from its peer's copy, bit for bit."""
+  persistent = tmp_path / "persistent"
+  common = ["--persistent-dir", str(persistent), "--rows", "16384", *AGREE]
+  result, out = run_job(["mirror", "--steps", "6", *common], 2, root, timeout_s=150)
+  assert_ok(result, out)
+  mirrored = events(out, "MIRROR")
+  assert {n: f["all"] for n, f in mirrored.items()} == {0: "5", 1: "5"}, tail(out)
+  assert {n: f["copies"] for n, f in mirrored.items()} == {0: "1:5", 1: "0:5"}, tail(out)
+  shutil.rmtree(root / "node1")
+  result, out = run_job(["mirror", "--steps", "7", "--restore-first", *common], 2, root,
+                        timeout_s=150)
+  assert_ok(result, out)
+  got = results(out)
+  assert {n: (f["step"], f["tier"], f["ok"]) for n, f in got.items()} == {
+      0: ("5", "local", "1"), 1: ("5", "peer", "1")}, tail(out)
+
+
 # ----------------------------------------------------------------------------- 6. lock
 
 
