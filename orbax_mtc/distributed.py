@@ -304,9 +304,9 @@ def finish_collectives(barrier_timeout_s: float = EXIT_BARRIER_TIMEOUT_S) -> boo
   """Waits, with every process, until no collective of this job is still running anywhere.
 
   Runs at exit on its own (see the module docstring); call it before an explicit
-  `jax.distributed.shutdown()`. Every process must call it, once: they meet at a
-  coordination-service barrier (at most `barrier_timeout_s`), then run one small collective on
-  every device and wait for all of its shards. No-op without `jax.distributed`, with a single
+  `jax.distributed.shutdown()`. Every process must call it, as many times as the others: they
+  meet at a coordination-service barrier (at most `barrier_timeout_s`), then run one small
+  collective on every device and wait for all of its shards. No-op without `jax.distributed`, with a single
   process, or when some process has never started a JAX backend (nothing was computed, so
   nothing can be in flight, and a collective would start a backend just to leave).
 
@@ -331,8 +331,8 @@ def finish_collectives(barrier_timeout_s: float = EXIT_BARRIER_TIMEOUT_S) -> boo
     flags = dict(client.key_value_dir_get(f"{name}/"))
   except Exception as e:  # noqa: BLE001 - the service's errors have no public type
     logging.warning(
-        "orbax-mtc: not every process reached the end of the program within %.0f s (%s: %s); "
-        "leaving without waiting for collectives still in flight.",
+        "orbax-mtc: not every process reached the exit barrier (waited at most %.0f s; %s: "
+        "%s); leaving without waiting for collectives still in flight.",
         barrier_timeout_s, type(e).__name__, e)
     return False
   if len(flags) != state.num_processes or set(flags.values()) != {"1"}:

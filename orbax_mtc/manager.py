@@ -879,13 +879,16 @@ class CheckpointManager(ocp.CheckpointManager):
     """A forced save of a step older than the newest RAM step (Orbax allows it). RAM
     retention keeps the newest steps, so the RAM tier would retire it at once and could lose
     a newer step for it: it goes to the persistent tier only (docs/api.md)."""
-    if self._managed or step in self._agreed_persistent:
+    if step in self._agreed_persistent:
+      raise ocp.checkpoint_manager.StepAlreadyExistsError(
+          f"Step {step} already exists in the persistent tier {self.directory}. Delete it "
+          f"first with mgr.delete({step}) on every process to save it again.")
+    if self._managed:
       raise ValueError(
           f"save({step}, force=True): step {step} is older than the newest RAM step "
-          f"{newest_ram}, and " + ("in managed mode the RAM tier is the only tier this "
-                                   "manager writes" if self._managed else
-                                   f"the persistent tier already has step {step}") +
-          ". Save a newer step, or delete the newer steps first with mgr.delete(step).")
+          f"{newest_ram}, and in managed mode the RAM tier is the only tier this manager "
+          "writes (its retention keeps the newest steps). Save a newer step, or delete the "
+          "newer steps first with mgr.delete(step).")
     logging.warning("orbax-mtc: step %d is older than the newest RAM step %d: saved to the "
                     "persistent tier %s only.", step, newest_ram, self.directory)
     self._start_backup(step, args, metrics, custom_metadata)
