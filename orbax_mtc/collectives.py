@@ -9,6 +9,7 @@ that did arrive raises an error naming the processes that did not. Main thread o
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 from jax.experimental import multihost_utils
@@ -16,6 +17,8 @@ from jax.experimental import multihost_utils
 # Barrier ids must be the same on every process and never reused in one job: every process
 # makes the same agreements in the same order, so one counter per process numbers them alike.
 _sequence = itertools.count()
+# How the coordination service names the tasks that never reached a barrier.
+_MISSING = re.compile(r"timed out task names:\s*([\d,\s]+)")
 
 
 class AgreementTimeoutError(TimeoutError):
@@ -28,14 +31,13 @@ def _client():
   return jax_distributed.global_state.client
 
 
-def _missing_processes(client, process_count: int) -> list[int] | None:
-  """Processes the coordination service no longer sees alive (None when it cannot say)."""
-  try:
-    live = client.get_live_nodes(list(range(process_count)))
-  except Exception:  # noqa: BLE001 - only used to word the error
+def _missing_processes(error: Exception) -> list[int] | None:
+  """The processes a timed-out barrier names as missing (None when it names none). Asked of
+  the error, not of the service's liveness call, which blocks until its heartbeat timeout."""
+  found = _MISSING.search(str(error))
+  if found is None:
     return None
-  alive = {int(process) for process in live}  # process id -> incarnation
-  return sorted(set(range(process_count)) - alive)
+  return sorted(int(p) for p in re.findall(r"\d+", found.group(1)))
 
 
 def barrier(what: str, process_count: int, timeout_s: float) -> None:
@@ -49,9 +51,9 @@ def barrier(what: str, process_count: int, timeout_s: float) -> None:
   try:
     client.wait_at_barrier(name, int(timeout_s * 1000))
   except Exception as e:  # noqa: BLE001 - the service's errors have no public type
-    gone = _missing_processes(client, process_count)
-    who = f"process(es) {gone} are no longer alive" if gone else (
-        "some processes did not arrive (the coordination service names them below)")
+    gone = _missing_processes(e)
+    who = f"process(es) {gone} did not arrive" if gone else (
+        "some processes did not arrive (the coordination service's words are below)")
     raise AgreementTimeoutError(
         f"orbax-mtc: {what}: not every process arrived within {timeout_s:.0f} s: {who}. "
         "A process failed, hangs or was killed before this point; see its log. Committed "

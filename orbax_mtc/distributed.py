@@ -306,9 +306,9 @@ def finish_collectives(barrier_timeout_s: float = EXIT_BARRIER_TIMEOUT_S) -> boo
   Runs at exit on its own (see the module docstring); call it before an explicit
   `jax.distributed.shutdown()`. Every process must call it, as many times as the others: they
   meet at a coordination-service barrier (at most `barrier_timeout_s`), then run one small
-  collective on every device and wait for all of its shards. No-op without `jax.distributed`, with a single
-  process, or when some process has never started a JAX backend (nothing was computed, so
-  nothing can be in flight, and a collective would start a backend just to leave).
+  collective on every device and wait for all of its shards. No-op without `jax.distributed`,
+  with a single process, or when some process has never started a JAX backend (nothing was
+  computed, so nothing can be in flight, and a collective would start a backend just to leave).
 
   Returns:
     True when the collectives were waited for; False when there was nothing to do, or some

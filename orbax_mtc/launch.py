@@ -13,6 +13,12 @@ a child would keep running. Exit codes follow the shell: a death by signal N rea
 `run_processes(..., forward_sigterm=True)` (what `orbax-mtc launch` uses) turns a SIGTERM sent
 to the launcher into a SIGTERM to every child, which is what a Cloud TPU maintenance event does
 to every host; the children then have `sigterm_grace_s` to save and exit before being killed.
+
+Children join the job with `orbax_mtc.distributed.initialize()`, which also makes them leave it
+together: at exit every process waits for the collectives still in flight before JAX shuts
+`jax.distributed` down (otherwise one of them can hang in that shutdown for good). A program
+that calls `jax.distributed.initialize` itself should call
+`orbax_mtc.distributed.finish_collectives()` on every process before it ends.
 """
 
 from __future__ import annotations

@@ -444,6 +444,8 @@ class CheckpointManager(ocp.CheckpointManager):
             "local_directory at a folder on the RAM disk (e.g. /dev/shm/ckpt) or remove the "
             "file.")
       existed = local_path.is_dir()
+      if existed:  # before the lock file is made in it
+        local_tier.check_owner(local_path, "local_directory")
       try:
         self._directory_lock = local_lock.LocalDirectoryLock.claim(
             local_path, job_name=options.job_name, process_index=self._process_index)
@@ -500,7 +502,8 @@ class CheckpointManager(ocp.CheckpointManager):
     if self._topology is not None and self._topology.edges:
       self._replicator = replication.Replicator(
           self._topology, self._process_index, self._local, self._store, self._writer,
-          self._allgather, chunk_bytes=options.replication.chunk_bytes,
+          lambda row: self._allgather(row, "the peer copies of a step"),
+          chunk_bytes=options.replication.chunk_bytes,
           window=options.replication.chunks_in_flight)
       self._store.drop_sources(self._topology.held_by(self._process_index))
 

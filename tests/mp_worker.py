@@ -360,7 +360,8 @@ def _save_loop(args, mgr, mesh, start: int, stop: int) -> None:
   me = jax.process_index()
   for step in range(start, stop):
     state = make_state(mesh, args.rows, args.seed, step)
-    _train_step(state)
+    if not getattr(args, "no_step_collective", False):
+      _train_step(state)
     if args.die_at_step == step:
       # Deterministic divergence: every process calls save(step), as a real job does, but
       # the local write of `--die-process` never completes (fault injection: its writer
@@ -1131,6 +1132,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--fault-step", type=int, default=None)
   p.add_argument("--steps", type=int, required=True)
   p.add_argument("--restore-first", action="store_true")
+  p.add_argument("--no-step-collective", action="store_true",
+                 help="no global reduction per step: the manager's agreements are the only "
+                 "collectives (a dead process is then noticed there, not in a training step)")
   p.set_defaults(fn=cmd_fault, die_at_step=None, die_process=None)
 
   p = common(sub.add_parser("force-old"))
