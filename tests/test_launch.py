@@ -132,6 +132,68 @@ def test_devices_per_process(tmp_path, local_root):
     assert (local_root / f"node{i}" / "ok").read_text() == "2"
 
 
+# A program can end while a collective it no longer waits for still runs: process_allgather,
+# for one, returns once the first local device has its copy. JAX's exit hook then shuts
+# jax.distributed down (process 0 stops the coordination service), and a process whose
+# collective still needed the service or a peer that has left hung for good in the CPU client's
+# destructor. Here every local device but the first holds its part of an all-reduce until exit
+# starts: `gate.set` is registered last, so it runs first, then orbax-mtc's exit hook (registered
+# by initialize()), then `report` (registered before initialize()), and JAX's own hook last. So
+# `report` sees what JAX's shutdown would have stranded; nothing is timed.
+_TAIL_CHILD = """
+import atexit, os, sys, threading
+from orbax_mtc import distributed
+import jax
+done = set()
+def report():
+  finished = sorted(done)  # first, before any I/O lets another thread run
+  with open(os.path.join(os.environ["ORBAX_MTC_LOCAL_DIR"], "tails"), "w") as f:
+    f.write(repr(finished))
+atexit.register(report)
+info = distributed.initialize(timeout_s=60)
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import io_callback
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+gate = threading.Event()
+def hold(i):
+  if int(i) != 0:
+    gate.wait()
+  return np.int32(0)
+def mark(i, total):
+  done.add(int(i))
+  return np.int32(0)
+procs, per = jax.process_count(), jax.local_device_count()
+mesh = Mesh(np.array(jax.devices()).reshape(procs, per), ("p", "l"))
+def body(x):
+  i = lax.axis_index("l")
+  x = x + io_callback(hold, jax.ShapeDtypeStruct((), jnp.int32), i)
+  total = lax.psum(x, "p")  # across processes, one collective per local device
+  return total + io_callback(mark, jax.ShapeDtypeStruct((), jnp.int32), i, total)
+x = jax.make_array_from_callback(
+    (procs, per), NamedSharding(mesh, P("p", "l")), lambda index: np.ones((1, 1), np.int32))
+out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("p", "l"), out_specs=P(None, "l")))(x)
+first = next(s for s in out.addressable_shards if s.device == mesh.devices[info.process_id, 0])
+assert np.asarray(first.data).tolist() == [[procs]], first.data
+atexit.register(gate.set)
+sys.stdout.write(f"first device done: {sorted(done)}\\n")
+"""
+
+
+@pytest.mark.timeout(90)
+def test_exit_waits_for_collectives_in_flight(tmp_path, local_root):
+  out = io.StringIO()
+  result = launch.run_processes(
+      _script(tmp_path, _TAIL_CHILD), 2, devices_per_process=4, local_root=local_root,
+      env=_child_env(), output=out, timeout_s=LAUNCH_TIMEOUT_S,
+  )
+  assert result.returncode == 0, out.getvalue()
+  for i in range(2):
+    # Every local device's part had finished before jax.distributed shut down.
+    assert (local_root / f"node{i}" / "tails").read_text() == "[0, 1, 2, 3]", out.getvalue()
+
+
 # -- failure propagation (no JAX in the children: it is not what is being tested) ---------------
 
 _BLOCKED_SIBLING = """
@@ -375,3 +437,9 @@ def test_worker_index_and_local_directory(clean_env):
   assert distributed.local_directory("/tmp/d") == "/tmp/d"
   clean_env.setenv(distributed.ORBAX_MTC_LOCAL_DIR, "/dev/shm/n0")
   assert distributed.local_directory("/tmp/d") == "/dev/shm/n0"
+
+
+def test_finish_collectives_without_jax_distributed():
+  # What the exit hook does in a single process: nothing (no barrier, no backend started).
+  assert not distributed.is_initialized()
+  assert distributed.finish_collectives() is False
