@@ -1111,7 +1111,7 @@ class CheckpointManager(ocp.CheckpointManager):
       # those write it again with the others, from the same state.
       if step in own:
         self._local.delete(step)
-    elif not parent_saved and (in_ram.any() or in_persistent.any()):
+    elif not parent_saved and not ondemand and (in_ram.any() or in_persistent.any()):
       # As Orbax: a step is never silently replaced (the tiers would then disagree on it).
       where = "" if in_ram.all() or not in_ram.any() else \
           f" of process(es) {np.flatnonzero(in_ram).tolist()} only"
