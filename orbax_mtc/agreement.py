@@ -235,9 +235,9 @@ class Inventory:
   @classmethod
   def of(cls, own_steps: Collection[int], copies: Collection[tuple[int, int]],
          persistent_steps: Collection[int]) -> Inventory:
-    return cls(own_steps=tuple(sorted(own_steps, reverse=True)[:_STEPS_WIDTH]),
+    return cls(own_steps=tuple(sorted(set(own_steps), reverse=True)[:_STEPS_WIDTH]),
                copies=tuple(copies), persistent_steps=tuple(
-                   sorted(persistent_steps, reverse=True)[:_STEPS_WIDTH]),
+                   sorted(set(persistent_steps), reverse=True)[:_STEPS_WIDTH]),
                persistent_truncated=len(set(persistent_steps)) > _STEPS_WIDTH)
 
 
