@@ -522,7 +522,6 @@ class CheckpointManager(ocp.CheckpointManager):
   def _init_runtime(self) -> None:
     self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtc-local-write")
     self._pending: concurrent.futures.Future | None = None
-    self._pending_step: int | None = None
     self._local_error: BaseException | None = None  # not yet handed to an agreement
     self._fault_cause: BaseException | None = None  # handed, not yet raised
     # The step lists every process agreed on (rule 8): RAM steps the cluster can assemble,
@@ -1136,7 +1135,6 @@ class CheckpointManager(ocp.CheckpointManager):
     started = time.perf_counter()
     staged = local_tier.stage(step, trees, jsons, default_item=default_item)
     self.last_save_blocking_seconds = time.perf_counter() - started
-    self._pending_step = step
     if self._mtc_options.enable_async_checkpointing:
       self._pending = self._writer.submit(self._write_local, staged)
     else:
@@ -1398,8 +1396,6 @@ class CheckpointManager(ocp.CheckpointManager):
       else:
         logging.error("orbax-mtc: a further local write failed before the first error was "
                       "reported: %s: %s", type(e).__name__, e)
-    finally:
-      self._pending_step = None
 
   # ------------------------------------------------------------------ restore
 
@@ -1552,7 +1548,6 @@ class CheckpointManager(ocp.CheckpointManager):
         self._local.delete(step)
       staged = local_tier.StagedStep.from_buffer(step, data, manifest.data_size, manifest.items,
                                                  manifest.default_item)
-      self._pending_step = step
       self._pending = self._writer.submit(self._write_local, staged)
     if self._replicator is not None and sets is not None:
       recovered = set(assembly.recovered)

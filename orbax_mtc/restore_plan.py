@@ -17,18 +17,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Sequence
 
-import numpy as np
-
 LOCAL = "local"
 PERSISTENT = "persistent"
 NONE = "none"
 
 OWN, TWIN, PEER = "own", "twin", "peer"
-
-# Width of the per-process inventory row exchanged with one all-gather: this many own steps and
-# this many peer copies. Retention keeps far fewer; older entries are simply not candidates.
-INVENTORY_WIDTH = 64
-
 
 @dataclasses.dataclass(frozen=True)
 class NodeInventory:
@@ -76,32 +69,6 @@ class RestorePlan:
   @property
   def empty(self) -> bool:
     return not self.candidates and self.persistent_step is None
-
-
-def encode_inventory(own_steps: Collection[int], copies: Collection[tuple[int, int]] = (),
-                     width: int = INVENTORY_WIDTH) -> np.ndarray:
-  """One fixed-size int64 row: `width` own steps (newest first, -1 padded), then `width`
-  (source, step) pairs (newest step first, -1 padded)."""
-  newest = sorted({int(s) for s in own_steps}, reverse=True)[:width]
-  pairs = sorted({(int(a), int(b)) for a, b in copies}, key=lambda p: (-p[1], p[0]))[:width]
-  row = np.full((3 * width,), -1, dtype=np.int64)
-  row[:len(newest)] = newest
-  if pairs:
-    row[width:width + 2 * len(pairs)] = np.asarray(pairs, dtype=np.int64).reshape(-1)
-  return row
-
-
-def decode_inventories(rows: np.ndarray) -> list[NodeInventory]:
-  rows = np.asarray(rows)
-  rows = rows.reshape(-1, rows.shape[-1])
-  width = rows.shape[1] // 3
-  out = []
-  for row in rows:
-    own = frozenset(int(s) for s in row[:width] if s >= 0)
-    pairs = row[width:].reshape(-1, 2)
-    copies = frozenset((int(a), int(b)) for a, b in pairs if a >= 0 and b >= 0)
-    out.append(NodeInventory(own, copies))
-  return out
 
 
 def assemble(step: int, inventories: Sequence[NodeInventory],

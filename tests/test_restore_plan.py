@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Sequence
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -128,53 +127,6 @@ def test_no_processes_with_persistent_steps():
 
 
 # --- Inventory rows ------------------------------------------------------------------------------
-
-
-def test_encode_pads_and_sorts_newest_first():
-  row = rp.encode_inventory([4, 2, 8, 4], width=6)
-  assert row.dtype == np.int64
-  assert row.shape == (18,)
-  assert row[:6].tolist() == [8, 4, 2, -1, -1, -1]
-  assert (row[6:] == -1).all()
-  assert rp.encode_inventory([], width=3).tolist() == [-1] * 9
-  assert rp.encode_inventory([1, 2]).shape == (3 * rp.INVENTORY_WIDTH,)
-
-
-def test_encode_copies_newest_step_first_then_lowest_source():
-  row = rp.encode_inventory([5], [(3, 4), (1, 6), (2, 4), (1, 4)], width=5)
-  assert row.shape == (15,)
-  assert row[:5].tolist() == [5, -1, -1, -1, -1]
-  assert row[5:].tolist() == [1, 6, 1, 4, 2, 4, 3, 4, -1, -1]
-
-
-def test_inventory_round_trip_several_processes():
-  inventories = [inv({0, 2, 4}, {(1, 4)}), inv(), inv({10**12, 3}, {(0, 10**12), (0, 3)})]
-  rows = np.stack([rp.encode_inventory(i.own_steps, i.copies, width=5) for i in inventories])
-  assert rows.shape == (3, 15)
-  assert rp.decode_inventories(rows) == inventories
-  # A single row (one process) decodes to one inventory.
-  assert rp.decode_inventories(rp.encode_inventory({7, 9}, width=4)) == [inv({7, 9})]
-  # What a gather of one process returns: shape (1, 3 * width).
-  decoded = rp.decode_inventories(rp.encode_inventory({0}, {(0, 0)}, width=4)[None])
-  assert decoded == [inv({0}, {(0, 0)})]
-  assert all(isinstance(i, rp.NodeInventory) for i in rp.decode_inventories(rows))
-
-
-def test_more_steps_than_width_keeps_the_newest():
-  steps = list(range(0, 200, 2))
-  row = rp.encode_inventory(steps, width=8)
-  assert row[:8].tolist() == sorted(steps, reverse=True)[:8]
-  (decoded,) = rp.decode_inventories(row[None])
-  assert decoded == inv(range(184, 200, 2))
-  # Older steps beyond the width are simply not candidates.
-  plan = rp.plan_restore([decoded, set(steps)], persistent_steps=[], requested_step=None)
-  assert plan.local_candidates == tuple(range(198, 183, -2))
-
-
-def test_more_copies_than_width_keeps_the_newest():
-  copies = [(src, step) for src in range(3) for step in range(10)]
-  (decoded,) = rp.decode_inventories(rp.encode_inventory([], copies, width=4))
-  assert decoded == inv((), {(0, 9), (1, 9), (2, 9), (0, 8)})
 
 
 # --- Topologies (ranks 0..3) ---------------------------------------------------------------------
@@ -648,31 +600,3 @@ def test_plain_sets_mean_own_steps_only(c: Cluster):
                          excluded=c.excluded) == \
       rp.plan_restore(own_only, c.persistent, c.requested, shard_groups=c.groups,
                       excluded=c.excluded)
-
-
-big_step_st = st.integers(0, 2**62)
-copy_st = st.tuples(st.integers(0, 4096), big_step_st)
-
-
-@settings(max_examples=250, deadline=None)
-@given(st.integers(1, 8), st.data())
-def test_encode_decode_round_trip_within_width(width: int, data):
-  invs = data.draw(st.lists(
-      st.builds(inv, st.frozensets(big_step_st, max_size=width),
-                st.frozensets(copy_st, max_size=width)), min_size=1, max_size=5))
-  rows = np.stack([rp.encode_inventory(i.own_steps, i.copies, width) for i in invs])
-  assert rows.shape == (len(invs), 3 * width) and rows.dtype == np.int64
-  assert rp.decode_inventories(rows) == invs
-
-
-@settings(max_examples=250, deadline=None)
-@given(st.integers(1, 6), st.frozensets(st.integers(0, 40), max_size=20),
-       st.frozensets(st.tuples(st.integers(0, 6), st.integers(0, 40)), max_size=20))
-def test_encode_truncates_to_the_newest(width: int, own_steps, copies):
-  (decoded,) = rp.decode_inventories(rp.encode_inventory(own_steps, copies, width))
-  assert decoded.own_steps == frozenset(sorted(own_steps, reverse=True)[:width])
-  assert decoded.copies <= copies and len(decoded.copies) == min(width, len(copies))
-  dropped = copies - decoded.copies
-  if dropped and decoded.copies:
-    assert min(s for _, s in decoded.copies) >= max(s for _, s in dropped)
-  assert decoded.copies == frozenset(sorted(copies, key=lambda p: (-p[1], p[0]))[:width])
