@@ -224,6 +224,12 @@ def install(*, check_version: bool = True, **mtc_keys: Any) -> str | None:
         f"create_training_tools (supported MaxText: {SUPPORTED_MAXTEXT}).")
 
   checkpointing.set_extra_keys(keys)
+  # MaxText >= 0.2.4 saves and restores through its emergency module for any manager that is
+  # an Orbax emergency manager (ours is registered as one below): its own layout (Linen
+  # params/opt_state/step plus nnx_aux), its own error handling. Only the factories change.
+  drives_emergency = emergency is not None and all(
+      hasattr(emergency, n) for n in ("save", "restore"))
+  checkpointing.set_state_layout(_maxtext_layout() if drives_emergency else None)
   # One exception that both MaxText's train loop and a loop of ours catch.
   if not issubclass(checkpointing._stop_class, exceptions.StopTraining):
     checkpointing._stop_class = type(
@@ -246,10 +252,11 @@ def install(*, check_version: bool = True, **mtc_keys: Any) -> str | None:
       _set(emergency, "create_emergency_checkpoint_manager", standalone)
     if hasattr(emergency, "create_replicator_checkpoint_manager"):
       _set(emergency, "create_replicator_checkpoint_manager", managed)
-  for name in ("load_state_if_possible", "maybe_save_checkpoint", "save_checkpoint"):
-    original = getattr(ckpt, name)
-    if not getattr(original, _PATCHED, False):
-      setattr(ckpt, name, _dispatching(original, getattr(checkpointing, name)))
+  if not drives_emergency:  # older MaxText: its functions know only Orbax's classes
+    for name in ("load_state_if_possible", "maybe_save_checkpoint", "save_checkpoint"):
+      original = getattr(ckpt, name)
+      if not getattr(original, _PATCHED, False):
+        setattr(ckpt, name, _dispatching(original, getattr(checkpointing, name)))
   _set(train_utils, factory_holder, _with_config(getattr(train_utils, factory_holder)))
   if hasattr(max_utils, "initialize_multi_tier_checkpointing"):
     _set(max_utils, "initialize_multi_tier_checkpointing",
@@ -258,9 +265,70 @@ def install(*, check_version: bool = True, **mtc_keys: Any) -> str | None:
     original = max_utils.initialize_jax_for_tpu_with_emergency_checkpointing
     _set(max_utils, "initialize_jax_for_tpu_with_emergency_checkpointing",
          _tpu_emergency_init(original))
+  if drives_emergency and hasattr(ckpt, "ocp") and not isinstance(ckpt.ocp, _EmergencySteps):
+    ckpt.ocp = _EmergencySteps(ckpt.ocp)
   _register_as_emergency_manager()
   _installed = version or "unknown"
   return version
+
+
+def _maxtext_layout() -> Callable[[Any], Any]:
+  """MaxText's on-disk layout of a train state (`train_state_nnx.to_checkpoint_dict` for an
+  NNX state; a Linen state as it is), what its emergency save writes."""
+  train_state_nnx = _import("maxtext.common.train_state_nnx")
+  _require(train_state_nnx, "to_checkpoint_dict")
+  from flax import nnx
+
+  def layout(state: Any) -> Any:
+    return train_state_nnx.to_checkpoint_dict(state) if isinstance(state, nnx.State) else state
+
+  return layout
+
+
+_EMERGENCY_ITEM = "state"  # the item emergency managers (Orbax's and ours) save the state as
+_STANDARD_ITEM = "items"  # the item MaxText's standard manager saves it as
+
+
+class _EmergencySteps:
+  """Orbax v1's API as MaxText's checkpointing module uses it, where `load` and `metadata`
+  also read a step written by an emergency manager (orbax-mtc's backups, Orbax's own).
+
+  Why: `load_parameters_path` / `load_full_state_path` name a step (`.../<step>` or
+  `.../<step>/items`) and MaxText reads its `items` item, or else the folder itself as one
+  PyTree. An emergency step holds the same tree as item `state`, so `.../<step>` and
+  `.../<step>/state` are read as that item; any other path is passed on unchanged.
+  """
+
+  def __init__(self, ocp_v1: Any):
+    self._ocp = ocp_v1
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._ocp, name)
+
+  @staticmethod
+  def _resolve(path: Any, checkpointable_name: Any) -> tuple[Any, Any]:
+    if checkpointable_name is not None:
+      return path, checkpointable_name
+    from etils import epath
+
+    folder = epath.Path(path)
+    if folder.name == _EMERGENCY_ITEM and (folder.parent / "_CHECKPOINT_METADATA").exists():
+      return folder.parent, _EMERGENCY_ITEM
+    if (folder / _EMERGENCY_ITEM).is_dir() and not (folder / _STANDARD_ITEM).exists():
+      return folder, _EMERGENCY_ITEM
+    return path, checkpointable_name
+
+  # Only an explicit checkpointable_name=None ("the folder is the PyTree") is resolved; a
+  # call without one keeps Orbax's own default.
+  def load(self, path: Any, *args: Any, **kwargs: Any) -> Any:
+    if "checkpointable_name" in kwargs:
+      path, kwargs["checkpointable_name"] = self._resolve(path, kwargs["checkpointable_name"])
+    return self._ocp.load(path, *args, **kwargs)
+
+  def metadata(self, path: Any, *args: Any, **kwargs: Any) -> Any:
+    if "checkpointable_name" in kwargs:
+      path, kwargs["checkpointable_name"] = self._resolve(path, kwargs["checkpointable_name"])
+    return self._ocp.metadata(path, *args, **kwargs)
 
 
 def _register_as_emergency_manager() -> None:

@@ -41,8 +41,9 @@ _ITEMS = "items"  # MaxText's item name for its standard manager
 
 
 class StopTraining(Exception):
-  """Ends the training loop (MaxText's `exceptions.StopTraining`): preemption or a failed
-  save. Once `install()` ran, the exception raised is also MaxText's own class."""
+  """Ends the training loop cleanly (MaxText's `exceptions.StopTraining`) at the agreed
+  preemption step. Once `install()` ran, the exception raised is also MaxText's own class.
+  A failed save is not a clean end: it raises RuntimeError, as MaxText does."""
 
   def __init__(self, reason: str):
     super().__init__(reason)
@@ -54,6 +55,16 @@ _current_config: contextvars.ContextVar[Any] = contextvars.ContextVar(
     "maxtext_patch_config", default=None)
 # MaxText's loader for load_parameters_path / load_full_state_path (set by install()).
 _fallback_loader: Callable[..., tuple[Any, Any]] | None = None
+# The state layout the factories give the manager as its abstract state; None: ours
+# (`_checkpoint_tree`). install() sets MaxText's own when MaxText's functions save.
+_state_layout: Callable[[Any], Any] | None = None
+
+
+def set_state_layout(layout: Callable[[Any], Any] | None) -> None:
+  """How the standalone factory lays out the abstract state: MaxText's layout when MaxText's
+  own functions save and restore (they convert the state the same way), else ours."""
+  global _state_layout
+  _state_layout = layout
 
 
 def _stop(reason: str) -> Exception:
@@ -172,7 +183,8 @@ def _build(settings: mtc_config.MtcSettings, global_mesh: jax.sharding.Mesh,
   local = mtc_config.local_directory_for(settings.local_directory, jax.process_index(),
                                          platform)
   os.makedirs(local, exist_ok=True)
-  abstract = None if abstract_state is None else _checkpoint_tree(abstract_state)
+  layout = _state_layout or _checkpoint_tree
+  abstract = None if abstract_state is None else layout(abstract_state)
   manager = mtc.CheckpointManager(local, settings.persistent_directory, global_mesh, abstract,
                                   options=mtc_config.manager_options(settings),
                                   logger=orbax_logger)
@@ -469,8 +481,8 @@ def maybe_save_checkpoint(checkpoint_manager: Any, state: Any, config: Any, data
       try:
         saved = save_checkpoint(checkpoint_manager, actual_step, state, config, data_iterator,
                                 force)
-      except Exception as e:  # noqa: BLE001 - MaxText stops training on any save failure
-        raise _stop(f"Checkpointing failed. {e}") from e
+      except Exception as e:  # noqa: BLE001 - a failed save ends the job as a failure
+        raise RuntimeError(f"Checkpointing failed. {e}") from e  # MaxText's own words
       if saved:
         print_save_message(actual_step, mtc_config.as_bool(
             "async_checkpointing", mtc_config.value_of(config, "async_checkpointing")))

@@ -272,12 +272,13 @@ def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
         f"{flag}=true needs local_checkpoint_period > 0: how often, in steps, each host saves "
         "to its RAM disk (e.g. local_checkpoint_period=20).")
 
+  # 0 is "not set", as MaxText reads these keys (some of its configs default them to 0).
   minutes = _number("multi_tier_checkpointing_backup_interval_minutes",
-                    get("multi_tier_checkpointing_backup_interval_minutes"), positive=True,
-                    optional=True)
+                    get("multi_tier_checkpointing_backup_interval_minutes"), positive=False,
+                    optional=True) or None
   backup_steps = _int("multi_tier_checkpointing_backup_interval_steps",
-                      get("multi_tier_checkpointing_backup_interval_steps"), minimum=1,
-                      optional=True)
+                      get("multi_tier_checkpointing_backup_interval_steps"), minimum=0,
+                      optional=True) or None
   if minutes is not None and backup_steps is not None:
     raise MaxTextConfigError(
         "Set one of multi_tier_checkpointing_backup_interval_minutes and "

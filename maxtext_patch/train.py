@@ -13,14 +13,25 @@ rest (its config rejects keys it does not know). Example, on every host:
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 from collections.abc import Sequence
 
 import maxtext_patch
 from maxtext_patch import config as mtc_config
+from orbax_mtc import distributed
 
 MAXTEXT_TRAIN_MODULE = "maxtext.trainers.pre_train.train"
+
+
+def join_launcher_job() -> None:
+  """Joins `jax.distributed` as `orbax-mtc launch` tells its children to, before MaxText
+  starts: MaxText then finds JAX initialised and skips its own start-up, whose CPU path reads
+  XPK's variables (JOB_INDEX, PROCESSES_IN_JOB, a coordinator on port 1234). Outside our
+  launcher MaxText joins its cluster itself, as always."""
+  if os.environ.get(distributed.ORBAX_MTC_COORDINATOR):
+    distributed.initialize()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,6 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
   print(f"maxtext_patch.train: MaxText {version or '(version unknown)'} checkpointing on "
         f"orbax-mtc; running {MAXTEXT_TRAIN_MODULE}", file=sys.stderr, flush=True)
+  join_launcher_job()
   # As `python -m maxtext.trainers.pre_train.train ...`: MaxText's absl main reads sys.argv.
   sys.argv = [MAXTEXT_TRAIN_MODULE, *maxtext_args]
   runpy.run_module(MAXTEXT_TRAIN_MODULE, run_name="__main__", alter_sys=True)

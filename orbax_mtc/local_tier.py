@@ -16,6 +16,12 @@ that already exist is about twice as fast as writing a new file. The weights are
 folders are created 0700 and files 0600 (by default), and a step-named symbolic link is never
 followed.
 
+A typed PRNG key array (dtype key<fry>, key<urbg>...: a JAX extended dtype) is stored as
+Orbax stores it: its key data (uint32, the key array's shape plus the implementation's key
+shape; shard indices span both), with the implementation's name in the leaf's `key_impl`. A
+restore rebuilds each device's shard with `jax.random.wrap_key_data` of that implementation.
+The leaf's `sharding` describes the key array's own sharding, which a restore target carries.
+
 This module does file I/O only. It never issues a collective, so its writer runs safely in a
 background thread.
 """
@@ -32,6 +38,7 @@ import json
 import math
 import mmap
 import os
+import re
 import reprlib
 import shutil
 import stat
@@ -69,6 +76,7 @@ _WRITE_CHUNK = 64 << 20
 _IOV_MAX = 1024  # Linux: views per pwritev call
 _CRC_CHUNK = 16 << 20
 _PIPELINE_PIECE = 4 << 20  # read, then checksum, this much at a time: it stays in cache
+_KEY_IMPL_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")  # a PRNG implementation's name
 
 Index = tuple[tuple[int, int], ...]
 
@@ -114,6 +122,9 @@ class LeafRecord:
   python_type: str | None = None  # "int"/"float"/"bool" for Python scalars
   keys: tuple[tuple[str, Any], ...] = ()  # the key path, for metadata without a target tree
   sharding: str | None = None  # the saved sharding, described (`describe_sharding`)
+  # A typed PRNG key leaf: its implementation ("threefry2x32", "unsafe_rbg"...); `shape` and
+  # `dtype` are then those of its key data (the key array's shape + the key shape, uint32).
+  key_impl: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,11 +153,14 @@ class StepManifest:
   def to_json(self) -> str:
     """The manifest as JSON, signed with the CRC32C of its canonical form."""
     def leaf(r: LeafRecord) -> dict[str, Any]:
-      return {"path": r.path, "kind": r.kind, "shape": list(r.shape), "dtype": r.dtype,
-              "python_type": r.python_type, "keys": [list(k) for k in r.keys],
-              "sharding": r.sharding,
-              "shards": [[[list(d) for d in s.index], s.offset, s.nbytes, s.crc32c]
-                         for s in r.shards]}
+      out = {"path": r.path, "kind": r.kind, "shape": list(r.shape), "dtype": r.dtype,
+             "python_type": r.python_type, "keys": [list(k) for k in r.keys],
+             "sharding": r.sharding,
+             "shards": [[[list(d) for d in s.index], s.offset, s.nbytes, s.crc32c]
+                        for s in r.shards]}
+      if r.key_impl is not None:  # only then: manifests of other leaves read as before
+        out["key_impl"] = r.key_impl
+      return out
     items = {name: {"kind": it.kind, "leaves": [leaf(x) for x in it.leaves], "value": it.value}
              for name, it in self.items.items()}
     fields = {"format": FORMAT, "step": self.step, "process_index": self.process_index,
@@ -322,6 +336,11 @@ class _ManifestParser:
     sharding = d.get("sharding")
     if sharding is not None and not isinstance(sharding, str):
       raise self.fail(f"{what} 'sharding'", sharding, "a string or null")
+    key_impl = d.get("key_impl")
+    if "key_impl" in d and (not isinstance(key_impl, str) or kind != "array"
+                            or not _KEY_IMPL_NAME.fullmatch(key_impl)):
+      raise self.fail(f"{what} 'key_impl'", key_impl, "absent, or for an array leaf the name of "
+                      "a PRNG implementation (1 to 64 of A-Z a-z 0-9 _)")
     shards_raw = self.sequence(self.field(d, "shards", what), f"{what} 'shards'")
     shards = tuple(self.shard(f"{what} shard {i}", s, shape, dtype, data_size)
                    for i, s in enumerate(shards_raw))
@@ -331,7 +350,8 @@ class _ManifestParser:
       raise ManifestError(f"{self.where}: {what} is a host value but its shards are not the "
                           "whole array")
     return LeafRecord(path=path, kind=kind, shape=shape, dtype=dtype_name, shards=shards,
-                      python_type=python_type, keys=tuple(keys), sharding=sharding)
+                      python_type=python_type, keys=tuple(keys), sharding=sharding,
+                      key_impl=key_impl)
 
   def shard(self, what: str, s: Any, shape: tuple[int, ...], dtype: np.dtype,
             data_size: int) -> ShardRecord:
@@ -386,6 +406,67 @@ def validate_for(manifest: StepManifest, *, where: str = "manifest", step: int |
   if data_file_size is not None and data_file_size < manifest.data_size:
     raise CorruptStepError(f"{where}: {DATA} holds {data_file_size} bytes, shorter than the "
                            f"{manifest.data_size} its manifest says")
+
+
+# ----------------------------------------------------------------------------- PRNG keys
+
+
+def is_key_dtype(dtype: Any) -> bool:
+  """Whether `dtype` is a typed PRNG key dtype (key<fry>, key<urbg>...)."""
+  try:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+  except TypeError:
+    return False
+
+
+@functools.lru_cache(maxsize=64)
+def key_spec(impl: str) -> tuple[Any, tuple[int, ...], np.dtype]:
+  """(key dtype, key data shape, key data dtype) of one key of PRNG implementation `impl`
+  (named as `str(jax.random.key_impl(key))` names it); ValueError when this JAX lacks it."""
+  try:
+    key = jax.eval_shape(functools.partial(jax.random.key, 0, impl=impl))
+  except (ValueError, TypeError, KeyError) as e:
+    raise ValueError(f"PRNG implementation {impl!r} is unknown to this JAX ({jax.__version__})"
+                     f": {e}") from e
+  data = jax.eval_shape(jax.random.key_data, key)
+  return key.dtype, tuple(data.shape), np.dtype(data.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def key_data_dims(dtype: Any) -> tuple[int, ...]:
+  """The dimensions a key dtype's data adds after the key array's own; () for other dtypes."""
+  if not is_key_dtype(dtype):
+    return ()
+  return tuple(jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype)).shape)
+
+
+def stored_spec(shape: Sequence[int], dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
+  """The shape and dtype a leaf of `shape` and `dtype` is stored as (here and by Orbax): a
+  PRNG key leaf as its key data, other leaves as they are."""
+  if is_key_dtype(dtype):
+    data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(tuple(shape), dtype))
+    return tuple(data.shape), np.dtype(data.dtype)
+  return tuple(shape), np.dtype(dtype)
+
+
+def saved_spec(record: LeafRecord) -> tuple[tuple[int, ...], Any, tuple[int, ...]]:
+  """(shape, dtype, key data dims) of a saved leaf as a restore target states it: for a PRNG
+  key leaf the key array's shape and key dtype, and the dims its data adds; for others the
+  stored shape and dtype, and (). ValueError when this JAX lacks the key implementation or
+  the stored data is not the key data of that implementation."""
+  if record.key_impl is None:
+    return tuple(record.shape), _np_dtype(record.dtype), ()
+  key_dtype, data_dims, data_dtype = key_spec(record.key_impl)
+  n = len(record.shape) - len(data_dims)
+  if n < 0 or tuple(record.shape[n:]) != data_dims or _np_dtype(record.dtype) != data_dtype:
+    raise ValueError(f"its data, shape {tuple(record.shape)} dtype {record.dtype}, is not "
+                     f"{record.key_impl!r} key data (shape (...) + {data_dims}, dtype "
+                     f"{data_dtype.name})")
+  return tuple(record.shape[:n]), key_dtype, data_dims
+
+
+def _whole(dims: Sequence[int]) -> Index:
+  return tuple((0, n) for n in dims)
 
 
 # ----------------------------------------------------------------------------- staging
@@ -461,6 +542,22 @@ def _is_array_leaf(x: Any) -> bool:
   return isinstance(x, jax.Array)
 
 
+def _key_impl_of(path: str, leaf: jax.Array) -> str:
+  """The name of a PRNG key leaf's implementation, checked to name it again on restore."""
+  if not is_key_dtype(leaf.dtype):
+    raise TypeError(f"Leaf {path} has the extended dtype {leaf.dtype}, which the RAM tier "
+                    "cannot store (of extended dtypes it stores typed PRNG keys only).")
+  impl = str(jax.random.key_impl(leaf))
+  try:
+    if not _KEY_IMPL_NAME.fullmatch(impl) or key_spec(impl)[0].name != leaf.dtype.name:
+      raise ValueError(f"the name {impl!r} does not name it")
+  except ValueError as e:
+    raise TypeError(f"Leaf {path} holds PRNG keys ({leaf.dtype}) of an implementation the RAM "
+                    f"tier cannot name for restore: {e}. Use a registered implementation "
+                    "(e.g. jax.random.key(seed, impl='threefry2x32')).") from e
+  return impl
+
+
 def _host_value(path: str, leaf: Any) -> tuple[np.ndarray, str | None]:
   if isinstance(leaf, bool):
     return np.asarray(leaf), "bool"
@@ -508,8 +605,9 @@ def _encode_key_path(key_path: Sequence[Any]) -> tuple[tuple[str, Any], ...]:
 def item_metadata(manifest: StepManifest) -> Any:
   """Nested dicts/lists of jax.ShapeDtypeStruct rebuilt from a manifest (no target needed).
 
-  Attribute and custom-node keys become dict keys; JSON items give their value. Raises
-  ManifestError when the leaves' key paths contradict each other.
+  Attribute and custom-node keys become dict keys; JSON items give their value; PRNG key
+  leaves have their key shape and key dtype. Raises ManifestError when the leaves' key paths
+  contradict each other, or for PRNG keys of an implementation this JAX lacks.
   """
   result: dict[str, Any] = {}
   for name, item in manifest.items.items():
@@ -518,7 +616,11 @@ def item_metadata(manifest: StepManifest) -> Any:
       continue
     root: Any = None
     for leaf in item.leaves:
-      spec = jax.ShapeDtypeStruct(tuple(leaf.shape), jnp.dtype(leaf.dtype))
+      try:
+        shape, dtype, _ = saved_spec(leaf)
+      except ValueError as e:
+        raise ManifestError(f"item {name!r}: leaf {leaf.path!r} holds PRNG keys: {e}") from e
+      spec = jax.ShapeDtypeStruct(shape, dtype)
       if not leaf.keys:
         if root is not None:
           raise ManifestError(f"item {name!r}: leaf {leaf.path!r} has no key path but the item "
@@ -570,7 +672,12 @@ def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any], *
     records = []
     for key_path, leaf in leaves_with_path:
       path = jax.tree_util.keystr(key_path)
+      key_impl = None
       if _is_array_leaf(leaf):
+        sharding = describe_sharding(leaf.sharding)
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+          key_impl = _key_impl_of(path, leaf)
+          leaf = jax.random.key_data(leaf)  # its shards: uint32, indexed over the data's dims
         chosen: dict[Index, Any] = {}
         for shard in sorted(leaf.addressable_shards, key=lambda s: (s.replica_id, s.device.id)):
           index = normalize_index(shard.index, leaf.shape)
@@ -578,7 +685,6 @@ def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any], *
         dtype = np.dtype(leaf.dtype)
         kind, python_type, sources = "array", None, list(chosen.items())
         shape = tuple(leaf.shape)
-        sharding = describe_sharding(leaf.sharding)
       else:
         host, python_type = _host_value(path, leaf)
         dtype, kind, shape = host.dtype, "host", tuple(host.shape)
@@ -593,7 +699,8 @@ def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any], *
         offset += -(-nbytes // _ALIGN) * _ALIGN
       records.append(LeafRecord(path=path, kind=kind, shape=shape, dtype=dtype.name,
                                 shards=tuple(shards), python_type=python_type,
-                                keys=_encode_key_path(key_path), sharding=sharding))
+                                keys=_encode_key_path(key_path), sharding=sharding,
+                                key_impl=key_impl))
     items[item_name] = ItemRecord(kind="pytree", leaves=tuple(records))
   for item_name, value in json_items.items():
     try:
@@ -1045,28 +1152,52 @@ class LocalTier:
 
 
 def _check_leaf(item: str, path: str, record: LeafRecord, shape: tuple[int, ...],
-                dtype: np.dtype) -> None:
-  if tuple(record.shape) != tuple(shape) or _np_dtype(record.dtype) != dtype:
+                dtype: Any) -> tuple[int, ...]:
+  """AbstractStateMismatchError unless a target of `shape` and `dtype` (numpy's or a PRNG key
+  dtype) is what `record` holds; returns the dims a key leaf's data adds (() for others)."""
+  try:
+    saved_shape, saved_dtype, key_dims = saved_spec(record)
+  except ValueError as e:
     raise AbstractStateMismatchError(
-        f"Leaf {item}{path}: the checkpoint holds shape {tuple(record.shape)} dtype "
-        f"{record.dtype}, but the target (abstract_state / restore args) asks for shape "
-        f"{tuple(shape)} dtype {dtype.name}. Pass an abstract state that matches the saved "
-        "one (jax.eval_shape of your init function with the same config).")
+        f"Leaf {item}{path} holds PRNG keys this process cannot rebuild: {e}") from e
+  is_key = is_key_dtype(dtype)
+  if is_key != (record.key_impl is not None):
+    same_dtype = False
+  else:  # key dtypes compare by name: one name per implementation
+    same_dtype = dtype.name == saved_dtype.name if is_key else saved_dtype == dtype
+  if saved_shape != tuple(shape) or not same_dtype:
+    keys = f" (PRNG keys, {record.key_impl!r})" if record.key_impl is not None else ""
+    raise AbstractStateMismatchError(
+        f"Leaf {item}{path}: the checkpoint holds shape {saved_shape} dtype "
+        f"{saved_dtype.name}{keys}, but the target (abstract_state / restore args) asks for "
+        f"shape {tuple(shape)} dtype {dtype.name}. Pass an abstract state that matches the "
+        "saved one (jax.eval_shape of your init function with the same config).")
+  return key_dims
 
 
 @dataclasses.dataclass(frozen=True)
 class SavedLeaf:
   """A restore target leaf: the saved shape and dtype, placed with `sharding` (what Orbax's
-  `ArrayRestoreArgs(sharding=...)` asks for without a target array)."""
+  `ArrayRestoreArgs(sharding=...)` asks for without a target array). A PRNG key leaf comes
+  back as keys: `sharding` is then the key array's."""
 
   sharding: jax.sharding.Sharding
 
 
-def _target_spec(leaf: Any, saved: LeafRecord) -> tuple[tuple[int, ...], np.dtype, Any]:
+def _target_spec(leaf: Any, saved: LeafRecord) -> tuple[tuple[int, ...], Any, Any]:
+  """(shape, dtype, sharding) a target leaf asks for; the dtype may be a PRNG key dtype."""
   if isinstance(leaf, SavedLeaf):
-    return tuple(saved.shape), _np_dtype(saved.dtype), leaf.sharding
+    try:
+      shape, dtype, _ = saved_spec(saved)
+    except ValueError:  # _check_leaf says why
+      shape, dtype = tuple(saved.shape), _np_dtype(saved.dtype)
+    return shape, dtype, leaf.sharding
   shape = tuple(getattr(leaf, "shape", ()))
-  dtype = np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype))
+  dtype = getattr(leaf, "dtype", None)
+  if dtype is None:
+    dtype = np.asarray(leaf).dtype
+  elif not is_key_dtype(dtype):
+    dtype = np.dtype(dtype)
   sharding = getattr(leaf, "sharding", None)
   return shape, dtype, sharding
 
@@ -1241,10 +1372,12 @@ def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[s
     for (_, leaf), path in zip(flat, want_paths, strict=True):
       rec = by_path[path]
       shape, dtype, sharding = _target_spec(leaf, rec)
-      _check_leaf(item_name, path, rec, shape, dtype)
+      key_dims = _check_leaf(item_name, path, rec, shape, dtype)
+      if rec.key_impl is not None:
+        dtype = _np_dtype(rec.dtype)  # the shards hold key data
       where = f"{where_prefix}: leaf {item_name}{path}"
       if sharding is None:
-        full = tuple((0, d) for d in rec.shape)
+        full = _whole(rec.shape)
         full_rec = next((s for s in rec.shards if s.index == full), None)
         if full_rec is None:
           raise AbstractStateMismatchError(
@@ -1254,19 +1387,19 @@ def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[s
               "sharding=...)).")
         slot = [None]
         jobs.append((slot, full_rec, dtype, where))
-        leaf_plans.append(("host", slot, rec.python_type, leaf))
+        leaf_plans.append(("host", slot, rec.python_type, leaf, rec.key_impl))
       else:
         by_index = {s.index: s for s in rec.shards}
         device_slots = []
         for device, index in sharding.addressable_devices_indices_map(shape).items():
-          norm = normalize_index(index, shape)
+          norm = normalize_index(index, shape) + _whole(key_dims)
           shard_rec = by_index.get(norm)
           if shard_rec is None:
             raise _sharding_mismatch(where, rec, sharding, norm, device)
           slot = [None]
           jobs.append((slot, shard_rec, dtype, where))
           device_slots.append((device, slot))
-        leaf_plans.append(("array", device_slots, sharding, shape))
+        leaf_plans.append(("array", device_slots, sharding, shape, rec.key_impl))
     plans[item_name] = ("pytree", treedef, leaf_plans)
 
   def run(job):
@@ -1285,14 +1418,21 @@ def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[s
     leaves = []
     for leaf_plan in leaf_plans:
       if leaf_plan[0] == "host":
-        _, slot, python_type, target_leaf = leaf_plan
+        _, slot, python_type, target_leaf, key_impl = leaf_plan
         value = slot[0]
-        if python_type is not None and not isinstance(target_leaf, (np.ndarray, jax.Array)):
+        if key_impl is not None:  # keys are jax arrays: on the default device
+          value = jax.random.wrap_key_data(value, impl=key_impl)
+        elif python_type is not None and not isinstance(target_leaf, (np.ndarray, jax.Array)):
           value = {"int": int, "float": float, "bool": bool}[python_type](value)
         leaves.append(value)
       else:
-        _, device_slots, sharding, shape = leaf_plan
-        if memory_kind is None:
+        _, device_slots, sharding, shape, key_impl = leaf_plan
+        if key_impl is not None:
+          # Each device's keys from its data. In the default memory even when `memory_kind`
+          # asks for another: keys are small, and wrap_key_data computes on the device.
+          arrays = [jax.random.wrap_key_data(jax.device_put(slot[0], device), impl=key_impl)
+                    for device, slot in device_slots]
+        elif memory_kind is None:
           arrays = [jax.device_put(slot[0], device) for device, slot in device_slots]
         else:
           sharding = sharding.with_memory_kind(memory_kind)

@@ -1752,13 +1752,17 @@ class CheckpointManager(ocp.CheckpointManager):
             f"{item_dir} (it holds {sorted(saved_leaves)[:8]}).")
       if not hasattr(leaf, "shape") or not hasattr(meta, "shape"):
         continue  # Python scalars and other non-array leaves carry no shape to compare
-      want_shape, want_dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+      # Orbax stores (and describes) a PRNG key leaf as its key data.
+      want_shape, want_dtype = local_tier.stored_spec(leaf.shape, leaf.dtype)
       have_shape, have_dtype = tuple(meta.shape), np.dtype(meta.dtype)
       if want_shape != have_shape or want_dtype != have_dtype:
+        asked = f"shape {want_shape} dtype {want_dtype.name}"
+        if local_tier.is_key_dtype(leaf.dtype):
+          asked = f"shape {tuple(leaf.shape)} dtype {leaf.dtype.name} (stored as {asked})"
         raise local_tier.AbstractStateMismatchError(
             f"Leaf {name}{path}: the persistent checkpoint holds shape {have_shape} dtype "
-            f"{have_dtype.name}, but the target asks for shape {want_shape} dtype "
-            f"{want_dtype.name}. Pass an abstract state that matches the saved one.")
+            f"{have_dtype.name}, but the target asks for {asked}. Pass an abstract state that "
+            "matches the saved one.")
 
   def _finish_restore(self, step: int, tier: str, started: float, *, drop_newer: bool) -> None:
     # After restore(None), local steps newer than the agreed one exist on some nodes only and

@@ -44,7 +44,8 @@ def shard_sets(trees: dict[str, Any], process_count: int) -> list[frozenset[Shar
   """Per process, the (item, path, index) of every array shard it holds under these shardings.
 
   Leaves are jax.Arrays or ShapeDtypeStructs with a sharding; others (numpy, scalars) are held
-  whole by every process and are not part of the sets.
+  whole by every process and are not part of the sets. A PRNG key leaf's indices span its key
+  data's dims too, as in the manifest.
   """
   sets: list[set[ShardKey]] = [set() for _ in range(process_count)]
   for item_name, tree in trees.items():
@@ -56,9 +57,10 @@ def shard_sets(trees: dict[str, Any], process_count: int) -> list[frozenset[Shar
       if sharding is None or shape is None or not hasattr(sharding, "devices_indices_map"):
         continue
       path = jax.tree_util.keystr(key_path)
+      key_dims = tuple((0, n) for n in local_tier.key_data_dims(getattr(leaf, "dtype", None)))
       for device, index in sharding.devices_indices_map(tuple(shape)).items():
         sets[device.process_index].add(
-            (item_name, path, local_tier.normalize_index(index, tuple(shape))))
+            (item_name, path, local_tier.normalize_index(index, tuple(shape)) + key_dims))
   return [frozenset(s) for s in sets]
 
 

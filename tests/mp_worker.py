@@ -61,6 +61,12 @@ _LEAVES: dict[str, tuple[str, tuple, Any]] = {
     "lr": ("float32", (), lambda d, m, r: ()),
 }
 
+# With --keys, typed PRNG key leaves too: leaf name -> (implementation, axes, key array shape).
+_KEY_LEAVES: dict[str, tuple[str, tuple, Any]] = {
+    "rngs/dropout": ("unsafe_rbg", ("data",), lambda d, m, r: (4 * d,)),
+    "rngs/params": ("threefry2x32", (), lambda d, m, r: ()),
+}
+
 
 MARK = "@@mtc"
 
@@ -158,7 +164,29 @@ def _get(tree: Any, path: str) -> Any:
 
 # Set from the command line: data-axis size (None: one row per process) and how leaves use
 # the "data" axis ("mixed" as in _LEAVES; "dp": replicated across it, pure data parallelism).
-CONFIG: dict[str, Any] = {"replicas": None, "layout": "mixed"}
+CONFIG: dict[str, Any] = {"replicas": None, "layout": "mixed", "keys": False}
+
+
+def _leaf_names() -> list[str]:
+  return list(_LEAVES) + (list(_KEY_LEAVES) if CONFIG["keys"] else [])
+
+
+def _key_array(leaf: str, spec, seed: int, step: int):
+  """A PRNG key leaf at `step`: key data a pure function of (leaf, position, seed, step), each
+  device's shard wrapped on that device."""
+  import jax
+  import numpy as np
+
+  impl = _KEY_LEAVES[leaf][0]
+  dims = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), spec.dtype)).shape
+  shape = tuple(spec.shape) + tuple(dims)
+  shards = []
+  for device, index in spec.sharding.addressable_devices_indices_map(spec.shape).items():
+    index = tuple(index) + (slice(None),) * len(dims)
+    data = ((_hash_bits(leaf, shape, index, seed) >> np.uint64(32)) + np.uint64(step)).astype(
+        np.uint32)
+    shards.append(jax.random.wrap_key_data(jax.device_put(data, device), impl=impl))
+  return jax.make_array_from_single_device_arrays(spec.shape, spec.sharding, shards)
 
 
 def make_mesh():
@@ -187,6 +215,12 @@ def abstract_state(mesh, rows: int) -> dict:
       axes = tuple(None if a == "data" else a for a in axes)
     sharding = NamedSharding(mesh, PartitionSpec(*axes))
     _set(out, leaf, jax.ShapeDtypeStruct(shape_fn(data, model, rows), dtype, sharding=sharding))
+  if CONFIG["keys"]:
+    for leaf, (impl, axes, shape_fn) in _KEY_LEAVES.items():
+      dtype = jax.eval_shape(lambda impl=impl: jax.random.key(0, impl=impl)).dtype
+      sharding = NamedSharding(mesh, PartitionSpec(*axes))
+      _set(out, leaf, jax.ShapeDtypeStruct(shape_fn(data, model, rows), dtype,
+                                           sharding=sharding))
   return out
 
 
@@ -201,12 +235,17 @@ def make_state(mesh, rows: int, seed: int, step: int) -> dict:
         spec.shape, spec.sharding,
         lambda index, leaf=leaf, shape=spec.shape: leaf_values(leaf, shape, index, seed, step))
     _set(out, leaf, array)
+  for leaf in _leaf_names()[len(_LEAVES):]:
+    _set(out, leaf, _key_array(leaf, _get(abstract, leaf), seed, step))
   return out
 
 
 def _bits(x):
+  import jax
   import numpy as np
 
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
   x = np.ascontiguousarray(np.asarray(x))
   return x.reshape(-1).view(np.uint8)
 
@@ -220,7 +259,7 @@ def compare_state(restored: Any, expected: dict) -> list[str]:
   if jax.tree_util.tree_structure(restored) != jax.tree_util.tree_structure(expected):
     return [f"tree structure {jax.tree_util.tree_structure(restored)} != "
             f"{jax.tree_util.tree_structure(expected)}"]
-  for leaf in _LEAVES:
+  for leaf in _leaf_names():
     got, want = _get(restored, leaf), _get(expected, leaf)
     if not isinstance(got, jax.Array):
       problems.append(f"{leaf}: restored a {type(got).__name__}, not a jax.Array")
@@ -348,7 +387,8 @@ def _train_step(state: dict) -> float:
 
   if _REDUCE is None:
     _REDUCE = jax.jit(lambda tree: sum(jnp.sum(x.astype(jnp.float32))
-                                       for x in jax.tree.leaves(tree)))
+                                       for x in jax.tree.leaves(tree)
+                                       if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)))
   return float(_REDUCE(state))
 
 
@@ -1094,6 +1134,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="size of the mesh's data axis (default: one row per process)")
     p.add_argument("--layout", choices=("mixed", "dp"), default="mixed",
                    help="dp: every leaf replicated across the data axis")
+    p.add_argument("--keys", action="store_true",
+                   help="typed PRNG key leaves in the state too (rngs/...)")
     p.add_argument("--peers-per-node", type=int, default=None)
     p.add_argument("--no-land-backups", dest="land_backups", action="store_false",
                    help="do not wait for each scheduled backup to land")
@@ -1205,7 +1247,8 @@ def main(argv: list[str] | None = None) -> int:
   # Without Google credentials (the loopback GCS server) gcsfs warns on every bucket access.
   logging.getLogger("gcsfs").setLevel(logging.ERROR)
   args = _parser().parse_args(argv)
-  CONFIG.update(replicas=getattr(args, "replicas", None),
+  CONFIG.update(keys=getattr(args, "keys", False),
+                replicas=getattr(args, "replicas", None),
                 layout=getattr(args, "layout", "mixed"))
   return args.fn(args)
 
