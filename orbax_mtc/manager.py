@@ -706,6 +706,10 @@ class CheckpointManager(ocp.CheckpointManager):
       return
     local = {p: f for p, f in found.items() if f.backup_step < 0}
     if local:
+      # This error usually ends the program: let the backup in flight finish first (every
+      # process is here), or the interpreter stops under it and leaves a half-written
+      # `<step>.orbax-checkpoint-tmp` behind ("cannot schedule new futures after shutdown").
+      self._poll_backup(block=True)
       raise agreement.CheckpointError(
           what, {p: f"{f.kind}: {f.message}" for p, f in local.items()}) from cause
     if own_backup_error is not None:

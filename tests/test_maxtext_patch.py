@@ -71,6 +71,12 @@ def test_maxtext_keys_become_orbax_mtc_options():
   assert (minutes.backup_interval_minutes, minutes.persistent_interval_steps) == (15.0, None)
   steps = mtc_config.read_settings(_keys(multi_tier_checkpointing_backup_interval_steps=100))
   assert steps.persistent_interval_steps == 100
+  # 0 and null are "not set", as MaxText reads them: checkpoint_period stays the schedule.
+  for unset in (0, "0", None, "null"):
+    default = mtc_config.read_settings(_keys(
+        multi_tier_checkpointing_backup_interval_minutes=unset,
+        multi_tier_checkpointing_backup_interval_steps=unset))
+    assert (default.backup_interval_minutes, default.persistent_interval_steps) == (None, 1000)
   # Neither flag: MaxText's own checkpointing.
   assert mtc_config.read_settings(_keys(enable_emergency_checkpoint=False)) is None
   assert mtc_config.read_settings({}) is None

@@ -313,7 +313,8 @@ def test_kill_9_mid_run_resumes_from_the_newest_ram_step(runs, venv_python, base
   doomed.kill(signal.SIGKILL)
   assert doomed.finish() == -signal.SIGKILL
   newest = _committed_ram_steps(local)[-1]
-  assert 8 <= newest < BASELINE_STEPS - 3, newest
+  # Step 6 was committed before step 8 was saved; 8's write may have been cut short.
+  assert 6 <= newest < BASELINE_STEPS - 3, newest
   resumed = _finished(train(runs, venv_python, base_yml, out, f"steps={newest + 3}", *schedule))
   assert resumed.restored_step() == newest and resumed.tiers() == {newest: "local"}
   _same_losses(resumed, baseline, range(newest + 1, newest + 3))
@@ -370,8 +371,9 @@ def test_load_parameters_path_reads_an_orbax_mtc_backup(runs, venv_python, base_
 
 def test_a_failed_save_fails_the_job(runs, venv_python, base_yml, dirs):
   out, local = dirs
+  # Every RAM save is a backup too: the failing save leaves one in flight.
   job = train(runs, venv_python, base_yml, out, "steps=1000",
-              *_emergency(local, "local_checkpoint_period=2", "checkpoint_period=3"))
+              *_emergency(local, "local_checkpoint_period=2", "checkpoint_period=2"))
   job.wait_for(r"completed step: 3,")
   shutil.rmtree(local)
   local.write_text("not a folder any more\n")  # the RAM disk can no longer take a step
