@@ -3,11 +3,13 @@
   python -m maxtext_patch.train <MaxText config> enable_emergency_checkpoint=true \\
       local_checkpoint_directory=/local local_checkpoint_period=20 [mtc_peers_per_node=1 ...]
 
-`install()` points MaxText's checkpoint manager factories and checkpointing functions at
+`install()` points MaxText's emergency checkpoint manager factories at
 `maxtext_patch.checkpointing` at run time (no MaxText file is edited or copied): with
 `enable_emergency_checkpoint=true` MaxText gets a standalone `orbax_mtc.CheckpointManager`
 (RAM tier, peer copies, persistent backups), with `enable_multi_tier_checkpointing=true` a
-managed one (GKE's replicator). Other configs keep MaxText's own checkpointing.
+managed one (GKE's replicator). MaxText's own save and restore functions then drive it as
+they drive Orbax's emergency managers (MaxText >= 0.2.4; older ones get
+`maxtext_patch.checkpointing`'s). Other configs keep MaxText's own checkpointing.
 """
 
 from __future__ import annotations

@@ -5,13 +5,14 @@ paths a training loop takes: create a manager, `load_state_if_possible`,
 `maybe_save_checkpoint` each step, `save_checkpoint`, `latest_step`, `wait_until_finished`,
 `reached_preemption`, `print_save_message`; plus `create_checkpoint_manager(config, mesh,
 init_state_fn)`, the counterpart of MaxText's `train_utils.create_checkpoint_manager`. A loop
-of one's own can use them without MaxText; `maxtext_patch.install()` points MaxText's module at
-them.
+of one's own can use them without MaxText. Under MaxText >= 0.2.4, `maxtext_patch.install()`
+uses only the manager factories here (MaxText's own functions save and restore, in MaxText's
+layout, see `set_state_layout`); older MaxText gets all of them.
 
-Where orbax-mtc differs from MaxText's emergency managers:
-- The RAM tier holds the state as nested dicts keyed by field names (`_checkpoint_tree`): a
-  Linen `TrainState` or an NNX state round-trips through it, and the persistent tier is a
-  plain Orbax checkpoint with item `state` in the same layout.
+How these functions differ from MaxText's:
+- They hold the state as nested dicts keyed by field names (`_checkpoint_tree`): a Linen
+  `TrainState` or an NNX state round-trips through it, and the persistent tier is a plain
+  Orbax checkpoint with item `state` in the same layout.
 - `load_state_if_possible` restores the newest step *every* process can assemble
   (`restore(None)`), never a step chosen from one process's view: after a node loss the new
   node has no step of its own and still takes part in the same restore.
