@@ -199,7 +199,7 @@ def test_jobset_runs_maxtext_on_orbax_mtc_in_managed_mode(rendered):
   jobset, cpc, argv = rendered["jobset"], rendered["cpc"], rendered["argv"]
   (container,) = _pod(jobset)["containers"]
   command = container["command"]
-  assert command[:4] == ["python", "-m", "maxtext_patch.train", "src/MaxText/configs/base.yml"]
+  assert command[:4] == ["python", "-m", "maxtext_patch.train", "src/maxtext/configs/base.yml"]
   args = _args(command)
   assert args["enable_multi_tier_checkpointing"] == "true"
   assert args["local_checkpoint_period"] == "20"
@@ -301,7 +301,7 @@ def test_launch_maxtext_runs_the_patch_on_every_node_with_its_flags(tmp_path):
   assert set(commands) == {"llm-run-0", "llm-run-1"}  # create-queued-resource's node names
   words = shlex.split(commands["llm-run-0"].split(" && cd ", 1)[1])
   at = words.index("maxtext_patch.train")
-  assert words[at - 1] == "-m" and words[at + 1] == "src/MaxText/configs/base.yml"
+  assert words[at - 1] == "-m" and words[at + 1] == "src/maxtext/configs/base.yml"
   args = _args(words[at + 2:])
   assert args == {**args, "run_name": "llm-run", "base_output_directory": "gs://my-ckpt-bucket",
                   "enable_emergency_checkpoint": "true",

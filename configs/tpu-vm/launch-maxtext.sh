@@ -28,7 +28,7 @@ MAXTEXT_ARGS="${MAXTEXT_ARGS:-dataset_type=synthetic steps=10000}"   # model, da
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 run_on_all_workers "cd ${MAXTEXT_DIR} && ${PYTHON} -m maxtext_patch.train \
-src/MaxText/configs/base.yml run_name=${JOB_NAME} base_output_directory=gs://${BUCKET} \
+src/maxtext/configs/base.yml run_name=${JOB_NAME} base_output_directory=gs://${BUCKET} \
 enable_emergency_checkpoint=true local_checkpoint_directory=${LOCAL_DIR} \
 local_checkpoint_period=${LOCAL_PERIOD} checkpoint_period=${CHECKPOINT_PERIOD} \
 mtc_peers_per_node=${PEERS} enable_autocheckpoint=true ${MAXTEXT_ARGS}"

@@ -305,8 +305,10 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> str | None:
     ax.set_ylabel("GB/s per process")
     ax.set_title(f"{n} process{'es' if n > 1 else ''}")
     ax.grid(True, alpha=0.3)
-  axes[0][-1].legend(fontsize=7)
-  fig.tight_layout()
+  # One legend for all panels, below them: inside a panel it covered the curves.
+  handles, labels = axes[0][-1].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8, frameon=False)
+  fig.tight_layout(rect=(0, 0.14, 1, 1))
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return None
