@@ -5,8 +5,7 @@
 #   benchmarks/gpu_suite.sh OUT_DIR [more `orbax-mtc bench suite` options]
 #
 # Needs jax with CUDA, orbax-checkpoint, tensorstore and the project's other dependencies.
-# Wheels in .whl/ are installed first (for a machine without a package index; this project's
-# GPU machine lacks only crc32c). The arrays go on the GPU, so the suite's --fresh-state auto
+# Wheels in .whl/ are installed first (for a machine without a package index). The arrays go on the GPU, so the suite's --fresh-state auto
 # saves a fresh device copy each time and holds the blocking time to a device-to-host copy.
 set -euo pipefail
 out=${1:?usage: benchmarks/gpu_suite.sh OUT_DIR [suite options]}

@@ -5,6 +5,9 @@ Public API::
   import orbax_mtc as mtc
   mgr = mtc.CheckpointManager(local_directory, persistent_directory, global_mesh,
                               abstract_state, options=mtc.CheckpointManagerOptions(...))
+  # Orbax's replicator manager (GKE multi-tier checkpointing), Orbax's signature:
+  mgr = mtc.ReplicatorCheckpointManager(
+      local_directory, options=mtc.ReplicatorCheckpointManagerOptions(...), global_mesh=mesh)
 """
 
 from orbax_mtc import distributed
@@ -24,10 +27,13 @@ from orbax_mtc.options import (
     CheckpointManagerOptions,
     LocalCheckpointOptions,
     ManagedOptions,
+    MultiprocessingOptions,
     PersistentCheckpointOptions,
     ReplicationOptions,
+    ReplicatorCheckpointManagerOptions,
 )
 from orbax_mtc.replicator import ReplicatorError
+from orbax_mtc.replicator_manager import ReplicatorCheckpointManager
 
 __version__ = "0.1.0"
 
@@ -46,9 +52,12 @@ __all__ = [
     "LocalTierError",
     "ManifestError",
     "ManagedOptions",
+    "MultiprocessingOptions",
     "OnDemandSave",
     "PersistentCheckpointOptions",
     "ReplicationOptions",
+    "ReplicatorCheckpointManager",
+    "ReplicatorCheckpointManagerOptions",
     "ReplicatorError",
     "RestoreInfo",
     "distributed",

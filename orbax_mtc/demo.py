@@ -19,19 +19,36 @@ from orbax_mtc import launch
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="orbax-mtc demo", description=__doc__)
-  p.add_argument("--nprocs", type=int, default=4)
-  p.add_argument("--steps", type=int, default=80)
-  p.add_argument("--local-every", type=int, default=5)
-  p.add_argument("--persistent-every", type=int, default=25)
-  p.add_argument("--kill-at-step", type=int, default=38)
-  p.add_argument("--kill-rank", type=int, default=None, help="default: the last process")
+  p = argparse.ArgumentParser(prog="orbax-mtc demo", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--nprocs", type=int, default=4,
+                 help="processes of the job, one CPU device each; even, for the mesh's data "
+                 "axis of 2 (default: %(default)s)")
+  p.add_argument("--steps", type=int, default=80,
+                 help="the last training step: each restarted run resumes and trains on to it "
+                 "(default: %(default)s)")
+  p.add_argument("--local-every", type=int, default=5,
+                 help="save to the RAM tier every this many steps (default: %(default)s)")
+  p.add_argument("--persistent-every", type=int, default=25,
+                 help="save to the persistent tier every this many steps (default: %(default)s)")
+  p.add_argument("--kill-at-step", type=int, default=38,
+                 help="the first run loses a process to SIGKILL at this step "
+                 "(default: %(default)s)")
+  p.add_argument("--kill-rank", type=int, default=None,
+                 help="the process that is SIGKILLed (default: the last one)")
   p.add_argument("--sigterm-at-step", type=int, default=50,
-                 help="after the restart, process 0 gets SIGTERM at this step")
-  p.add_argument("--local-root", default="/dev/shm/orbax-mtc-demo")
-  p.add_argument("--persistent-dir", default="/tmp/orbax-mtc-demo/persistent")
-  p.add_argument("--keep", action="store_true", help="keep both tiers' folders afterwards")
-  p.add_argument("--timeout", type=float, default=300.0)
+                 help="after the restart, process 0 gets SIGTERM at this step "
+                 "(default: %(default)s)")
+  p.add_argument("--local-root", default="/dev/shm/orbax-mtc-demo",
+                 help="RAM-disk folder for the nodes' local tiers and the reports "
+                 "(default: %(default)s)")
+  p.add_argument("--persistent-dir", default="/tmp/orbax-mtc-demo/persistent",
+                 help="the persistent tier (default: %(default)s)")
+  p.add_argument("--keep", action="store_true",
+                 help="keep both tiers' folders afterwards (default: remove them)")
+  p.add_argument("--timeout", type=float, default=300.0,
+                 help="seconds each of the three runs may take before every process is killed "
+                 "(default: %(default)s)")
   return p
 
 

@@ -436,21 +436,26 @@ def run_processes(
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="orbax-mtc launch",
-      description="Run a command as N local processes of one jax.distributed job, each with "
-      "its own RAM-disk folder (ORBAX_MTC_LOCAL_DIR). Example: orbax-mtc launch --nprocs 2 "
-      "--devices-per-process 4 -- python train.py",
+      description="A single-host launcher for tests and demos: run a command as N local "
+      "processes of one jax.distributed job, each with its own RAM-disk folder "
+      "(ORBAX_MTC_LOCAL_DIR). Example: orbax-mtc launch --nprocs 2 --devices-per-process 4 "
+      "-- python train.py. Real clusters (GKE JobSet, Slurm, TPU VMs) start the processes "
+      "with their own launcher, and the program calls mtc.distributed.initialize() to join "
+      "the job.",
   )
   parser.add_argument("--nprocs", type=int, required=True, help="number of processes")
   parser.add_argument(
       "--devices-per-process", type=int, default=None,
-      help="CPU devices per process (sets XLA_FLAGS and JAX_PLATFORMS=cpu)",
+      help="CPU devices per process (sets XLA_FLAGS and JAX_PLATFORMS=cpu; default: the "
+      "platform's own devices)",
   )
   parser.add_argument(
       "--local-root", default="/dev/shm/orbax-mtc",
       help="parent of the per-process folders node<i> (default: %(default)s)",
   )
   parser.add_argument(
-      "--timeout", type=float, default=None, help="kill the job after this many seconds"
+      "--timeout", type=float, default=None,
+      help="kill the job after this many seconds (default: no limit)"
   )
   parser.add_argument(
       "--sigterm-grace", type=float, default=300.0,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import ctypes
 import dataclasses
 import errno
 import functools
@@ -42,14 +43,16 @@ import re
 import reprlib
 import shutil
 import stat
+import sys
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import crc32c
+import google_crc32c
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,10 +78,55 @@ _ALIGN = 64
 _WRITE_CHUNK = 64 << 20
 _IOV_MAX = 1024  # Linux: views per pwritev call
 _CRC_CHUNK = 16 << 20
+_CRC_NOGIL_MIN = 64 << 10  # below this a call is shorter than handing the GIL over
 _PIPELINE_PIECE = 4 << 20  # read, then checksum, this much at a time: it stays in cache
 _KEY_IMPL_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")  # a PRNG implementation's name
 
 Index = tuple[tuple[int, int], ...]
+
+
+def _require_crc32c_extension(implementation: str) -> None:
+  """ImportError unless google-crc32c runs its C extension. Where it cannot import it, it falls
+  back to pure Python with only a warning: about 3 MiB/s, so a save would seem to hang."""
+  if implementation != "c":
+    raise ImportError(
+        "google-crc32c is using its pure-Python implementation (about 3 MiB/s: minutes per GiB "
+        "of checkpoint) because its C extension could not be imported. Install a "
+        "google-crc32c wheel for this platform, or build it where a C compiler is available.")
+
+
+def _crc32c_extend_nogil() -> Callable[[int, int, int], int] | None:
+  """`crc32c_extend(crc, address, length)` of the C library inside google-crc32c, called through
+  ctypes, which releases the GIL for the call. google_crc32c.extend keeps the GIL for anything
+  but `bytes`, so checksum threads would stall the writer, the reader and the training loop.
+  None where the extension's handle does not resolve the symbol (Windows, other builds)."""
+  try:
+    function = ctypes.CDLL(sys.modules[google_crc32c.extend.__module__].__file__).crc32c_extend
+  except (AttributeError, KeyError, OSError, TypeError):
+    return None
+  function.restype = ctypes.c_uint32
+  function.argtypes = (ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t)
+  probe = bytes(range(256)) * 3
+  if function(0x1234, probe, len(probe)) != google_crc32c.extend(0x1234, probe):
+    return None
+  return function
+
+
+_require_crc32c_extension(google_crc32c.implementation)
+_CRC32C_EXTEND_NOGIL = _crc32c_extend_nogil()
+if _CRC32C_EXTEND_NOGIL is None:
+  warnings.warn("orbax-mtc: google-crc32c's crc32c_extend is not reachable through ctypes; "
+                "checksums hold the GIL (correct, but they stall other Python threads)",
+                RuntimeWarning, stacklevel=1)
+
+
+def _crc_extend(value: int, data: np.ndarray) -> int:
+  """CRC32C of `data` (C-contiguous) continuing `value`; large data without holding the GIL."""
+  if data.nbytes < _CRC_NOGIL_MIN or _CRC32C_EXTEND_NOGIL is None:
+    return google_crc32c.extend(value, data)
+  if not data.flags.c_contiguous:  # the address alone would checksum other bytes
+    raise ValueError("CRC32C of an array that is not C-contiguous")
+  return _CRC32C_EXTEND_NOGIL(value, data.ctypes.data, data.nbytes)
 
 
 class LocalTierError(RuntimeError):
@@ -137,7 +185,7 @@ class ItemRecord:
 def manifest_checksum(fields: dict[str, Any]) -> int:
   """The manifest checksum of `fields` (the parsed manifest less MANIFEST_CRC_KEY): CRC32C
   of their canonical JSON (sorted keys, compact separators)."""
-  return crc32c.crc32c(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
+  return google_crc32c.value(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -904,7 +952,7 @@ def check_owner(path: Path, what: str) -> None:
 def _crc(data: np.ndarray) -> int:
   value = 0
   for start in range(0, data.nbytes, _CRC_CHUNK):
-    value = crc32c.crc32c(data[start:start + _CRC_CHUNK], value)
+    value = _crc_extend(value, data[start:start + _CRC_CHUNK])
   return value
 
 
@@ -1274,7 +1322,7 @@ def _read_checksumming(fd: int, path: Path, buffer: np.ndarray,
           progress.wait_for(lambda p=piece: failed or ready >= min(p, size))
           if failed:
             return
-        value = crc32c.crc32c(buffer[start:piece], value)  # releases the GIL
+        value = _crc_extend(value, buffer[start:piece])  # releases the GIL
         start = piece
       out[(offset, nbytes)] = value
 

@@ -388,6 +388,8 @@ class CheckpointManager(ocp.CheckpointManager):
         local=local_options or LocalCheckpointOptions(max_to_keep=1),
         replication=replication_options or ReplicationOptions(),
         job_name=job_name or "orbax",
+        # Not Orbax's index 0: a parent-style mesh need not have replicas first ("data").
+        replica_axis_index=None,
         enable_async_checkpointing=parent_options.enable_async_checkpointing,
         async_options=parent_options.async_options,
         cleanup_tmp_directories=parent_options.cleanup_tmp_directories)
@@ -481,7 +483,8 @@ class CheckpointManager(ocp.CheckpointManager):
     self._global_mesh = global_mesh
     try:
       self._replica_axis = replica_axis_name(options, global_mesh.axis_names,
-                                             multi_process=self._process_count > 1)
+                                             multi_process=self._process_count > 1,
+                                             axis_sizes=dict(global_mesh.shape))
     except ValueError as e:
       if not self._peers_optional:
         raise

@@ -1,22 +1,55 @@
 """Option dataclasses for the multi-tier CheckpointManager, validated on construction.
 
-Names mirror `orbax.checkpoint.experimental.emergency.checkpoint_manager` so that switching from
-Orbax's emergency manager is a change of import. Where we add options (naming the replica axis,
-peers, the job name for LKG links) the Orbax spelling is still accepted.
+Names mirror `orbax.checkpoint.experimental.emergency` so that switching from Orbax's emergency
+managers is a change of import: every Orbax field is accepted, first, in Orbax's order and with
+Orbax's default (tests/test_orbax_parity.py checks it against the installed Orbax). Fields we
+add (naming the replica axis, peers, the job name for LKG links, managed mode) come after.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from absl import logging
 from orbax.checkpoint import checkpoint_manager as ocp_manager
 from orbax.checkpoint import checkpoint_managers as policies
 from orbax.checkpoint import options as ocp_options
 from orbax.checkpoint import path as ocp_path
 
 _JOB_NAME_FORBIDDEN = ("/", "\0")
+_DEFAULT_AGREEMENT_TIMEOUT_SECONDS = 600.0
+_PERSISTENT_DEFAULT_INTERVAL = 1000  # Orbax's PersistentCheckpointOptions.save_interval_steps
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str, *args: Any) -> None:
+  """absl warning, once per `key` per process (an option we accept but do not apply)."""
+  if key not in _warned:
+    _warned.add(key)
+    logging.warning(message, *args)
+
+
+def _check_bool(owner: str, name: str, value: Any) -> None:
+  if not isinstance(value, bool):
+    raise TypeError(f"{owner}.{name} must be a bool, got {value!r}.")
+
+
+def ram_keep_from_policy(owner: str, policy: Any) -> int:
+  """How many steps the RAM tier keeps for an Orbax `PreservationPolicy`: `LatestN(n)` keeps
+  n; any other policy cannot be applied to RAM steps (warned once) and keeps 1."""
+  n = policy.n if isinstance(policy, policies.LatestN) else None
+  if n is not None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      raise ValueError(f"{owner}.preservation_policy=LatestN(n={n!r}): the RAM tier keeps "
+                       "n >= 1 steps (the newest committed step is always kept).")
+    return n
+  warn_once(f"{owner}.preservation_policy",
+            "orbax-mtc: %s.preservation_policy=%r is not applied to the RAM tier, which keeps "
+            "the newest N steps (only LatestN(n) maps onto that); keeping the newest 1.",
+            owner, policy)
+  return 1
 
 
 def _check_interval(owner: str, name: str, value: int | None, *, allow_none: bool) -> None:
@@ -57,6 +90,10 @@ class LocalCheckpointOptions:
   read_only: never save locally (restore still reads the RAM tier).
   should_save_fn: `fn(step, last_saved_step) -> bool`; overrides `save_interval_steps`.
   save_decision_policy: an Orbax `SaveDecisionPolicy`; overrides everything above.
+  preservation_policy: as in Orbax, instead of `max_to_keep`: `LatestN(n)` keeps n RAM steps;
+    other policies are not applied to RAM steps (warned once; the newest 1 is kept).
+  debug_use_full_global_mesh: Orbax's debug switch for barriers over all processes; ours
+    always span every process, so it changes nothing.
   directory_mode / file_mode: permissions of the RAM tier's folders and files (model weights
     are private: 0o700 and 0o600 by default). Widen them only for a helper that runs as
     another user, such as a replicator that must read the steps.
@@ -67,6 +104,8 @@ class LocalCheckpointOptions:
   read_only: bool = False
   should_save_fn: Callable[[int, int | None], bool] | None = None
   save_decision_policy: policies.SaveDecisionPolicy | None = None
+  preservation_policy: policies.PreservationPolicy | None = None
+  debug_use_full_global_mesh: bool = False
   directory_mode: int = 0o700
   file_mode: int = 0o600
 
@@ -74,7 +113,18 @@ class LocalCheckpointOptions:
     _check_interval("LocalCheckpointOptions", "save_interval_steps", self.save_interval_steps,
                     allow_none=False)
     _check_max_to_keep("LocalCheckpointOptions", self.max_to_keep)
-    if self.max_to_keep is None:
+    _check_bool("LocalCheckpointOptions", "debug_use_full_global_mesh",
+                self.debug_use_full_global_mesh)
+    if self.preservation_policy is not None:
+      keep = ram_keep_from_policy("LocalCheckpointOptions", self.preservation_policy)
+      # The value stored here for the policy is accepted again, so dataclasses.replace works.
+      if self.max_to_keep is not None and self.max_to_keep != keep:
+        raise ValueError(
+            "LocalCheckpointOptions: set either `preservation_policy` or `max_to_keep`, not "
+            f"both (got max_to_keep={self.max_to_keep!r} and preservation_policy="
+            f"{self.preservation_policy!r}).")
+      self.max_to_keep = keep
+    elif self.max_to_keep is None:
       self.max_to_keep = 1
     if self.should_save_fn is not None and not callable(self.should_save_fn):
       raise TypeError("LocalCheckpointOptions.should_save_fn must be callable.")
@@ -93,31 +143,35 @@ class LocalCheckpointOptions:
 class PersistentCheckpointOptions:
   """When to back up to the persistent tier (a standard Orbax checkpoint) and what to keep.
 
-  save_interval_steps: back up every N steps (default 1000 when no schedule is given).
-  backup_interval_minutes: instead, back up the step being saved to RAM once this many minutes
-    have passed since the last backup attempt (the GKE replicator's `backup-interval-minutes`).
-    Exactly one of the two may be set. Backups are of steps committed in RAM and run in the
-    background; a failed one is retried at the next scheduled backup.
+  save_interval_steps: back up every N steps (default 1000, as Orbax).
   max_to_keep: persistent steps kept; None keeps all.
   keep_period: also keep every step that is a multiple of this.
   should_save_fn / save_decision_policy / preservation_policy: as in Orbax; each overrides the
     simpler options above.
+  backup_interval_minutes: instead of steps, back up the step being saved to RAM once this many
+    minutes have passed since the last backup attempt (the GKE replicator's
+    `backup-interval-minutes`). `save_interval_steps` must then stay at its default (it is
+    set to None). Backups are of steps committed in RAM and run in the background; a failed
+    one is retried at the next scheduled backup.
   best_fn / best_mode: rank checkpoints by the `metrics` passed to `save` (Orbax semantics).
   """
 
-  save_interval_steps: int | None = None
-  backup_interval_minutes: float | None = None
+  save_interval_steps: int | None = _PERSISTENT_DEFAULT_INTERVAL
   max_to_keep: int | None = None
   keep_period: int | None = None
   should_save_fn: Callable[[int, int | None], bool] | None = None
   save_decision_policy: policies.SaveDecisionPolicy | None = None
   preservation_policy: policies.PreservationPolicy | None = None
+  backup_interval_minutes: float | None = None
   best_fn: Callable[[Any], float] | None = None
   best_mode: str = "max"
 
   def __post_init__(self):
     minutes = self.backup_interval_minutes
     if minutes is not None:
+      # The default step interval gives way to minutes (both cannot be told apart from here).
+      if self.save_interval_steps == _PERSISTENT_DEFAULT_INTERVAL:
+        self.save_interval_steps = None
       if self.save_interval_steps is not None:
         raise ValueError(
             "PersistentCheckpointOptions: set either `save_interval_steps` (back up every N "
@@ -135,7 +189,7 @@ class PersistentCheckpointOptions:
             f"minutes, got {minutes!r} (GKE's default is 30).")
     else:
       if self.save_interval_steps is None:
-        self.save_interval_steps = 1000
+        self.save_interval_steps = _PERSISTENT_DEFAULT_INTERVAL
       _check_interval("PersistentCheckpointOptions", "save_interval_steps",
                       self.save_interval_steps, allow_none=False)
     _check_max_to_keep("PersistentCheckpointOptions", self.max_to_keep)
@@ -249,26 +303,55 @@ class ManagedOptions:
 
 
 @dataclasses.dataclass
+class MultiprocessingOptions:
+  """Orbax's emergency `MultiprocessingOptions`.
+
+  coordination_timeout_secs: how long processes may be out of step at a save or restore; it
+    becomes `CheckpointManagerOptions.agreement_timeout_seconds`.
+  """
+
+  coordination_timeout_secs: int = 120
+
+  def __post_init__(self):
+    _check_timeout("MultiprocessingOptions.coordination_timeout_secs",
+                   self.coordination_timeout_secs)
+
+
+def _check_timeout(name: str, value: Any) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+      not 0 < value < float("inf"):
+    raise ValueError(
+        f"{name} must be a finite number of seconds > 0, got {value!r}. It bounds how long "
+        "processes wait for each other at each save and restore; use at least the longest gap "
+        "between processes reaching a save (e.g. 600).")
+
+
+@dataclasses.dataclass
 class CheckpointManagerOptions:
   """Options of `orbax_mtc.CheckpointManager`.
 
-  local / persistent / replication: per-tier options (see their classes).
-  job_name: first part of the `<job>-s<step>-n<rank>-w<worker>.restore` LKG links.
-  replica_axis_index: Orbax's way to say where replicas are; used when
-    `replication.replica_axis` is not set.
-  worker_index: this process's index inside its host; None reads it from the environment.
+  Orbax's fields first, in Orbax's order and with Orbax's defaults (docs/api.md says where a
+  meaning differs):
+  local / persistent: per-tier options (see their classes).
+  replica_axis_index: Orbax's way to say where replicas are (default 0, the first mesh axis);
+    `replication.replica_axis` (a name) wins over it; None: the axis named "data".
   step_name_format: persistent-tier step folder naming (Orbax `NameFormat`).
+  cleanup_tmp_directories: remove leftovers of interrupted persistent saves when the manager
+    starts (the RAM tier always removes its own).
   enable_async_checkpointing: local writes and persistent backups run in the background.
   async_options: Orbax `AsyncOptions` for the persistent tier.
-  cleanup_tmp_directories: remove leftovers of interrupted saves when the manager starts.
+  multiprocessing_options: `MultiprocessingOptions` (ours or Orbax's emergency one): its
+    `coordination_timeout_secs` is the agreement timeout (see `agreement_timeout_seconds`).
+  single_host_load_and_broadcast: accepted; every process lists the persistent steps and
+    one all-gather agrees them, whatever the value.
+  Ours:
+  replication: `ReplicationOptions` (peers, the named replica axis).
+  job_name: first part of the `<job>-s<step>-n<rank>-w<worker>.restore` LKG links.
+  worker_index: this process's index inside its host; None reads it from the environment.
   exit_after_ondemand_checkpoint: after the on-demand checkpoint that a preemption notice
     (SIGTERM) triggers is durable, `save()` waits for everything, closes the manager and ends
     the process with exit status 0 (as Pax's `--exit_after_ondemand_checkpoint` means; Pax's
     own executor exits 1 there, which `pax_patch` keeps by leaving the exit to Pax).
-  mode: "standalone" (the manager copies to peers and backs up itself) or "managed" (GKE's
-    multi-tier checkpointing replicator does both: the manager speaks its file protocol, writes
-    RAM steps and restores from the replicator's `.restore` entries; see `managed`).
-  managed: `ManagedOptions` for managed mode.
   ondemand_grace_seconds: time budget from the SIGTERM to a durable on-demand checkpoint. The
     RAM tier and peers come first; the persistent backup starts only while budget is left
     (default 270 s: a 30 s margin inside the 5 minutes Cloud TPU maintenance gives). 0 never
@@ -276,23 +359,30 @@ class CheckpointManagerOptions:
   agreement_timeout_seconds: how long a process waits at an agreement (each local save,
     restore, start-up, `wait_until_finished`) for the others. When a process failed, hangs or
     was killed before it, the others raise an error naming the missing processes after this
-    long instead of waiting forever (default 600 s).
+    long instead of waiting forever (default 600 s; `multiprocessing_options`, when given,
+    sets it).
+  mode: "standalone" (the manager copies to peers and backs up itself) or "managed" (GKE's
+    multi-tier checkpointing replicator does both: the manager speaks its file protocol, writes
+    RAM steps and restores from the replicator's `.restore` entries; see `managed`).
+  managed: `ManagedOptions` for managed mode.
   """
 
   local: LocalCheckpointOptions = dataclasses.field(default_factory=LocalCheckpointOptions)
   persistent: PersistentCheckpointOptions = dataclasses.field(
       default_factory=PersistentCheckpointOptions)
-  replication: ReplicationOptions = dataclasses.field(default_factory=ReplicationOptions)
-  job_name: str = "orbax"
-  replica_axis_index: int | None = None
-  worker_index: int | None = None
-  step_name_format: ocp_path.step.NameFormat | None = None
+  replica_axis_index: int | None = 0
+  step_name_format: ocp_path.step.NameFormat | None = ocp_path.step.standard_name_format()
+  cleanup_tmp_directories: bool = False
   enable_async_checkpointing: bool = True
   async_options: ocp_manager.AsyncOptions | None = None
-  cleanup_tmp_directories: bool = True
+  multiprocessing_options: MultiprocessingOptions | None = None  # or Orbax's emergency one
+  single_host_load_and_broadcast: bool = True
+  replication: ReplicationOptions = dataclasses.field(default_factory=ReplicationOptions)
+  job_name: str = "orbax"
+  worker_index: int | None = None
   exit_after_ondemand_checkpoint: bool = False
   ondemand_grace_seconds: float = 270.0
-  agreement_timeout_seconds: float = 600.0
+  agreement_timeout_seconds: float = _DEFAULT_AGREEMENT_TIMEOUT_SECONDS
   mode: str = "standalone"
   managed: ManagedOptions = dataclasses.field(default_factory=ManagedOptions)
 
@@ -330,6 +420,8 @@ class CheckpointManagerOptions:
     if not isinstance(self.exit_after_ondemand_checkpoint, bool):
       raise TypeError("CheckpointManagerOptions.exit_after_ondemand_checkpoint must be a bool, "
                       f"got {self.exit_after_ondemand_checkpoint!r}.")
+    for name in ("cleanup_tmp_directories", "single_host_load_and_broadcast"):
+      _check_bool("CheckpointManagerOptions", name, getattr(self, name))
     grace = self.ondemand_grace_seconds
     if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0 \
         or grace == float("inf"):
@@ -337,17 +429,30 @@ class CheckpointManagerOptions:
           "CheckpointManagerOptions.ondemand_grace_seconds must be a finite number of seconds "
           f">= 0, got {grace!r}. Use the grace period your platform gives after SIGTERM minus "
           "a margin (Cloud TPU maintenance: 300 s, so e.g. 270).")
-    self._check_agreement_timeout()
+    _check_timeout("CheckpointManagerOptions.agreement_timeout_seconds",
+                   self.agreement_timeout_seconds)
+    self._apply_multiprocessing_options()
 
-  def _check_agreement_timeout(self) -> None:
-    timeout = self.agreement_timeout_seconds
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
-        not 0 < timeout < float("inf"):
+  def _apply_multiprocessing_options(self) -> None:
+    """Orbax's coordination timeout is our agreement timeout: the same bound, by name."""
+    mp = self.multiprocessing_options
+    if mp is None:
+      return
+    timeout = getattr(mp, "coordination_timeout_secs", None)
+    if timeout is None:
+      raise TypeError(
+          "CheckpointManagerOptions.multiprocessing_options must be an orbax_mtc."
+          "MultiprocessingOptions (or Orbax's emergency MultiprocessingOptions) with "
+          f"coordination_timeout_secs, got {type(mp).__module__}.{type(mp).__name__}.")
+    _check_timeout("CheckpointManagerOptions.multiprocessing_options.coordination_timeout_secs",
+                   timeout)
+    if self.agreement_timeout_seconds == _DEFAULT_AGREEMENT_TIMEOUT_SECONDS:
+      self.agreement_timeout_seconds = float(timeout)
+    elif self.agreement_timeout_seconds != timeout:
       raise ValueError(
-          "CheckpointManagerOptions.agreement_timeout_seconds must be a finite number of "
-          f"seconds > 0, got {timeout!r}. It bounds how long processes wait for each other at "
-          "each save and restore; use at least the longest gap between processes reaching "
-          "a save (e.g. 600).")
+          "CheckpointManagerOptions: multiprocessing_options.coordination_timeout_secs="
+          f"{timeout!r} and agreement_timeout_seconds={self.agreement_timeout_seconds!r} are "
+          "the same bound; set one of them.")
 
   def persistent_manager_options(self) -> ocp_manager.CheckpointManagerOptions:
     """The plain Orbax options the persistent tier is run with."""
@@ -376,12 +481,66 @@ class CheckpointManagerOptions:
     return ocp_manager.CheckpointManagerOptions(**kwargs)
 
 
+@dataclasses.dataclass
+class ReplicatorCheckpointManagerOptions:
+  """Options of `orbax_mtc.ReplicatorCheckpointManager`: Orbax's fields, defaults and order.
+
+  save_interval_steps: save to the RAM tier every N steps (default 1).
+  step_name_format: names the steps of `persistent_directory` (the non-replicated items);
+    the RAM tier's folders are always `<step>`, the replicator's layout (another format is
+    warned about once).
+  should_save_fn: `fn(step, last_saved_step) -> bool`; overrides `save_interval_steps`.
+  preservation_policy: `LatestN(n)` keeps n RAM steps (other policies: warned once, the newest
+    1 is kept); `persistent_directory` applies any policy as Orbax does. None: the RAM tier
+    keeps the newest 1 (Orbax keeps every local step and leaves the clean-up to the
+    replicator).
+  use_colocated_python: Pathways' colocated Python; not supported (True raises when the
+    manager is built, as Orbax does outside Pathways).
+  enable_async_checkpointing: RAM writes in the background.
+  save_concurrent_gb / restore_concurrent_gb: Orbax's tensorstore byte limits; the RAM tier
+    has none (warned once when set).
+  """
+
+  save_interval_steps: int = 1
+  step_name_format: ocp_path.step.NameFormat | None = None
+  should_save_fn: Callable[[int, int | None], bool] | None = None
+  preservation_policy: policies.PreservationPolicy | None = None
+  use_colocated_python: bool = False
+  enable_async_checkpointing: bool = True
+  save_concurrent_gb: int | None = None
+  restore_concurrent_gb: int | None = None
+
+  def __post_init__(self):
+    owner = "ReplicatorCheckpointManagerOptions"
+    _check_interval(owner, "save_interval_steps", self.save_interval_steps, allow_none=False)
+    if self.should_save_fn is not None and not callable(self.should_save_fn):
+      raise TypeError(f"{owner}.should_save_fn must be callable.")
+    for name in ("use_colocated_python", "enable_async_checkpointing"):
+      _check_bool(owner, name, getattr(self, name))
+    if self.step_name_format is not None and self.step_name_format.build_name(7) != "7":
+      warn_once(f"{owner}.step_name_format",
+                "orbax-mtc: %s.step_name_format names the steps of persistent_directory only; "
+                "RAM-tier step folders stay <step>, as the replicator reads them.", owner)
+    for name in ("save_concurrent_gb", "restore_concurrent_gb"):
+      value = getattr(self, name)
+      if value is None:
+        continue
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{owner}.{name} must be a positive int or None, got {value!r}.")
+      warn_once(f"{owner}.{name}",
+                "orbax-mtc: %s.%s=%d is not applied: the RAM tier writes and reads without a "
+                "byte limit.", owner, name, value)
+
+
 def replica_axis_name(options: CheckpointManagerOptions, mesh_axis_names: Sequence[str], *,
-                      multi_process: bool = True) -> str:
+                      multi_process: bool = True,
+                      axis_sizes: Mapping[str, int] | None = None) -> str:
   """The mesh axis that indexes data-parallel replicas, with a clear error when unknown.
 
-  Order: `replication.replica_axis`, then `replica_axis_index`, then an axis named "data".
-  In a single process replicas do not matter, so the first axis is accepted there.
+  Order: `replication.replica_axis`, then `replica_axis_index` (Orbax's default 0), then (index
+  None) an axis named "data". In a single process replicas do not matter, so the first axis
+  is accepted there. `axis_sizes` (the mesh's shape) lets an index that picks a size-1 axis
+  beside a larger "data" axis warn (MaxText puts a "diloco" axis first).
   """
   names = tuple(mesh_axis_names)
   axis = options.replication.replica_axis
@@ -398,6 +557,14 @@ def replica_axis_name(options: CheckpointManagerOptions, mesh_axis_names: Sequen
       raise ValueError(
           f"CheckpointManagerOptions.replica_axis_index={index} is out of range for a mesh "
           f"with axes {names}. Prefer naming the axis: ReplicationOptions(replica_axis=...).")
+    sizes = dict(axis_sizes or {})
+    if multi_process and names[index] != "data" and sizes.get(names[index]) == 1 and \
+        sizes.get("data", 1) > 1:
+      warn_once("replica_axis_index",
+                "orbax-mtc: replica_axis_index=%d picks mesh axis %r of size 1 (one replica), "
+                "while axis 'data' has %d: data-parallel twins are not used. Name the axis: "
+                "CheckpointManagerOptions(replication=ReplicationOptions(replica_axis='data')).",
+                index, names[index], sizes["data"])
     return names[index]
   if "data" in names or not multi_process:
     return "data" if "data" in names else names[0]

@@ -443,7 +443,9 @@ def _parser() -> argparse.ArgumentParser:
   source.add_argument("--from-step", metavar="DIR",
                       help="a saved step: an orbax-mtc RAM-tier step (one node's bytes) or a "
                       "standard Orbax step (whole state; divided by --nodes)")
-  parser.add_argument("--accelerator", required=True, choices=ACCELERATORS)
+  parser.add_argument("--accelerator", required=True, choices=ACCELERATORS,
+                      help="the nodes' accelerator; sets the default --peers and what "
+                      "--render writes")
   parser.add_argument("--peers", type=int, default=None,
                       help="peers per node holding other bytes than the node (default: 0 on "
                       "TPU, whose peers are twins in other slices; 1 on GPU)")
@@ -467,11 +469,34 @@ def _parser() -> argparse.ArgumentParser:
   render_group.add_argument("--tpu-topology", help="slice topology as in the node pool (default: "
                             "inferred from --nodes and the machine type)")
   render_group.add_argument("--templates", help="the configs/ folder (default: the installed package's)")
+  parser.add_argument("--json", action="store_true",
+                      help="print one JSON document (schema orbax-mtc/size/1) instead of the "
+                      "explanation")
   return parser
 
 
+def document(sizing: Sizing, nodes: int, rendered: Sequence[Path] | None) -> dict:
+  """The --json document of `size` (docs/cli.md: orbax-mtc/size/1)."""
+  return {
+      "schema": "orbax-mtc/size/1",
+      "accelerator": sizing.accelerator,
+      "nodes": nodes,
+      "peers": sizing.peers,
+      "local_checkpoint_bytes": sizing.local.nbytes,
+      "local_checkpoint_source": sizing.local.how,
+      "headroom": float(HEADROOM),
+      "resident_steps": RESIDENT_STEPS,
+      "factor": float(sizing.factor),
+      "ramdisk_bytes": math.ceil(sizing.ramdisk_bytes),
+      "in_memory_volume_size_gib": sizing.gib,
+      "in_memory_volume_size": sizing.quantity,
+      "rendered": None if rendered is None else [str(p) for p in rendered],
+  }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-  """`orbax-mtc size ...`: prints the sizing; with --render writes the manifests. Exit code."""
+  """`orbax-mtc size ...`: prints the sizing (--json: one document); with --render writes the
+  manifests. Exit code: 0, or 2 on bad input (the message on stderr)."""
   parser = _parser()
   args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
   try:
@@ -491,13 +516,20 @@ def main(argv: Sequence[str] | None = None) -> int:
       peers = 1  # one slice has no twin: the manager keeps one peer copy per node
     sizing = size(accelerator=args.accelerator, state_size=args.state_size,
                   from_step=args.from_step, nodes=args.nodes, peers=peers)
-    print(sizing.explain())
+    if not args.json:
+      print(sizing.explain())
+    written = None
     if args.render is not None:
       options = {name: getattr(args, name) for name in _RENDER_ONLY
                  if name != "templates" and getattr(args, name) is not None}
       written = render(args.render, sizing, templates=args.templates, nodes=args.nodes,
                        **options)
-      print(f"wrote {', '.join(str(p) for p in written)}")
+      if not args.json:
+        print(f"wrote {', '.join(str(p) for p in written)}")
+    if args.json:
+      from orbax_mtc import cli
+
+      cli.print_json(document(sizing, args.nodes, written))
   except SizingError as e:
     print(f"orbax-mtc size: error: {e}", file=sys.stderr)
     return 2

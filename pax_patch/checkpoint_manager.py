@@ -153,6 +153,8 @@ class PaxCheckpointManager:
         replication=orbax_mtc.ReplicationOptions(peers_per_node=peers_per_node,
                                                  replica_axis=replica_axis),
         job_name=job_name,
+        # replica_axis None means the axis named "data" here, not Orbax's default axis 0.
+        replica_axis_index=None,
         step_name_format=step_name_format(),
         enable_async_checkpointing=enable_async_checkpointing,
         async_options=None if async_timeout_secs is None else ocp.AsyncOptions(

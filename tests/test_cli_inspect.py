@@ -140,15 +140,21 @@ def test_verify_persistent_unfinished_and_damaged(saved, capsys):
   assert " ok " in _lines_for(out, "0")[0]
 
 
-def test_not_a_directory(shm_dir):
+def test_not_a_directory(shm_dir, capsys):
   path = shm_dir / "afile"
   path.write_text("x")
-  with pytest.raises(SystemExit, match="not a directory"):
-    cli.main(["verify", str(path)])
-  with pytest.raises(SystemExit):
-    cli.main(["status", str(shm_dir / "missing")])
+  assert cli.main(["verify", str(path)]) == 2
+  out, err = capsys.readouterr()
+  assert out == "" and "not a directory" in err
+  assert cli.main(["status", str(shm_dir / "missing")]) == 2
+  out, err = capsys.readouterr()
+  assert out == "" and "no such directory" in err
 
 
 def test_empty_directory(shm_dir, capsys):
-  assert cli.main(["verify", str(shm_dir)]) == 0
+  # Nothing to verify is not a success: a mistyped path must not pass for a verified one.
+  assert cli.main(["verify", str(shm_dir)]) == 2
+  out, err = capsys.readouterr()
+  assert out == "" and "nothing to verify" in err
+  assert cli.main(["status", str(shm_dir)]) == 0
   assert "no steps" in capsys.readouterr().out

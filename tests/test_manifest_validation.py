@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import crc32c
+import google_crc32c
 import numpy as np
 import pytest
 from conftest import SHM_ROOT, make_state
@@ -35,7 +35,7 @@ def sign(raw: dict[str, Any]) -> dict[str, Any]:
   (sorted keys, compact separators) of every other field."""
   fields = {k: v for k, v in raw.items() if k != lt.MANIFEST_CRC_KEY}
   text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-  return {**fields, lt.MANIFEST_CRC_KEY: crc32c.crc32c(text.encode())}
+  return {**fields, lt.MANIFEST_CRC_KEY: google_crc32c.value(text.encode())}
 
 
 def canonical(value: Any) -> str:

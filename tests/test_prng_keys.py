@@ -12,7 +12,7 @@ import contextlib
 import json
 import shutil
 
-import crc32c
+import google_crc32c
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -244,7 +244,7 @@ def test_shard_sets_name_key_shards_as_the_manifest_does(tier, mesh):
 def _sign(fields: dict) -> str:
   fields = {k: v for k, v in fields.items() if k != lt.MANIFEST_CRC_KEY}
   text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-  return json.dumps({**fields, lt.MANIFEST_CRC_KEY: crc32c.crc32c(text.encode())})
+  return json.dumps({**fields, lt.MANIFEST_CRC_KEY: google_crc32c.value(text.encode())})
 
 
 @pytest.mark.parametrize("value", [None, 7, "", "bad impl", "rbg;rm", "x" * 65, ["rbg"],

@@ -161,9 +161,9 @@ def test_gc_refuses_without_rules_or_directory(orbax_dir, shm_dir, capsys):
   from orbax_mtc import cli
 
   assert cli.main(["gc", str(orbax_dir)]) == 2
-  assert "no retention rule given" in capsys.readouterr().out
+  assert "no retention rule given" in capsys.readouterr().err
   assert cli.main(["gc", str(shm_dir / "missing"), "--keep-latest", "1"]) == 2
-  assert "is not a directory" in capsys.readouterr().out
+  assert "is not a directory" in capsys.readouterr().err
   assert cli.main(["gc", str(orbax_dir), "--keep-every", "0", "--delete"]) == 2
-  assert "keep_every must be an int >= 1" in capsys.readouterr().out
+  assert "keep_every must be an int >= 1" in capsys.readouterr().err
   assert _steps(orbax_dir) == list(range(0, 1000, 100))

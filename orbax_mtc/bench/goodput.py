@@ -226,22 +226,36 @@ def _markdown(runs: Sequence[dict[str, Any]], summary: dict[str, Any], args) -> 
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="orbax-mtc bench goodput", description=__doc__)
-  p.add_argument("--procs", type=int, default=2)
-  p.add_argument("--steps", type=int, default=1500)
-  p.add_argument("--work", type=int, default=40, help="256x256 matmuls per training step")
-  p.add_argument("--mib", type=int, default=16, help="state MiB per process")
+  p = argparse.ArgumentParser(prog="orbax-mtc bench goodput", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--procs", type=int, default=2,
+                 help="processes of the job, at least 2 (default: %(default)s)")
+  p.add_argument("--steps", type=int, default=1500,
+                 help="training steps each system runs to, at least 20 (default: %(default)s)")
+  p.add_argument("--work", type=int, default=40,
+                 help="256x256 matmuls per training step (default: %(default)s)")
+  p.add_argument("--mib", type=int, default=16,
+                 help="state MiB per process (default: %(default)s)")
   p.add_argument("--min-step-ms", type=float, default=0.0,
-                 help="pad each training step to this long (simulated device time)")
-  p.add_argument("--local-every", type=int, default=25)
-  p.add_argument("--persistent-every", type=int, default=500)
-  p.add_argument("--seed", type=int, default=0)
+                 help="pad each training step to this long (simulated device time) "
+                 "(default: %(default)s)")
+  p.add_argument("--local-every", type=int, default=25,
+                 help="orbax-mtc's RAM-tier save interval, in steps (default: %(default)s)")
+  p.add_argument("--persistent-every", type=int, default=500,
+                 help="persistent save interval of both systems, in steps "
+                 "(default: %(default)s)")
+  p.add_argument("--seed", type=int, default=0,
+                 help="seed of the failure schedule (default: %(default)s)")
   p.add_argument("--seeds", type=int, nargs="+", default=None,
                  help="several schedules in one run (overrides --seed); the table gives "
-                 "each and the median")
-  p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-  p.add_argument("--out", default="goodput-results", help="folder for goodput.json/.md")
-  p.add_argument("--scratch", default=None, help="default: /dev/shm/orbax-mtc-goodput-<pid>")
+                 "each and the median (default: --seed only)")
+  p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
+                 help="systems to run (default: both)")
+  p.add_argument("--out", default="goodput-results",
+                 help="folder for goodput.json/.md (default: %(default)s)")
+  p.add_argument("--scratch", default=None,
+                 help="folder for both tiers while running, removed afterwards "
+                 "(default: /dev/shm/orbax-mtc-goodput-<pid>)")
   return p
 
 

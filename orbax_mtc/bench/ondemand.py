@@ -172,10 +172,16 @@ def _driver(args) -> int:
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="orbax-mtc bench ondemand",
                                    description=__doc__.split("\n")[0])
-  parser.add_argument("--mib", type=int, nargs="+", default=[64, 512], help="MiB per process")
-  parser.add_argument("--procs", type=int, default=2)
-  parser.add_argument("--reps", type=int, default=3)
-  parser.add_argument("--json", default=None)
+  parser.add_argument("--mib", type=int, nargs="+", default=[64, 512],
+                      help="state MiB per process, one series each (default: 64 512)")
+  parser.add_argument("--procs", type=int, default=2,
+                      help="processes of the job (default: %(default)s)")
+  parser.add_argument("--reps", type=int, default=3,
+                      help="SIGTERM jobs per size; the table gives medians "
+                      "(default: %(default)s)")
+  parser.add_argument("--json", default=None, metavar="FILE",
+                      help="also write every run and the summary to this JSON file "
+                      "(default: none)")
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--persistent", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)

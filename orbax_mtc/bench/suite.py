@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from orbax_mtc import cli
+
 # Memory and RAM disk one process needs for one size, in multiples of its state. Measured
 # (`peak_rss_bytes` in suite.json, at 1 and 2 GiB, runtime excluded): one process peaks at
 # about 5.8x the state in memory (the local phase and Orbax's restore), plus up to 3 state-sized
@@ -326,22 +328,37 @@ def _no_nan(value: Any) -> Any:
 
 
 class _Collect:
-  def __init__(self, echo: bool):
+  def __init__(self, echo: bool, bar: Any = None):
     self.text = ""
     self.echo = echo
+    self.bar = bar  # a tqdm advanced once per size measured
 
   def write(self, text: str) -> int:
     self.text += text
-    if self.echo and "@@suite" in text:
-      print(f"  measured {json.loads(text.split('@@suite ', 1)[1])['mib']} MiB", flush=True)
+    if "@@suite" in text:
+      if self.bar is not None:
+        self.bar.update(1)
+      if self.echo:
+        line = f"  measured {json.loads(text.split('@@suite ', 1)[1])['mib']} MiB"
+        _say(line, self.bar)
     return len(text)
 
   def flush(self) -> None:
     pass
 
 
-def _run_job(args, n: int, sizes: list[int],
-             scratch: Path) -> tuple[list[dict[str, Any]], str | None]:
+def _say(line: str, bar: Any = None, file: Any = None) -> None:
+  """Prints a line (to stdout by default) above the progress bar, if one is drawn."""
+  file = sys.stdout if file is None else file
+  if bar is None:
+    print(line, file=file, flush=True)
+  else:
+    bar.write(line, file=file)
+    file.flush()
+
+
+def _run_job(args, n: int, sizes: list[int], scratch: Path,
+             bar: Any = None) -> tuple[list[dict[str, Any]], str | None]:
   """Runs one job for every size; returns its records and why it failed (None: it did not)."""
   from orbax_mtc import launch
 
@@ -355,7 +372,7 @@ def _run_job(args, n: int, sizes: list[int],
              "--loop-steps", str(args.loop_steps), "--save-every", str(args.save_every),
              "--step-ms", str(args.step_ms), "--contenders", *args.contenders,
              "--fresh-state", args.fresh_state]
-  out = _Collect(echo=not args.quiet)
+  out = _Collect(echo=not args.quiet, bar=bar)
   try:
     result = launch.run_processes(command, n, devices_per_process=1,
                                   local_root=scratch / "local",
@@ -369,7 +386,7 @@ def _run_job(args, n: int, sizes: list[int],
   if result.returncode != 0 or len(records) != len(sizes):
     killed = " (SIGKILL: out of memory or --timeout-s)" if 137 in result.returncodes else ""
     failure = f"the job failed with exit {result.returncodes}{killed}"
-    print(f"suite job with {n} processes: {failure}\n" + out.text[-4000:], file=sys.stderr)
+    _say(f"suite job with {n} processes: {failure}\n" + out.text[-4000:], bar, sys.stderr)
   return records, failure
 
 
@@ -389,28 +406,46 @@ def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="orbax-mtc bench suite",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 2048, 4096],
-                      help="state MiB per process (combinations that do not fit are skipped)")
-  parser.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4])
-  parser.add_argument("--reps", type=int, default=5)
+                      metavar="MIB",
+                      help="state MiB per process (combinations that do not fit are skipped) "
+                      "(default: 64 256 1024 2048 4096)")
+  parser.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4], metavar="N",
+                      help="process counts, one job each (default: 1 2 4)")
+  parser.add_argument("--reps", type=int, default=5,
+                      help="repetitions of each measurement; figures are medians "
+                      "(default: %(default)s)")
   parser.add_argument("--ondemand-reps", type=int, default=1,
-                      help="SIGTERM jobs per process count and size (0: none)")
-  parser.add_argument("--loop-steps", type=int, default=30)
-  parser.add_argument("--save-every", type=int, default=10)
+                      help="SIGTERM jobs per process count and size (0: none) "
+                      "(default: %(default)s)")
+  parser.add_argument("--loop-steps", type=int, default=30,
+                      help="training steps of the loop-overhead figure (default: %(default)s)")
+  parser.add_argument("--save-every", type=int, default=10,
+                      help="local save interval, in steps, of the loop-overhead figure "
+                      "(default: %(default)s)")
   parser.add_argument("--step-ms", type=float, default=200.0,
-                      help="training step length in the loop-overhead figure (device time)")
+                      help="training step length in the loop-overhead figure (device time) "
+                      "(default: %(default)s)")
   parser.add_argument("--contenders", nargs="+",
-                      default=["limits", "orbax", "emergency", "mtc", "loop"])
-  parser.add_argument("--out", default="bench-out", help="folder for suite.json/md/png")
+                      default=["limits", "orbax", "emergency", "mtc", "loop"],
+                      help="what to measure: limits (memcpy, raw I/O, collectives), orbax "
+                      "(plain CheckpointManager), emergency (Orbax's emergency manager), mtc, "
+                      "loop (train-loop overhead) (default: all five)")
+  parser.add_argument("--out", default="bench-out",
+                      help="folder for suite.json/md/png (default: %(default)s)")
   parser.add_argument("--scratch", default="/dev/shm",
-                      help="RAM disk under which the jobs' folders are made (and removed)")
+                      help="RAM disk under which the jobs' folders are made (and removed) "
+                      "(default: %(default)s)")
   parser.add_argument("--max-memory-gib", type=float, default=None,
                       help="memory the suite may plan for (default: what is free)")
-  parser.add_argument("--timeout-s", type=float, default=3600)
+  parser.add_argument("--timeout-s", type=float, default=3600,
+                      help="seconds one job may take before it is killed (default: %(default)s)")
   parser.add_argument("--fresh-state", choices=("auto", "on", "off"), default="auto",
                       help="save a fresh device copy of the state each time and hold the "
                       "save's blocking time to a device-to-host copy instead of a memcpy "
-                      "(auto: on unless the arrays are on CPU)")
-  parser.add_argument("--quiet", action="store_true")
+                      "(auto: on unless the arrays are on CPU) (default: %(default)s)")
+  parser.add_argument("--quiet", action="store_true",
+                      help="no progress lines or bar, only the final table "
+                      "(default: show progress)")
   return parser
 
 
@@ -430,21 +465,29 @@ def main(argv: Sequence[str] | None = None) -> int:
   ondemand_runs: list[dict[str, Any]] = []
   failed: list[dict[str, Any]] = []
   started = time.time()
-  for n, sizes in sorted(runs.items()):
-    if not args.quiet:
-      print(f"{n} process(es): sizes {sizes} MiB", flush=True)
-    scratch = Path(tempfile.mkdtemp(prefix="orbax-mtc-suite-", dir=args.scratch))
-    job_records, failure = _run_job(args, n, sizes, scratch)
-    records += job_records
-    measured = [r["mib"] for r in job_records]
-    failed += [{"procs": n, "mib": mib, "why": failure} for mib in sizes if mib not in measured]
-    for mib in measured:
-      for _ in range(args.ondemand_reps):
-        root = Path(tempfile.mkdtemp(prefix="orbax-mtc-suite-ondemand-", dir=args.scratch))
-        try:
-          ondemand_runs.append({"procs": n, **ondemand.run_once(n, mib, root)})
-        finally:
-          shutil.rmtree(root, ignore_errors=True)
+  # One unit per size measured and per on-demand job: a size whose job failed skips its
+  # on-demand jobs too, so the bar still ends at its total.
+  per_size = 1 + args.ondemand_reps
+  with cli.progress(total=per_size * sum(len(sizes) for sizes in runs.values()),
+                    desc="bench suite", unit="run", enabled=not args.quiet) as bar:
+    for n, sizes in sorted(runs.items()):
+      if not args.quiet:
+        _say(f"{n} process(es): sizes {sizes} MiB", bar)
+      scratch = Path(tempfile.mkdtemp(prefix="orbax-mtc-suite-", dir=args.scratch))
+      job_records, failure = _run_job(args, n, sizes, scratch, bar)
+      records += job_records
+      measured = [r["mib"] for r in job_records]
+      failed += [{"procs": n, "mib": mib, "why": failure} for mib in sizes
+                 if mib not in measured]
+      bar.update(per_size * max(0, len(sizes) - len(measured)))
+      for mib in measured:
+        for _ in range(args.ondemand_reps):
+          root = Path(tempfile.mkdtemp(prefix="orbax-mtc-suite-ondemand-", dir=args.scratch))
+          try:
+            ondemand_runs.append({"procs": n, **ondemand.run_once(n, mib, root)})
+          finally:
+            shutil.rmtree(root, ignore_errors=True)
+          bar.update(1)
   rows = [summarize(r, [o for o in ondemand_runs if o["procs"] == r["procs"]
                         and o["mib"] == r["mib"]]) for r in records]
   command = "orbax-mtc bench suite " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -1,0 +1,579 @@
+"""Parity with the installed Orbax `experimental.emergency` API (issue 30).
+
+The option dataclasses and constructor signatures are compared with Orbax's field by field, so a
+field or parameter a new Orbax adds fails here until we take a position on it in `DIFFERENCES`
+(and docs/api.md). Then `mtc.ReplicatorCheckpointManager`, built exactly as MaxText builds
+Orbax's, runs against the replicator simulator and restores bit for bit.
+
+Run as a script (`python tests/test_orbax_parity.py worker ...`) this file is the job process
+of those runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import pathlib
+import shutil
+import sys
+import time
+
+import pytest
+from mp_helpers import REPO_ROOT, assert_ok, child_env, mp_worker, tail
+
+from orbax_mtc import launch
+
+ROWS, SEED = 4, 7
+JOB_NAME = "parity-job"
+
+# (owner, name) -> (kind, reason). kind: "extra" (ours only), "absent" (Orbax's only),
+# "default" (same field, another default). Every entry must still be a difference.
+DIFFERENCES: dict[tuple[str, str], tuple[str, str]] = {
+    ("LocalCheckpointOptions", "directory_mode"): (
+        "extra", "permissions of the RAM tier's folders (weights are private by default)"),
+    ("LocalCheckpointOptions", "file_mode"): (
+        "extra", "permissions of the RAM tier's files"),
+    ("PersistentCheckpointOptions", "backup_interval_minutes"): (
+        "extra", "back up by minutes, the GKE replicator's backup-interval-minutes"),
+    ("PersistentCheckpointOptions", "best_fn"): (
+        "extra", "best_step/metrics rank persistent steps, as ocp.CheckpointManagerOptions"),
+    ("PersistentCheckpointOptions", "best_mode"): (
+        "extra", "with best_fn, as ocp.CheckpointManagerOptions"),
+    ("CheckpointManagerOptions", "replication"): (
+        "extra", "peer copies and the replica axis by name"),
+    ("CheckpointManagerOptions", "job_name"): ("extra", "names the .restore LKG links"),
+    ("CheckpointManagerOptions", "worker_index"): (
+        "extra", "the worker part of the .restore LKG links"),
+    ("CheckpointManagerOptions", "exit_after_ondemand_checkpoint"): (
+        "extra", "Pax's flag: exit after the SIGTERM checkpoint"),
+    ("CheckpointManagerOptions", "ondemand_grace_seconds"): (
+        "extra", "time budget of the SIGTERM checkpoint"),
+    ("CheckpointManagerOptions", "agreement_timeout_seconds"): (
+        "extra", "bound on every agreement (multiprocessing_options sets it too)"),
+    ("CheckpointManagerOptions", "mode"): ("extra", "standalone or managed (GKE replicator)"),
+    ("CheckpointManagerOptions", "managed"): ("extra", "managed mode's handshake options"),
+    ("CheckpointManager.__init__", "persistent_non_replicated_directory"): (
+        "absent", "not yet: save a data iterator with a plain ocp.CheckpointManager, or use "
+        "ReplicatorCheckpointManager(persistent_directory=...)"),
+    ("ReplicatorCheckpointManager.__init__", "mtc_options"): (
+        "extra", "job name, replica axis and handshake options of the managed manager"),
+    ("ReplicatorCheckpointManager.__init__", "_distributed_to_device_ids_fn"): (
+        "absent", "Orbax-private hook for Pathways sidecars (Pathways is not supported)"),
+    ("ReplicatorCheckpointManager.__init__", "_is_sidecar"): (
+        "absent", "Orbax-private hook for Pathways sidecars (Pathways is not supported)"),
+    ("ocp.CheckpointManager.__init__", "local_directory"): (
+        "extra", "parent-style form: adds a RAM tier (keyword-only)"),
+    ("ocp.CheckpointManager.__init__", "global_mesh"): ("extra", "with local_directory"),
+    ("ocp.CheckpointManager.__init__", "abstract_state"): ("extra", "with local_directory"),
+    ("ocp.CheckpointManager.__init__", "local_options"): ("extra", "with local_directory"),
+    ("ocp.CheckpointManager.__init__", "replication_options"): (
+        "extra", "with local_directory"),
+    ("ocp.CheckpointManager.__init__", "job_name"): ("extra", "with local_directory"),
+}
+
+
+def _orbax():
+  from orbax.checkpoint.experimental.emergency import checkpoint_manager as emergency
+  from orbax.checkpoint.experimental.emergency import replicator_checkpoint_manager as replicator
+
+  return emergency, replicator
+
+
+def _option_pairs():
+  import orbax_mtc as mtc
+
+  emergency, replicator = _orbax()
+  return [(mtc.LocalCheckpointOptions, emergency.LocalCheckpointOptions),
+          (mtc.PersistentCheckpointOptions, emergency.PersistentCheckpointOptions),
+          (mtc.CheckpointManagerOptions, emergency.CheckpointManagerOptions),
+          (mtc.MultiprocessingOptions, emergency.MultiprocessingOptions),
+          (mtc.ReplicatorCheckpointManagerOptions,
+           replicator.ReplicatorCheckpointManagerOptions)]
+
+
+def _default(field: dataclasses.Field):
+  if field.default is not dataclasses.MISSING:
+    return field.default
+  if field.default_factory is not dataclasses.MISSING:
+    return ("default_factory", field.default_factory.__name__)
+  return "required"
+
+
+def _differences(owner: str, ours: list[tuple[str, object]], theirs: list[tuple[str, object]]
+                 ) -> dict[tuple[str, str], str]:
+  """(owner, name) -> kind for every name or default that differs."""
+  mine, orbax = dict(ours), dict(theirs)
+  found = {(owner, n): "absent" for n in orbax if n not in mine}
+  found.update({(owner, n): "extra" for n in mine if n not in orbax})
+  found.update({(owner, n): "default" for n in orbax if n in mine and mine[n] != orbax[n]})
+  return found
+
+
+def _assert_positions_taken(found: dict[tuple[str, str], str], owners: set[str]) -> None:
+  listed = {key: kind for key, (kind, _) in DIFFERENCES.items() if key[0] in owners}
+  untaken = {key: kind for key, kind in found.items() if listed.get(key) != kind}
+  assert not untaken, (
+      f"differences from the installed Orbax without a position in DIFFERENCES (and "
+      f"docs/api.md): {untaken}")
+  stale = {key: kind for key, kind in listed.items() if found.get(key) != kind}
+  assert not stale, f"DIFFERENCES entries that are no longer differences: {stale}"
+
+
+# ----------------------------------------------------------------------------- fields
+
+
+@pytest.mark.parametrize("pair", range(5), ids=["local", "persistent", "manager",
+                                                 "multiprocessing", "replicator"])
+def test_option_fields_and_defaults_match_orbax(pair):
+  ours, theirs = _option_pairs()[pair]
+  assert ours.__name__ == theirs.__name__
+  mine = [(f.name, _default(f)) for f in dataclasses.fields(ours)]
+  orbax = [(f.name, _default(f)) for f in dataclasses.fields(theirs)]
+  _assert_positions_taken(_differences(ours.__name__, mine, orbax), {ours.__name__})
+  # Orbax's fields come first, in Orbax's order: positional arguments mean the same.
+  shared = [name for name, _ in mine if name in dict(orbax)]
+  assert shared == [name for name, _ in orbax]
+  assert [name for name, _ in mine[:len(shared)]] == shared
+
+
+def _params(signature: inspect.Signature) -> list[tuple[str, object]]:
+  return [(p.name, (p.kind, p.default)) for p in signature.parameters.values()
+          if p.name != "self"]
+
+
+def test_constructor_signatures_match_orbax():
+  import orbax.checkpoint as ocp
+
+  import orbax_mtc as mtc
+  from orbax_mtc import constructor
+
+  emergency, replicator = _orbax()
+  cases = [
+      ("CheckpointManager.__init__", constructor.MULTI_TIER_SIGNATURE,
+       inspect.signature(emergency.CheckpointManager.__init__)),
+      ("ReplicatorCheckpointManager.__init__",
+       inspect.signature(mtc.ReplicatorCheckpointManager.__init__),
+       inspect.signature(replicator.ReplicatorCheckpointManager.__init__)),
+      ("ocp.CheckpointManager.__init__", constructor.PARENT_STYLE_SIGNATURE,
+       inspect.signature(ocp.CheckpointManager.__init__)),
+  ]
+  found: dict[tuple[str, str], str] = {}
+  for owner, ours, theirs in cases:
+    mine, orbax = _params(ours), _params(theirs)
+    found.update(_differences(owner, mine, orbax))
+    # The shared parameters in the same order (positional calls mean the same).
+    shared = [n for n, _ in mine if n in dict(orbax)]
+    assert shared == [n for n, _ in orbax if n in dict(mine)], owner
+  _assert_positions_taken(found, {owner for owner, _, _ in cases})
+
+
+def test_replicator_manager_has_every_public_method_of_orbax_with_its_signature():
+  import orbax_mtc as mtc
+
+  _, replicator = _orbax()
+  theirs, ours = replicator.ReplicatorCheckpointManager, mtc.ReplicatorCheckpointManager
+  for name in (n for n in dir(theirs) if not n.startswith("_")):
+    assert hasattr(ours, name), name
+    if callable(getattr(theirs, name)):
+      assert _params(inspect.signature(getattr(ours, name))) == \
+          _params(inspect.signature(getattr(theirs, name))), name
+    else:
+      assert isinstance(getattr(ours, name), property), name
+
+
+def test_every_difference_is_documented():
+  text = (REPO_ROOT / "docs" / "api.md").read_text()
+  for owner, name in DIFFERENCES:
+    assert f"`{name}`" in text, f"docs/api.md does not mention {owner}.{name}"
+  for _, theirs in _option_pairs():
+    for field in dataclasses.fields(theirs):
+      assert f"`{field.name}`" in text, \
+          f"docs/api.md does not mention {theirs.__name__}.{field.name}"
+
+
+# ----------------------------------------------------------------------------- meanings
+
+
+@pytest.fixture
+def warnings_reset(monkeypatch, caplog):
+  """A process that has warned about nothing yet; absl's warnings captured."""
+  from orbax_mtc import options
+
+  monkeypatch.setattr(options, "_warned", set())
+  caplog.set_level("WARNING")
+  return caplog
+
+
+def _warnings(caplog, text: str) -> int:
+  return sum(text in r.getMessage() for r in caplog.records)
+
+
+def test_orbax_defaults():
+  import orbax_mtc as mtc
+
+  options = mtc.CheckpointManagerOptions()
+  assert (options.replica_axis_index, options.cleanup_tmp_directories,
+          options.single_host_load_and_broadcast, options.multiprocessing_options) == \
+      (0, False, True, None)
+  assert options.persistent.save_interval_steps == 1000
+  assert options.persistent_manager_options().cleanup_tmp_directories is False
+  assert options.local.save_interval_steps == 10 and options.local.max_to_keep == 1
+  # Minutes replace the default step interval; an explicit other interval conflicts.
+  assert mtc.PersistentCheckpointOptions(backup_interval_minutes=30).save_interval_steps is None
+  with pytest.raises(ValueError, match="not both"):
+    mtc.PersistentCheckpointOptions(save_interval_steps=100, backup_interval_minutes=30)
+
+
+def test_orbax_positional_arguments_mean_the_same():
+  import orbax_mtc as mtc
+
+  persistent = mtc.PersistentCheckpointOptions(50, 3, 100)
+  assert (persistent.save_interval_steps, persistent.max_to_keep, persistent.keep_period) == \
+      (50, 3, 100)
+  local = mtc.LocalCheckpointOptions(5, 2, False)
+  assert (local.save_interval_steps, local.max_to_keep, local.read_only) == (5, 2, False)
+
+
+def test_local_preservation_policy_latest_n_is_max_to_keep(warnings_reset):
+  import orbax.checkpoint as ocp
+
+  import orbax_mtc as mtc
+
+  policy = ocp.checkpoint_managers.LatestN(3)
+  local = mtc.LocalCheckpointOptions(preservation_policy=policy)
+  assert local.max_to_keep == 3
+  assert dataclasses.replace(local, save_interval_steps=4).max_to_keep == 3
+  with pytest.raises(ValueError, match="preservation_policy.*max_to_keep|max_to_keep.*"
+                                       "preservation_policy"):
+    mtc.LocalCheckpointOptions(max_to_keep=2, preservation_policy=policy)
+  with pytest.raises(ValueError, match="LatestN"):
+    mtc.LocalCheckpointOptions(preservation_policy=ocp.checkpoint_managers.LatestN(0))
+  assert _warnings(warnings_reset, "not applied") == 0
+  # Another policy has no RAM meaning: kept newest 1, warned once per process.
+  for _ in range(2):
+    other = mtc.LocalCheckpointOptions(
+        preservation_policy=ocp.checkpoint_managers.EveryNSteps(5))
+    assert other.max_to_keep == 1
+  assert _warnings(warnings_reset, "LocalCheckpointOptions.preservation_policy") == 1
+
+
+def test_persistent_preservation_policy_goes_to_orbax():
+  import orbax.checkpoint as ocp
+
+  import orbax_mtc as mtc
+
+  policy = ocp.checkpoint_managers.EveryNSteps(5)
+  options = mtc.CheckpointManagerOptions(
+      persistent=mtc.PersistentCheckpointOptions(preservation_policy=policy))
+  assert options.persistent_manager_options().preservation_policy is policy
+  with pytest.raises(ValueError, match="preservation_policy"):
+    mtc.PersistentCheckpointOptions(preservation_policy=policy, keep_period=10)
+
+
+def test_debug_use_full_global_mesh_is_accepted_without_a_warning(warnings_reset):
+  import orbax_mtc as mtc
+
+  assert mtc.LocalCheckpointOptions(debug_use_full_global_mesh=True).debug_use_full_global_mesh
+  assert _warnings(warnings_reset, "orbax-mtc") == 0
+  with pytest.raises(TypeError, match="debug_use_full_global_mesh"):
+    mtc.LocalCheckpointOptions(debug_use_full_global_mesh="yes")
+
+
+def test_multiprocessing_options_set_the_agreement_timeout():
+  import orbax.checkpoint as ocp
+
+  import orbax_mtc as mtc
+
+  emergency, _ = _orbax()
+  for mp in (mtc.MultiprocessingOptions(45), emergency.MultiprocessingOptions(45)):
+    options = mtc.CheckpointManagerOptions(multiprocessing_options=mp)
+    assert options.agreement_timeout_seconds == 45
+    assert dataclasses.replace(options, job_name="x").agreement_timeout_seconds == 45
+  assert mtc.CheckpointManagerOptions(
+      multiprocessing_options=mtc.MultiprocessingOptions(45),
+      agreement_timeout_seconds=45).agreement_timeout_seconds == 45
+  with pytest.raises(ValueError, match="same bound"):
+    mtc.CheckpointManagerOptions(multiprocessing_options=mtc.MultiprocessingOptions(45),
+                                 agreement_timeout_seconds=90)
+  with pytest.raises(TypeError, match="coordination_timeout_secs"):
+    mtc.CheckpointManagerOptions(multiprocessing_options=ocp.options.MultiprocessingOptions())
+  with pytest.raises(ValueError, match="coordination_timeout_secs"):
+    mtc.MultiprocessingOptions(0)
+
+
+def test_bool_fields_are_checked():
+  import orbax_mtc as mtc
+
+  for name in ("cleanup_tmp_directories", "single_host_load_and_broadcast"):
+    with pytest.raises(TypeError, match=name):
+      mtc.CheckpointManagerOptions(**{name: 1})
+  mtc.CheckpointManagerOptions(single_host_load_and_broadcast=False)
+
+
+def test_replica_axis_index_default_and_the_size_one_warning(warnings_reset):
+  import orbax_mtc as mtc
+  from orbax_mtc.options import replica_axis_name
+
+  default = mtc.CheckpointManagerOptions()
+  sizes = {"diloco": 1, "data": 2, "fsdp": 4}
+  names = tuple(sizes)
+  assert replica_axis_name(default, names, axis_sizes=sizes) == "diloco"  # Orbax's axis 0
+  assert _warnings(warnings_reset, "replica_axis_index=0 picks mesh axis 'diloco'") == 1
+  named = mtc.CheckpointManagerOptions(replication=mtc.ReplicationOptions(replica_axis="data"))
+  assert replica_axis_name(named, names, axis_sizes=sizes) == "data"
+  by_name = mtc.CheckpointManagerOptions(replica_axis_index=None)
+  assert replica_axis_name(by_name, names, axis_sizes=sizes) == "data"
+  assert replica_axis_name(default, names, axis_sizes=sizes, multi_process=False) == "diloco"
+  assert _warnings(warnings_reset, "picks mesh axis") == 1
+
+
+def test_replicator_options_unused_fields_warn_once(warnings_reset):
+  import orbax_mtc as mtc
+  from orbax_mtc.options import ocp_path
+
+  for _ in range(2):
+    mtc.ReplicatorCheckpointManagerOptions(save_concurrent_gb=4, restore_concurrent_gb=8)
+    mtc.ReplicatorCheckpointManagerOptions(
+        step_name_format=ocp_path.step.standard_name_format(step_prefix="ckpt"))
+  assert _warnings(warnings_reset, "save_concurrent_gb=4 is not applied") == 1
+  assert _warnings(warnings_reset, "restore_concurrent_gb=8 is not applied") == 1
+  assert _warnings(warnings_reset, "step_name_format names the steps") == 1
+  mtc.ReplicatorCheckpointManagerOptions(
+      step_name_format=ocp_path.step.standard_name_format())
+  assert _warnings(warnings_reset, "step_name_format names the steps") == 1
+  with pytest.raises(ValueError, match="save_interval_steps"):
+    mtc.ReplicatorCheckpointManagerOptions(save_interval_steps=0)
+
+
+def test_replicator_manager_refuses_colocated_python_and_wrong_options(mesh, tmp_path):
+  import orbax.checkpoint as ocp
+
+  import orbax_mtc as mtc
+
+  with pytest.raises(ValueError, match="Pathways"):
+    mtc.ReplicatorCheckpointManager(
+        tmp_path / "local",
+        options=mtc.ReplicatorCheckpointManagerOptions(use_colocated_python=True),
+        global_mesh=mesh)
+  with pytest.raises(TypeError, match="ReplicatorCheckpointManagerOptions"):
+    mtc.ReplicatorCheckpointManager(tmp_path / "local", options=ocp.CheckpointManagerOptions(),
+                                    global_mesh=mesh)
+  assert not (tmp_path / "local").exists()
+
+
+def test_replicator_manager_args_are_checked_as_orbax_checks_them():
+  import numpy as np
+  import orbax.checkpoint as ocp
+
+  from orbax_mtc import replicator_manager
+
+  state = ocp.args.PyTreeSave({"x": np.zeros(2)})
+  with pytest.raises(ValueError, match="must be a Composite"):
+    replicator_manager._items(state)
+  with pytest.raises(ValueError, match="state is a required key"):
+    replicator_manager._items(ocp.args.Composite(other=state))
+  with pytest.raises(ValueError, match="process_metadata is a reserved key"):
+    replicator_manager._items(ocp.args.Composite(state=state, process_metadata=state))
+  assert set(replicator_manager._items(ocp.args.Composite(
+      state=state, dataset=ocp.args.JsonSave({})))) == {"state", "dataset"}
+  with pytest.raises(ValueError, match="does not infer restore targets"):
+    replicator_manager._ram_restore_item(ocp.args.PyTreeRestore())
+  json = ocp.args.JsonRestore()
+  assert replicator_manager._ram_restore_item(json) is json
+
+
+def test_restore_args_without_item_become_saved_leaf_targets(mesh):
+  import orbax.checkpoint as ocp
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from orbax_mtc import local_tier, replicator_manager
+
+  sharding = NamedSharding(mesh, PartitionSpec("data"))
+  item = replicator_manager._ram_restore_item(ocp.args.PyTreeRestore(restore_args={
+      "a": ocp.ArrayRestoreArgs(sharding=sharding),
+      "b": ocp.ArrayRestoreArgs(mesh=mesh, mesh_axes=PartitionSpec("model"))}))
+  assert item.item == {"a": local_tier.SavedLeaf(sharding),
+                       "b": local_tier.SavedLeaf(NamedSharding(mesh, PartitionSpec("model")))}
+  with pytest.raises(ValueError, match="has no sharding"):
+    replicator_manager._ram_restore_item(
+        ocp.args.PyTreeRestore(restore_args={"a": ocp.ArrayRestoreArgs()}))
+
+
+def test_replicator_manager_options_map_onto_managed_mode(mesh, monkeypatch, warnings_reset):
+  import orbax.checkpoint as ocp
+
+  import orbax_mtc as mtc
+  from orbax_mtc.replicator_manager import _manager_options
+
+  monkeypatch.setenv("JOBSET_NAME", "js")
+  fn = lambda step, last: step % 3 == 0  # noqa: E731
+  options = _manager_options(
+      mtc.ReplicatorCheckpointManagerOptions(
+          save_interval_steps=4, should_save_fn=fn, enable_async_checkpointing=False,
+          preservation_policy=ocp.checkpoint_managers.LatestN(2)), None, mesh)
+  assert (options.mode, options.job_name, options.enable_async_checkpointing) == \
+      ("managed", "js", False)
+  assert (options.local.save_interval_steps, options.local.should_save_fn,
+          options.local.max_to_keep) == (4, fn, 2)
+  assert options.persistent.backup_interval_minutes == 30  # Orbax's initialize default
+  assert options.replication.replica_axis == "data"
+  mine = mtc.CheckpointManagerOptions(job_name="mine", managed=mtc.ManagedOptions(
+      timeout_seconds=5), replication=mtc.ReplicationOptions(replica_axis="model"))
+  options = _manager_options(mtc.ReplicatorCheckpointManagerOptions(), mine, mesh)
+  assert (options.mode, options.job_name, options.managed.timeout_seconds,
+          options.replication.replica_axis, options.local.save_interval_steps,
+          options.local.max_to_keep) == ("managed", "mine", 5, "model", 1, 1)
+  with pytest.raises(ValueError, match="leave mtc_options.local at its default"):
+    _manager_options(mtc.ReplicatorCheckpointManagerOptions(),
+                     mtc.CheckpointManagerOptions(local=mtc.LocalCheckpointOptions(2)), mesh)
+  with pytest.raises(TypeError, match="mtc_options"):
+    _manager_options(mtc.ReplicatorCheckpointManagerOptions(), mtc.ManagedOptions(), mesh)
+  assert _warnings(warnings_reset, "orbax-mtc") == 0
+  other = ocp.checkpoint_managers.EveryNSteps(5)
+  options = _manager_options(mtc.ReplicatorCheckpointManagerOptions(preservation_policy=other),
+                             None, mesh)
+  assert options.local.max_to_keep == 1
+  assert _warnings(warnings_reset, "ReplicatorCheckpointManagerOptions.preservation_policy") == 1
+
+
+# ----------------------------------------------------------------------------- against the
+# replicator simulator, as MaxText builds Orbax's manager
+
+
+def _run(command: list[str], root: pathlib.Path, timeout_s: float = 150):
+  out = mp_worker.LineCollector()
+  env = {**child_env(), "JOBSET_NAME": JOB_NAME}
+  with launch.Job([sys.executable, str(pathlib.Path(__file__).resolve()), "worker", *command],
+                  2, devices_per_process=2, local_root=root, env=env, output=out) as job:
+    job.start()
+    result = job.wait(timeout_s)
+  assert_ok(result, out)
+  return out
+
+
+def _replicated(sim, step: int, timeout_s: float = 60) -> bool:
+  """Whether the simulator copied `step` to the peer within the time (the RAM tier keeps one
+  step, so a copy of an older one may lose the race with its retirement)."""
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    if any(e["step"] == str(step) for e in sim.events("REPLICATED")):
+      return True
+    time.sleep(0.05)
+  return False
+
+
+def _results(out) -> dict[int, dict[str, str]]:
+  results = mp_worker.parse_results(out.lines)
+  assert sorted(results) == [0, 1], tail(out)
+  for node, fields in results.items():
+    assert fields["ok"] == "1", f"node {node}: {fields['detail']}\n{tail(out)}"
+  return results
+
+
+@pytest.mark.timeout(400)
+def test_maxtext_style_replicator_manager_saves_and_restores_bit_exactly(tmp_path, shm_root):
+  from test_managed import simulators
+
+  with simulators(shm_root, tmp_path / "backup", 2) as sims:
+    out = _run(["save", "--steps", "7"], shm_root)
+    saved = [(node, f["step"]) for node, f in mp_worker.events(out.lines, "SAVED")
+             if f["saved"] == "1"]
+    assert sorted(saved) == [(n, s) for n in (0, 1) for s in ("0", "2", "4", "6")], tail(out)
+    for rank, sim in enumerate(sims):
+      # What the manager wrote: twins across the 2 data replicas, Orbax's 30 minutes.
+      assert sim.events("CONFIG") == [{"job": JOB_NAME, "rank": str(rank), "nodes": "2",
+                                       "dp": "2", "peers": f"[{1 - rank}]",
+                                       "interval": "30"}], sim.text()
+      assert _replicated(sim, 6), sim.text()
+    assert (shm_root / "node0" / "6" / "manifest.json").is_file()  # the replicator's layout
+
+    out = _run(["restore"], shm_root)
+  results = _results(out)
+  assert {n: (f["step"], f["latest"]) for n, f in results.items()} == \
+      {0: ("6", "6"), 1: ("6", "6")}, tail(out)
+
+
+@pytest.mark.timeout(400)
+def test_node_replaced_restores_state_from_its_peer_and_dataset_from_persistent(
+    tmp_path, shm_root):
+  from test_managed import SimNode, simulators
+
+  dataset = tmp_path / "dataset"
+  with simulators(shm_root, tmp_path / "backup", 2) as sims:
+    _run(["save", "--steps", "5", "--dataset", str(dataset)], shm_root)
+    assert sorted(p.name for p in dataset.iterdir() if p.name.isdigit()) == ["0", "2", "4"]
+    for sim in sims:
+      assert _replicated(sim, 4), sim.text()
+    # Node 1 is replaced: its daemon and its whole RAM volume are gone; a new daemon starts.
+    sims[1].kill()
+    shutil.rmtree(shm_root / "node1")
+    sims[1] = SimNode(shm_root, 1, tmp_path / "backup")
+    out = _run(["restore", "--restore-none", "--dataset", str(dataset)], shm_root)
+    assert sims[1].events("RESTORE") == [{"rank": "1", "step": "4", "source": "peer"}]
+  results = _results(out)
+  assert {n: (f["step"], f["tier"], f["dataset"]) for n, f in results.items()} == \
+      {0: ("4", "replicator", "40"), 1: ("4", "replicator", "40")}, tail(out)
+
+
+# ----------------------------------------------------------------------------- job process
+
+
+def _worker(argv: list[str]) -> int:
+  import argparse
+
+  parser = argparse.ArgumentParser()
+  parser.add_argument("phase", choices=["save", "restore"])
+  parser.add_argument("--steps", type=int, default=0)
+  parser.add_argument("--dataset", default=None)
+  parser.add_argument("--restore-none", action="store_true")
+  args = parser.parse_args(argv)
+
+  import jax
+  import orbax.checkpoint as ocp
+  from etils import epath
+
+  import orbax_mtc as mtc
+  from orbax_mtc import distributed
+
+  distributed.initialize()
+  mesh = mp_worker.make_mesh()
+  me = jax.process_index()
+  extra = {} if args.dataset is None else {"persistent_directory": epath.Path(args.dataset)}
+  # As MaxText's create_orbax_emergency_replicator_checkpoint_manager builds Orbax's.
+  mgr = mtc.ReplicatorCheckpointManager(
+      epath.Path(distributed.local_directory()),
+      options=mtc.ReplicatorCheckpointManagerOptions(save_interval_steps=2,
+                                                     use_colocated_python=False),
+      global_mesh=mesh, **extra)
+  with mgr:
+    if args.phase == "save":
+      for step in range(args.steps):
+        items = {"state": ocp.args.PyTreeSave(mp_worker.make_state(mesh, ROWS, SEED, step))}
+        if args.dataset:
+          items["dataset"] = ocp.args.JsonSave({"position": 10 * step})
+        saved = mgr.save(step, args=ocp.args.Composite(**items))
+        mp_worker._out(f"SAVED step={step} saved={int(saved)}")
+      mgr.wait_until_finished()
+    else:
+      abstract = mp_worker.abstract_state(mesh, ROWS)
+      restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), abstract)
+      items = {"state": ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args)}
+      if args.dataset:
+        items["dataset"] = ocp.args.JsonRestore()
+      latest = mgr.latest_step()
+      restored = mgr.restore(None if args.restore_none else latest,
+                             args=ocp.args.Composite(**items))
+      info = mgr.manager.last_restore
+      problems = mp_worker.compare_state(restored["state"],
+                                         mp_worker.make_state(mesh, ROWS, SEED, info.step))
+      position = restored["dataset"]["position"] if args.dataset else "-"
+      mp_worker._out(f"RESULT process={me} step={info.step} latest={latest} tier={info.tier} "
+                     f"dataset={position} ok={int(not problems)} "
+                     f"detail={'; '.join(problems) or '-'}")
+  return 0
+
+
+if __name__ == "__main__":
+  if sys.argv[1:2] == ["worker"]:
+    sys.exit(_worker(sys.argv[2:]))
+  sys.exit("usage: test_orbax_parity.py worker save|restore [...]")
