@@ -7,6 +7,9 @@
 #   PROJECT_ID=my-project ZONE=us-east5-b JOB_NAME=my-job SLICES=2 \
 #     bash configs/tpu-vm/create-queued-resource.sh
 #
+# Cloud TPU's queued-resources guide uses the GA `gcloud compute tpus queued-resources`
+# commands; this script does too, except for the create call with Autocheckpoint (below).
+#
 # Every setting is an environment variable with a default; DRY_RUN=1 prints the command.
 set -euo pipefail
 
@@ -17,7 +20,11 @@ QUEUED_RESOURCE_ID="${QUEUED_RESOURCE_ID:-${JOB_NAME}}"
 ACCELERATOR_TYPE="${ACCELERATOR_TYPE:-v5litepod-16}"
 RUNTIME_VERSION="${RUNTIME_VERSION:-v2-alpha-tpuv5-lite}"
 SLICES="${SLICES:-1}"                           # > 1: a multislice job
-# e.g. --spot, --reserved, --best-effort, --valid-until-duration=6h
+# 1: --autocheckpoint-enabled. gcloud has that flag only in its alpha track, so the request
+# then goes through `gcloud alpha`; 0: the GA `gcloud compute tpus queued-resources create`
+# (no SIGTERM before maintenance: only the RAM steps, peers and backups protect the run).
+AUTOCHECKPOINT="${AUTOCHECKPOINT:-1}"
+# e.g. --spot, --reserved, --valid-until-duration=6h (GA); --best-effort needs alpha
 EXTRA_ARGS="${EXTRA_ARGS:-}"
 
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -27,10 +34,15 @@ if ((SLICES == 1)); then
 else
   nodes=(--node-prefix="${JOB_NAME}" --node-count="${SLICES}")
 fi
+gcloud_track=(gcloud)
+if [[ "${AUTOCHECKPOINT}" == "1" ]]; then
+  gcloud_track+=(alpha)
+  nodes+=(--autocheckpoint-enabled)
+fi
 # shellcheck disable=SC2086  # EXTRA_ARGS holds several flags
-run gcloud alpha compute tpus queued-resources create "${QUEUED_RESOURCE_ID}" \
+run "${gcloud_track[@]}" compute tpus queued-resources create "${QUEUED_RESOURCE_ID}" \
   --project="${PROJECT_ID}" --zone="${ZONE}" \
   --accelerator-type="${ACCELERATOR_TYPE}" --runtime-version="${RUNTIME_VERSION}" \
-  "${nodes[@]}" --autocheckpoint-enabled ${EXTRA_ARGS}
-echo "wait for ACTIVE: gcloud alpha compute tpus queued-resources describe" \
+  "${nodes[@]}" ${EXTRA_ARGS}
+echo "wait for ACTIVE: gcloud compute tpus queued-resources describe" \
   "${QUEUED_RESOURCE_ID} --project=${PROJECT_ID} --zone=${ZONE}"

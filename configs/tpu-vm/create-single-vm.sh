@@ -13,12 +13,21 @@ ZONE="${ZONE:-us-central2-b}"
 JOB_NAME="${JOB_NAME:-mtc-job}"                 # the TPU VM's name
 ACCELERATOR_TYPE="${ACCELERATOR_TYPE:-v4-8}"
 RUNTIME_VERSION="${RUNTIME_VERSION:-tpu-ubuntu2204-base}"
+# 1: --autocheckpoint-enabled, which gcloud has only in its alpha track; 0: the GA
+# `gcloud compute tpus tpu-vm create` without it.
+AUTOCHECKPOINT="${AUTOCHECKPOINT:-1}"
 EXTRA_ARGS="${EXTRA_ARGS:-}"                    # e.g. --spot
 
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
+gcloud_track=(gcloud)
+flags=()
+if [[ "${AUTOCHECKPOINT}" == "1" ]]; then
+  gcloud_track+=(alpha)
+  flags+=(--autocheckpoint-enabled)
+fi
 # shellcheck disable=SC2086  # EXTRA_ARGS holds several flags
-run gcloud alpha compute tpus tpu-vm create "${JOB_NAME}" \
+run "${gcloud_track[@]}" compute tpus tpu-vm create "${JOB_NAME}" \
   --project="${PROJECT_ID}" --zone="${ZONE}" \
   --accelerator-type="${ACCELERATOR_TYPE}" --version="${RUNTIME_VERSION}" \
-  --autocheckpoint-enabled ${EXTRA_ARGS}
+  ${flags[@]+"${flags[@]}"} ${EXTRA_ARGS}

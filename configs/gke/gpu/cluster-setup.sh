@@ -6,6 +6,8 @@
 #   source rendered/env.sh
 #   PROJECT_ID=my-project REGION=us-central1 ZONE=us-central1-a \
 #     bash configs/gke/gpu/cluster-setup.sh create     # or: update (existing cluster)
+#   ... cluster-setup.sh upgrade     # delete and recreate the CheckpointConfiguration
+#   ... cluster-setup.sh uninstall   # delete it and disable the add-on
 #   kubectl apply -f rendered/jobset-maxtext.yaml
 #
 # Every setting is an environment variable with a default; DRY_RUN=1 prints the commands.
@@ -14,10 +16,6 @@
 set -euo pipefail
 
 MODE="${1:-create}"
-if [[ "${MODE}" != "create" && "${MODE}" != "update" ]]; then
-  echo "usage: $0 [create|update]" >&2
-  exit 2
-fi
 
 PROJECT_ID="${PROJECT_ID:-my-project}"
 REGION="${REGION:-us-central1}"
@@ -37,13 +35,20 @@ RENDERED="${RENDERED:-rendered}"
 
 # shellcheck source=../lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
+check_mode
 
-create_bucket
-create_or_update_cluster
-run gcloud container node-pools create "${CLUSTER_NAME}-gpu" \
-  --project="${PROJECT_ID}" --cluster="${CLUSTER_NAME}" --location="${REGION}" \
-  --node-locations="${ZONE}" --machine-type="${MACHINE_TYPE}" \
-  --accelerator="type=${GPU_TYPE},count=${GPUS_PER_NODE},gpu-driver-version=latest" \
-  --num-nodes="${NODES}"
-grant_bucket_access
-apply_manifests
+case "${MODE}" in
+  upgrade) recreate_checkpoint_configuration ;;
+  uninstall) uninstall_multi_tier_checkpointing ;;
+  *)
+    create_bucket
+    create_or_update_cluster
+    run gcloud container node-pools create "${CLUSTER_NAME}-gpu" \
+      --project="${PROJECT_ID}" --cluster="${CLUSTER_NAME}" --location="${REGION}" \
+      --node-locations="${ZONE}" --machine-type="${MACHINE_TYPE}" \
+      --accelerator="type=${GPU_TYPE},count=${GPUS_PER_NODE},gpu-driver-version=latest" \
+      --num-nodes="${NODES}"
+    grant_bucket_access
+    apply_manifests
+    ;;
+esac

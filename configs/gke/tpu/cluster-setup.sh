@@ -6,16 +6,14 @@
 #   source rendered/env.sh
 #   PROJECT_ID=my-project REGION=us-east5 ZONE=us-east5-b \
 #     bash configs/gke/tpu/cluster-setup.sh create     # or: update (existing cluster)
+#   ... cluster-setup.sh upgrade     # delete and recreate the CheckpointConfiguration
+#   ... cluster-setup.sh uninstall   # delete it and disable the add-on
 #   kubectl apply -f rendered/jobset-maxtext.yaml
 #
 # Every setting is an environment variable with a default; DRY_RUN=1 prints the commands.
 set -euo pipefail
 
 MODE="${1:-create}"
-if [[ "${MODE}" != "create" && "${MODE}" != "update" ]]; then
-  echo "usage: $0 [create|update]" >&2
-  exit 2
-fi
 
 PROJECT_ID="${PROJECT_ID:-my-project}"
 REGION="${REGION:-us-east5}"              # the cluster's location
@@ -37,14 +35,21 @@ RENDERED="${RENDERED:-rendered}"          # the --render folder of `orbax-mtc si
 
 # shellcheck source=../lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
+check_mode
 
-create_bucket
-create_or_update_cluster
-for ((slice = 0; slice < SLICES; slice++)); do
-  run gcloud container node-pools create "${CLUSTER_NAME}-tpu-${slice}" \
-    --project="${PROJECT_ID}" --cluster="${CLUSTER_NAME}" --location="${REGION}" \
-    --node-locations="${ZONE}" --machine-type="${MACHINE_TYPE}" \
-    --tpu-topology="${TPU_TOPOLOGY}" --num-nodes="${NODES}"
-done
-grant_bucket_access
-apply_manifests
+case "${MODE}" in
+  upgrade) recreate_checkpoint_configuration ;;
+  uninstall) uninstall_multi_tier_checkpointing ;;
+  *)
+    create_bucket
+    create_or_update_cluster
+    for ((slice = 0; slice < SLICES; slice++)); do
+      run gcloud container node-pools create "${CLUSTER_NAME}-tpu-${slice}" \
+        --project="${PROJECT_ID}" --cluster="${CLUSTER_NAME}" --location="${REGION}" \
+        --node-locations="${ZONE}" --machine-type="${MACHINE_TYPE}" \
+        --tpu-topology="${TPU_TOPOLOGY}" --num-nodes="${NODES}"
+    done
+    grant_bucket_access
+    apply_manifests
+    ;;
+esac
