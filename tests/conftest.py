@@ -145,3 +145,36 @@ def flip_byte(path, offset: int, mask: int = 0xFF) -> None:
     byte = f.read(1)
     f.seek(offset)
     f.write(bytes([byte[0] ^ mask]))
+
+
+@pytest.fixture
+def saved(shm_dir, mesh):
+  """Steps 0..6 saved: local holds 4 and 6, persistent holds 0 and 4."""
+  import orbax.checkpoint as ocp
+
+  import orbax_mtc as mtc
+  from orbax_mtc import local_tier
+
+  local, persistent = shm_dir / "local", shm_dir / "persistent"
+  options = mtc.CheckpointManagerOptions(
+      local=mtc.LocalCheckpointOptions(save_interval_steps=2, max_to_keep=2),
+      persistent=mtc.PersistentCheckpointOptions(save_interval_steps=4))
+  with mtc.CheckpointManager(local, persistent, mesh, abstract_of(make_state(mesh)),
+                             options=options) as mgr:
+    for step in range(7):
+      mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(make_state(mesh, step))))
+  assert local_tier.committed_steps(local) == [4, 6]
+  return local, persistent
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+  """A GCS JSON-API server on loopback (tests/gcs_server.py), killed after the module."""
+  from gcs_server import GcsServer
+
+  server = GcsServer(tmp_path_factory.mktemp("gcs-data"))
+  server.start()
+  try:
+    yield server
+  finally:
+    server.kill()

@@ -8,11 +8,8 @@ import shutil
 import subprocess
 import sys
 
-import orbax.checkpoint as ocp
 import pytest
-from conftest import abstract_of, make_state
 
-import orbax_mtc as mtc
 from orbax_mtc import cli, inspection, local_tier
 
 pytestmark = pytest.mark.timeout(120)
@@ -27,21 +24,6 @@ def _run_cli(*args):
   env["JAX_PLATFORMS"] = "cpu"
   return subprocess.run([sys.executable, "-m", "orbax_mtc", *map(str, args)], env=env,
                         capture_output=True, text=True, timeout=90, check=False)
-
-
-@pytest.fixture
-def saved(shm_dir, mesh):
-  """Steps 0..6 saved: local holds 4 and 6, persistent holds 0 and 4."""
-  local, persistent = shm_dir / "local", shm_dir / "persistent"
-  options = mtc.CheckpointManagerOptions(
-      local=mtc.LocalCheckpointOptions(save_interval_steps=2, max_to_keep=2),
-      persistent=mtc.PersistentCheckpointOptions(save_interval_steps=4))
-  with mtc.CheckpointManager(local, persistent, mesh, abstract_of(make_state(mesh)),
-                             options=options) as mgr:
-    for step in range(7):
-      mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(make_state(mesh, step))))
-  assert local_tier.committed_steps(local) == [4, 6]
-  return local, persistent
 
 
 def _flip_first_shard(step_dir):

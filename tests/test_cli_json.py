@@ -21,9 +21,8 @@ from importlib import metadata
 
 import orbax.checkpoint as ocp
 import pytest
-from conftest import abstract_of, make_state
+from conftest import flip_byte
 
-import orbax_mtc as mtc
 from orbax_mtc import cli, inspection, local_tier, persistent_gc, sizing
 
 pytestmark = pytest.mark.timeout(180)
@@ -54,21 +53,6 @@ def _document(stdout: str, schema: str) -> dict:
 
 
 @pytest.fixture
-def saved(shm_dir, mesh):
-  """Steps 0..6 saved: local holds 4 and 6, persistent holds 0 and 4."""
-  local, persistent = shm_dir / "local", shm_dir / "persistent"
-  options = mtc.CheckpointManagerOptions(
-      local=mtc.LocalCheckpointOptions(save_interval_steps=2, max_to_keep=2),
-      persistent=mtc.PersistentCheckpointOptions(save_interval_steps=4))
-  with mtc.CheckpointManager(local, persistent, mesh, abstract_of(make_state(mesh)),
-                             options=options) as mgr:
-    for step in range(7):
-      mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(make_state(mesh, step))))
-  assert local_tier.committed_steps(local) == [4, 6]
-  return local, persistent
-
-
-@pytest.fixture
 def orbax_dir(shm_dir):
   """Five steps written by plain Orbax, plus a step still being written."""
   import numpy as np
@@ -83,13 +67,8 @@ def orbax_dir(shm_dir):
 
 
 def _flip_first_shard(step_dir):
-  manifest = local_tier.read_manifest(step_dir)
-  shard = manifest.items["state"].leaves[0].shards[0]
-  with open(step_dir / local_tier.DATA, "r+b") as f:
-    f.seek(shard.offset)
-    byte = f.read(1)
-    f.seek(shard.offset)
-    f.write(bytes([byte[0] ^ 0x01]))
+  shard = local_tier.read_manifest(step_dir).items["state"].leaves[0].shards[0]
+  flip_byte(step_dir / local_tier.DATA, shard.offset, 0x01)
 
 
 def _steps(directory):
@@ -472,18 +451,6 @@ def test_bench_without_a_benchmark_is_a_usage_error(capsys):
 
 
 # ----------------------------------------------------------------------------- gc on gs://
-
-
-@pytest.fixture(scope="module")
-def gcs(tmp_path_factory):
-  from gcs_server import GcsServer
-
-  server = GcsServer(tmp_path_factory.mktemp("gcs-data"))
-  server.start()
-  try:
-    yield server
-  finally:
-    server.kill()
 
 
 _SAVE_STEPS = """

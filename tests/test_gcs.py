@@ -35,16 +35,6 @@ pytestmark = pytest.mark.timeout(300)
 ROWS = 1024  # params/w holds 256 KiB per process and step
 
 
-@pytest.fixture(scope="module")
-def gcs(tmp_path_factory):
-  server = GcsServer(tmp_path_factory.mktemp("gcs-data"))
-  server.start()
-  try:
-    yield server
-  finally:
-    server.kill()
-
-
 def bucket_objects(server: GcsServer, prefix: str) -> dict[str, int]:
   """name -> size of every object under `prefix`, read straight from the server."""
   from google.auth.credentials import AnonymousCredentials
