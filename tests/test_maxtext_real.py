@@ -171,6 +171,7 @@ def dirs(tmp_path):
   """(persistent output root, RAM-disk folder); the RAM folder is removed afterwards."""
   local = pathlib.Path("/dev/shm") / f"orbax-mtc-maxtext-{os.getpid()}-{uuid.uuid4().hex[:8]}"
   yield tmp_path / "out", local
+  shutil.rmtree(local.with_name(local.name + ".gone"), ignore_errors=True)
   if local.is_dir() and not local.is_symlink():
     shutil.rmtree(local, ignore_errors=True)
   else:  # the failed-save test leaves a file in its place
@@ -377,8 +378,10 @@ def test_a_failed_save_fails_the_job(runs, venv_python, base_yml, dirs):
   job = train(runs, venv_python, base_yml, out, "steps=1000",
               *_emergency(local, "local_checkpoint_period=2", "checkpoint_period=2"))
   job.wait_for(r"completed step: 3,")
-  shutil.rmtree(local)
-  local.write_text("not a folder any more\n")  # the RAM disk can no longer take a step
+  # Moved away in one rename (deleting it would race the writer still filling it), and a
+  # file put in its place: the RAM disk can no longer take a step.
+  local.rename(local.with_name(local.name + ".gone"))
+  local.write_text("not a folder any more\n")
   status = job.finish()
   assert status not in (0, -signal.SIGKILL), job.tail()
   job.wait_for(r"RuntimeError: Checkpointing failed\. .*" + re.escape(str(local)))
