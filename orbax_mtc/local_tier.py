@@ -59,6 +59,13 @@ import numpy as np
 from absl import logging
 from orbax.checkpoint import args as ocp_args
 
+from orbax_mtc.files import (  # noqa: F401  (re-exported for the tiers that use them)
+  check_owner,
+  fsync_dir,
+  make_private_dir,
+  write_private_file,
+)
+
 FORMAT = "orbax-mtc/local/2"
 MANIFEST_CRC_KEY = "manifest_crc32c"
 MANIFEST = "manifest.json"
@@ -904,49 +911,6 @@ def committed_steps(root: Path) -> list[int]:
       if is_committed:
         steps.append(int(entry.name))
   return sorted(steps)
-
-
-def fsync_dir(path: Path) -> None:
-  fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
-def make_private_dir(path: Path, mode: int, *, exist_ok: bool = True) -> bool:
-  """Creates a folder with exactly `mode` (the umask could only narrow it); True if created."""
-  try:
-    os.mkdir(path, mode)
-  except FileExistsError:
-    if not exist_ok:
-      raise
-    return False
-  os.chmod(path, mode)
-  return True
-
-
-def write_private_file(path: Path, data: bytes, mode: int) -> None:
-  """Writes a new file (replacing a regular file, never through a link) with `mode`, fsynced."""
-  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-  try:
-    os.fchmod(fd, mode)
-    view = memoryview(data)
-    while view:
-      view = view[os.write(fd, view):]
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
-def check_owner(path: Path, what: str) -> None:
-  """ValueError unless this process's user owns `path` (it holds private model weights)."""
-  owner, me = os.stat(path).st_uid, os.geteuid()
-  if owner != me:
-    raise ValueError(
-        f"{what} {path} is owned by uid {owner}, not by this process (uid {me}). The RAM tier "
-        "holds the model's weights, so it only uses a folder of its own: choose another folder, "
-        f"or give it to this user (chown {me} {path}; chmod 700 {path}).")
 
 
 def _crc(data: np.ndarray) -> int:
