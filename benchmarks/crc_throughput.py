@@ -1,10 +1,10 @@
 """CRC32C throughput of google-crc32c (the dependency) against crc32c (the LGPL package it
-replaced), on one buffer, in the chunks the local tier uses (`local_tier._CRC_CHUNK`):
+replaced), on one buffer, in the chunks the local tier uses (`checksum.CRC_CHUNK`):
 
   python benchmarks/crc_throughput.py --gib 1 --reps 11 --threads 2
 
 Contenders: `google-crc32c` (google_crc32c.extend, which holds the GIL for numpy arrays),
-`orbax-mtc` (local_tier._crc_extend: the same C library through ctypes, GIL released) and
+`orbax-mtc` (checksum.crc_extend: the same C library through ctypes, GIL released) and
 `crc32c`, a dev-only comparison that is not a dependency: timed only where it is installed.
 The buffer is allocated and filled once; the contenders then take turns (the first rotates
 each repetition). Prints medians in GiB/s and ratios to crc32c, for one thread and for
@@ -24,7 +24,7 @@ from collections.abc import Callable
 import google_crc32c
 import numpy as np
 
-from orbax_mtc import local_tier
+from orbax_mtc.local import checksum
 
 try:
   import crc32c
@@ -36,8 +36,8 @@ Extend = Callable[[int, np.ndarray], int]
 
 def _chunked(extend: Extend, data: np.ndarray) -> int:
   value = 0
-  for start in range(0, data.nbytes, local_tier._CRC_CHUNK):
-    value = extend(value, data[start:start + local_tier._CRC_CHUNK])
+  for start in range(0, data.nbytes, checksum.CRC_CHUNK):
+    value = extend(value, data[start:start + checksum.CRC_CHUNK])
   return value
 
 
@@ -86,13 +86,13 @@ def main() -> None:
   nbytes = int(args.gib * 2**30)
   data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)  # touches every page
   libraries: dict[str, Extend] = {"google-crc32c": google_crc32c.extend,
-                                  "orbax-mtc": local_tier._crc_extend}
+                                  "orbax-mtc": checksum.crc_extend}
   if crc32c is None:
     print("crc32c is not installed: timing google-crc32c alone (pip install crc32c to compare)")
   else:
     libraries["crc32c"] = lambda value, chunk: crc32c.crc32c(chunk, value)
   print(f"google-crc32c implementation: {google_crc32c.implementation}; "
-        f"{nbytes / 2**30:g} GiB in {local_tier._CRC_CHUNK >> 20} MiB chunks, {args.reps} reps")
+        f"{nbytes / 2**30:g} GiB in {checksum.CRC_CHUNK >> 20} MiB chunks, {args.reps} reps")
   for threads in sorted({1, args.threads}):
     pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
     seconds: dict[str, list[float]] = {name: [] for name in libraries}

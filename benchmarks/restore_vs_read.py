@@ -20,7 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import orbax_mtc as mtc
-from orbax_mtc.bench import limits
+from orbax_mtc.tools.bench import limits
 
 
 def main() -> None:

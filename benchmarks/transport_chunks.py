@@ -20,7 +20,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from orbax_mtc import distributed, transport
-from orbax_mtc.bench import limits
+from orbax_mtc.tools.bench import limits
 
 
 def _slowest(seconds: float) -> float:

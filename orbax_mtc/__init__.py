@@ -14,15 +14,18 @@ from orbax_mtc import distributed
 from orbax_mtc.agreement import CheckpointError
 from orbax_mtc.backup import BackupError, BackupInfo, BackupIntervalPolicy
 from orbax_mtc.collectives import AgreementTimeoutError
-from orbax_mtc.local_lock import LocalDirectoryInUseError
-from orbax_mtc.local_tier import (
+from orbax_mtc.local.format import (
     AbstractStateMismatchError,
     CorruptStepError,
     LocalTierError,
     ManifestError,
 )
-from orbax_mtc.managed import initialize_multi_tier_checkpointing
-from orbax_mtc.manager import CheckpointManager, OnDemandSave, RestoreInfo
+from orbax_mtc.local.lock import LocalDirectoryInUseError
+from orbax_mtc.managed.manager import ReplicatorCheckpointManager
+from orbax_mtc.managed.protocol import ReplicatorError
+from orbax_mtc.managed.setup import initialize_multi_tier_checkpointing
+from orbax_mtc.manager import CheckpointManager, RestoreInfo
+from orbax_mtc.ondemand import OnDemandSave
 from orbax_mtc.options import (
     CheckpointManagerOptions,
     LocalCheckpointOptions,
@@ -32,8 +35,6 @@ from orbax_mtc.options import (
     ReplicationOptions,
     ReplicatorCheckpointManagerOptions,
 )
-from orbax_mtc.replicator import ReplicatorError
-from orbax_mtc.replicator_manager import ReplicatorCheckpointManager
 
 __version__ = "0.1.0"
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from orbax_mtc.cli import main
+from orbax_mtc.tools.cli import main
 
 if __name__ == "__main__":
   sys.exit(main())

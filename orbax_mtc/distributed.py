@@ -1,8 +1,8 @@
 """Joining `jax.distributed`, from our launcher's environment or a real cluster's.
 
-`orbax-mtc launch` (see `orbax_mtc.launch`) starts N local processes, each playing one host, and
-tells each who it is through the `ORBAX_MTC_*` variables below. On a real cluster (Cloud TPU pod,
-SLURM, Open MPI, Kubernetes) those are absent and JAX's own cluster detection finds the
+`orbax-mtc launch` (`orbax_mtc.tools.launch`) starts N local processes, each playing one host,
+and tells each who it is through the `ORBAX_MTC_*` variables below. On a real cluster (Cloud TPU
+pod, SLURM, Open MPI, Kubernetes) those are absent and JAX's own cluster detection finds the
 coordinator. With neither, the job runs as a single process without `jax.distributed`, which the
 checkpoint manager supports (RAM tier + persistent tier, SIGTERM through our own handler).
 
@@ -50,7 +50,7 @@ __all__ = [
     "worker_index",
 ]
 
-# Environment contract between `orbax_mtc.launch` and its children.
+# Environment contract between `orbax_mtc.tools.launch` and its children.
 ORBAX_MTC_COORDINATOR = "ORBAX_MTC_COORDINATOR"  # "127.0.0.1:PORT"
 ORBAX_MTC_NUM_PROCESSES = "ORBAX_MTC_NUM_PROCESSES"
 ORBAX_MTC_PROCESS_ID = "ORBAX_MTC_PROCESS_ID"

@@ -21,7 +21,7 @@ from pathlib import Path
 RESTORE_SUFFIX = ".restore"
 _RESTORE_RE = re.compile(r"^(?P<job>.+)-s(?P<step>\d+)-n(?P<node>\d+)-w(?P<worker>\d+)\.restore$")
 _TMP_RE = re.compile(r"^\.(?P<link>.+-s\d+-n\d+-w\d+\.restore)\.[^./]+\.tmp$")
-# One process owns its local directory (local_lock), but its writer thread and main thread both
+# One process owns its local directory (local/lock.py), but its writer thread and main thread both
 # keep the link: the sweep of leftovers must not take a temporary link another thread is making.
 _lock = threading.Lock()
 
@@ -144,3 +144,39 @@ def remove_all(directory: Path, job_name: str, node_rank: int, worker_index: int
     for entry in list_entries(directory, strict=False):
       if _is_ours(entry, job_name, node_rank, worker_index):
         (directory / entry.name).unlink(missing_ok=True)
+
+
+class LinkKeeper:
+  """Keeps this node's LKG link on its newest committed step (standalone mode).
+
+  In managed mode GKE's replicator writes the entries: every call is then a no-op.
+
+  Args:
+    directory: this node's RAM folder.
+    job_name: the job's name.
+    node_rank: this process.
+    worker_index: this process's index inside its host.
+    managed: the replicator owns the entries.
+  """
+
+  def __init__(self, directory: Path, job_name: str, node_rank: int, worker_index: int, *,
+               managed: bool):
+    self._directory = Path(directory)
+    self._job_name = job_name
+    self._node_rank = node_rank
+    self._worker_index = worker_index
+    self._managed = managed
+
+  def committed(self, step: int) -> None:
+    """Points the link at `step`, just committed (runs on the writer thread: file I/O)."""
+    if not self._managed:
+      update(self._directory, self._job_name, step, self._node_rank, self._worker_index)
+
+  def refresh(self, steps: list[int]) -> None:
+    """Re-points the link after steps were removed: at the newest of `steps`, or none."""
+    if self._managed:
+      return
+    if steps:
+      self.committed(max(steps))
+    else:
+      remove_all(self._directory, self._job_name, self._node_rank, self._worker_index)

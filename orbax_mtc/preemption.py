@@ -183,3 +183,29 @@ def notice_time() -> float | None:
 def sigterm_count() -> int:
   """SIGTERMs our own handler has seen in this process (0 where JAX owns the signal)."""
   return _STATE.recorder.count
+
+
+class SyncPoint:
+  """One manager's view of the sync point: the answers per step, and the step it fired at.
+
+  Args:
+    owner: the thread that creates step ids (the training loop that built the manager);
+      other threads only look up answers already given.
+  """
+
+  def __init__(self, owner: threading.Thread):
+    self._owner = owner
+    self.step: int | None = None  # the step every process saves on demand
+
+  def reached(self, step: int) -> bool:
+    """Whether `step` is the sync point (the same answer on every process, and when asked
+    again)."""
+    step = int(step)
+    if threading.current_thread() is not self._owner:
+      return known_answer(step)
+    answer = reached(step)
+    if answer and self.step is None:
+      self.step = step
+      logging.warning("orbax-mtc: preemption notice: every process saves step %d on demand",
+                      step)
+    return answer

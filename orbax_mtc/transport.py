@@ -24,7 +24,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from orbax_mtc import local_tier, topology
+from orbax_mtc import topology
+from orbax_mtc.local import read as local_read
 
 _AXIS = "mtc_nodes"
 _MIN_CHUNK = 4096
@@ -122,7 +123,7 @@ class Transfer:
     for i, buffer in enumerate(self._free):
       if buffer.nbytes == length:
         return self._free.pop(i)
-    return local_tier.aligned_empty(length)
+    return local_read.aligned_empty(length)
 
   def _issue(self, chunk: _Chunk) -> None:
     mesh = _node_mesh()

@@ -35,7 +35,7 @@ from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
 import orbax_mtc
-from orbax_mtc import local_tier
+from orbax_mtc.local import store as local_store
 
 # As paxml/checkpoint_paths.py names step folders and items.
 CHECKPOINT_PREFIX = "checkpoint"
@@ -216,7 +216,7 @@ class PaxCheckpointManager:
     """Steps in either tier as this process sees them (no collective)."""
     if self._manager is not None:
       return list(self._manager.all_steps())
-    steps = set(local_tier.committed_steps(self._local_directory)) \
+    steps = set(local_store.committed_steps(self._local_directory)) \
         if self._local_directory.is_dir() else set()
     if self._directory.exists():
       steps |= {m.step for m in step_name_format().find_all(self._directory)}

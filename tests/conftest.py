@@ -1,5 +1,5 @@
 """Shared fixtures: a 4-device CPU platform in one process, scratch folders on the RAM disk,
-and a sharded mixed-dtype state on a 2x2 ("data", "model") mesh."""
+and a sharded mixed-dtype state on a 2x2 ("data", "model") mesh (from `orbax_mtc.testing`)."""
 
 from __future__ import annotations
 
@@ -55,87 +55,37 @@ def mesh():
   return jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
 
 
+# The state and comparison helpers are orbax_mtc.testing's, under the names the tests import
+# from here; imported when first called, so that collecting a test that needs no JAX stays cheap.
+
+
 def make_state(mesh, seed: int = 0, scale: int = 1) -> dict[str, Any]:
-  """A mixed-dtype pytree sharded along both mesh axes; every value depends on `seed`.
+  """`orbax_mtc.testing.example_state`: a mixed-dtype pytree on `mesh`, values from `seed`;
+  `scale` multiplies the leading dimension of the big leaf (params/w)."""
+  from orbax_mtc import testing
 
-  `scale` multiplies the leading dimension of the big leaf (w), to make larger states.
-  """
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
-
-  rng = np.random.default_rng(seed)
-
-  def put(x, spec):
-    return jax.device_put(x, NamedSharding(mesh, spec))
-
-  return {
-      "params": {
-          "w": put(rng.standard_normal((8 * scale, 6)).astype(np.float32), P("data", "model")),
-          "b": put(jnp.asarray(rng.standard_normal(8), dtype=jnp.bfloat16), P("model")),
-      },
-      "ids": put(rng.integers(-1000, 1000, (4, 4)).astype(np.int32), P()),
-      "scale": put(np.float32(seed + 0.5), P()),
-      "step": int(seed) * 7 + 1,
-      "host": rng.standard_normal(5),
-      "layers": [put(rng.standard_normal((4, 2)).astype(np.float32), P(None, "model"))],
-  }
+  return testing.example_state(mesh, seed, scale=scale)
 
 
 def abstract_of(state: Any) -> Any:
-  """jax.ShapeDtypeStruct (with sharding) for jax arrays; other leaves are kept as they are."""
-  import jax
+  """`orbax_mtc.testing.abstract_of`: jax.ShapeDtypeStruct (with sharding) for jax arrays."""
+  from orbax_mtc import testing
 
-  return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-      if isinstance(x, jax.Array) else x, state)
+  return testing.abstract_of(state)
 
 
 def assert_trees_equal(got: Any, want: Any) -> None:
-  """Bit-for-bit equality, same dtypes, same leaf types, same shardings for jax arrays."""
-  import jax
-  import numpy as np
+  """`orbax_mtc.testing.assert_trees_equal`: bit for bit, same dtypes, leaf types, shardings."""
+  from orbax_mtc import testing
 
-  got_flat, got_def = jax.tree_util.tree_flatten_with_path(got)
-  want_flat, want_def = jax.tree_util.tree_flatten_with_path(want)
-  assert got_def == want_def, f"tree structure differs: {got_def} vs {want_def}"
-  for (path, g), (_, w) in zip(got_flat, want_flat, strict=True):
-    where = jax.tree_util.keystr(path)
-    if isinstance(w, jax.Array):
-      assert isinstance(g, jax.Array), f"{where}: {type(g)} is not a jax.Array"
-      assert g.dtype == w.dtype, f"{where}: dtype {g.dtype} != {w.dtype}"
-      assert g.shape == w.shape, f"{where}: shape {g.shape} != {w.shape}"
-      assert g.sharding == w.sharding, f"{where}: sharding {g.sharding} != {w.sharding}"
-      for gs, ws in zip(sorted(g.addressable_shards, key=lambda s: s.device.id),
-                        sorted(w.addressable_shards, key=lambda s: s.device.id), strict=True):
-        assert gs.device == ws.device and gs.index == ws.index, where
-        assert np.asarray(gs.data).tobytes() == np.asarray(ws.data).tobytes(), \
-            f"{where}: shard on {gs.device} differs"
-      assert np.array_equal(np.asarray(g), np.asarray(w)), f"{where}: values differ"
-    elif isinstance(w, np.ndarray):
-      assert isinstance(g, np.ndarray), f"{where}: {type(g)} is not a numpy array"
-      assert g.dtype == w.dtype, f"{where}: dtype {g.dtype} != {w.dtype}"
-      assert np.array_equal(g, w) and g.tobytes() == w.tobytes(), f"{where}: values differ"
-    else:
-      assert type(g) is type(w), f"{where}: type {type(g)} != {type(w)}"
-      assert g == w, f"{where}: {g!r} != {w!r}"
+  testing.assert_trees_equal(got, want)
 
 
 def assert_host_equal(got: Any, want: Any) -> None:
-  """Bit-for-bit equality of values read back as numpy (e.g. by a plain Orbax restore)."""
-  import jax
-  import numpy as np
+  """`orbax_mtc.testing.assert_host_equal`: bit for bit, values read back as numpy."""
+  from orbax_mtc import testing
 
-  got_flat, got_def = jax.tree_util.tree_flatten_with_path(got)
-  want_flat, want_def = jax.tree_util.tree_flatten_with_path(want)
-  assert got_def == want_def, f"tree structure differs: {got_def} vs {want_def}"
-  for (path, g), (_, w) in zip(got_flat, want_flat, strict=True):
-    where = jax.tree_util.keystr(path)
-    g, w = np.asarray(g), np.asarray(w)
-    assert g.dtype == w.dtype, f"{where}: dtype {g.dtype} != {w.dtype}"
-    assert g.shape == w.shape and g.tobytes() == w.tobytes(), f"{where}: values differ"
+  testing.assert_host_equal(got, want)
 
 
 def flip_byte(path, offset: int, mask: int = 0xFF) -> None:
@@ -153,7 +103,7 @@ def saved(shm_dir, mesh):
   import orbax.checkpoint as ocp
 
   import orbax_mtc as mtc
-  from orbax_mtc import local_tier
+  from orbax_mtc.local.store import committed_steps
 
   local, persistent = shm_dir / "local", shm_dir / "persistent"
   options = mtc.CheckpointManagerOptions(
@@ -163,7 +113,7 @@ def saved(shm_dir, mesh):
                              options=options) as mgr:
     for step in range(7):
       mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(make_state(mesh, step))))
-  assert local_tier.committed_steps(local) == [4, 6]
+  assert committed_steps(local) == [4, 6]
   return local, persistent
 
 

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import pathlib
 import sys
 import uuid
 
-from orbax_mtc import launch
+from mp_worker import events as mp_events
+
+from orbax_mtc.tools import launch
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKER = REPO_ROOT / "tests" / "mp_worker.py"
+WORKER = REPO_ROOT / "tests" / "mp_worker"  # run as `python tests/mp_worker <sub-command>`
 
-_spec = importlib.util.spec_from_file_location("mp_worker", WORKER)
-mp_worker = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(mp_worker)
+# mp_events: the worker's event lines (LineCollector, events, parse_results); imports no JAX.
 
 
 def child_env() -> dict[str, str]:
@@ -40,7 +39,7 @@ def new_root(tag: str) -> pathlib.Path:
 def started_job(command: list[str], nprocs: int, root: pathlib.Path, *, devices: int = 2,
                 env: dict[str, str] | None = None):
   """A running launcher job of mp_worker; every process is SIGKILLed on leaving the block."""
-  out = mp_worker.LineCollector()
+  out = mp_events.LineCollector()
   with launch.Job([sys.executable, str(WORKER), *command], nprocs, devices_per_process=devices,
                   local_root=root, env={**child_env(), **(env or {})}, output=out) as job:
     job.start()
@@ -65,7 +64,7 @@ def assert_ok(result, out) -> None:
 
 def assert_results(out, nprocs: int, *, step: int, tier: str) -> None:
   """Every process restored `step` from `tier` and its shards matched bit for bit."""
-  results = mp_worker.parse_results(out.lines)
+  results = mp_events.parse_results(out.lines)
   assert sorted(results) == list(range(nprocs)), f"missing RESULT lines:\n{tail(out)}"
   for node, fields in sorted(results.items()):
     assert fields["ok"] == "1", f"node {node}: restored data differs: {fields['detail']}"

@@ -113,7 +113,7 @@ def test_a_failed_backup_is_reported_once_and_training_goes_on(shm_dir, mesh):
       mgr.wait_until_finished()  # reported once
     finally:
       ocp.CheckpointManager.save = original_save
-    assert 2 in mgr.all_steps() and 2 not in mgr._persistent_steps()
+    assert 2 in mgr.all_steps() and 2 not in sorted(ocp.utils.checkpoint_steps(mgr.directory))
     for step in (4, 5):
       mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(states[step])))
     mgr.wait_until_finished()
@@ -157,14 +157,14 @@ def test_orbax_busy_with_a_metadata_write_defers_the_next_backup(shm_dir, mesh, 
       for step in (1, 2, 3):
         save(mgr, step)  # returns: nothing waits for the hung write
       assert [(i.step, i.state) for i in mgr.backup_history] == [(0, "done")]
-      assert mgr.last_backup.step == 0 and mgr._backup_pending.step == 2
+      assert mgr.last_backup.step == 0 and mgr.pending_backup == 2
       waiting = "no backup has started for"
       assert waiting not in caplog.text
       time.sleep(timeout_s + 0.2)  # the time waited is the subject, not an ordering
       for step in (4, 5):
         save(mgr, step)
       assert caplog.text.count(waiting) == 1, caplog.text
-      assert mgr._backup_pending.step == 4
+      assert mgr.pending_backup == 4
     finally:
       with open(hung, "rb") as reader:  # the write ends (also when an assert failed)
         written = reader.read()
@@ -176,5 +176,5 @@ def test_orbax_busy_with_a_metadata_write_defers_the_next_backup(shm_dir, mesh, 
     mgr.wait_until_finished()
     assert [(i.step, i.state) for i in mgr.backup_history] == [
         (0, "done"), (4, "done"), (6, "done")]
-    assert mgr._persistent_steps() == [0, 4, 6]
+    assert sorted(ocp.utils.checkpoint_steps(mgr.directory)) == [0, 4, 6]
     assert backup.collect_orbax_errors(mgr._checkpointer) == []  # the failure was consumed

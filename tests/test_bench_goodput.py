@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from orbax_mtc.bench import goodput
+from orbax_mtc.tools.bench import goodput
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 

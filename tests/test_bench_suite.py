@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from orbax_mtc.bench import limits, suite
+from orbax_mtc.tools.bench import limits, suite
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-from orbax_mtc import cli, inspection, local_tier
+from orbax_mtc.local.format import DATA
+from orbax_mtc.local.store import read_manifest
+from orbax_mtc.tools import cli, inspection
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,9 +29,9 @@ def _run_cli(*args):
 
 
 def _flip_first_shard(step_dir):
-  manifest = local_tier.read_manifest(step_dir)
+  manifest = read_manifest(step_dir)
   shard = manifest.items["state"].leaves[0].shards[0]
-  with open(step_dir / local_tier.DATA, "r+b") as f:
+  with open(step_dir / DATA, "r+b") as f:
     f.seek(shard.offset + shard.nbytes - 1)
     byte = f.read(1)
     f.seek(shard.offset + shard.nbytes - 1)
@@ -83,8 +85,8 @@ def test_verify_reports_leftover_tmp_as_partial(saved, capsys):
 
 def test_verify_truncated_and_missing_data(saved, capsys):
   local, _ = saved
-  os.truncate(local / "6" / local_tier.DATA, 10)
-  (local / "4" / local_tier.DATA).unlink()
+  os.truncate(local / "6" / DATA, 10)
+  (local / "4" / DATA).unlink()
   assert cli.main(["verify", str(local)]) == 1
   out = capsys.readouterr().out
   assert "corrupt" in _lines_for(out, "6")[0]

@@ -23,7 +23,10 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import flip_byte
 
-from orbax_mtc import cli, inspection, local_tier, persistent_gc, sizing
+from orbax_mtc.local.format import DATA
+from orbax_mtc.local.store import read_manifest
+from orbax_mtc.tools import cli, inspection, size
+from orbax_mtc.tools import gc as persistent_gc
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -67,8 +70,8 @@ def orbax_dir(shm_dir):
 
 
 def _flip_first_shard(step_dir):
-  shard = local_tier.read_manifest(step_dir).items["state"].leaves[0].shards[0]
-  flip_byte(step_dir / local_tier.DATA, shard.offset, 0x01)
+  shard = read_manifest(step_dir).items["state"].leaves[0].shards[0]
+  flip_byte(step_dir / DATA, shard.offset, 0x01)
 
 
 def _steps(directory):
@@ -249,15 +252,15 @@ def test_size_json(tmp_path, capsys):
   doc = _document(capsys.readouterr().out, "orbax-mtc/size/1")
   assert doc == {
       "schema": "orbax-mtc/size/1", "accelerator": "tpu", "nodes": 16, "peers": 0,
-      "local_checkpoint_bytes": 48 * sizing.GIB,
+      "local_checkpoint_bytes": 48 * size.GIB,
       "local_checkpoint_source": "768.00 GiB state / 16 nodes holding one copy",
       "headroom": 1.1, "resident_steps": 2, "factor": 2.2,
-      "ramdisk_bytes": -(-(48 * sizing.GIB * 22) // 10), "in_memory_volume_size_gib": 106,
+      "ramdisk_bytes": -(-(48 * size.GIB * 22) // 10), "in_memory_volume_size_gib": 106,
       "in_memory_volume_size": "106Gi", "rendered": None}
   out_dir = tmp_path / "out"
-  assert sizing.main(["--state-size", "64GiB", "--nodes", "4", "--accelerator", "gpu",
-                      "--render", str(out_dir), "--bucket", "ckpt", "--machine-type",
-                      "a3-megagpu-8g", "--job-name", "run-1", "--json"]) == 0
+  assert cli.size_main(["--state-size", "64GiB", "--nodes", "4", "--accelerator", "gpu",
+                        "--render", str(out_dir), "--bucket", "ckpt", "--machine-type",
+                        "a3-megagpu-8g", "--job-name", "run-1", "--json"]) == 0
   doc = _document(capsys.readouterr().out, "orbax-mtc/size/1")
   assert doc["peers"] == 1 and doc["in_memory_volume_size"] == "106Gi"
   assert doc["rendered"] == [str(out_dir / name) for name in
@@ -408,8 +411,8 @@ def _options(parser):
           if a.option_strings and a.help != "==SUPPRESS==" and a.dest != "help"]
 
 
-@pytest.mark.parametrize("module", ["orbax_mtc.demo", "orbax_mtc.bench.suite",
-                                    "orbax_mtc.bench.goodput"])
+@pytest.mark.parametrize("module", ["orbax_mtc.tools.demo", "orbax_mtc.tools.bench.suite",
+                                    "orbax_mtc.tools.bench.goodput"])
 def test_every_demo_and_bench_option_has_help_with_its_default(module):
   import importlib
 
@@ -469,7 +472,7 @@ _GC_AS_HNS = """
 import json
 import sys
 from orbax.checkpoint._src.path import gcs_utils
-from orbax_mtc import cli
+from orbax_mtc.tools import cli
 cleaned = []
 gcs_utils.is_hierarchical_namespace_enabled = lambda path: True
 gcs_utils.cleanup_hns_folders = lambda path: cleaned.append(str(path))

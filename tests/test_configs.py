@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orbax_mtc import sizing
+from orbax_mtc.tools import cli, size, size_render
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 README = CONFIGS / "README.md"
@@ -105,7 +105,7 @@ def _render_example(accelerator: str, tmp_path: Path, *overrides: str) -> dict:
   argv += overrides
   out = tmp_path / f"rendered-{accelerator}-{len(overrides)}"
   argv[argv.index("--render") + 1] = str(out)
-  assert sizing.main(argv) == 0
+  assert cli.size_main(argv) == 0
   (cpc,) = _docs((out / "checkpoint-configuration.yaml").read_text())
   (jobset,) = _docs((out / "jobset-maxtext.yaml").read_text())
   env = dict(re.findall(r"^export (\w+)=(\S+)$", (out / "env.sh").read_text(), re.M))
@@ -170,12 +170,12 @@ def test_checkpoint_configuration_fields(accelerator):
 def test_every_placeholder_is_one_render_fills(accelerator):
   used = set()
   for path in (CONFIGS / "gke" / accelerator).glob("*.yaml"):
-    found = set(sizing.PLACEHOLDER.findall(path.read_text()))
-    unknown = found - set(sizing.RENDERED_KEYS[accelerator])
+    found = set(size_render.PLACEHOLDER.findall(path.read_text()))
+    unknown = found - set(size_render.RENDERED_KEYS[accelerator])
     assert not unknown, f"{path} uses {sorted(unknown)}, which --render does not fill"
     used |= found
   # And every value render computes lands somewhere (no stale keys).
-  assert used == set(sizing.RENDERED_KEYS[accelerator])
+  assert used == set(size_render.RENDERED_KEYS[accelerator])
 
 
 # ----------------------------------------------------------------------------- rendered example
@@ -183,15 +183,15 @@ def test_every_placeholder_is_one_render_fills(accelerator):
 
 def test_documented_example_gets_the_size_orbax_mtc_size_computes(rendered):
   argv = rendered["argv"]
-  expected = sizing.size(accelerator=_option(argv, "--accelerator"),
+  expected = size.size(accelerator=_option(argv, "--accelerator"),
                          state_size=_option(argv, "--state-size"),
                          nodes=int(_option(argv, "--nodes", "1")),
                          peers=None if "--peers" not in argv else int(_option(argv, "--peers")))
   got = rendered["cpc"]["spec"]["inMemoryVolumeSize"]
   assert got == rendered["quantity"] == expected.quantity
   gib = int(re.fullmatch(r"(\d+)Gi", got).group(1))
-  assert gib * sizing.GIB >= expected.factor * expected.local.nbytes
-  assert (gib - 1) * sizing.GIB < expected.factor * expected.local.nbytes
+  assert gib * size.GIB >= expected.factor * expected.local.nbytes
+  assert (gib - 1) * size.GIB < expected.factor * expected.local.nbytes
   anchor = {"tpu": Fraction(22, 10), "gpu": Fraction(66, 10)}
   assert expected.factor == anchor[rendered["accelerator"]]
   assert rendered["env"]["IN_MEMORY_VOLUME_SIZE"] == got
@@ -200,7 +200,7 @@ def test_documented_example_gets_the_size_orbax_mtc_size_computes(rendered):
 def test_rendered_manifests_have_no_placeholder_left(rendered):
   for name in ("checkpoint-configuration.yaml", "jobset-maxtext.yaml"):
     text = (rendered["dir"] / name).read_text()
-    assert not sizing.PLACEHOLDER.search(text) and "${" not in text, name
+    assert not size_render.PLACEHOLDER.search(text) and "${" not in text, name
 
 
 def test_jobset_mounts_the_csi_volume_at_the_local_checkpoint_dir(rendered):
@@ -208,7 +208,7 @@ def test_jobset_mounts_the_csi_volume_at_the_local_checkpoint_dir(rendered):
   assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and jobset["kind"] == "JobSet"
   pod = _pod(jobset)
   csi = [v for v in pod["volumes"] if "csi" in v]
-  assert len(csi) == 1 and csi[0]["csi"] == {"driver": sizing.CSI_DRIVER}
+  assert len(csi) == 1 and csi[0]["csi"] == {"driver": size_render.CSI_DRIVER}
   (container,) = pod["containers"]
   mounts = [m for m in container["volumeMounts"] if m["name"] == csi[0]["name"]]
   assert len(mounts) == 1
@@ -262,7 +262,7 @@ def test_gpu_jobset_asks_for_the_peers_it_was_sized_for(tmp_path, overrides):
   pod = _pod(jobset)
   (container,) = pod["containers"]
   args = _args(container["command"])
-  peers = sizing.resolve_peers("gpu", int(_option(argv, "--peers")) if "--peers" in argv
+  peers = size.resolve_peers("gpu", int(_option(argv, "--peers")) if "--peers" in argv
                                else None)
   assert args["mtc_peers_per_node"] == str(peers)
   assert args["hardware"] == "gpu"
@@ -526,14 +526,14 @@ def gpu_render(tmp_path):
 def test_k8s_templates_use_only_what_the_gpu_render_writes():
   assert K8S_RECIPES, "configs/k8s/ holds no manifest"
   for path in K8S_RECIPES:
-    found = set(sizing.PLACEHOLDER.findall(path.read_text()))
-    assert found and found <= set(sizing.RENDERED_KEYS["gpu"]), sorted(found)
+    found = set(size_render.PLACEHOLDER.findall(path.read_text()))
+    assert found and found <= set(size_render.RENDERED_KEYS["gpu"]), sorted(found)
 
 
 def test_fill_substitutes_like_render_and_refuses_missing_values(gpu_render, tmp_path):
   for path in K8S_RECIPES:
     filled = _fill(path, gpu_render).stdout
-    assert filled == sizing.fill(path.read_text(), gpu_render["env"]).rstrip("\n") + "\n"
+    assert filled == size_render.fill(path.read_text(), gpu_render["env"]).rstrip("\n") + "\n"
     assert "${" not in filled
   template = tmp_path / "t.yaml"
   template.write_text("a: ${JOB_NAME}\nb: ${NOT_SET_ANYWHERE} $HOME ${lower}\n")
@@ -570,7 +570,7 @@ def test_k8s_recipe_keeps_the_ram_tier_in_an_emptydir_in_standalone_mode(path, g
   (ram,) = [v for v in pod["volumes"] if v.get("emptyDir", {}).get("sizeLimit")]
   assert ram["emptyDir"] == {"medium": "Memory", "sizeLimit": env["IN_MEMORY_VOLUME_SIZE"]}
   assert env["IN_MEMORY_VOLUME_SIZE"] == gpu_render["quantity"]  # sized with the GPU peers
-  assert not any(v.get("csi", {}).get("driver") == sizing.CSI_DRIVER for v in pod["volumes"])
+  assert not any(v.get("csi", {}).get("driver") == size_render.CSI_DRIVER for v in pod["volumes"])
   (container,) = pod["containers"]
   (mount,) = [m for m in container["volumeMounts"] if m["name"] == ram["name"]]
   command = container["command"]
@@ -636,7 +636,7 @@ def _dockerfile_tag() -> str:
 
 def test_every_image_in_configs_is_the_dockerfile_tag(tmp_path):
   tag = _dockerfile_tag()
-  default = inspect.signature(sizing.render_values).parameters["image"].default
+  default = inspect.signature(size_render.render_values).parameters["image"].default
   assert tag == default  # what `orbax-mtc size --render` writes without --image
   images = []
   for path in YAMLS:

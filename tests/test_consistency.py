@@ -1,7 +1,7 @@
 """One answer on every process, one outcome for every fault (issue: the multi-host contract).
 
 Real multi-process jobs (2 and 4 JAX processes joined by `jax.distributed` on localhost, each
-with its own folder under /dev/shm), driven through the public API by `tests/mp_worker.py`:
+with its own folder under /dev/shm), driven through the public API by `tests/mp_worker`:
 
 - after a node loss, `all_steps()`/`latest_step()` are the same everywhere, and
   `restore(latest_step())` restores, bit for bit, a step the replaced node holds only as a
@@ -23,9 +23,11 @@ import pathlib
 import shutil
 
 import pytest
-from mp_helpers import assert_ok, mp_worker, new_root, run_job, started_job, tail
+from mp_helpers import assert_ok, mp_events, new_root, run_job, started_job, tail
 
-from orbax_mtc import local_tier
+from orbax_mtc.local.format import MANIFEST, MANIFEST_CRC_KEY, manifest_checksum
+from orbax_mtc.local.read import verify_step
+from orbax_mtc.local.store import committed_steps
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,19 +37,19 @@ AGREE = ["--agreement-timeout", "45"]
 
 
 def events(out, kind: str) -> dict[int, dict[str, str]]:
-  return {node: fields for node, fields in mp_worker.events(out.lines, kind)}
+  return {node: fields for node, fields in mp_events.events(out.lines, kind)}
 
 
 def raised(out) -> dict[int, dict[str, str]]:
-  return {int(f["process"]): f for _, f in mp_worker.events(out.lines, "RAISED")}
+  return {int(f["process"]): f for _, f in mp_events.events(out.lines, "RAISED")}
 
 
 def results(out) -> dict[int, dict[str, str]]:
-  return mp_worker.parse_results(out.lines)
+  return mp_events.parse_results(out.lines)
 
 
 def local_steps(root: pathlib.Path, node: int) -> list[int]:
-  return local_tier.committed_steps(root / f"node{node}")
+  return committed_steps(root / f"node{node}")
 
 
 def persistent_steps(directory: pathlib.Path) -> list[int]:
@@ -86,7 +88,7 @@ def test_after_a_node_loss_latest_step_agrees_and_restores_a_peer_only_step(root
   for node, fields in steps.items():
     assert (fields["all"], fields["latest"]) == ("0,8,9", "9"), (node, tail(out))
   lines = [(int(f["process"]), f) for f in
-           (fields for _, fields in mp_worker.events(out.lines, "RESULT"))]
+           (fields for _, fields in mp_events.events(out.lines, "RESULT"))]
   assert len(lines) == 8, tail(out)
   for node, fields in lines:
     assert fields["ok"] == "1", (node, fields["detail"])
@@ -166,8 +168,8 @@ def test_a_target_with_another_mesh_layout_raises_everywhere_and_keeps_every_ste
 
 def _resign(raw: dict) -> dict:
   """The manifest with its own checksum made valid again (so the field checks see it)."""
-  body = {k: v for k, v in raw.items() if k != local_tier.MANIFEST_CRC_KEY}
-  raw[local_tier.MANIFEST_CRC_KEY] = local_tier.manifest_checksum(body)
+  body = {k: v for k, v in raw.items() if k != MANIFEST_CRC_KEY}
+  raw[MANIFEST_CRC_KEY] = manifest_checksum(body)
   return raw
 
 
@@ -195,7 +197,7 @@ def _corrupt(path: pathlib.Path, how: str) -> None:
 def test_a_wrong_manifest_on_one_node_falls_back_to_the_twin_everywhere(
     dp_run, root, tmp_path, how):
   persistent = _clone(dp_run, root, tmp_path)
-  _corrupt(root / "node1" / "10" / local_tier.MANIFEST, how)
+  _corrupt(root / "node1" / "10" / MANIFEST, how)
   result, out = run_job(["restore", "--layout", "dp", "--persistent-dir", str(persistent),
                          *TWO], 2, root)
   assert_ok(result, out)
@@ -204,12 +206,12 @@ def test_a_wrong_manifest_on_one_node_falls_back_to_the_twin_everywhere(
   # The twin still holds the newest step: that step is restored, bit for bit.
   assert {n: (f["step"], f["tier"], f["ok"]) for n, f in got.items()} == {
       0: ("10", "local", "1"), 1: ("10", "peer", "1")}, tail(out)
-  assert local_tier.verify_step(root / "node1" / "10").step == 10  # written back
+  assert verify_step(root / "node1" / "10").step == 10  # written back
 
 
 def test_a_wrong_manifest_without_a_twin_falls_back_to_the_peer_copy(mixed_run, root, tmp_path):
   persistent = _clone(mixed_run, root, tmp_path)
-  _corrupt(root / "node1" / "10" / local_tier.MANIFEST, "null")
+  _corrupt(root / "node1" / "10" / MANIFEST, "null")
   result, out = run_job(["restore", "--persistent-dir", str(persistent), *TWO], 2, root)
   assert_ok(result, out)
   got = results(out)

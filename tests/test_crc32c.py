@@ -11,7 +11,10 @@ import google_crc32c
 import numpy as np
 import pytest
 
-from orbax_mtc import local_tier as lt
+from orbax_mtc.local import checksum
+from orbax_mtc.local import read as local_read
+from orbax_mtc.local.format import manifest_checksum
+from orbax_mtc.local.read import aligned_empty
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,10 +41,10 @@ SIZES = [n for n, _ in KNOWN]
 def crc_path(request, monkeypatch):
   """Every call through ctypes (GIL released), or every call through google_crc32c.extend."""
   if request.param == "nogil":
-    assert lt._CRC32C_EXTEND_NOGIL is not None  # resolved on Linux wheels
-    monkeypatch.setattr(lt, "_CRC_NOGIL_MIN", 0)
+    assert checksum._CRC32C_EXTEND_NOGIL is not None  # resolved on Linux wheels
+    monkeypatch.setattr(checksum, "_CRC_NOGIL_MIN", 0)
   else:
-    monkeypatch.setattr(lt, "_CRC32C_EXTEND_NOGIL", None)
+    monkeypatch.setattr(checksum, "_CRC32C_EXTEND_NOGIL", None)
   return request.param
 
 
@@ -66,12 +69,12 @@ def test_c_extension_in_use():
 
 def test_pure_python_fallback_refused():
   with pytest.raises(ImportError, match="pure-Python"):
-    lt._require_crc32c_extension("python")
-  lt._require_crc32c_extension("c")
+    checksum._require_crc32c_extension("python")
+  checksum._require_crc32c_extension("c")
 
 
 def test_check_value(crc_path):
-  assert lt._crc(np.frombuffer(b"123456789", np.uint8)) == 0xE3069283
+  assert checksum.crc(np.frombuffer(b"123456789", np.uint8)) == 0xE3069283
 
 
 @pytest.mark.parametrize("nbytes,expected", KNOWN)
@@ -79,42 +82,42 @@ def test_known_values(crc_path, nbytes, expected):
   data = _pattern(nbytes)
   if nbytes <= 4097:
     assert _reference(data) == expected
-  assert lt._crc(np.frombuffer(data, np.uint8)) == expected
+  assert checksum.crc(np.frombuffer(data, np.uint8)) == expected
   assert google_crc32c.value(data) == expected
 
 
 def test_manifest_checksum_unchanged():
   # crc32c 2.9 signed {"format":"orbax-mtc/local/2","items":{},"step":7} with 0x4f919d9d.
   fields = {"step": 7, "format": "orbax-mtc/local/2", "items": {}}
-  assert lt.manifest_checksum(fields) == 0x4f919d9d == _reference(
+  assert manifest_checksum(fields) == 0x4f919d9d == _reference(
       b'{"format":"orbax-mtc/local/2","items":{},"step":7}')
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 8, 4099, 1 << 16])
 def test_chunked_equals_one_shot(crc_path, monkeypatch, chunk):
-  monkeypatch.setattr(lt, "_CRC_CHUNK", chunk)
+  monkeypatch.setattr(checksum, "CRC_CHUNK", chunk)
   for nbytes in SIZES:
     data = np.frombuffer(_pattern(nbytes), np.uint8)
     if chunk == 1 and nbytes > 65537:
       continue  # a million one-byte calls prove nothing more
-    assert lt._crc(data) == google_crc32c.value(data.tobytes())
+    assert checksum.crc(data) == google_crc32c.value(data.tobytes())
   # Slices at odd offsets (views into one buffer, as shards are).
   data = np.frombuffer(_pattern((1 << 20) + 5), np.uint8)
   ranges = [(0, 0), (3, 17), (20, 4099), (4119, 65537), (69656, (1 << 20) + 5 - 69656)]
-  assert lt._crc_ranges(data, ranges) == [google_crc32c.value(data[o:o + n].tobytes())
-                                          for o, n in ranges]
+  assert checksum.crc_ranges(data, ranges) == [google_crc32c.value(data[o:o + n].tobytes())
+                                               for o, n in ranges]
 
 
 def test_read_checksumming_equals_one_shot(crc_path, monkeypatch, shm_dir):
-  monkeypatch.setattr(lt, "_PIPELINE_PIECE", 4099)  # pieces that split every range
+  monkeypatch.setattr(local_read, "_PIPELINE_PIECE", 4099)  # pieces that split every range
   raw = _pattern((1 << 20) + 5)
   path = shm_dir / "data.bin"
   path.write_bytes(raw)
   ranges = [(0, 1), (1, 7), (8, 65537), (65545, 9), (65554, len(raw) - 65554), (3, 17)]
-  buffer = lt.aligned_empty(len(raw))
+  buffer = aligned_empty(len(raw))
   fd = os.open(path, os.O_RDONLY)
   try:
-    got = lt._read_checksumming(fd, path, buffer, ranges)
+    got = local_read._read_checksumming(fd, path, buffer, ranges)
   finally:
     os.close(fd)
   assert buffer.tobytes() == raw
@@ -129,13 +132,13 @@ def test_buffers_without_copy(crc_path):
   with pytest.raises(TypeError):
     google_crc32c.value(memoryview(data))
   with pytest.raises((TypeError, ValueError)):
-    lt._crc(data[::2])  # never the checksum of other bytes
+    checksum.crc(data[::2])  # never the checksum of other bytes
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 7, 4097, (1 << 20) + 5, 2 * (16 << 20) + 3])
 def test_same_as_crc32c_package(crc_path, nbytes):
   crc32c = pytest.importorskip("crc32c", reason="dev-only comparison with the old dependency")
   data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
-  assert lt._crc(data) == crc32c.crc32c(data)
+  assert checksum.crc(data) == crc32c.crc32c(data)
   half = nbytes // 2 + 1
   assert google_crc32c.extend(google_crc32c.value(data[:half]), data[half:]) == crc32c.crc32c(data)

@@ -22,13 +22,14 @@ from mp_helpers import (
   assert_ok,
   assert_results,
   child_env,
-  mp_worker,
+  mp_events,
   run_job,
   started_job,
   tail,
 )
 
-from orbax_mtc import launch
+from orbax_mtc import testing
+from orbax_mtc.tools import launch
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,7 +66,7 @@ def plain_orbax_restores(server: GcsServer, persistent: str, step: int) -> None:
                             persistent, "--step", str(step), "--data", "2", "--model", "2",
                             "--rows", str(ROWS)])
   output = proc.stdout + proc.stderr
-  results = [fields for _, fields in mp_worker.events(proc.stdout.splitlines(), "RESULT")]
+  results = [fields for _, fields in mp_events.events(proc.stdout.splitlines(), "RESULT")]
   assert proc.returncode == 0, output[-4000:]
   assert [r["mode"] for r in results] == ["numpy", "device"], output[-4000:]
   for fields in results:
@@ -84,7 +85,7 @@ def test_gs_backups_restore_bit_exact_after_every_ram_folder_is_wiped(gcs, shm_r
   result, out = run_job(["save", *common, "--steps", "10"], 2, shm_root, env=gcs.env(),
                         timeout_s=240)
   assert_ok(result, out)
-  committed = {node: fields for node, fields in mp_worker.events(out.lines, "COMMITTED")}
+  committed = {node: fields for node, fields in mp_events.events(out.lines, "COMMITTED")}
   assert {n: c["persistent"] for n, c in committed.items()} == {0: "0,4,8", 1: "0,4,8"}, \
       tail(out)
   objects = bucket_objects(gcs, f"{run}/")
@@ -92,7 +93,7 @@ def test_gs_backups_restore_bit_exact_after_every_ram_folder_is_wiped(gcs, shm_r
 
   # One replica writes each shard: the step holds the state once (Orbax compresses it a
   # little), not once per replica (twice the state here).
-  state = mp_worker.global_state_numpy(0, 8, 2, 2, ROWS)
+  state = testing.global_state_numpy(0, 8, 2, 2, ROWS)
   state_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(state))
   step_bytes = sum(size for name, size in objects.items() if name.startswith(f"{run}/8/"))
   assert 0.5 * state_bytes < step_bytes < 1.2 * state_bytes, (step_bytes, state_bytes)
@@ -132,21 +133,21 @@ def test_gs_backups_restore_bit_exact_after_every_ram_folder_is_wiped(gcs, shm_r
 
 
 def _backups(out, node: int) -> list[dict[str, str]]:
-  return [fields for n, fields in mp_worker.events(out.lines, "BACKUP") if n == node]
+  return [fields for n, fields in mp_events.events(out.lines, "BACKUP") if n == node]
 
 
 def _phase_step(out, name: str) -> int | None:
-  steps = [int(f["step"]) for n, f in mp_worker.events(out.lines, "PHASE")
+  steps = [int(f["step"]) for n, f in mp_events.events(out.lines, "PHASE")
            if n == 0 and f["name"] == name]
   return steps[0] if steps else None
 
 
 def _phase_changes(out) -> int:
-  return sum(1 for n, _ in mp_worker.events(out.lines, "PHASE") if n == 0)
+  return sum(1 for n, _ in mp_events.events(out.lines, "PHASE") if n == 0)
 
 
 def _last_phase_step(out) -> int:
-  return max((int(f["step"]) for n, f in mp_worker.events(out.lines, "PHASE") if n == 0),
+  return max((int(f["step"]) for n, f in mp_events.events(out.lines, "PHASE") if n == 0),
              default=-1)
 
 
@@ -230,7 +231,7 @@ def test_server_stopped_mid_backup_training_goes_on_and_the_next_backup_lands(
                                  for f in _backups(out, node)) for node in (0, 1)),
             "a backup after the restart", timeout_s=120)
       control.write_text("stop")
-      _wait(out, lambda: sum(1 for _ in mp_worker.events(out.lines, "DONE")) == 2, "DONE")
+      _wait(out, lambda: sum(1 for _ in mp_events.events(out.lines, "DONE")) == 2, "DONE")
       result = job.wait(60)
     assert_ok(result, out)
 
@@ -246,7 +247,7 @@ def test_server_stopped_mid_backup_training_goes_on_and_the_next_backup_lands(
     assert first in steps and stuck not in steps, (steps, sorted(objects)[:20])
     after = [s for s in steps if s > stuck]
     assert after and max(after) >= up_at, (steps, up_at)
-    ends = {n: f for n, f in mp_worker.events(out.lines, "BACKUP") if f["at"] == "end"}
+    ends = {n: f for n, f in mp_events.events(out.lines, "BACKUP") if f["at"] == "end"}
     assert {n: f["state"] for n, f in ends.items()} == {0: "done", 1: "done"}, tail(out)
     newest = max(steps)
 

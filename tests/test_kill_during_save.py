@@ -2,7 +2,7 @@
 
 One chain of launcher jobs per test (1 process x 2 devices; 2 processes x 2 devices without
 and with peer replication, whose copies are then moving when the kill lands). A
-first job saves step 0 to both tiers uninterrupted. Each following job (`mp_worker.py chaos`)
+first job saves step 0 to both tiers uninterrupted. Each following job (`mp_worker chaos`)
 restores whatever the previous one left, checks it bit for bit in every process against the
 state recomputed for the restored step, then runs "training steps" (an all-reduce over every
 shard) and saves after each one (local every step, 16 MiB of shards per process on the RAM
@@ -38,9 +38,14 @@ import sys
 import time
 
 import pytest
-from mp_helpers import WORKER, child_env, mp_worker, tail
+from mp_helpers import WORKER, child_env, mp_events, tail
 
-from orbax_mtc import launch, local_tier, peer_store, restore_plan
+from orbax_mtc import restore_plan
+from orbax_mtc.local.format import TMP_PREFIX, LocalTierError
+from orbax_mtc.local.read import verify_step
+from orbax_mtc.local.store import committed_steps
+from orbax_mtc.peers import store as peer_store
+from orbax_mtc.tools import launch
 
 LAUNCH_TIMEOUT_S = 90
 SEED = int(os.environ.get("ORBAX_MTC_KILL_SEED", "20241122"))
@@ -51,7 +56,7 @@ CHAOS_ARGS = ["--rows", str(ROWS), "--seed", "3", "--local-interval", "1", "--lo
 
 
 def _steps_of(out, kind: str, node: int) -> list[int]:
-  return [int(f["step"]) for n, f in mp_worker.events(out.lines, kind) if n == node]
+  return [int(f["step"]) for n, f in mp_events.events(out.lines, kind) if n == node]
 
 
 def expected_restore(root: pathlib.Path, nprocs: int, persistent: pathlib.Path, peers: bool):
@@ -65,7 +70,7 @@ def expected_restore(root: pathlib.Path, nprocs: int, persistent: pathlib.Path, 
         if persistent.is_dir() else []
     inventories = []
     for n in range(nprocs):
-      own = local_tier.committed_steps(root / f"node{n}")
+      own = committed_steps(root / f"node{n}")
       copies = peer_store.PeerStore(root / f"node{n}", max_to_keep=None).servable(own)
       inventories.append(restore_plan.NodeInventory(frozenset(own), frozenset(copies)))
     plan = restore_plan.plan_restore(inventories, backups, None)
@@ -76,7 +81,7 @@ def expected_restore(root: pathlib.Path, nprocs: int, persistent: pathlib.Path, 
     if plan.persistent_step is not None:
       return plan.persistent_step, ("persistent",) * nprocs
     return None, ("none",) * nprocs
-  common = set.intersection(*(set(local_tier.committed_steps(root / f"node{n}"))
+  common = set.intersection(*(set(committed_steps(root / f"node{n}"))
                               for n in range(nprocs)))
   backups = [int(p.name) for p in persistent.iterdir() if p.name.isdigit()] \
       if persistent.is_dir() else []
@@ -90,7 +95,7 @@ def expected_restore(root: pathlib.Path, nprocs: int, persistent: pathlib.Path, 
 
 
 def check_results(out, nprocs: int, expected) -> None:
-  results = mp_worker.parse_results(out.lines)
+  results = mp_events.parse_results(out.lines)
   assert sorted(results) == list(range(nprocs)), f"missing RESULT lines:\n{tail(out)}"
   for node, fields in results.items():
     assert fields["ok"] == "1", f"node {node}: restored data differs: {fields['detail']}"
@@ -100,7 +105,7 @@ def check_results(out, nprocs: int, expected) -> None:
 
 
 def node_steps(root: pathlib.Path, nprocs: int) -> list[list[int]]:
-  return [local_tier.committed_steps(root / f"node{n}") for n in range(nprocs)]
+  return [committed_steps(root / f"node{n}") for n in range(nprocs)]
 
 
 def check_folders_after_kill(root: pathlib.Path, nprocs: int, out, restored: int | None):
@@ -108,11 +113,11 @@ def check_folders_after_kill(root: pathlib.Path, nprocs: int, out, restored: int
   start = -1 if restored is None else restored
   for node in range(nprocs):
     node_dir = root / f"node{node}"
-    steps = local_tier.committed_steps(node_dir)
+    steps = committed_steps(node_dir)
     for step in steps:
       try:
-        manifest = local_tier.verify_step(node_dir / str(step))
-      except local_tier.LocalTierError as e:
+        manifest = verify_step(node_dir / str(step))
+      except LocalTierError as e:
         pytest.fail(f"node {node}: committed step {step} does not verify: {e}")
       assert (manifest.step, manifest.process_index, manifest.process_count) == (
           step, node, nprocs)
@@ -120,7 +125,7 @@ def check_folders_after_kill(root: pathlib.Path, nprocs: int, out, restored: int
     for source, step in store.servable(steps):
       try:
         store.read(source, step, node_dir / str(step))
-      except local_tier.LocalTierError as e:
+      except LocalTierError as e:
         pytest.fail(f"node {node}: committed copy of node {source} step {step} is bad: {e}")
     saving = _steps_of(out, "SAVING", node)
     saved = _steps_of(out, "SAVED", node)
@@ -147,7 +152,7 @@ def run_chain(nprocs: int, kills: int, root: pathlib.Path, logs: pathlib.Path,
   # something: a restore that finds nothing leaves abandoned local steps behind (a known bug,
   # see test_multiprocess.test_restart_from_scratch_drops_abandoned_local_steps), which this
   # chain would otherwise trip over at random.
-  out = mp_worker.LineCollector()
+  out = mp_events.LineCollector()
   result = launch.run_processes([*command[:2], "save", *command[3:], "--steps", "1"], nprocs,
                                 devices_per_process=2, local_root=root, env=child_env(),
                                 output=out, timeout_s=LAUNCH_TIMEOUT_S)
@@ -168,7 +173,7 @@ def run_chain(nprocs: int, kills: int, root: pathlib.Path, logs: pathlib.Path,
     victim = victims[iteration]
     saves_before_kill = rng.randint(1, 6)
     delay_s = rng.uniform(0.0, 0.04)
-    out = mp_worker.LineCollector()
+    out = mp_events.LineCollector()
     log_file = logs / f"job{iteration}.log"
     with launch.Job(command if not last else [*command[:2], "restore", *command[3:]], nprocs,
                     devices_per_process=2, local_root=root, env=child_env(),
@@ -179,7 +184,7 @@ def run_chain(nprocs: int, kills: int, root: pathlib.Path, logs: pathlib.Path,
       else:
         seen = out.wait_for(
             lambda lines, v=victim, k=saves_before_kill: sum(
-                1 for n, _ in mp_worker.events(lines, "SAVING") if n == v) >= k,
+                1 for n, _ in mp_events.events(lines, "SAVING") if n == v) >= k,
             timeout_s=LAUNCH_TIMEOUT_S)
         if seen:
           time.sleep(delay_s)  # the random kill point, not a synchronisation
@@ -198,7 +203,7 @@ def run_chain(nprocs: int, kills: int, root: pathlib.Path, logs: pathlib.Path,
       check_folders_after_kill(root, nprocs, out, restored)
     except AssertionError as e:
       raise AssertionError(f"{e}\n{context}") from None
-    half_written += any(e.name.startswith(local_tier.TMP_PREFIX)
+    half_written += any(e.name.startswith(TMP_PREFIX)
                         for n in range(nprocs) for e in (root / f"node{n}").iterdir())
     half_written_backups += persistent.is_dir() and any(
         not p.name.isdigit() for p in persistent.iterdir())

@@ -15,7 +15,8 @@ import uuid
 
 import pytest
 
-from orbax_mtc import distributed, launch
+from orbax_mtc import distributed
+from orbax_mtc.tools import launch
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Launcher's own limit, below the per-test pytest timeout so a hang shows as a failed launch.

@@ -12,8 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from orbax_mtc import local_lock
-from orbax_mtc.local_lock import LocalDirectoryInUseError, LocalDirectoryLock, LockHolder
+from orbax_mtc.local.lock import (
+  LocalDirectoryInUseError,
+  LocalDirectoryLock,
+  LockHolder,
+  read_holder,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,7 +27,7 @@ TIMEOUT_S = 60
 # Claims the directory in argv[1] as process argv[2], says so, then holds it until stdin closes.
 _HOLD = """
 import sys
-from orbax_mtc.local_lock import LocalDirectoryLock
+from orbax_mtc.local.lock import LocalDirectoryLock
 lock = LocalDirectoryLock.claim(sys.argv[1], job_name="holder-job", process_index=int(sys.argv[2]))
 print("CLAIMED", lock.holder.pid, flush=True)
 sys.stdin.read()
@@ -32,7 +36,7 @@ sys.stdin.read()
 # Tries to claim the directory in argv[1]; prints the outcome.
 _TRY = """
 import sys
-from orbax_mtc.local_lock import LocalDirectoryInUseError, LocalDirectoryLock
+from orbax_mtc.local.lock import LocalDirectoryInUseError, LocalDirectoryLock
 try:
   LocalDirectoryLock.claim(sys.argv[1], job_name="second-job", process_index=9)
 except LocalDirectoryInUseError as e:
@@ -91,13 +95,13 @@ def test_claim_creates_the_directory_and_writes_the_holder(tmp_path):
     expected = LockHolder(job_name="run1", process_index=3, host=socket.gethostname(),
                           pid=os.getpid())
     assert lock.holder == expected and lock.held
-    assert local_lock.read_holder(local) == expected
+    assert read_holder(local) == expected
     assert stat.S_IMODE((local / ".lock").stat().st_mode) == 0o600
     assert stat.S_IMODE(local.stat().st_mode) == 0o700
   finally:
     lock.release()
   assert not lock.held
-  assert local_lock.read_holder(local) is None  # a released claim names no holder
+  assert read_holder(local) is None  # a released claim names no holder
   lock.release()  # idempotent
 
 
@@ -126,7 +130,7 @@ def test_a_second_claim_in_the_same_process_is_refused_and_the_first_holds(tmp_p
       LocalDirectoryLock.claim(local, job_name="run1", process_index=0)
     # The refused claim closed its own descriptor; flock (unlike fcntl locks) stays held.
     assert _try_in_subprocess(local).startswith("REFUSED")
-    assert local_lock.read_holder(local) == lock.holder
+    assert read_holder(local) == lock.holder
   finally:
     lock.release()
   assert _try_in_subprocess(local) == "CLAIMED"
@@ -138,7 +142,7 @@ def test_claim_after_release(tmp_path):
     pass
   again = LocalDirectoryLock.claim(local, job_name="run2", process_index=1)
   try:
-    assert local_lock.read_holder(local).job_name == "run2"
+    assert read_holder(local).job_name == "run2"
   finally:
     again.release()
 
@@ -152,10 +156,10 @@ def test_claim_after_the_holder_was_killed(tmp_path):
   finally:
     _kill(proc)
   # The dead holder's JSON is still there, but no one holds the lock: it is taken over.
-  assert local_lock.read_holder(local).pid == pid
+  assert read_holder(local).pid == pid
   lock = LocalDirectoryLock.claim(local, job_name="restarted", process_index=2)
   try:
-    assert local_lock.read_holder(local) == lock.holder
+    assert read_holder(local) == lock.holder
     assert lock.holder.pid == os.getpid()
   finally:
     lock.release()
@@ -166,21 +170,21 @@ def test_stale_or_malformed_lock_file_is_taken_over(tmp_path):
   local.mkdir()
   (local / ".lock").write_text("{not json")
   os.chmod(local / ".lock", 0o644)
-  assert local_lock.read_holder(local) is None
+  assert read_holder(local) is None
   lock = LocalDirectoryLock.claim(local, job_name="run1", process_index=0)
   try:
-    assert local_lock.read_holder(local) == lock.holder
+    assert read_holder(local) == lock.holder
     assert stat.S_IMODE((local / ".lock").stat().st_mode) == 0o600
   finally:
     lock.release()
 
 
 def test_read_holder_of_a_missing_directory_or_junk(tmp_path):
-  assert local_lock.read_holder(tmp_path / "missing") is None
+  assert read_holder(tmp_path / "missing") is None
   (tmp_path / ".lock").write_text('{"job": "j", "process_index": true, "host": "h", "pid": 1}')
-  assert local_lock.read_holder(tmp_path) is None
+  assert read_holder(tmp_path) is None
   (tmp_path / ".lock").write_text("[1, 2]")
-  assert local_lock.read_holder(tmp_path) is None
+  assert read_holder(tmp_path) is None
 
 
 def test_a_lock_symlink_is_not_followed(tmp_path):

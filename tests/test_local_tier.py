@@ -13,14 +13,35 @@ import numpy as np
 import pytest
 from conftest import abstract_of, assert_trees_equal, flip_byte, make_state
 
-from orbax_mtc import local_tier as lt
+from orbax_mtc.local import read as local_read
+from orbax_mtc.local import store as local_store
+from orbax_mtc.local.format import (
+  DATA,
+  MANIFEST,
+  AbstractStateMismatchError,
+  CorruptStepError,
+  LocalTierError,
+  StepManifest,
+)
+from orbax_mtc.local.read import (
+  arrays_from_buffer,
+  manifest_entries,
+  read_data,
+  read_step,
+  shard_crc,
+  verify_buffer,
+  verify_step,
+)
+from orbax_mtc.local.specs import item_metadata, normalize_index
+from orbax_mtc.local.staging import stage
+from orbax_mtc.local.store import LocalTier, committed_steps, read_manifest
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def _write(tier, mesh, step, seed=None, default_item=False):
   state = make_state(mesh, seed=step if seed is None else seed)
-  staged = lt.stage(step, {"state": state}, {"meta": {"step": step}}, default_item=default_item)
+  staged = stage(step, {"state": state}, {"meta": {"step": step}}, default_item=default_item)
   return state, tier.write(staged, process_index=0, process_count=1)
 
 
@@ -31,7 +52,7 @@ def _first_shard(manifest):
 
 @pytest.fixture
 def tier(shm_dir):
-  tier = lt.LocalTier(shm_dir / "local", max_to_keep=2)
+  tier = LocalTier(shm_dir / "local", max_to_keep=2)
   tier.prepare()
   yield tier
   tier.close()
@@ -40,23 +61,23 @@ def tier(shm_dir):
 def test_write_commit_read_round_trip(tier, mesh):
   state, step_dir = _write(tier, mesh, 3)
   assert step_dir == tier.directory / "3"
-  assert sorted(p.name for p in step_dir.iterdir()) == [lt.DATA, lt.MANIFEST]
-  assert lt.committed_steps(tier.directory) == [3]
-  manifest = lt.read_manifest(step_dir)
+  assert sorted(p.name for p in step_dir.iterdir()) == [DATA, MANIFEST]
+  assert committed_steps(tier.directory) == [3]
+  manifest = read_manifest(step_dir)
   assert manifest.step == 3 and manifest.process_count == 1 and not manifest.default_item
-  assert manifest.data_size == (step_dir / lt.DATA).stat().st_size
+  assert manifest.data_size == (step_dir / DATA).stat().st_size
   assert manifest.items["meta"].kind == "json" and manifest.items["meta"].value == {"step": 3}
-  restored = lt.read_step(step_dir, manifest, {"state": abstract_of(state), "meta": None})
+  restored = read_step(step_dir, manifest, {"state": abstract_of(state), "meta": None})
   assert restored["meta"] == {"step": 3}
   assert_trees_equal(restored["state"], state)
   # verify_step agrees and returns the same manifest.
-  assert lt.verify_step(step_dir) == manifest
+  assert verify_step(step_dir) == manifest
 
 
 def test_manifest_json_round_trip(tier, mesh):
   _, step_dir = _write(tier, mesh, 1)
-  manifest = lt.read_manifest(step_dir)
-  assert lt.StepManifest.from_json(manifest.to_json()) == manifest
+  manifest = read_manifest(step_dir)
+  assert StepManifest.from_json(manifest.to_json()) == manifest
   paths = [leaf.path for leaf in manifest.items["state"].leaves]
   assert "['params']['w']" in paths and "['layers'][0]" in paths
   w = next(leaf for leaf in manifest.items["state"].leaves if leaf.path == "['params']['w']")
@@ -75,7 +96,7 @@ def test_manifest_json_round_trip(tier, mesh):
 
 def test_item_metadata_from_manifest(tier, mesh):
   state, step_dir = _write(tier, mesh, 2)
-  meta = lt.item_metadata(lt.read_manifest(step_dir))
+  meta = item_metadata(read_manifest(step_dir))
   assert meta.meta == {"step": 2}
   tree = meta.state
   assert tree["params"]["w"] == jax.ShapeDtypeStruct((8, 6), np.float32)
@@ -87,9 +108,9 @@ def test_item_metadata_from_manifest(tier, mesh):
 
 def test_default_item_metadata_is_bare_tree(tier, mesh):
   state = make_state(mesh, 1)
-  staged = lt.stage(1, {"default": state}, {}, default_item=True)
+  staged = stage(1, {"default": state}, {}, default_item=True)
   step_dir = tier.write(staged, 0, 1)
-  meta = lt.item_metadata(lt.read_manifest(step_dir))
+  meta = item_metadata(read_manifest(step_dir))
   assert set(meta) == set(state)
 
 
@@ -101,22 +122,22 @@ def test_committed_steps_ignores_everything_but_committed_folders(tier, mesh):
   (root / "10").mkdir()  # no manifest
   (root / "12").write_text("not a folder")
   (root / "abc").mkdir()
-  assert lt.committed_steps(root) == [4]
-  assert lt.committed_steps(root / "missing") == []
-  with pytest.raises(lt.LocalTierError, match="not a committed step"):
-    lt.read_manifest(root / "10")
+  assert committed_steps(root) == [4]
+  assert committed_steps(root / "missing") == []
+  with pytest.raises(LocalTierError, match="not a committed step"):
+    read_manifest(root / "10")
 
 
 def test_prepare_removes_interrupted_saves_and_extra_spares(shm_dir, mesh):
-  tier = lt.LocalTier(shm_dir / "local", max_to_keep=1)
+  tier = LocalTier(shm_dir / "local", max_to_keep=1)
   tier.prepare()
   _write(tier, mesh, 2)
   root = tier.directory
   for name in (".tmp-4-x", ".spare-a", ".spare-b"):
     (root / name).mkdir()
-    (root / name / lt.DATA).write_bytes(b"x" * 100)
+    (root / name / DATA).write_bytes(b"x" * 100)
   tier.close()
-  again = lt.LocalTier(root, max_to_keep=1)
+  again = LocalTier(root, max_to_keep=1)
   again.prepare()
   names = sorted(p.name for p in root.iterdir())
   assert "2" in names
@@ -129,7 +150,7 @@ def test_retention_keeps_max_to_keep_and_reuses_a_spare(tier, mesh):
   saved = {}
   for step in range(0, 12, 2):
     saved[step], _ = _write(tier, mesh, step)
-    steps = lt.committed_steps(tier.directory)
+    steps = committed_steps(tier.directory)
     assert steps == sorted(saved)[-2:]
     names = [p.name for p in tier.directory.iterdir()]
     assert len([n for n in names if n.startswith(".spare-")]) <= 1
@@ -137,18 +158,18 @@ def test_retention_keeps_max_to_keep_and_reuses_a_spare(tier, mesh):
   # Steps written into a reused spare data file read back exactly.
   for step in (8, 10):
     manifest = tier.manifest(step)
-    restored = lt.read_step(tier.directory / str(step), manifest,
-                            {"state": abstract_of(saved[step])})
+    restored = read_step(tier.directory / str(step), manifest,
+                         {"state": abstract_of(saved[step])})
     assert_trees_equal(restored["state"], saved[step])
 
 
 def test_retention_never_drops_the_newest(shm_dir, mesh):
-  tier = lt.LocalTier(shm_dir / "local", max_to_keep=1)
+  tier = LocalTier(shm_dir / "local", max_to_keep=1)
   tier.prepare()
   try:
     for step in (5, 6, 7):
       _write(tier, mesh, step)
-      assert lt.committed_steps(tier.directory) == [step]
+      assert committed_steps(tier.directory) == [step]
   finally:
     tier.close()
 
@@ -156,12 +177,12 @@ def test_retention_never_drops_the_newest(shm_dir, mesh):
 def test_spare_reuse_with_a_smaller_state_truncates(tier, mesh):
   big = make_state(mesh, 1, scale=8)
   for step in (1, 2, 3):
-    tier.write(lt.stage(step, {"state": big}, {}, default_item=False), 0, 1)
+    tier.write(stage(step, {"state": big}, {}, default_item=False), 0, 1)
   small = make_state(mesh, 4)
-  step_dir = tier.write(lt.stage(4, {"state": small}, {}, default_item=False), 0, 1)
-  manifest = lt.verify_step(step_dir)
-  assert (step_dir / lt.DATA).stat().st_size == manifest.data_size
-  restored = lt.read_step(step_dir, manifest, {"state": abstract_of(small)})
+  step_dir = tier.write(stage(4, {"state": small}, {}, default_item=False), 0, 1)
+  manifest = verify_step(step_dir)
+  assert (step_dir / DATA).stat().st_size == manifest.data_size
+  restored = read_step(step_dir, manifest, {"state": abstract_of(small)})
   assert_trees_equal(restored["state"], small)
 
 
@@ -169,69 +190,69 @@ def test_commit_existing_step_fails_and_keeps_it(tier, mesh):
   state, _ = _write(tier, mesh, 2)
   with pytest.raises(FileExistsError):
     _write(tier, mesh, 2, seed=99)
-  restored = lt.read_step(tier.directory / "2", tier.manifest(2), {"state": abstract_of(state)})
+  restored = read_step(tier.directory / "2", tier.manifest(2), {"state": abstract_of(state)})
   assert_trees_equal(restored["state"], state)
   assert not [p for p in tier.directory.iterdir() if p.name.startswith(".tmp-")]
 
 
 def test_flipped_byte_detected_by_verify_and_read(tier, mesh):
   state, step_dir = _write(tier, mesh, 2)
-  manifest = lt.read_manifest(step_dir)
+  manifest = read_manifest(step_dir)
   leaf, shard = _first_shard(manifest)
-  flip_byte(step_dir / lt.DATA, shard.offset + shard.nbytes // 2)
-  with pytest.raises(lt.CorruptStepError, match=r"checksum mismatch") as info:
-    lt.verify_step(step_dir)
+  flip_byte(step_dir / DATA, shard.offset + shard.nbytes // 2)
+  with pytest.raises(CorruptStepError, match=r"checksum mismatch") as info:
+    verify_step(step_dir)
   assert leaf.path in str(info.value)
-  with pytest.raises(lt.CorruptStepError, match="checksum mismatch"):
-    lt.read_step(step_dir, manifest, {"state": abstract_of(state)})
+  with pytest.raises(CorruptStepError, match="checksum mismatch"):
+    read_step(step_dir, manifest, {"state": abstract_of(state)})
 
 
 def test_checksums_computed_while_reading_match_and_catch_a_flip(tier, mesh, monkeypatch):
   # Pieces smaller than a shard and not aligned to one: the follower waits mid-shard.
-  monkeypatch.setattr(lt, "_PIPELINE_PIECE", 1000)
+  monkeypatch.setattr(local_read, "_PIPELINE_PIECE", 1000)
   state, step_dir = _write(tier, mesh, 2)
-  manifest = lt.read_manifest(step_dir)
+  manifest = read_manifest(step_dir)
   crcs: dict = {}
-  data = lt.read_data(step_dir, manifest, crcs)
-  entries = lt.manifest_entries(manifest)
+  data = read_data(step_dir, manifest, crcs)
+  entries = manifest_entries(manifest)
   assert len(crcs) == len({(s.offset, s.nbytes) for _, _, s in entries}) > 1
   for _, _, shard in entries:
-    assert crcs[(shard.offset, shard.nbytes)] == shard.crc32c == lt.shard_crc(
+    assert crcs[(shard.offset, shard.nbytes)] == shard.crc32c == shard_crc(
         data, shard.offset, shard.nbytes)
-  lt.verify_buffer(data, manifest, "here", crcs)
+  verify_buffer(data, manifest, "here", crcs)
   _, shard = _first_shard(manifest)
-  flip_byte(step_dir / lt.DATA, shard.offset + shard.nbytes - 1)
+  flip_byte(step_dir / DATA, shard.offset + shard.nbytes - 1)
   crcs = {}
-  data = lt.read_data(step_dir, manifest, crcs)
-  with pytest.raises(lt.CorruptStepError, match="checksum mismatch"):
-    lt.verify_buffer(data, manifest, "here", crcs)
-  with pytest.raises(lt.CorruptStepError, match="checksum mismatch"):
-    lt.arrays_from_buffer(data, manifest, {"state": abstract_of(state)}, "here", crcs=crcs)
+  data = read_data(step_dir, manifest, crcs)
+  with pytest.raises(CorruptStepError, match="checksum mismatch"):
+    verify_buffer(data, manifest, "here", crcs)
+  with pytest.raises(CorruptStepError, match="checksum mismatch"):
+    arrays_from_buffer(data, manifest, {"state": abstract_of(state)}, "here", crcs=crcs)
 
 
 def test_truncated_data_detected(tier, mesh):
   state, step_dir = _write(tier, mesh, 2)
-  manifest = lt.read_manifest(step_dir)
-  os.truncate(step_dir / lt.DATA, manifest.data_size // 2)
-  with pytest.raises(lt.CorruptStepError):
-    lt.verify_step(step_dir)
-  with pytest.raises(lt.LocalTierError):
-    lt.read_step(step_dir, manifest, {"state": abstract_of(state)})
-  (step_dir / lt.DATA).unlink()
-  with pytest.raises(lt.LocalTierError):
-    lt.verify_step(step_dir)
-  with pytest.raises(lt.LocalTierError):
-    lt.read_step(step_dir, manifest, {"state": abstract_of(state)})
+  manifest = read_manifest(step_dir)
+  os.truncate(step_dir / DATA, manifest.data_size // 2)
+  with pytest.raises(CorruptStepError):
+    verify_step(step_dir)
+  with pytest.raises(LocalTierError):
+    read_step(step_dir, manifest, {"state": abstract_of(state)})
+  (step_dir / DATA).unlink()
+  with pytest.raises(LocalTierError):
+    verify_step(step_dir)
+  with pytest.raises(LocalTierError):
+    read_step(step_dir, manifest, {"state": abstract_of(state)})
 
 
 def test_garbage_manifest_is_a_local_tier_error(tier, mesh):
   _, step_dir = _write(tier, mesh, 2)
-  (step_dir / lt.MANIFEST).write_text("{not json")
-  with pytest.raises(lt.LocalTierError, match="unreadable"):
-    lt.read_manifest(step_dir)
-  (step_dir / lt.MANIFEST).write_text('{"format": "something/else"}')
-  with pytest.raises(lt.LocalTierError, match="format"):
-    lt.read_manifest(step_dir)
+  (step_dir / MANIFEST).write_text("{not json")
+  with pytest.raises(LocalTierError, match="unreadable"):
+    read_manifest(step_dir)
+  (step_dir / MANIFEST).write_text('{"format": "something/else"}')
+  with pytest.raises(LocalTierError, match="format"):
+    read_manifest(step_dir)
 
 
 @pytest.mark.parametrize("change", ["shape", "dtype", "missing_leaf", "extra_leaf", "item"])
@@ -255,11 +276,11 @@ def test_read_step_rejects_mismatched_target(tier, mesh, change):
     target = {"other": target}
     expected = ["'other'"]
   targets = target if change == "item" else {"state": target}
-  with pytest.raises(lt.AbstractStateMismatchError) as info:
-    lt.read_step(step_dir, lt.read_manifest(step_dir), targets)
+  with pytest.raises(AbstractStateMismatchError) as info:
+    read_step(step_dir, read_manifest(step_dir), targets)
   for pattern in expected:
     assert re.search(pattern, str(info.value)), (pattern, str(info.value))
-  assert lt.verify_step(step_dir)  # nothing was touched
+  assert verify_step(step_dir)  # nothing was touched
 
 
 def test_read_onto_host_targets(tier, mesh):
@@ -267,28 +288,28 @@ def test_read_onto_host_targets(tier, mesh):
   state, step_dir = _write(tier, mesh, 2)
   target = abstract_of(state)
   target["ids"] = np.zeros((4, 4), np.int32)
-  restored = lt.read_step(step_dir, lt.read_manifest(step_dir), {"state": target})["state"]
+  restored = read_step(step_dir, read_manifest(step_dir), {"state": target})["state"]
   assert isinstance(restored["ids"], np.ndarray)
   assert np.array_equal(restored["ids"], np.asarray(state["ids"]))
   # A sharded leaf has no whole copy here: the target is at fault (no other copy helps).
   target["params"]["w"] = np.zeros((8, 6), np.float32)
-  with pytest.raises(lt.AbstractStateMismatchError, match="does not hold the whole array") as info:
-    lt.read_step(step_dir, lt.read_manifest(step_dir), {"state": target})
+  with pytest.raises(AbstractStateMismatchError, match="does not hold the whole array") as info:
+    read_step(step_dir, read_manifest(step_dir), {"state": target})
   assert "['params']['w']" in str(info.value) and "P('data', 'model')" in str(info.value)
 
 
 def test_unsupported_leaf_type_rejected(mesh):
   with pytest.raises(TypeError, match="cannot store"):
-    lt.stage(0, {"state": {"x": "a string"}}, {}, default_item=False)
+    stage(0, {"state": {"x": "a string"}}, {}, default_item=False)
   with pytest.raises(TypeError, match="not JSON-serialisable"):
-    lt.stage(0, {}, {"meta": {"x": object()}}, default_item=False)
+    stage(0, {}, {"meta": {"x": object()}}, default_item=False)
 
 
 def test_prepare_rejects_a_file(shm_dir):
   path = shm_dir / "afile"
   path.write_text("x")
   with pytest.raises(ValueError, match="not a directory"):
-    lt.LocalTier(path, max_to_keep=1).prepare()
+    LocalTier(path, max_to_keep=1).prepare()
 
 
 @pytest.fixture
@@ -308,9 +329,9 @@ def read_only_dir(shm_dir):
 
 def test_prepare_rejects_read_only_directory(read_only_dir):
   with pytest.raises(ValueError, match="not writable"):
-    lt.LocalTier(read_only_dir, max_to_keep=1).prepare()
+    LocalTier(read_only_dir, max_to_keep=1).prepare()
   with pytest.raises(ValueError, match="Cannot create local_directory"):
-    lt.LocalTier(read_only_dir / "sub", max_to_keep=1).prepare()
+    LocalTier(read_only_dir / "sub", max_to_keep=1).prepare()
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores permission bits (chmod 0o500)")
@@ -320,7 +341,7 @@ def test_prepare_rejects_non_writable_directory(shm_dir):
   path.chmod(0o500)
   try:
     with pytest.raises(ValueError, match="not writable"):
-      lt.LocalTier(path, max_to_keep=1).prepare()
+      LocalTier(path, max_to_keep=1).prepare()
   finally:
     path.chmod(0o700)
 
@@ -328,19 +349,19 @@ def test_prepare_rejects_non_writable_directory(shm_dir):
 def test_stage_holds_jax_shards_in_place_and_copies_host_leaves(tier, mesh):
   state = make_state(mesh, 3)
   want = {**state, "host": state["host"].copy()}
-  staged = lt.stage(1, {"state": state}, {}, default_item=False)
+  staged = stage(1, {"state": state}, {}, default_item=False)
   shard_views = [np.asarray(s.data) for leaf in jax.tree.leaves(state)
                  if isinstance(leaf, jax.Array) for s in leaf.addressable_shards]
   in_place = [piece for _, piece in staged.pieces
               if any(np.shares_memory(piece, v) for v in shard_views)]
   # One piece per distinct shard of each jax array, none a copy (on CPU, the array's buffer).
-  distinct = sum(len({lt.normalize_index(s.index, leaf.shape) for s in leaf.addressable_shards})
+  distinct = sum(len({normalize_index(s.index, leaf.shape) for s in leaf.addressable_shards})
                  for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array))
   assert len(in_place) == distinct
   assert not any(np.shares_memory(piece, state["host"]) for _, piece in staged.pieces)
   state["host"][:] = -1.0  # the caller may change a numpy leaf once save returns
   step_dir = tier.write(staged, 0, 1)
-  restored = lt.read_step(step_dir, lt.verify_step(step_dir), {"state": abstract_of(want)})
+  restored = read_step(step_dir, verify_step(step_dir), {"state": abstract_of(want)})
   assert_trees_equal(restored["state"], want)
 
 
@@ -348,8 +369,8 @@ def test_write_views_gathers_small_views_and_resumes_short_writes(shm_dir, monke
   rng = np.random.default_rng(0)
   views = [memoryview(rng.integers(0, 256, n, dtype=np.uint8)) for n in
            (0, 1, 250, 7, 0, 5, 6, 8, 64, 1000, 3, 99, 2)]
-  monkeypatch.setattr(lt, "_WRITE_CHUNK", 100)  # splits and batches at small sizes
-  monkeypatch.setattr(lt, "_IOV_MAX", 3)
+  monkeypatch.setattr(local_store, "_WRITE_CHUNK", 100)  # splits and batches at small sizes
+  monkeypatch.setattr(local_store, "_IOV_MAX", 3)
   real_pwritev, real_pwrite = os.pwritev, os.pwrite
   calls = []
 
@@ -363,7 +384,7 @@ def test_write_views_gathers_small_views_and_resumes_short_writes(shm_dir, monke
   path = shm_dir / "data.bin"
   fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
   try:
-    lt._write_views(fd, views)
+    local_store._write_views(fd, views)
   finally:
     os.close(fd)
   assert path.read_bytes() == b"".join(bytes(v) for v in views)
@@ -372,7 +393,7 @@ def test_write_views_gathers_small_views_and_resumes_short_writes(shm_dir, monke
 
 def test_manifest_records_the_saved_sharding(tier, mesh):
   _, step_dir = _write(tier, mesh, 2)
-  leaves = {leaf.path: leaf for leaf in lt.read_manifest(step_dir).items["state"].leaves}
+  leaves = {leaf.path: leaf for leaf in read_manifest(step_dir).items["state"].leaves}
   assert leaves["['params']['w']"].sharding == (
       "NamedSharding(mesh={'data': 2, 'model': 2}, spec=P('data', 'model'), "
       "devices=[0, 1, 2, 3])")
@@ -398,20 +419,20 @@ def test_restore_onto_another_sharding_is_an_abstract_state_mismatch(tier, mesh,
     other = NamedSharding(jax.make_mesh((4,), ("x",), devices=jax.devices()[:4]), P("x"))
     want = "NamedSharding(mesh={'x': 4}, spec=P('x',), devices="
   target["params"]["w"] = jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=other)
-  manifest = lt.read_manifest(step_dir)
+  manifest = read_manifest(step_dir)
   crcs: dict = {}
-  data = lt.read_data(step_dir, manifest, crcs)
-  with pytest.raises(lt.AbstractStateMismatchError) as info:
-    lt.arrays_from_buffer(data, manifest, {"state": target}, str(step_dir), crcs=crcs)
+  data = read_data(step_dir, manifest, crcs)
+  with pytest.raises(AbstractStateMismatchError) as info:
+    arrays_from_buffer(data, manifest, {"state": target}, str(step_dir), crcs=crcs)
   message = str(info.value)
   assert "['params']['w']" in message and want in message, message
   assert "NamedSharding(mesh={'data': 2, 'model': 2}, spec=P('data', 'model'), devices=" \
       in message
-  assert not isinstance(info.value, lt.LocalTierError)
+  assert not isinstance(info.value, LocalTierError)
   # Through read_step too; the step itself is fine.
-  with pytest.raises(lt.AbstractStateMismatchError, match="target sharding differs"):
-    lt.read_step(step_dir, manifest, {"state": target})
-  lt.verify_step(step_dir)
+  with pytest.raises(AbstractStateMismatchError, match="target sharding differs"):
+    read_step(step_dir, manifest, {"state": target})
+  verify_step(step_dir)
 
 
 def test_missing_shard_under_the_saved_sharding_is_a_local_tier_error(tier, mesh):
@@ -420,22 +441,22 @@ def test_missing_shard_under_the_saved_sharding_is_a_local_tier_error(tier, mesh
   import dataclasses
 
   state, step_dir = _write(tier, mesh, 2)
-  manifest = lt.read_manifest(step_dir)
+  manifest = read_manifest(step_dir)
   item = manifest.items["state"]
   leaves = tuple(dataclasses.replace(leaf, shards=leaf.shards[1:])
                  if leaf.path == "['params']['w']" else leaf for leaf in item.leaves)
   partial = dataclasses.replace(
       manifest, items={**manifest.items, "state": dataclasses.replace(item, leaves=leaves)})
-  data = lt.read_data(step_dir, manifest)
-  with pytest.raises(lt.LocalTierError, match="devices differ"):
-    lt.arrays_from_buffer(data, partial, {"state": abstract_of(state)}, str(step_dir))
+  data = read_data(step_dir, manifest)
+  with pytest.raises(LocalTierError, match="devices differ"):
+    arrays_from_buffer(data, partial, {"state": abstract_of(state)}, str(step_dir))
 
 
 def test_forced_old_save_applies_retention_before_on_commit(shm_dir, mesh):
   """RAM holds 7, 8, 9 (max_to_keep=3); a forced save of 5 is retired at once: on_commit (the
   LKG link) gets the newest step, 9, never the retired 5."""
   committed = []
-  tier = lt.LocalTier(shm_dir / "local", max_to_keep=3, on_commit=committed.append)
+  tier = LocalTier(shm_dir / "local", max_to_keep=3, on_commit=committed.append)
   tier.prepare()
   try:
     for step in (7, 8, 9):

@@ -19,7 +19,7 @@ from mp_helpers import (
   assert_ok,
   assert_results,
   child_env,
-  mp_worker,
+  mp_events,
   run_job,
   started_job,
   tail,
@@ -118,7 +118,7 @@ def test_fresh_start_copies_and_backups_then_restart_with_a_stale_yaml_restores(
       assert [e["step"] for e in sim.events("BACKUP")] == ["0", "4", "8"]
       peer_copy = shm_root / f"node{1 - rank}" / ".replicator" / f"n{rank}" / "8"
       assert (peer_copy / "manifest.json").is_file()
-    committed = dict(mp_worker.events(out.lines, "COMMITTED"))
+    committed = dict(mp_events.events(out.lines, "COMMITTED"))
     # The manager made no backup and no peer copy of its own: the replicator does both.
     assert {n: c["persistent"] for n, c in committed.items()} == {0: "-", 1: "-"}
     assert not list(shm_root.glob("node*/peers*")), sorted(shm_root.glob("node*/*"))
@@ -213,7 +213,7 @@ def test_jax_joins_from_jax_init_info_written_after_the_job_started(tmp_path, sh
         info.write_text(f"{rank}\n{job.coordinator}\n")
       result = job.wait(120)
     assert_ok(result, out)
-    inits = dict(mp_worker.events(out.lines, "INIT"))
+    inits = dict(mp_events.events(out.lines, "INIT"))
     assert {n: (f["coordinator"], f["entry"]) for n, f in inits.items()} == {
         0: (job.coordinator, "None"), 1: (job.coordinator, "None")}, tail(out)
     assert [len(sim.events("CONFIG")) for sim in sims] == [1, 1]  # one handshake each
@@ -233,10 +233,10 @@ def _loop(persistent: pathlib.Path, steps: int) -> list[str]:
 def test_maxtext_enable_multi_tier_checkpointing_runs_managed(tmp_path, shm_root):
   """MaxText's key switches the MaxText-shaped loop to managed mode: the replicator gets the
   yaml, copies the RAM steps, and a restart resumes from its entry bit for bit."""
-  from orbax_mtc import launch
+  from orbax_mtc.tools import launch
 
   def run(steps: int):
-    out = mp_worker.LineCollector()
+    out = mp_events.LineCollector()
     with launch.Job(_loop(tmp_path / "out", steps), 2, devices_per_process=2,
                     local_root=shm_root, env=child_env(), output=out) as job:
       job.start()
@@ -250,10 +250,10 @@ def test_maxtext_enable_multi_tier_checkpointing_runs_managed(tmp_path, shm_root
     assert sims[0].events("CONFIG")[0]["peers"] == "[1]"  # twins across ici_data=2
     newest = max(int(s) for s in (local.name for local in (shm_root / "node0").iterdir())
                  if s.isdigit())
-    digests = {(n, int(f["step"])): f["digest"] for n, f in mp_worker.events(first.lines,
+    digests = {(n, int(f["step"])): f["digest"] for n, f in mp_events.events(first.lines,
                                                                              "STEP")}
     second = run(newest + 3)
-  restored = dict(mp_worker.events(second.lines, "RESTORED"))
+  restored = dict(mp_events.events(second.lines, "RESTORED"))
   assert {n: (f["step"], f["tier"]) for n, f in restored.items()} == {
       0: (str(newest), "replicator"), 1: (str(newest), "replicator")}, tail(second)
   for node in (0, 1):

@@ -19,7 +19,10 @@ import pytest
 from conftest import abstract_of, assert_host_equal, assert_trees_equal, make_state
 
 import orbax_mtc as mtc
-from orbax_mtc import lkg, local_tier
+from orbax_mtc import lkg
+from orbax_mtc.local.format import DATA, MANIFEST
+from orbax_mtc.local.read import verify_step
+from orbax_mtc.local.store import LocalTier, committed_steps, read_manifest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,9 +83,9 @@ def _links(local_dir):
 
 
 def _flip_first_shard(step_dir):
-  manifest = local_tier.read_manifest(step_dir)
+  manifest = read_manifest(step_dir)
   shard = manifest.items["state"].leaves[0].shards[0]
-  with open(step_dir / local_tier.DATA, "r+b") as f:
+  with open(step_dir / DATA, "r+b") as f:
     f.seek(shard.offset)
     byte = f.read(1)
     f.seek(shard.offset)
@@ -107,7 +110,7 @@ def test_context_manager_closes(dirs, mesh):
   with mtc.CheckpointManager(dirs[0], dirs[1], mesh, abstract_of(make_state(mesh)),
                              options=_options()) as mgr:
     assert mgr.save(0, args=_composite(make_state(mesh, 0)))
-  assert local_tier.committed_steps(dirs[0]) == [0]
+  assert committed_steps(dirs[0]) == [0]
 
 
 def test_round_trip_composite(open_manager, mesh):
@@ -143,7 +146,7 @@ def test_round_trip_single_item(open_manager, mesh, save_cls):
 def test_synchronous_mode(open_manager, mesh):
   mgr = open_manager(_options(enable_async_checkpointing=False))
   states, _ = _save_range(mgr, mesh, range(0, 5))
-  assert local_tier.committed_steps(mgr.local_directory) == [2, 4]
+  assert committed_steps(mgr.local_directory) == [2, 4]
   assert_trees_equal(mgr.restore(None).state, states[4])
 
 
@@ -183,7 +186,7 @@ def test_saving_schedule(open_manager, dirs, mesh):
   assert results == expected
   assert {s: mgr.should_save(s) for s in (8, 9, 10, 12)} == \
       {8: False, 9: False, 10: True, 12: True}
-  assert local_tier.committed_steps(dirs[0]) == [6, 8]
+  assert committed_steps(dirs[0]) == [6, 8]
   assert _persistent_steps(dirs[1]) == [0, 4, 8]
   assert mgr.all_steps() == [0, 4, 6, 8]
   assert mgr.latest_step() == 8
@@ -199,7 +202,7 @@ def test_force_saves_off_schedule(open_manager, dirs, mesh):
   assert mgr.save(3, args=_composite(state), force=True) is True
   mgr.wait_until_finished()
   # Step 1 was off the local schedule, but a backup is taken from the RAM tier.
-  assert local_tier.committed_steps(dirs[0]) == [1, 3]
+  assert committed_steps(dirs[0]) == [1, 3]
   assert _persistent_steps(dirs[1]) == [1, 3]
   assert_trees_equal(mgr.restore(3).state, state)
 
@@ -218,7 +221,7 @@ def test_retention_and_lkg(open_manager, dirs, mesh):
   for last in range(0, 13, 2):
     mgr.save(last, args=_composite(make_state(mesh, last)))
     mgr.wait_until_finished()
-    committed = local_tier.committed_steps(dirs[0])
+    committed = committed_steps(dirs[0])
     assert committed == list(range(0, last + 1, 2))[-2:]
     # Never more than one spare, never a leftover temporary folder.
     names = [p.name for p in dirs[0].iterdir()]
@@ -233,7 +236,7 @@ def test_retention_and_lkg(open_manager, dirs, mesh):
 def test_retention_keeps_only_newest_with_max_to_keep_1(open_manager, dirs, mesh):
   mgr = open_manager(_options(local_every=1, persistent_every=1000, local_keep=1))
   states, _ = _save_range(mgr, mesh, range(1, 6))
-  assert local_tier.committed_steps(dirs[0]) == [5]
+  assert committed_steps(dirs[0]) == [5]
   assert_trees_equal(mgr.restore(None).state, states[5])
 
 
@@ -252,7 +255,7 @@ def test_force_save_of_existing_local_step(open_manager, dirs, mesh):
   """
   mgr = open_manager()
   states, _ = _save_range(mgr, mesh, [0, 2])
-  assert _persistent_steps(dirs[1]) == [0] and local_tier.committed_steps(dirs[0]) == [0, 2]
+  assert _persistent_steps(dirs[1]) == [0] and committed_steps(dirs[0]) == [0, 2]
   with contextlib.suppress(ocp.checkpoint_manager.StepAlreadyExistsError):
     mgr.save(2, args=_composite(make_state(mesh, 99)), force=True)
   mgr.wait_until_finished()
@@ -300,7 +303,7 @@ def test_restart_without_local_restores_persistent(open_manager, dirs, mesh, sin
   # Training goes on from the restored step: the next local save works.
   again.save(6, args=_composite(make_state(mesh, 60)))
   again.wait_until_finished()
-  assert local_tier.committed_steps(dirs[0]) == [6]
+  assert committed_steps(dirs[0]) == [6]
 
 
 def test_nothing_anywhere_restores_none(open_manager, dirs):
@@ -350,11 +353,11 @@ def test_persistent_single_item_is_plain_orbax(open_manager, dirs, mesh):
 def test_corrupt_newest_local_step_falls_back_to_older_local(open_manager, dirs, mesh):
   mgr = open_manager()
   states, _ = _save_range(mgr, mesh, range(0, 7))
-  assert local_tier.committed_steps(dirs[0]) == [4, 6]
+  assert committed_steps(dirs[0]) == [4, 6]
   _flip_first_shard(dirs[0] / "6")
   with pytest.raises(mtc.CorruptStepError, match="checksum"):
-    local_tier.verify_step(dirs[0] / "6")
-  local_tier.verify_step(dirs[0] / "4")
+    verify_step(dirs[0] / "6")
+  verify_step(dirs[0] / "4")
   restored = mgr.restore(None)
   assert mgr.last_restore.step == 4 and mgr.last_restore.tier == "local"
   assert_trees_equal(restored.state, states[4])
@@ -419,7 +422,7 @@ def test_mismatched_abstract_state_local(open_manager, dirs, mesh, change, how):
   for fragment in fragments:
     assert fragment in str(info.value), (fragment, str(info.value))
   # Nothing committed was lost, and the right target restores it.
-  assert local_tier.committed_steps(dirs[0]) == [4, 6]
+  assert committed_steps(dirs[0]) == [4, 6]
   assert target_mgr.all_steps() == [0, 4, 6]
   restored = target_mgr.restore(None, args=ocp.args.Composite(
       state=ocp.args.PyTreeRestore(item=abstract_of(states[6]))))
@@ -521,7 +524,7 @@ def test_full_ram_disk(tmpfs_mount, open_manager, dirs, mesh):
   message = str(info.value)
   assert info.value.__cause__.errno == errno.ENOSPC and "process 0" in message
   assert "step 2" in message and "Committed steps are untouched" in message
-  assert local_tier.committed_steps(local) == [0]
+  assert committed_steps(local) == [0]
   assert not [p for p in local.iterdir() if p.name.startswith(".tmp-")]
   restored = mgr.restore(None)
   assert mgr.last_restore.step == 0 and mgr.last_restore.tier == "local"
@@ -560,10 +563,10 @@ def test_steps_metadata_and_delete(open_manager, dirs, mesh):
   assert mgr.item_metadata(0).state is not None  # persistent only
 
   mgr.delete(6)  # local only
-  assert local_tier.committed_steps(dirs[0]) == [4]
+  assert committed_steps(dirs[0]) == [4]
   assert mgr.all_steps() == [0, 4] and mgr.latest_step() == 4
   mgr.delete(4)  # both tiers
-  assert local_tier.committed_steps(dirs[0]) == []
+  assert committed_steps(dirs[0]) == []
   assert _persistent_steps(dirs[1]) == [0]
   assert mgr.all_steps() == [0] and mgr.latest_step() == 0
   mgr.delete(5)  # nowhere: a no-op
@@ -586,7 +589,7 @@ def test_pending_step_counts_and_delete_waits(open_manager, dirs, mesh):
   assert 2 in mgr.all_steps()  # in flight or committed
   mgr.delete(2)
   assert mgr.all_steps() == []
-  assert local_tier.committed_steps(dirs[0]) == []
+  assert committed_steps(dirs[0]) == []
 
 
 
@@ -595,14 +598,14 @@ def test_donating_the_state_while_its_write_is_in_flight_keeps_the_saved_bytes(
   """save() stages CPU arrays without copying them; a training step that donates those arrays
   while the write is still running must neither change the step nor get wrong inputs."""
   writing, release = threading.Event(), threading.Event()
-  write = local_tier.LocalTier.write
+  write = LocalTier.write
 
   def held_write(self, staged, *args):
     writing.set()
     assert release.wait(60), "the test never released the write"
     return write(self, staged, *args)
 
-  monkeypatch.setattr(local_tier.LocalTier, "write", held_write)
+  monkeypatch.setattr(LocalTier, "write", held_write)
   mgr = open_manager(_options(local_every=2, persistent_every=10**6))
   state = make_state(mesh, 5)
   want = jax.tree.map(lambda x: np.array(x, copy=True), state)
@@ -621,10 +624,10 @@ def test_donating_the_state_while_its_write_is_in_flight_keeps_the_saved_bytes(
 
 def _lkg_consistent(local_dir):
   """Every LKG link of the directory points at a committed step, the newest one."""
-  committed = local_tier.committed_steps(local_dir)
+  committed = committed_steps(local_dir)
   links = _links(local_dir)
   for name, target in links.items():
-    assert (local_dir / target / local_tier.MANIFEST).is_file(), \
+    assert (local_dir / target / MANIFEST).is_file(), \
         f"LKG link {name} -> {target} points at no committed step (committed: {committed})"
     assert lkg.parse_link_name(name).step == int(target)
   if committed:
@@ -653,10 +656,10 @@ def test_restore_of_an_older_step_keeps_newer_steps(open_manager, dirs, mesh):
   step 8 is only in RAM, so deleting it loses it for good)."""
   mgr = open_manager(_options(local_keep=3, persistent_every=1000))
   states, _ = _save_range(mgr, mesh, range(0, 9))
-  assert local_tier.committed_steps(dirs[0]) == [4, 6, 8]
+  assert committed_steps(dirs[0]) == [4, 6, 8]
   assert _persistent_steps(dirs[1]) == [0]
   assert_trees_equal(mgr.restore(6).state, states[6])
-  assert local_tier.committed_steps(dirs[0]) == [4, 6, 8]
+  assert committed_steps(dirs[0]) == [4, 6, 8]
   assert mgr.latest_step() == 8
   assert_trees_equal(mgr.restore(None).state, states[8])
   assert mgr.last_restore.tier == "local"
@@ -723,11 +726,11 @@ def test_a_forced_save_of_an_older_step_keeps_the_newest_ram_steps_and_valid_lin
   local_dir, persistent_dir = dirs
   mgr = open_manager(_options(local_every=1, persistent_every=1000, local_keep=3))
   states, _ = _save_range(mgr, mesh, range(7, 10))
-  assert local_tier.committed_steps(local_dir) == [7, 8, 9]
+  assert committed_steps(local_dir) == [7, 8, 9]
   old = make_state(mesh, 5)
   assert mgr.save(5, args=_composite(old), force=True)
   mgr.wait_until_finished()
-  assert local_tier.committed_steps(local_dir) == [7, 8, 9]
+  assert committed_steps(local_dir) == [7, 8, 9]
   assert 5 in _persistent_steps(persistent_dir)
   links = lkg.list_entries(local_dir)
   assert [e.step for e in links] == [9]
@@ -748,13 +751,13 @@ def test_manager_folders_and_files_are_private(open_manager, dirs, mesh):
   assert local_dir.stat().st_mode & 0o777 == 0o700
   step_dir = local_dir / "1"
   assert step_dir.stat().st_mode & 0o777 == 0o700
-  for name in (local_tier.DATA, local_tier.MANIFEST):
+  for name in (DATA, MANIFEST):
     assert (step_dir / name).stat().st_mode & 0o777 == 0o600, name
 
 
 def test_a_second_manager_on_a_claimed_local_directory_is_refused(open_manager, dirs):
-  from orbax_mtc import local_lock
+  from orbax_mtc.local.lock import LocalDirectoryInUseError
 
   open_manager()
-  with pytest.raises(local_lock.LocalDirectoryInUseError, match="own local directory"):
+  with pytest.raises(LocalDirectoryInUseError, match="own local directory"):
     open_manager()

@@ -19,8 +19,29 @@ from conftest import SHM_ROOT, make_state
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from orbax_mtc import local_tier as lt
-from orbax_mtc import peer_store
+from orbax_mtc.local.format import (
+  DATA,
+  FORMAT,
+  MANIFEST,
+  MANIFEST_CRC_KEY,
+  MAX_DATA_SIZE,
+  CorruptStepError,
+  LocalTierError,
+  ManifestError,
+  StepManifest,
+  manifest_checksum,
+)
+from orbax_mtc.local.read import (
+  aligned_empty,
+  manifest_entries,
+  read_data,
+  verify_buffer,
+  verify_step,
+)
+from orbax_mtc.local.specs import item_metadata
+from orbax_mtc.local.staging import stage
+from orbax_mtc.local.store import LocalTier, committed_steps, is_step_name, read_manifest
+from orbax_mtc.peers import store as peer_store
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,9 +54,9 @@ HYPOTHESIS = settings(max_examples=300, deadline=None, derandomize=True, databas
 def sign(raw: dict[str, Any]) -> dict[str, Any]:
   """`raw` with its manifest checksum recomputed, as the spec says: CRC32C of the canonical JSON
   (sorted keys, compact separators) of every other field."""
-  fields = {k: v for k, v in raw.items() if k != lt.MANIFEST_CRC_KEY}
+  fields = {k: v for k, v in raw.items() if k != MANIFEST_CRC_KEY}
   text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-  return {**fields, lt.MANIFEST_CRC_KEY: google_crc32c.value(text.encode())}
+  return {**fields, MANIFEST_CRC_KEY: google_crc32c.value(text.encode())}
 
 
 def canonical(value: Any) -> str:
@@ -47,14 +68,14 @@ def saved(mesh):
   """A real committed step (sharded jax arrays, numpy and scalar leaves, a JSON item) and a
   pristine copy of its folder; yields (tier, step folder, pristine folder, parsed manifest)."""
   base = (SHM_ROOT or Path("/tmp")) / f"orbax-mtc-test-manifest-{uuid.uuid4().hex[:12]}"
-  tier = lt.LocalTier(base / "local", max_to_keep=None)
+  tier = LocalTier(base / "local", max_to_keep=None)
   tier.prepare()
-  staged = lt.stage(STEP, {"state": make_state(mesh, seed=1)}, {"meta": {"step": STEP, "x": [1]}},
-                    default_item=False)
+  staged = stage(STEP, {"state": make_state(mesh, seed=1)}, {"meta": {"step": STEP, "x": [1]}},
+                 default_item=False)
   step_dir = tier.write(staged, process_index=0, process_count=1)
   pristine = base / "pristine"
   shutil.copytree(step_dir, pristine)
-  raw = json.loads((step_dir / lt.MANIFEST).read_text())
+  raw = json.loads((step_dir / MANIFEST).read_text())
   yield tier, step_dir, pristine, raw
   tier.close()
   shutil.rmtree(base, ignore_errors=True)
@@ -62,27 +83,27 @@ def saved(mesh):
 
 def put(step_dir: Path, pristine: Path, manifest: Any) -> None:
   """Restores the step folder, then writes `manifest` (a JSON value or raw text)."""
-  for name in (lt.DATA, lt.MANIFEST):
+  for name in (DATA, MANIFEST):
     shutil.copyfile(pristine / name, step_dir / name)
   text = manifest if isinstance(manifest, str) else json.dumps(manifest)
-  (step_dir / lt.MANIFEST).write_text(text)
+  (step_dir / MANIFEST).write_text(text)
 
 
-def read_all(tier: lt.LocalTier, step_dir: Path) -> lt.StepManifest:
+def read_all(tier: LocalTier, step_dir: Path) -> StepManifest:
   """Every reader of a step folder: the manifest, its checksums, its metadata tree. Each may
   refuse the step with a LocalTierError, nothing else."""
-  manifest = lt.read_manifest(step_dir)
+  manifest = read_manifest(step_dir)
   assert tier.manifest(STEP) == manifest
-  assert lt.StepManifest.from_json(manifest.to_json()) == manifest
-  for _, _, shard in lt.manifest_entries(manifest):
+  assert StepManifest.from_json(manifest.to_json()) == manifest
+  for _, _, shard in manifest_entries(manifest):
     assert 0 <= shard.offset and shard.offset + shard.nbytes <= manifest.data_size
   try:
-    lt.item_metadata(manifest)
-    lt.verify_step(step_dir)
+    item_metadata(manifest)
+    verify_step(step_dir)
     crcs: dict = {}
-    data = lt.read_data(step_dir, manifest, crcs)
-    lt.verify_buffer(data, manifest, "test", crcs)
-  except lt.LocalTierError:
+    data = read_data(step_dir, manifest, crcs)
+    verify_buffer(data, manifest, "test", crcs)
+  except LocalTierError:
     pass
   return manifest
 
@@ -115,14 +136,14 @@ JSON_VALUES = st.recursive(
 REPLACEMENTS = st.one_of(
     st.sampled_from([None, [], [0, 0], "x", "", "float33", True, False, 2**63, 2**64 + 1,
                      10**30, -1, -(2**63), 0, 1, 7, 1.5, {}, {"a": 1}, [[0, 1]], [[0, 9999]],
-                     "bfloat16", "int64", ">f4", "object", "(2,)f4", lt.MAX_DATA_SIZE]),
+                     "bfloat16", "int64", ">f4", "object", "(2,)f4", MAX_DATA_SIZE]),
     JSON_VALUES)
 
 
 @st.composite
 def corruptions(draw, raw: dict[str, Any]) -> tuple[dict[str, Any] | Any, str]:
   """(corrupted manifest JSON, what was done) from the pristine parsed manifest."""
-  body = {k: v for k, v in raw.items() if k != lt.MANIFEST_CRC_KEY}
+  body = {k: v for k, v in raw.items() if k != MANIFEST_CRC_KEY}
   path = draw(st.sampled_from(paths_of(body)))
   action = draw(st.sampled_from(["replace", "replace", "replace", "drop", "overlap",
                                  "out_of_range"]))
@@ -167,7 +188,7 @@ def test_generated_corruptions_resigned_reach_the_field_validators(saved):
     try:
       read_all(tier, step_dir)
       seen["ok"] += 1
-    except lt.LocalTierError:
+    except LocalTierError:
       seen["refused"] += 1
 
   run()
@@ -177,22 +198,22 @@ def test_generated_corruptions_resigned_reach_the_field_validators(saved):
 
 def test_generated_unsigned_edits_are_caught_by_the_checksum(saved):
   tier, step_dir, pristine, raw = saved
-  pristine_body = canonical({k: v for k, v in raw.items() if k != lt.MANIFEST_CRC_KEY})
+  pristine_body = canonical({k: v for k, v in raw.items() if k != MANIFEST_CRC_KEY})
 
   @HYPOTHESIS
   @given(data=st.data())
   def run(data):
     mutated, what = data.draw(corruptions(raw))
     note(what)
-    mutated[lt.MANIFEST_CRC_KEY] = raw[lt.MANIFEST_CRC_KEY]  # the old checksum, not re-signed
+    mutated[MANIFEST_CRC_KEY] = raw[MANIFEST_CRC_KEY]  # the old checksum, not re-signed
     put(step_dir, pristine, mutated)
     unchanged = canonical({k: v for k, v in mutated.items()
-                           if k != lt.MANIFEST_CRC_KEY}) == pristine_body
+                           if k != MANIFEST_CRC_KEY}) == pristine_body
     if unchanged:  # a no-op edit (the same value written back) reads back identically
-      assert read_all(tier, step_dir) == lt.StepManifest.from_json(json.dumps(raw))
+      assert read_all(tier, step_dir) == StepManifest.from_json(json.dumps(raw))
       return
-    with pytest.raises(lt.ManifestError):
-      lt.read_manifest(step_dir)
+    with pytest.raises(ManifestError):
+      read_manifest(step_dir)
 
   run()
 
@@ -200,25 +221,25 @@ def test_generated_unsigned_edits_are_caught_by_the_checksum(saved):
 @HYPOTHESIS
 @given(value=JSON_VALUES)
 def test_any_json_value_is_refused_with_a_manifest_error(value):
-  with pytest.raises(lt.ManifestError):
-    lt.StepManifest.from_json(json.dumps(value))
+  with pytest.raises(ManifestError):
+    StepManifest.from_json(json.dumps(value))
   if isinstance(value, dict):
-    with pytest.raises(lt.ManifestError):
-      lt.StepManifest.from_json(json.dumps(sign({**value, "format": lt.FORMAT})))
+    with pytest.raises(ManifestError):
+      StepManifest.from_json(json.dumps(sign({**value, "format": FORMAT})))
 
 
 @HYPOTHESIS
 @given(text=st.text(max_size=50) | st.binary(max_size=50))
 def test_any_text_is_refused_with_a_manifest_error(text):
-  with pytest.raises(lt.ManifestError):
-    lt.StepManifest.from_json(text)
+  with pytest.raises(ManifestError):
+    StepManifest.from_json(text)
 
 
 def test_deeply_nested_json_is_a_manifest_error():
-  with pytest.raises(lt.ManifestError):
-    lt.StepManifest.from_json("[" * 100_000 + "]" * 100_000)
-  with pytest.raises(lt.ManifestError):
-    lt.StepManifest.from_json(12)  # not text at all
+  with pytest.raises(ManifestError):
+    StepManifest.from_json("[" * 100_000 + "]" * 100_000)
+  with pytest.raises(ManifestError):
+    StepManifest.from_json(12)  # not text at all
 
 
 # ----------------------------------------------------------------------------- named cases
@@ -339,22 +360,22 @@ def _created_at(r):
 def test_named_field_corruptions(saved, edit, pattern):
   tier, step_dir, pristine, raw = saved
   put(step_dir, pristine, edited(raw, edit))
-  with pytest.raises(lt.ManifestError, match=pattern) as info:
-    lt.read_manifest(step_dir)
-  assert str(step_dir / lt.MANIFEST) in str(info.value)  # names the file
+  with pytest.raises(ManifestError, match=pattern) as info:
+    read_manifest(step_dir)
+  assert str(step_dir / MANIFEST) in str(info.value)  # names the file
   # The same edit without re-signing is caught by the checksum first.
   unsigned = edited(raw, edit)
-  unsigned[lt.MANIFEST_CRC_KEY] = raw[lt.MANIFEST_CRC_KEY]
+  unsigned[MANIFEST_CRC_KEY] = raw[MANIFEST_CRC_KEY]
   put(step_dir, pristine, unsigned)
-  with pytest.raises(lt.ManifestError, match="checksum mismatch"):
-    lt.read_manifest(step_dir)
+  with pytest.raises(ManifestError, match="checksum mismatch"):
+    read_manifest(step_dir)
 
 
 @pytest.mark.parametrize("text", ["null", "[]", "[1, 2]", '"text"', "12", "true", "{}"])
 def test_manifest_that_is_not_an_object(saved, text):
   tier, step_dir, pristine, _ = saved
   put(step_dir, pristine, text)
-  with pytest.raises(lt.ManifestError, match=str(step_dir / lt.MANIFEST)):
+  with pytest.raises(ManifestError, match=str(step_dir / MANIFEST)):
     tier.manifest(STEP)
 
 
@@ -362,48 +383,48 @@ def test_unsigned_edit_is_caught_by_the_checksum(saved):
   tier, step_dir, pristine, raw = saved
   changed = dict(raw, created_at=raw["created_at"] + 1)
   put(step_dir, pristine, changed)
-  with pytest.raises(lt.ManifestError, match="checksum mismatch"):
-    lt.read_manifest(step_dir)
-  put(step_dir, pristine, {k: v for k, v in raw.items() if k != lt.MANIFEST_CRC_KEY})
-  with pytest.raises(lt.ManifestError, match=lt.MANIFEST_CRC_KEY):
-    lt.read_manifest(step_dir)
+  with pytest.raises(ManifestError, match="checksum mismatch"):
+    read_manifest(step_dir)
+  put(step_dir, pristine, {k: v for k, v in raw.items() if k != MANIFEST_CRC_KEY})
+  with pytest.raises(ManifestError, match=MANIFEST_CRC_KEY):
+    read_manifest(step_dir)
   put(step_dir, pristine, raw)
-  assert lt.read_manifest(step_dir) == lt.StepManifest.from_json(json.dumps(raw))
+  assert read_manifest(step_dir) == StepManifest.from_json(json.dumps(raw))
 
 
 def test_other_formats_are_refused(saved):
   tier, step_dir, pristine, raw = saved
   put(step_dir, pristine, sign(dict(raw, format="orbax-mtc/local/1")))
-  with pytest.raises(lt.ManifestError, match="another version"):
-    lt.read_manifest(step_dir)
+  with pytest.raises(ManifestError, match="another version"):
+    read_manifest(step_dir)
   put(step_dir, pristine, sign(dict(raw, format=None)))
-  with pytest.raises(lt.ManifestError, match="unknown manifest format"):
-    lt.read_manifest(step_dir)
+  with pytest.raises(ManifestError, match="unknown manifest format"):
+    read_manifest(step_dir)
 
 
 def test_checksum_is_over_the_canonical_json(saved):
   _, _, _, raw = saved
-  assert raw["format"] == lt.FORMAT == "orbax-mtc/local/2"
+  assert raw["format"] == FORMAT == "orbax-mtc/local/2"
   assert sign(raw) == raw
-  body = {k: v for k, v in raw.items() if k != lt.MANIFEST_CRC_KEY}
-  assert lt.manifest_checksum(body) == raw[lt.MANIFEST_CRC_KEY] == raw["manifest_crc32c"]
+  body = {k: v for k, v in raw.items() if k != MANIFEST_CRC_KEY}
+  assert manifest_checksum(body) == raw[MANIFEST_CRC_KEY] == raw["manifest_crc32c"]
   # Key order and spacing do not matter, only the content.
   text = json.dumps(dict(reversed(list(raw.items()))), indent=3)
-  assert lt.StepManifest.from_json(text) == lt.StepManifest.from_json(json.dumps(raw))
+  assert StepManifest.from_json(text) == StepManifest.from_json(json.dumps(raw))
 
 
 def test_step_that_does_not_match_the_folder(saved):
   tier, step_dir, pristine, raw = saved
   put(step_dir, pristine, sign(dict(raw, step=STEP + 1)))
-  with pytest.raises(lt.ManifestError, match=rf"'step' holds {STEP + 1}, expected {STEP}"):
-    lt.read_manifest(step_dir)
+  with pytest.raises(ManifestError, match=rf"'step' holds {STEP + 1}, expected {STEP}"):
+    read_manifest(step_dir)
   # The same folder under another (step) name: its manifest says STEP.
   put(step_dir, pristine, raw)
   moved = step_dir.parent / "11"
   shutil.copytree(step_dir, moved)
   try:
-    with pytest.raises(lt.ManifestError, match=rf"'step' holds {STEP}, expected 11"):
-      lt.read_manifest(moved)
+    with pytest.raises(ManifestError, match=rf"'step' holds {STEP}, expected 11"):
+      read_manifest(moved)
   finally:
     shutil.rmtree(moved)
 
@@ -411,20 +432,20 @@ def test_step_that_does_not_match_the_folder(saved):
 def test_process_index_and_count_mismatch(saved):
   tier, step_dir, pristine, raw = saved
   put(step_dir, pristine, raw)
-  assert lt.LocalTier(tier.directory, max_to_keep=None, process_index=0,
-                      process_count=1).manifest(STEP).step == STEP
-  other = lt.LocalTier(tier.directory, max_to_keep=None, process_index=1, process_count=2)
-  with pytest.raises(lt.ManifestError) as info:
+  assert LocalTier(tier.directory, max_to_keep=None, process_index=0,
+                   process_count=1).manifest(STEP).step == STEP
+  other = LocalTier(tier.directory, max_to_keep=None, process_index=1, process_count=2)
+  with pytest.raises(ManifestError) as info:
     other.manifest(STEP)
   assert str(step_dir) in str(info.value)
   assert "'process_index' holds 0, expected 1" in str(info.value)
-  count = lt.LocalTier(tier.directory, max_to_keep=None, process_index=0, process_count=2)
-  with pytest.raises(lt.ManifestError, match="'process_count' holds 1, expected 2"):
+  count = LocalTier(tier.directory, max_to_keep=None, process_index=0, process_count=2)
+  with pytest.raises(ManifestError, match="'process_count' holds 1, expected 2"):
     count.manifest(STEP)
   # Inconsistent in itself: an index beyond the count.
   put(step_dir, pristine, sign(dict(raw, process_index=1)))
-  with pytest.raises(lt.ManifestError, match="'process_index' holds 1"):
-    lt.read_manifest(step_dir)
+  with pytest.raises(ManifestError, match="'process_index' holds 1"):
+    read_manifest(step_dir)
   for tier_ in (other, count):
     tier_.close()
 
@@ -432,21 +453,21 @@ def test_process_index_and_count_mismatch(saved):
 def test_data_file_shorter_than_data_size(saved):
   tier, step_dir, pristine, raw = saved
   put(step_dir, pristine, raw)
-  os.truncate(step_dir / lt.DATA, raw["data_size"] - 1)
-  with pytest.raises(lt.LocalTierError, match="shorter than"):
-    lt.read_manifest(step_dir)
-  with pytest.raises(lt.LocalTierError):
-    lt.read_data(step_dir, lt.StepManifest.from_json(json.dumps(raw)))
-  (step_dir / lt.DATA).unlink()
-  with pytest.raises(lt.LocalTierError, match=f"no {lt.DATA}"):
-    lt.read_manifest(step_dir)
+  os.truncate(step_dir / DATA, raw["data_size"] - 1)
+  with pytest.raises(LocalTierError, match="shorter than"):
+    read_manifest(step_dir)
+  with pytest.raises(LocalTierError):
+    read_data(step_dir, StepManifest.from_json(json.dumps(raw)))
+  (step_dir / DATA).unlink()
+  with pytest.raises(LocalTierError, match=f"no {DATA}"):
+    read_manifest(step_dir)
   put(step_dir, pristine, raw)
   # A data file longer than needed is fine for reading (verify_step wants the exact size).
-  with open(step_dir / lt.DATA, "ab") as f:
+  with open(step_dir / DATA, "ab") as f:
     f.write(b"\0" * 10)
-  assert lt.read_manifest(step_dir).step == STEP
-  with pytest.raises(lt.CorruptStepError):
-    lt.verify_step(step_dir)
+  assert read_manifest(step_dir).step == STEP
+  with pytest.raises(CorruptStepError):
+    verify_step(step_dir)
   put(step_dir, pristine, raw)
 
 
@@ -457,13 +478,13 @@ def test_non_ascii_or_non_decimal_folder_names_are_not_steps(saved, name):
   odd = tier.directory / name
   shutil.copytree(step_dir, odd)
   try:
-    assert not lt.is_step_name(name)
-    assert lt.committed_steps(tier.directory) == [STEP]
-    with pytest.raises(lt.ManifestError, match="not a step number"):
-      lt.read_manifest(odd)
+    assert not is_step_name(name)
+    assert committed_steps(tier.directory) == [STEP]
+    with pytest.raises(ManifestError, match="not a step number"):
+      read_manifest(odd)
   finally:
     shutil.rmtree(odd)
-  assert lt.is_step_name("0") and lt.is_step_name("123")
+  assert is_step_name("0") and is_step_name("123")
 
 
 def test_old_manifest_without_sharding_reads_as_none(saved):
@@ -471,9 +492,9 @@ def test_old_manifest_without_sharding_reads_as_none(saved):
   out = copy.deepcopy(raw)
   for leaf in out["items"]["state"]["leaves"]:
     del leaf["sharding"]
-  manifest = lt.StepManifest.from_json(json.dumps(sign(out)))
+  manifest = StepManifest.from_json(json.dumps(sign(out)))
   assert all(leaf.sharding is None for leaf in manifest.items["state"].leaves)
-  described = lt.StepManifest.from_json(json.dumps(raw))
+  described = StepManifest.from_json(json.dumps(raw))
   w = next(leaf for leaf in described.items["state"].leaves if leaf.path == W)
   assert w.sharding == ("NamedSharding(mesh={'data': 2, 'model': 2}, spec=P('data', 'model'), "
                         "devices=[0, 1, 2, 3])")
@@ -485,16 +506,16 @@ def test_conflicting_key_paths_are_a_manifest_error_in_item_metadata(saved):
   leaves = out["items"]["state"]["leaves"]
   # One leaf's key path runs through another leaf.
   leaves[1]["keys"] = leaves[0]["keys"] + [["dict", "below"]]
-  manifest = lt.StepManifest.from_json(json.dumps(sign(out)))
-  with pytest.raises(lt.ManifestError, match="runs through another leaf"):
-    lt.item_metadata(manifest)
+  manifest = StepManifest.from_json(json.dumps(sign(out)))
+  with pytest.raises(ManifestError, match="runs through another leaf"):
+    item_metadata(manifest)
 
 
 # ----------------------------------------------------------------------------- peer streams
 
 
 def stream_bytes(stream: peer_store.OutgoingStream) -> np.ndarray:
-  buffer = lt.aligned_empty(stream.nbytes)
+  buffer = aligned_empty(stream.nbytes)
   buffer[:] = 0
   stream.read(0, buffer)
   return buffer
@@ -518,15 +539,15 @@ HEADER_VALUES = st.one_of(JSON_VALUES, st.dictionaries(
 def test_received_step_refuses_malformed_headers_with_local_tier_errors(header):
   if isinstance(header, dict) and header.get("format") is None:
     header = dict(header, format=peer_store.STREAM_FORMAT)
-  with pytest.raises(lt.LocalTierError):
+  with pytest.raises(LocalTierError):
     peer_store.received_step(framed(header, b"\0" * 256))
 
 
 def test_received_step_round_trip_and_named_header_faults(saved):
   tier, step_dir, pristine, raw = saved
   put(step_dir, pristine, raw)
-  manifest = lt.read_manifest(step_dir)
-  data = lt.read_data(step_dir, manifest)
+  manifest = read_manifest(step_dir)
+  data = read_data(step_dir, manifest)
   buffer = stream_bytes(peer_store.step_stream(manifest, data))
   got, got_data = peer_store.received_step(buffer)
   assert got == manifest and got_data.tobytes() == data.tobytes()
@@ -536,12 +557,12 @@ def test_received_step_round_trip_and_named_header_faults(saved):
                  {"format": fmt, "kind": "step", "manifest": {"step": 1}},
                  {"format": fmt, "kind": "step", "manifest": "null"},
                  {"format": fmt, "kind": "step", "manifest": json.dumps(raw)[:-5]}):
-    with pytest.raises(lt.LocalTierError):
+    with pytest.raises(LocalTierError):
       peer_store.received_step(framed(header, data.tobytes()))
-  with pytest.raises(lt.LocalTierError, match="shorter"):  # the data is cut short
+  with pytest.raises(LocalTierError, match="shorter"):  # the data is cut short
     peer_store.received_step(buffer[:buffer.nbytes - 64])
   for cut in (0, 4, 9):
-    with pytest.raises(lt.LocalTierError):
+    with pytest.raises(LocalTierError):
       peer_store.received_step(buffer[:cut])
 
 
@@ -553,7 +574,7 @@ def _copy_store(tmp: Path) -> peer_store.PeerStore:
 def test_peer_copy_round_trip_and_malformed_copy_headers(saved, tmp_path):
   tier, step_dir, pristine, raw = saved
   put(step_dir, pristine, raw)
-  manifest = lt.read_manifest(step_dir)
+  manifest = read_manifest(step_dir)
   good = stream_bytes(peer_store.copy_stream(step_dir, manifest, 0, set()))
   store = _copy_store(tmp_path)
 
@@ -565,11 +586,11 @@ def test_peer_copy_round_trip_and_malformed_copy_headers(saved, tmp_path):
   assert deliver(good) is not None
   assert store.copies() == [(0, STEP)]
   got, data = store.read(0, STEP, tmp_path / "holder" / str(STEP))
-  assert got == manifest and data.tobytes() == lt.read_data(step_dir, manifest).tobytes()
+  assert got == manifest and data.tobytes() == read_data(step_dir, manifest).tobytes()
 
   header, start = peer_store.parse_stream_header(good)
   body = good[start:].tobytes()
-  entries = len(lt.manifest_entries(manifest))
+  entries = len(manifest_entries(manifest))
   faults = [
       [1], None, {"format": peer_store.STREAM_FORMAT},
       dict(header, source=True), dict(header, source="0"), dict(header, step=str(STEP)),
@@ -604,7 +625,7 @@ def test_peer_copy_round_trip_and_malformed_copy_headers(saved, tmp_path):
 def test_malformed_copy_records_are_local_tier_errors(saved, tmp_path, content):
   tier, step_dir, pristine, raw = saved
   put(step_dir, pristine, raw)
-  manifest = lt.read_manifest(step_dir)
+  manifest = read_manifest(step_dir)
   store = _copy_store(tmp_path)
   buffer = stream_bytes(peer_store.copy_stream(step_dir, manifest, 0, set()))
   incoming = store.begin(0, STEP, buffer.nbytes)
@@ -617,7 +638,7 @@ def test_malformed_copy_records_are_local_tier_errors(saved, tmp_path, content):
   elif content == "LAYOUT_HUGE":
     content = json.dumps(dict(meta, layout=[2**62 for _ in meta["layout"]]))
   (folder / peer_store.COPY_META).write_text(content)
-  with pytest.raises(lt.LocalTierError):
+  with pytest.raises(LocalTierError):
     store.read(0, STEP, tmp_path / "holder" / str(STEP))
   assert store.servable([]) in ([], [(0, STEP)])
 
@@ -625,7 +646,7 @@ def test_malformed_copy_records_are_local_tier_errors(saved, tmp_path, content):
 def test_peer_copy_with_a_resigned_bad_manifest_is_refused(saved, tmp_path):
   tier, step_dir, pristine, raw = saved
   put(step_dir, pristine, raw)
-  manifest = lt.read_manifest(step_dir)
+  manifest = read_manifest(step_dir)
   store = _copy_store(tmp_path)
   buffer = stream_bytes(peer_store.copy_stream(step_dir, manifest, 0, set()))
   incoming = store.begin(0, STEP, buffer.nbytes)
@@ -633,6 +654,6 @@ def test_peer_copy_with_a_resigned_bad_manifest_is_refused(saved, tmp_path):
   folder = incoming.commit(None)
   for bad in (sign(dict(raw, process_index=0, process_count=1, step=STEP + 1)),
               sign(dict(raw, data_size=raw["data_size"] + 4096)), [1], None):
-    (folder / lt.MANIFEST).write_text(json.dumps(bad))
-    with pytest.raises(lt.LocalTierError):
+    (folder / MANIFEST).write_text(json.dumps(bad))
+    with pytest.raises(LocalTierError):
       store.read(0, STEP, tmp_path / "holder" / str(STEP))

@@ -27,12 +27,14 @@ import textwrap
 from typing import NamedTuple
 
 import pytest
-from mp_helpers import child_env, mp_worker, new_root, tail
+from mp_helpers import child_env, mp_events, new_root, tail
 
 import maxtext_patch
 from maxtext_patch import checkpointing
 from maxtext_patch import config as mtc_config
-from orbax_mtc import launch, local_tier
+from orbax_mtc.local.read import verify_step
+from orbax_mtc.local.store import committed_steps
+from orbax_mtc.tools import launch
 
 pytestmark = pytest.mark.timeout(240)
 JOB_TIMEOUT_S = 90  # a hang shows as a failed job ...
@@ -308,7 +310,7 @@ def test_install_rebinds_maxtext_to_orbax_mtc(fake_maxtext, mesh, shm_dir, tmp_p
     ckpt.maybe_save_checkpoint("plain", state, Config, None, 0)
     assert ckpt.calls == [("maybe_save", "plain")]  # only other managers reach MaxText's
     manager.wait_until_finished()
-    assert local_tier.committed_steps(shm_dir) == [0]
+    assert committed_steps(shm_dir) == [0]
     restored, params = ckpt.load_state_if_possible(manager, None, "", "", 96, abstract_of(state))
     assert params is None and restored.keys() == state.keys()
     assert ckpt.load_state_if_possible("plain", None, "", "", 96, None) == ("maxtext-load", None)
@@ -319,7 +321,7 @@ def test_install_rebinds_maxtext_to_orbax_mtc(fake_maxtext, mesh, shm_dir, tmp_p
       raise checkpointing._stop("preempted")
     assert ckpt.save_checkpoint(manager, 2, state, Config) is True  # ours, through MaxText's
     manager.wait_until_finished()
-    assert local_tier.committed_steps(shm_dir) == [0, 2]
+    assert committed_steps(shm_dir) == [0, 2]
   finally:
     manager.close()
 
@@ -341,7 +343,7 @@ def _loop_args(root: pathlib.Path, persistent: pathlib.Path, *extra: str) -> lis
 
 
 def _job(command: list[str], root: pathlib.Path):
-  out = mp_worker.LineCollector()
+  out = mp_events.LineCollector()
   job = launch.Job(command, 2, devices_per_process=2, local_root=root, env=child_env(),
                    output=out)
   return job, out
@@ -349,14 +351,14 @@ def _job(command: list[str], root: pathlib.Path):
 
 def _events(out, kind: str) -> dict[int, list[dict[str, str]]]:
   found: dict[int, list[dict[str, str]]] = {}
-  for node, fields in mp_worker.events(out.lines, kind):
+  for node, fields in mp_events.events(out.lines, kind):
     found.setdefault(node, []).append(fields)
   return found
 
 
 def _wait(out, kind: str, predicate=lambda fields: True) -> None:
   def ready(lines):
-    hits = {n for n, f in mp_worker.events(lines, kind) if predicate(f)}
+    hits = {n for n, f in mp_events.events(lines, kind) if predicate(f)}
     return hits >= {0, 1}
 
   if not out.wait_for(ready, WAIT_S):
@@ -373,7 +375,7 @@ def _run(command: list[str], root: pathlib.Path):
 
 
 def _step_digests(out) -> dict[tuple[int, int], str]:
-  return {(node, int(f["step"])): f["digest"] for node, f in mp_worker.events(out.lines, "STEP")}
+  return {(node, int(f["step"])): f["digest"] for node, f in mp_events.events(out.lines, "STEP")}
 
 
 def _persistent_steps(persistent: pathlib.Path) -> list[int]:
@@ -398,7 +400,7 @@ def held_run(tmp_path_factory, request):
     _wait(out, "HOLDING")
   assert _persistent_steps(persistent) == [0]  # step 6 can only come back from RAM
   for node in (0, 1):
-    assert local_tier.committed_steps(root / f"node{node}") == [4, 6]
+    assert committed_steps(root / f"node{node}") == [4, 6]
   return root, persistent, _step_digests(out)
 
 
@@ -438,10 +440,10 @@ def test_node_loss_restores_from_a_peer(held_run, shm_root, tmp_path):
   out = _run(_loop_args(shm_root, persistent, *HELD, "steps=9"), shm_root)
   _check_restored(out, held_run[2], {0: "local", 1: "peer"})
   # The replaced node holds verified steps of its own again.
-  steps = local_tier.committed_steps(shm_root / "node1")
+  steps = committed_steps(shm_root / "node1")
   assert HOLD_STEP in steps or 8 in steps, steps
   for step in steps:
-    local_tier.verify_step(shm_root / "node1" / str(step))
+    verify_step(shm_root / "node1" / str(step))
 
 
 def test_sigterm_saves_the_agreed_step_and_stops_cleanly(shm_root, tmp_path):
@@ -469,8 +471,8 @@ def test_sigterm_saves_the_agreed_step_and_stops_cleanly(shm_root, tmp_path):
   for node in (0, 1):
     node_dir = shm_root / f"node{node}"
     # Step 0 (MaxText saves the first step) and the on-demand step, which is on no schedule.
-    assert local_tier.committed_steps(node_dir) == [0, agreed]
-    manifest = local_tier.verify_step(node_dir / str(agreed))
+    assert committed_steps(node_dir) == [0, agreed]
+    manifest = verify_step(node_dir / str(agreed))
     assert (manifest.step, manifest.process_index) == (agreed, node)
     assert (node_dir / str(agreed) / "ondemand.json").is_file()
   assert _persistent_steps(persistent) == [0, agreed]

@@ -220,9 +220,9 @@ def _same_losses(run: Run, baseline: dict[int, str], steps: range) -> None:
 
 
 def _committed_ram_steps(local: pathlib.Path) -> list[int]:
-  from orbax_mtc import local_tier
+  from orbax_mtc.local.store import committed_steps
 
-  return local_tier.committed_steps(local)
+  return committed_steps(local)
 
 
 def _persistent_steps(out: pathlib.Path) -> list[int]:
@@ -290,16 +290,18 @@ def _check_plain_orbax_reads(persistent: pathlib.Path, step: int, local: pathlib
   import numpy as np
   import orbax.checkpoint as ocp
 
-  from orbax_mtc import local_tier
+  from orbax_mtc.local.read import SavedLeaf, read_step
+  from orbax_mtc.local.specs import item_metadata
+  from orbax_mtc.local.store import read_manifest
 
   with ocp.CheckpointManager(persistent, item_names=("state",)) as manager:
     backup = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore()))
   assert set(backup.state) == {"params", "opt_state", "step", "nnx_aux"}, sorted(backup.state)
-  manifest = local_tier.read_manifest(local / str(step))
+  manifest = read_manifest(local / str(step))
   device = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-  targets = jax.tree.map(lambda _: local_tier.SavedLeaf(device),
-                         local_tier.item_metadata(manifest)["state"])
-  ram = local_tier.read_step(local / str(step), manifest, {"state": targets})["state"]
+  targets = jax.tree.map(lambda _: SavedLeaf(device),
+                         item_metadata(manifest)["state"])
+  ram = read_step(local / str(step), manifest, {"state": targets})["state"]
   backup_leaves, ram_leaves = _flat(backup.state), _flat(ram)
   assert backup_leaves.keys() == ram_leaves.keys()
   assert any("rngs" in path for path in ram_leaves)  # the PRNG key leaves are there

@@ -1,7 +1,7 @@
 """Multi-process tests: real JAX processes joined by `jax.distributed` on localhost.
 
-Every job is started with our launcher (`orbax_mtc.launch`), 2 processes x 2 CPU devices (one
-test: 4 x 1), each process with its own folder under /dev/shm. The child is `tests/mp_worker.py`:
+Every job is started with our launcher (`orbax_mtc.tools.launch`), 2 processes x 2 CPU devices (one
+test: 4 x 1), each process with its own folder under /dev/shm. The child is `tests/mp_worker`:
 it builds a mesh (data, model) = (processes, devices per process), so the "data" axis spans
 processes and each process holds different shards, saves a mixed-dtype state (float32, bfloat16,
 int32, scalars; nested) that is a pure function of (seed, step), and after a restore compares
@@ -32,13 +32,17 @@ from mp_helpers import (
   assert_ok,
   assert_results,
   child_env,
-  mp_worker,
+  mp_events,
   new_root,
   run_job,
   tail,
 )
 
-from orbax_mtc import launch, lkg, local_tier
+from orbax_mtc import lkg
+from orbax_mtc.local.format import DATA, CorruptStepError
+from orbax_mtc.local.read import verify_step
+from orbax_mtc.local.store import committed_steps, read_manifest
+from orbax_mtc.tools import launch
 
 # run_job's own 90 s limit makes a hang show as a failed launch, well before this fires.
 pytestmark = pytest.mark.timeout(240)
@@ -48,7 +52,7 @@ SAVE_ARGS = ["--local-interval", "2", "--local-keep", "2", "--persistent-interva
 
 
 def committed(out) -> dict[int, dict[str, str]]:
-  return {node: fields for node, fields in mp_worker.events(out.lines, "COMMITTED")}
+  return {node: fields for node, fields in mp_events.events(out.lines, "COMMITTED")}
 
 
 def persistent_steps(directory: pathlib.Path) -> list[int]:
@@ -57,16 +61,16 @@ def persistent_steps(directory: pathlib.Path) -> list[int]:
 
 def verified_steps(node_dir: pathlib.Path) -> list[int]:
   """committed_steps of a node folder, each of which must pass verify_step."""
-  steps = local_tier.committed_steps(node_dir)
+  steps = committed_steps(node_dir)
   for step in steps:
-    manifest = local_tier.verify_step(node_dir / str(step))
+    manifest = verify_step(node_dir / str(step))
     assert manifest.step == step
   return steps
 
 
 def lkg_problems(node_dir: pathlib.Path) -> list[str]:
   """LKG links of a node folder that do not name and point at its newest committed step."""
-  steps = local_tier.committed_steps(node_dir)
+  steps = committed_steps(node_dir)
   problems = []
   for entry in lkg.list_entries(node_dir):
     link = node_dir / entry.name
@@ -118,11 +122,11 @@ def test_round_trip_restores_newest_local_step_bit_exact(saved_run, shm_root, tm
   for node in (0, 1):
     node_dir = shm_root / f"node{node}"
     assert verified_steps(node_dir) == [8, 10]
-    manifest = local_tier.read_manifest(node_dir / "10")
+    manifest = read_manifest(node_dir / "10")
     assert (manifest.process_index, manifest.process_count) == (node, 2)
     assert not lkg_problems(node_dir)
   # Each process wrote only its own shards: the "data" axis splits params/w between them.
-  shards = [{s.index for leaf in local_tier.read_manifest(shm_root / f"node{n}" / "10")
+  shards = [{s.index for leaf in read_manifest(shm_root / f"node{n}" / "10")
              .items["state"].leaves if leaf.path == "['params']['w']" for s in leaf.shards}
             for n in (0, 1)]
   assert shards[0] and shards[1] and not shards[0] & shards[1]
@@ -148,7 +152,7 @@ def test_replaced_node_recovers_from_its_peer_at_newest_step(saved_run, shm_root
   persistent = clone(saved_run, shm_root, tmp_path, nodes=(0,))
   result, out = run_job(["restore", "--persistent-dir", str(persistent)], 2, shm_root)
   assert_ok(result, out)
-  results = mp_worker.parse_results(out.lines)
+  results = mp_events.parse_results(out.lines)
   assert [(results[n]["step"], results[n]["tier"], results[n]["ok"]) for n in (0, 1)] == [
       ("10", "local", "1"), ("10", "peer", "1")], tail(out)
   assert verified_steps(shm_root / "node1") == [10]
@@ -172,15 +176,15 @@ def test_corrupt_shard_on_one_node_is_replaced_by_its_peer_copy(saved_run, shm_r
   # One flipped bit in node 1's own step 10: its checksum fails there only; node 1 takes step
   # 10 from the copy node 0 holds, and its folder is rewritten with good bytes.
   persistent = clone(saved_run, shm_root, tmp_path)
-  data = shm_root / "node1" / "10" / local_tier.DATA
+  data = shm_root / "node1" / "10" / DATA
   raw = bytearray(data.read_bytes())
   raw[len(raw) // 3] ^= 0x01
   data.write_bytes(bytes(raw))
-  with pytest.raises(local_tier.CorruptStepError):
-    local_tier.verify_step(shm_root / "node1" / "10")
+  with pytest.raises(CorruptStepError):
+    verify_step(shm_root / "node1" / "10")
   result, out = run_job(["restore", "--persistent-dir", str(persistent)], 2, shm_root)
   assert_ok(result, out)
-  results = mp_worker.parse_results(out.lines)
+  results = mp_events.parse_results(out.lines)
   assert [(results[n]["step"], results[n]["tier"], results[n]["ok"]) for n in (0, 1)] == [
       ("10", "local", "1"), ("10", "peer", "1")], tail(out)
   assert 10 in verified_steps(shm_root / "node1")
@@ -191,7 +195,7 @@ def test_corrupt_shard_without_peers_makes_every_process_fall_back_to_older_step
   # Without copies, both processes must agree on the next step they all hold (8), not mix
   # 10 and 8.
   persistent = clone(saved_run, shm_root, tmp_path)
-  data = shm_root / "node1" / "10" / local_tier.DATA
+  data = shm_root / "node1" / "10" / DATA
   raw = bytearray(data.read_bytes())
   raw[len(raw) // 3] ^= 0x01
   data.write_bytes(bytes(raw))
@@ -212,7 +216,7 @@ def test_persistent_checkpoint_restores_in_one_process_with_one_device(saved_run
        "--step", "8", "--data", "2", "--model", "2"],
       env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
   output = proc.stdout + proc.stderr
-  results = [fields for _, fields in mp_worker.events(proc.stdout.splitlines(), "RESULT")]
+  results = [fields for _, fields in mp_events.events(proc.stdout.splitlines(), "RESULT")]
   assert proc.returncode == 0, output[-4000:]
   assert [r["mode"] for r in results] == ["numpy", "device"], output[-4000:]
   for fields in results:
@@ -247,7 +251,7 @@ def crashed_run(request, tmp_path_factory):
 
 def test_restart_after_sigkill_restores_newest_step_every_process_committed(crashed_run):
   crash, out = crashed_run["crash"], crashed_run["crash_out"]
-  assert mp_worker.events(out.lines, "DYING") == [(1, {"process": "1", "step": "8"})], tail(out)
+  assert mp_events.events(out.lines, "DYING") == [(1, {"process": "1", "step": "8"})], tail(out)
   # The launcher reports the death by SIGKILL (128+9) and killed the sibling.
   assert crash.returncode == 137 and crash.returncodes == [137, 137], (crash, tail(out))
   assert not crash.timed_out
@@ -339,12 +343,12 @@ def test_forced_resave_takes_the_same_branch_on_every_process(shm_root, tmp_path
           "--peers-per-node", "0", "--persistent-dir", str(tmp_path / "persistent")]
   result, out = run_job(["resave", "--steps", "6", "--drop-process", "1", *args], 2, shm_root)
   assert_ok(result, out)
-  outcomes = {(node, f["step"]): f["detail"] for node, f in mp_worker.events(out.lines, "RESAVE")}
+  outcomes = {(node, f["step"]): f["detail"] for node, f in mp_events.events(out.lines, "RESAVE")}
   for node in (0, 1):
     assert outcomes[(node, "5")].startswith("StepAlreadyExistsError"), tail(out)
     assert "process(es) [0] only" in outcomes[(node, "5")], outcomes
     assert outcomes[(node, "4")] == "saved=1", outcomes
-  persistent = {node: f["steps"] for node, f in mp_worker.events(out.lines, "PERSISTENT")}
+  persistent = {node: f["steps"] for node, f in mp_events.events(out.lines, "PERSISTENT")}
   assert persistent == {0: "0,4", 1: "0,4"}, tail(out)
 
 

@@ -19,9 +19,9 @@ import sys
 import time
 
 import pytest
-from mp_helpers import REPO_ROOT, assert_ok, child_env, mp_worker, tail
+from mp_helpers import REPO_ROOT, assert_ok, child_env, mp_events, tail
 
-from orbax_mtc import launch
+from orbax_mtc.tools import launch
 
 ROWS, SEED = 4, 7
 JOB_NAME = "parity-job"
@@ -365,37 +365,38 @@ def test_replicator_manager_args_are_checked_as_orbax_checks_them():
   import numpy as np
   import orbax.checkpoint as ocp
 
-  from orbax_mtc import replicator_manager
+  from orbax_mtc.managed import manager as replicator_manager
 
   state = ocp.args.PyTreeSave({"x": np.zeros(2)})
   with pytest.raises(ValueError, match="must be a Composite"):
-    replicator_manager._items(state)
+    replicator_manager.checked_items(state)
   with pytest.raises(ValueError, match="state is a required key"):
-    replicator_manager._items(ocp.args.Composite(other=state))
+    replicator_manager.checked_items(ocp.args.Composite(other=state))
   with pytest.raises(ValueError, match="process_metadata is a reserved key"):
-    replicator_manager._items(ocp.args.Composite(state=state, process_metadata=state))
-  assert set(replicator_manager._items(ocp.args.Composite(
+    replicator_manager.checked_items(ocp.args.Composite(state=state, process_metadata=state))
+  assert set(replicator_manager.checked_items(ocp.args.Composite(
       state=state, dataset=ocp.args.JsonSave({})))) == {"state", "dataset"}
   with pytest.raises(ValueError, match="does not infer restore targets"):
-    replicator_manager._ram_restore_item(ocp.args.PyTreeRestore())
+    replicator_manager.ram_restore_item(ocp.args.PyTreeRestore())
   json = ocp.args.JsonRestore()
-  assert replicator_manager._ram_restore_item(json) is json
+  assert replicator_manager.ram_restore_item(json) is json
 
 
 def test_restore_args_without_item_become_saved_leaf_targets(mesh):
   import orbax.checkpoint as ocp
   from jax.sharding import NamedSharding, PartitionSpec
 
-  from orbax_mtc import local_tier, replicator_manager
+  from orbax_mtc.local.read import SavedLeaf
+  from orbax_mtc.managed import manager as replicator_manager
 
   sharding = NamedSharding(mesh, PartitionSpec("data"))
-  item = replicator_manager._ram_restore_item(ocp.args.PyTreeRestore(restore_args={
+  item = replicator_manager.ram_restore_item(ocp.args.PyTreeRestore(restore_args={
       "a": ocp.ArrayRestoreArgs(sharding=sharding),
       "b": ocp.ArrayRestoreArgs(mesh=mesh, mesh_axes=PartitionSpec("model"))}))
-  assert item.item == {"a": local_tier.SavedLeaf(sharding),
-                       "b": local_tier.SavedLeaf(NamedSharding(mesh, PartitionSpec("model")))}
+  assert item.item == {"a": SavedLeaf(sharding),
+                       "b": SavedLeaf(NamedSharding(mesh, PartitionSpec("model")))}
   with pytest.raises(ValueError, match="has no sharding"):
-    replicator_manager._ram_restore_item(
+    replicator_manager.ram_restore_item(
         ocp.args.PyTreeRestore(restore_args={"a": ocp.ArrayRestoreArgs()}))
 
 
@@ -403,7 +404,7 @@ def test_replicator_manager_options_map_onto_managed_mode(mesh, monkeypatch, war
   import orbax.checkpoint as ocp
 
   import orbax_mtc as mtc
-  from orbax_mtc.replicator_manager import _manager_options
+  from orbax_mtc.managed.manager import _manager_options
 
   monkeypatch.setenv("JOBSET_NAME", "js")
   fn = lambda step, last: step % 3 == 0  # noqa: E731
@@ -441,7 +442,7 @@ def test_replicator_manager_options_map_onto_managed_mode(mesh, monkeypatch, war
 
 
 def _run(command: list[str], root: pathlib.Path, timeout_s: float = 150):
-  out = mp_worker.LineCollector()
+  out = mp_events.LineCollector()
   env = {**child_env(), "JOBSET_NAME": JOB_NAME}
   with launch.Job([sys.executable, str(pathlib.Path(__file__).resolve()), "worker", *command],
                   2, devices_per_process=2, local_root=root, env=env, output=out) as job:
@@ -463,7 +464,7 @@ def _replicated(sim, step: int, timeout_s: float = 60) -> bool:
 
 
 def _results(out) -> dict[int, dict[str, str]]:
-  results = mp_worker.parse_results(out.lines)
+  results = mp_events.parse_results(out.lines)
   assert sorted(results) == [0, 1], tail(out)
   for node, fields in results.items():
     assert fields["ok"] == "1", f"node {node}: {fields['detail']}\n{tail(out)}"
@@ -476,7 +477,7 @@ def test_maxtext_style_replicator_manager_saves_and_restores_bit_exactly(tmp_pat
 
   with simulators(shm_root, tmp_path / "backup", 2) as sims:
     out = _run(["save", "--steps", "7"], shm_root)
-    saved = [(node, f["step"]) for node, f in mp_worker.events(out.lines, "SAVED")
+    saved = [(node, f["step"]) for node, f in mp_events.events(out.lines, "SAVED")
              if f["saved"] == "1"]
     assert sorted(saved) == [(n, s) for n in (0, 1) for s in ("0", "2", "4", "6")], tail(out)
     for rank, sim in enumerate(sims):
@@ -533,10 +534,10 @@ def _worker(argv: list[str]) -> int:
   from etils import epath
 
   import orbax_mtc as mtc
-  from orbax_mtc import distributed
+  from orbax_mtc import distributed, testing
 
   distributed.initialize()
-  mesh = mp_worker.make_mesh()
+  mesh = testing.process_mesh()
   me = jax.process_index()
   extra = {} if args.dataset is None else {"persistent_directory": epath.Path(args.dataset)}
   # As MaxText's create_orbax_emergency_replicator_checkpoint_manager builds Orbax's.
@@ -548,14 +549,14 @@ def _worker(argv: list[str]) -> int:
   with mgr:
     if args.phase == "save":
       for step in range(args.steps):
-        items = {"state": ocp.args.PyTreeSave(mp_worker.make_state(mesh, ROWS, SEED, step))}
+        items = {"state": ocp.args.PyTreeSave(testing.sharded_state(mesh, ROWS, SEED, step))}
         if args.dataset:
           items["dataset"] = ocp.args.JsonSave({"position": 10 * step})
         saved = mgr.save(step, args=ocp.args.Composite(**items))
-        mp_worker._out(f"SAVED step={step} saved={int(saved)}")
+        mp_events.emit(f"SAVED step={step} saved={int(saved)}")
       mgr.wait_until_finished()
     else:
-      abstract = mp_worker.abstract_state(mesh, ROWS)
+      abstract = testing.abstract_sharded_state(mesh, ROWS)
       restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), abstract)
       items = {"state": ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args)}
       if args.dataset:
@@ -564,10 +565,10 @@ def _worker(argv: list[str]) -> int:
       restored = mgr.restore(None if args.restore_none else latest,
                              args=ocp.args.Composite(**items))
       info = mgr.manager.last_restore
-      problems = mp_worker.compare_state(restored["state"],
-                                         mp_worker.make_state(mesh, ROWS, SEED, info.step))
+      problems = testing.tree_differences(restored["state"],
+                                          testing.sharded_state(mesh, ROWS, SEED, info.step))
       position = restored["dataset"]["position"] if args.dataset else "-"
-      mp_worker._out(f"RESULT process={me} step={info.step} latest={latest} tier={info.tier} "
+      mp_events.emit(f"RESULT process={me} step={info.step} latest={latest} tier={info.tier} "
                      f"dataset={position} ok={int(not problems)} "
                      f"detail={'; '.join(problems) or '-'}")
   return 0

@@ -14,18 +14,19 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import abstract_of, assert_trees_equal, flip_byte, make_state
+from conftest import flip_byte
 
 import orbax_mtc as mtc
-from orbax_mtc import constructor, local_tier
+from orbax_mtc import constructor
+from orbax_mtc.local.format import DATA, MANIFEST
+from orbax_mtc.testing import abstract_of, assert_trees_equal, example_state
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _array_state(mesh, seed):
-  """make_state without its host leaves: every leaf a sharded jax.Array."""
-  state = make_state(mesh, seed)
-  return {k: v for k, v in state.items() if k not in ("step", "host")}
+  """The example state without its host leaves: every leaf a sharded jax.Array."""
+  return example_state(mesh, seed, arrays_only=True)
 
 
 def _ram_steps(local_directory):
@@ -223,7 +224,7 @@ def test_a_fresh_manager_restores_from_ram_and_survives_corruption(shm_dir, mesh
   # One flipped bit in the data, then one in the manifest: both must send the restore to
   # `directory`, never hand back wrong bytes or crash.
   # The first shard starts at offset 0 of the data file.
-  for name, offset in ((local_tier.DATA, 0), (local_tier.MANIFEST, 100)):
+  for name, offset in ((DATA, 0), (MANIFEST, 100)):
     flip_byte(shm_dir / "ram" / "5" / name, offset, mask=0x80)
     mgr = managers(mtc.CheckpointManager(shm_dir / "p", options=options,
                                          local_directory=shm_dir / "ram"))

@@ -2,7 +2,7 @@
 
 paxml cannot be installed beside current JAX, so the multi-process tests run
 `pax_patch/example_executor.py`, a loop that makes Pax's executor calls in Pax's order, as 2
-processes joined by `jax.distributed` (`orbax_mtc.launch.Job`). A test sends a real SIGTERM to
+processes joined by `jax.distributed` (`orbax_mtc.tools.launch.Job`). A test sends a real SIGTERM to
 one process once both have trained a step (READY lines); every process must save the same step
 on demand inside `save_if_needed`, then either exit with Pax's status (1) or keep training.
 The folders are checked directly: Pax's `checkpoint_%08d` names, plain Orbax reads the step.
@@ -22,10 +22,12 @@ import time
 import types
 
 import pytest
-from mp_helpers import REPO_ROOT, child_env, mp_worker, tail
+from mp_helpers import REPO_ROOT, child_env, mp_events, tail
 
 import pax_patch
-from orbax_mtc import launch, local_tier, peer_store
+from orbax_mtc.local.store import committed_steps
+from orbax_mtc.peers import store as peer_store
+from orbax_mtc.tools import launch
 from pax_patch import example_executor
 from pax_patch import main as pax_main
 
@@ -46,7 +48,7 @@ def loop_args(job_log_dir, steps: int, *extra: str) -> list[str]:
 @contextlib.contextmanager
 def pax_job(args: list[str], root):
   """2 processes of the example executor; every process is SIGKILLed on leaving the block."""
-  out = mp_worker.LineCollector()
+  out = mp_events.LineCollector()
   command = [sys.executable, "-m", "pax_patch.example_executor", *args]
   with launch.Job(command, 2, devices_per_process=1, local_root=root, env=child_env(),
                   output=out) as job:
@@ -69,14 +71,14 @@ def wait_exits(job, out) -> list[int]:
 
 def events(out, kind: str) -> dict[int, dict[str, str]]:
   found = {}
-  for node, fields in mp_worker.events(out.lines, kind):
+  for node, fields in mp_events.events(out.lines, kind):
     assert node not in found, f"two {kind} lines from node {node}\n{tail(out)}"
     found[node] = fields
   return found
 
 
 def wait_ready(out) -> None:
-  if not out.wait_for(lambda lines: {n for n, _ in mp_worker.events(lines, "READY")} == {0, 1},
+  if not out.wait_for(lambda lines: {n for n, _ in mp_events.events(lines, "READY")} == {0, 1},
                       WAIT_S):
     pytest.fail(f"no READY line from both nodes within {WAIT_S} s\n{tail(out)}")
 
@@ -147,7 +149,7 @@ def test_sigterm_saves_one_step_everywhere_exits_with_pax_status_then_restores(s
 
   # Every tier holds the step, nothing newer: RAM on both nodes, the peer's copy, Pax's folder.
   for node in range(2):
-    steps = local_tier.committed_steps(shm_root / f"node{node}")
+    steps = committed_steps(shm_root / f"node{node}")
     assert steps and max(steps) == step, f"node {node} holds {steps}, on-demand step {step}"
     copies = peer_store.PeerStore(shm_root / f"node{node}", max_to_keep=None).copies()
     assert (1 - node, step) in copies, f"node {node} holds no copy of step {step}: {copies}"

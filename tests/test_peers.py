@@ -9,7 +9,7 @@ persistent tier holds only step 0: a restore at step 10 or 8 can only come from 
   dp     mesh (data=2, model=2) with every leaf replicated over "data": twins hold identical
          shards, so copies carry no shard bytes and a lost node is rebuilt from its twin.
 Each test copies a run's folders, wipes or corrupts some, restarts all four processes and
-checks that every process restored the expected step bit for bit (`mp_worker.py`).
+checks that every process restored the expected step bit for bit (`tests/mp_worker`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ import shutil
 import mp_helpers
 import numpy as np
 import pytest
-from mp_helpers import assert_ok, mp_worker, new_root, tail
+from mp_helpers import assert_ok, mp_events, new_root, tail
 
-from orbax_mtc import local_tier, peer_store
+from orbax_mtc.local.format import DATA
+from orbax_mtc.local.read import manifest_entries, verify_step
+from orbax_mtc.local.store import committed_steps, read_manifest
+from orbax_mtc.peers import store as peer_store
 
 LAUNCH_TIMEOUT_S = 120
 NPROCS = 4
@@ -39,7 +42,7 @@ def run_job(command: list[str], root: pathlib.Path):
 
 def restored(out) -> dict[int, tuple[str, str]]:
   """node -> (step, tier); fails unless every node restored bit-exact data."""
-  results = mp_worker.parse_results(out.lines)
+  results = mp_events.parse_results(out.lines)
   assert sorted(results) == list(range(NPROCS)), f"missing RESULT lines:\n{tail(out)}"
   for node, fields in results.items():
     assert fields["ok"] == "1", f"node {node}: restored data differs: {fields['detail']}"
@@ -118,7 +121,7 @@ def test_every_node_holds_a_verified_copy_for_its_peer(layout, mixed_run, fsdp_r
   # Default peers: mixed -> the twin in the other replica; fsdp -> the next node (ring).
   holder_of = {"mixed": {0: 2, 1: 3, 2: 0, 3: 1}, "fsdp": {0: 1, 1: 2, 2: 3, 3: 0}}[layout]
   for source, holder in holder_of.items():
-    assert local_tier.committed_steps(root / f"node{holder}") == [8, 10]
+    assert committed_steps(root / f"node{holder}") == [8, 10]
     copies = peer_store.PeerStore(root / f"node{holder}", max_to_keep=None).copies()
     assert copies == [(source, 8), (source, 10)]  # same retention as the own folder
     for step in (8, 10):
@@ -129,15 +132,15 @@ def test_twin_copies_skip_identical_shards(mixed_run, dp_run):
   # mixed: opt/mu, params/b and the scalars are identical on twins: not sent, read from the
   # holder's own folder; params/w and idx differ: sent.
   meta = peer_store.PeerStore(mixed_run[0] / "node2", max_to_keep=None).meta(0, 10)
-  manifest = local_tier.read_manifest(copy_dir(mixed_run[0], 2, 0, 10))
+  manifest = read_manifest(copy_dir(mixed_run[0], 2, 0, 10))
   sent = {leaf.path for (_, leaf, _), at in
-          zip(local_tier.manifest_entries(manifest), meta.layout, strict=True) if at >= 0}
+          zip(manifest_entries(manifest), meta.layout, strict=True) if at >= 0}
   assert sent == {"['params']['w']", "['idx']"}
   # dp: every shard is identical on twins; the copy is a header only.
   meta = peer_store.PeerStore(dp_run[0] / "node2", max_to_keep=None).meta(0, 10)
   assert meta.layout and all(at < 0 for at in meta.layout)
-  own = (dp_run[0] / "node0" / "10" / local_tier.DATA).stat().st_size
-  assert (copy_dir(dp_run[0], 2, 0, 10) / local_tier.DATA).stat().st_size < min(own, 1 << 16)
+  own = (dp_run[0] / "node0" / "10" / DATA).stat().st_size
+  assert (copy_dir(dp_run[0], 2, 0, 10) / DATA).stat().st_size < min(own, 1 << 16)
 
 
 # ----------------------------------------------------------------------------- node loss
@@ -148,8 +151,8 @@ def test_lost_node_recovers_from_ram_at_newest_step(mixed_run, shm_root, tmp_pat
   out = restore(mixed_run, shm_root, persistent)
   assert restored(out) == expect(10, peer_nodes=(1,))
   # The replaced node holds the step again, and the copies that involve it were re-sent.
-  assert local_tier.committed_steps(shm_root / "node1") == [10]
-  local_tier.verify_step(shm_root / "node1" / "10")
+  assert committed_steps(shm_root / "node1") == [10]
+  verify_step(shm_root / "node1" / "10")
   verify_copy(shm_root, 1, 3, 10)  # node 1 again holds node 3's copy
   verify_copy(shm_root, 3, 1, 10)  # and node 3 a copy of node 1's rewritten step
 
@@ -159,7 +162,7 @@ def test_whole_replica_lost_recovers_from_the_other_replica(mixed_run, shm_root,
   out = restore(mixed_run, shm_root, persistent)
   assert restored(out) == expect(10, peer_nodes=(0, 1))
   for node in (0, 1):
-    local_tier.verify_step(shm_root / f"node{node}" / "10")
+    verify_step(shm_root / f"node{node}" / "10")
 
 
 @pytest.mark.parametrize("lost", [0, 3])
@@ -167,14 +170,14 @@ def test_single_replica_fsdp_any_lost_node_recovers(lost, fsdp_run, shm_root, tm
   persistent = clone(fsdp_run, shm_root, tmp_path, wipe=(lost,))
   out = restore(fsdp_run, shm_root, persistent)
   assert restored(out) == expect(10, peer_nodes=(lost,))
-  local_tier.verify_step(shm_root / f"node{lost}" / "10")
+  verify_step(shm_root / f"node{lost}" / "10")
 
 
 def test_pure_data_parallel_node_is_rebuilt_from_its_twin(dp_run, shm_root, tmp_path):
   persistent = clone(dp_run, shm_root, tmp_path, wipe=(2,))
   out = restore(dp_run, shm_root, persistent)
   assert restored(out) == expect(10, peer_nodes=(2,))
-  local_tier.verify_step(shm_root / "node2" / "10")
+  verify_step(shm_root / "node2" / "10")
 
 
 def test_node_and_its_only_peer_lost_falls_back_to_persistent(fsdp_run, shm_root, tmp_path):
@@ -187,7 +190,7 @@ def test_node_and_its_only_peer_lost_falls_back_to_persistent(fsdp_run, shm_root
 def test_corrupt_peer_copy_is_skipped_for_an_older_complete_step(fsdp_run, shm_root, tmp_path):
   persistent = clone(fsdp_run, shm_root, tmp_path, wipe=(1,))
   meta = peer_store.PeerStore(shm_root / "node2", max_to_keep=None).meta(1, 10)
-  data = copy_dir(shm_root, 2, 1, 10) / local_tier.DATA
+  data = copy_dir(shm_root, 2, 1, 10) / DATA
   raw = bytearray(data.read_bytes())
   raw[max(meta.layout)] ^= 0x40  # first byte of the last shard sent
   data.write_bytes(bytes(raw))

@@ -1,6 +1,6 @@
 """Preemption: a real SIGTERM to real processes, one agreed on-demand step, exit, restore.
 
-Every job runs `tests/mp_worker.py preempt`: after restoring (if anything) it trains and saves
+Every job runs `tests/mp_worker preempt`: after restoring (if anything) it trains and saves
 until a test sends `kill -TERM` to one of its processes; every process must then agree on one
 step S (`reached_preemption(S)` True everywhere, printed as PREEMPTED), save S to every tier
 although S is on no schedule (local every 2 steps, persistent every 1000: a persistent step S
@@ -39,12 +39,15 @@ from mp_helpers import (
   assert_ok,
   assert_results,
   child_env,
-  mp_worker,
+  mp_events,
   started_job,
   tail,
 )
 
-from orbax_mtc import launch, local_tier, peer_store
+from orbax_mtc.local.read import verify_step
+from orbax_mtc.local.store import committed_steps
+from orbax_mtc.peers import store as peer_store
+from orbax_mtc.tools import launch
 
 LAUNCH_TIMEOUT_S = 90  # each job's own limit: a hang shows as a failed job ...
 WAIT_S = 60  # ... as does a line that never comes ...
@@ -83,7 +86,7 @@ def _single_env() -> dict[str, str]:
 def started_single(command: list[str]):
   """One mp_worker process in a session of its own, output collected; SIGKILLed (with
   anything it spawned) on leaving the block."""
-  out = mp_worker.LineCollector()
+  out = mp_events.LineCollector()
   proc = subprocess.Popen([sys.executable, str(WORKER), *command], env=_single_env(),
                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, start_new_session=True)
@@ -116,7 +119,7 @@ def wait_exit(proc, out) -> int:
 
 
 def nodes_with(lines: list[str], kind: str) -> set[int]:
-  return {node for node, _ in mp_worker.events(lines, kind)}
+  return {node for node, _ in mp_events.events(lines, kind)}
 
 
 def wait_all(out, kind: str, nodes, timeout_s: float = WAIT_S) -> None:
@@ -130,13 +133,13 @@ def wait_all(out, kind: str, nodes, timeout_s: float = WAIT_S) -> None:
 def ondemand_step(out, nprocs: int) -> int:
   """The one step every node said PREEMPTED for (exactly one each, the same everywhere)."""
   steps: dict[int, list[int]] = {}
-  for node, fields in mp_worker.events(out.lines, "PREEMPTED"):
+  for node, fields in mp_events.events(out.lines, "PREEMPTED"):
     steps.setdefault(node, []).append(int(fields["step"]))
   assert sorted(steps) == list(range(nprocs)), f"PREEMPTED missing on some node\n{tail(out)}"
   assert all(len(s) == 1 for s in steps.values()), f"several sync points: {steps}"
   values = {s[0] for s in steps.values()}
   assert len(values) == 1, f"nodes disagree on the on-demand step: {steps}\n{tail(out)}"
-  assert not mp_worker.events(out.lines, "ERROR"), tail(out)
+  assert not mp_events.events(out.lines, "ERROR"), tail(out)
   return values.pop()
 
 
@@ -168,12 +171,12 @@ def check_ondemand_folders(root: pathlib.Path, nprocs: int, step: int,
   records = []
   for node in range(nprocs):
     node_dir = root / f"node{node}"
-    steps = local_tier.committed_steps(node_dir)
+    steps = committed_steps(node_dir)
     assert step in steps, f"node {node}: on-demand step {step} not committed; holds {steps}"
     if last:
       assert max(steps) == step, f"node {node} committed {steps} after the on-demand step {step}"
     for s in steps:
-      manifest = local_tier.verify_step(node_dir / str(s))
+      manifest = verify_step(node_dir / str(s))
       assert (manifest.step, manifest.process_index, manifest.process_count) == (s, node, nprocs)
     records.append(read_ondemand(node_dir, step))
   backups = persistent_steps(persistent)
@@ -227,7 +230,7 @@ def test_two_processes_exit_after_ondemand_checkpoint(shm_root, tmp_path, reques
   assert result.returncodes == [0, 0], result
   step = ondemand_step(out, 2)
   # save() did not return at the on-demand step: the manager ended the process.
-  assert not mp_worker.events(out.lines, "ONDEMAND-SAVED"), tail(out)
+  assert not mp_events.events(out.lines, "ONDEMAND-SAVED"), tail(out)
   check_ondemand_folders(shm_root, 2, step, persistent, signalled_after=sent)
   restore_job(shm_root, persistent, 2, step)
 
@@ -271,7 +274,7 @@ def test_sigterm_while_an_ordinary_save_is_being_written(shm_root, tmp_path, req
     result = job.wait(LAUNCH_TIMEOUT_S)
   assert_ok(result, out)
   # Every node's writer saw the notice while it was writing step 4.
-  noticed = {n: f["known"] for n, f in mp_worker.events(out.lines, "HOOK-NOTICE")}
+  noticed = {n: f["known"] for n, f in mp_events.events(out.lines, "HOOK-NOTICE")}
   assert noticed == {0: "1", 1: "1"}, tail(out)
   step = ondemand_step(out, 2)
   # reached_preemption(4) had answered before the write of 4 began, so S comes later.
@@ -296,9 +299,9 @@ def test_second_sigterm_while_the_ondemand_step_is_written(shm_root, tmp_path):
     result = job.wait(LAUNCH_TIMEOUT_S)
   assert_ok(result, out)
   assert result.returncodes == [0, 0], result
-  assert {f["found"] for _, f in mp_worker.events(out.lines, "HOOK-GO")} == {"1"}, tail(out)
+  assert {f["found"] for _, f in mp_events.events(out.lines, "HOOK-GO")} == {"1"}, tail(out)
   step = ondemand_step(out, 2)
-  hooked = {int(f["step"]) for _, f in mp_worker.events(out.lines, "HOOK-ONDEMAND")}
+  hooked = {int(f["step"]) for _, f in mp_events.events(out.lines, "HOOK-ONDEMAND")}
   assert hooked == {step}, (hooked, step)
   check_ondemand_folders(shm_root, 2, step, persistent, signalled_after=sent)
   restore_job(shm_root, persistent, 2, step)
@@ -312,7 +315,7 @@ def _single_restore(local: pathlib.Path, persistent: pathlib.Path, *extra: str):
       timeout=LAUNCH_TIMEOUT_S, start_new_session=True)
   output = proc.stdout + proc.stderr
   assert proc.returncode == 0, output[-4000:]
-  results = [fields for _, fields in mp_worker.events(proc.stdout.splitlines(), "RESULT")]
+  results = [fields for _, fields in mp_events.events(proc.stdout.splitlines(), "RESULT")]
   assert len(results) == 1 and results[0]["ok"] == "1", output[-4000:]
   return results[0]
 
@@ -328,7 +331,7 @@ def test_single_process_exit_after_ondemand_checkpoint(shm_root, tmp_path):
     code = wait_exit(proc, out)
   assert code == 0, f"exit status {code}\n{tail(out)}"
   step = ondemand_step(out, 1)
-  assert not mp_worker.events(out.lines, "ONDEMAND-SAVED"), tail(out)
+  assert not mp_events.events(out.lines, "ONDEMAND-SAVED"), tail(out)
   check_ondemand_folders(shm_root, 1, step, persistent, signalled_after=sent)
   result = _single_restore(local, persistent, "--expect-step", str(step), "--expect-tier",
                            "local")
@@ -347,12 +350,12 @@ def test_single_process_keeps_training_after_ondemand_checkpoint(shm_root, tmp_p
     code = wait_exit(proc, out)
   assert code == 0, f"exit status {code}\n{tail(out)}"
   step = ondemand_step(out, 1)
-  saved = mp_worker.events(out.lines, "ONDEMAND-SAVED")
+  saved = mp_events.events(out.lines, "ONDEMAND-SAVED")
   assert len(saved) == 1 and saved[0][1]["step"] == str(step), tail(out)
   # mgr.last_ondemand describes it: that step, backed up to the persistent tier.
   assert (saved[0][1].get("info_step"), saved[0][1].get("persistent")) == (str(step), "1"), \
       saved
-  done = mp_worker.events(out.lines, "DONE")
+  done = mp_events.events(out.lines, "DONE")
   assert done and done[-1][1].get("step") == str(step + 3), tail(out)
   check_ondemand_folders(shm_root, 1, step, persistent, signalled_after=sent, last=False)
   result = _single_restore(local, persistent)
@@ -389,7 +392,7 @@ def test_sigterm_during_restore(shm_root, tmp_path, request):
                         2, shm_root)
   assert_ok(result, out)
   for node in range(2):
-    assert local_tier.committed_steps(shm_root / f"node{node}")[-1] == 4
+    assert committed_steps(shm_root / f"node{node}")[-1] == 4
   victim = _rng(request).randrange(2)
   command = preempt_cmd(persistent, "--exit-after", "--hook", "restore")
   with started_job(command, 2, shm_root) as (job, out):
@@ -397,7 +400,7 @@ def test_sigterm_during_restore(shm_root, tmp_path, request):
     sent = sigterm(job.pids[victim])
     result = job.wait(LAUNCH_TIMEOUT_S)
   assert_ok(result, out)
-  noticed = {n: f["known"] for n, f in mp_worker.events(out.lines, "HOOK-NOTICE")}
+  noticed = {n: f["known"] for n, f in mp_events.events(out.lines, "HOOK-NOTICE")}
   assert noticed == {0: "1", 1: "1"}, tail(out)
   # The interrupted restore still restored step 4 bit for bit, then saved on demand after it.
   assert_results(out, 2, step=4, tier="local")
@@ -416,8 +419,8 @@ def test_loop_exits_itself_when_should_exit(shm_root, tmp_path, request):
     result = job.wait(LAUNCH_TIMEOUT_S)
   assert_ok(result, out)
   step = ondemand_step(out, 2)
-  saved = dict(mp_worker.events(out.lines, "ONDEMAND-SAVED"))
-  exiting = dict(mp_worker.events(out.lines, "EXITING"))
+  saved = dict(mp_events.events(out.lines, "ONDEMAND-SAVED"))
+  exiting = dict(mp_events.events(out.lines, "EXITING"))
   assert sorted(saved) == sorted(exiting) == [0, 1], tail(out)
   for node in range(2):
     assert saved[node]["step"] == exiting[node]["step"] == str(step), tail(out)

@@ -11,10 +11,14 @@ import json
 import os
 import signal
 
+import orbax.checkpoint as ocp
 import pytest
 from conftest import abstract_of, assert_trees_equal, make_state
 
 from orbax_mtc import preemption
+from orbax_mtc.backup_scheduler import BackupScheduler
+from orbax_mtc.local.lock import LocalDirectoryLock
+from orbax_mtc.local.store import committed_steps
 
 
 @pytest.fixture
@@ -152,7 +156,7 @@ def test_sigterm_saves_on_demand_step_to_both_tiers(fresh_state, shm_dir, mesh):
     assert isinstance(record, mtc.OnDemandSave) and record.step == 6 and record.persistent
     assert set(record.seconds) == {"agreement", "local", "peers", "persistent", "total"}
     assert record.seconds["total"] >= record.seconds["local"]
-    assert 6 in mgr._local_steps() and 6 in mgr._persistent_steps()
+    assert 6 in committed_steps(mgr.local_directory) and 6 in sorted(ocp.utils.checkpoint_steps(mgr.directory))
     on_disk = json.loads((shm_dir / "local" / "6" / "ondemand.json").read_text())
     assert on_disk["step"] == 6 and on_disk["persistent"] is True
     assert mgr.metadata(6).custom_metadata["orbax_mtc_ondemand"]["step"] == 6
@@ -176,8 +180,9 @@ def test_exit_after_ondemand_checkpoint_raises_system_exit_0(fresh_state, shm_di
     with pytest.raises(SystemExit) as exited:
       mgr.save(2, args=_composite(state))
     assert exited.value.code == 0
-    assert mgr._closed
-    assert 2 in mgr._local_steps() and 2 in mgr._persistent_steps()
+    # Closed: the RAM folder's lock is free for the next process.
+    LocalDirectoryLock.claim(mgr.local_directory, job_name="next", process_index=0).release()
+    assert 2 in committed_steps(mgr.local_directory) and 2 in sorted(ocp.utils.checkpoint_steps(mgr.directory))
   finally:
     mgr.close()  # a second close is a no-op
   assert signal.getsignal(signal.SIGTERM) is not fresh_state.recorder._on_sigterm
@@ -191,7 +196,7 @@ def test_zero_grace_skips_the_persistent_backup(fresh_state, shm_dir, mesh):
     os.kill(os.getpid(), signal.SIGTERM)
     assert mgr.save(2, args=_composite(state))
     assert mgr.last_ondemand.persistent is False
-    assert 2 in mgr._local_steps() and 2 not in mgr._persistent_steps()
+    assert 2 in committed_steps(mgr.local_directory) and 2 not in sorted(ocp.utils.checkpoint_steps(mgr.directory))
   finally:
     mgr.close()
 
@@ -205,24 +210,24 @@ def test_the_wait_for_a_backup_in_flight_counts_against_the_grace_budget(
   state = make_state(mesh, seed=4)
   budget = 1.0
   mgr = _manager(shm_dir, mesh, state, ondemand_grace_seconds=budget)
-  original_poll = mgr._poll_backup
+  original_poll = BackupScheduler.poll
   waited = []
 
-  def slow_poll(*, block=False):
+  def slow_poll(self, *, block=False):
     if block and not waited:  # the first blocking wait: for the backup of step 0
       waited.append(True)
       time.sleep(1.5 * budget)  # it takes longer than the whole budget (elapsed time is the
       # subject here, not an ordering)
-    original_poll(block=block)
+    original_poll(self, block=block)
 
   try:
     mgr.save(0, args=_composite(state))  # RAM; its backup starts at the next local save
-    monkeypatch.setattr(mgr, "_poll_backup", slow_poll)
+    monkeypatch.setattr(BackupScheduler, "poll", slow_poll)
     os.kill(os.getpid(), signal.SIGTERM)
     assert mgr.save(1, args=_composite(state))
     assert waited
     assert mgr.last_ondemand.step == 1 and mgr.last_ondemand.persistent is False
-    assert 1 in mgr._local_steps() and mgr._persistent_steps() == [0]
+    assert 1 in committed_steps(mgr.local_directory) and sorted(ocp.utils.checkpoint_steps(mgr.directory)) == [0]
   finally:
     mgr.close()
 

@@ -20,11 +20,22 @@ import pytest
 from conftest import abstract_of, assert_trees_equal, make_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from mp_helpers import assert_ok, mp_worker, run_job, tail
+from mp_helpers import assert_ok, mp_events, run_job, tail
 
 import orbax_mtc as mtc
-from orbax_mtc import local_tier as lt
-from orbax_mtc import replication
+from orbax_mtc.local.format import (
+  DATA,
+  MANIFEST_CRC_KEY,
+  AbstractStateMismatchError,
+  CorruptStepError,
+  ManifestError,
+  StepManifest,
+)
+from orbax_mtc.local.read import SavedLeaf, read_step
+from orbax_mtc.local.specs import describe_sharding, item_metadata
+from orbax_mtc.local.staging import stage
+from orbax_mtc.local.store import LocalTier, read_manifest
+from orbax_mtc.peers import replication
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -87,16 +98,16 @@ def assert_state_equal(got, want) -> None:
 
 @pytest.fixture
 def tier(shm_dir):
-  tier = lt.LocalTier(shm_dir / "local", max_to_keep=2)
+  tier = LocalTier(shm_dir / "local", max_to_keep=2)
   tier.prepare()
   yield tier
   tier.close()
 
 
 def _write(tier, state, step=1):
-  staged = lt.stage(step, {"state": state}, {}, default_item=False)
+  staged = stage(step, {"state": state}, {}, default_item=False)
   step_dir = tier.write(staged, process_index=0, process_count=1)
-  return step_dir, lt.read_manifest(step_dir)
+  return step_dir, read_manifest(step_dir)
 
 
 def test_local_tier_round_trip_of_key_leaves(tier, mesh):
@@ -105,7 +116,7 @@ def test_local_tier_round_trip_of_key_leaves(tier, mesh):
   records = {leaf.path: leaf for leaf in manifest.items["state"].leaves}
   dropout = records["['rngs']['dropout']"]
   assert (dropout.key_impl, dropout.dtype, dropout.shape) == ("unsafe_rbg", "uint32", (8, 4))
-  assert dropout.sharding == lt.describe_sharding(state["rngs"]["dropout"].sharding)
+  assert dropout.sharding == describe_sharding(state["rngs"]["dropout"].sharding)
   # Sharded over "data" (2 rows of devices): two distinct shards, each with the whole key dim.
   assert sorted(s.index for s in dropout.shards) == [((0, 4), (0, 4)), ((4, 8), (0, 4))]
   params, grid = records["['rngs']['params']"], records["['rngs']['grid']"]
@@ -115,21 +126,21 @@ def test_local_tier_round_trip_of_key_leaves(tier, mesh):
   assert '"key_impl"' not in json.dumps(
       json.loads(manifest.to_json())["items"]["state"]["leaves"][0])  # only where set
 
-  restored = lt.read_step(step_dir, manifest, {"state": abstract_of(state)})["state"]
+  restored = read_step(step_dir, manifest, {"state": abstract_of(state)})["state"]
   assert_state_equal(restored, state)
   # Live key arrays as targets work too.
-  assert_state_equal(lt.read_step(step_dir, manifest, {"state": state})["state"], state)
+  assert_state_equal(read_step(step_dir, manifest, {"state": state})["state"], state)
 
 
 def test_local_tier_key_leaves_without_a_target_shape(tier, mesh):
   """SavedLeaf targets (only a sharding) and item_metadata give keys back as keys."""
   state = key_state(mesh, seed=4)
   step_dir, manifest = _write(tier, state)
-  targets = jax.tree.map(lambda x: lt.SavedLeaf(x.sharding) if isinstance(x, jax.Array) else x,
+  targets = jax.tree.map(lambda x: SavedLeaf(x.sharding) if isinstance(x, jax.Array) else x,
                          state)
-  assert_state_equal(lt.read_step(step_dir, manifest, {"state": targets})["state"], state)
+  assert_state_equal(read_step(step_dir, manifest, {"state": targets})["state"], state)
 
-  meta = lt.item_metadata(manifest)["state"]["rngs"]
+  meta = item_metadata(manifest)["state"]["rngs"]
   for name in ("dropout", "params", "grid"):
     want = state["rngs"][name]
     assert meta[name].shape == want.shape and meta[name].dtype == want.dtype, name
@@ -142,15 +153,15 @@ def test_local_tier_host_key_target_rebuilds_replicated_keys(tier, mesh):
   target = abstract_of(state)
   key = state["rngs"]["params"]
   target["rngs"]["params"] = jax.ShapeDtypeStruct(key.shape, key.dtype)
-  got = lt.read_step(step_dir, manifest, {"state": target})["state"]["rngs"]["params"]
+  got = read_step(step_dir, manifest, {"state": target})["state"]["rngs"]["params"]
   assert got.dtype == key.dtype and got.devices() == {jax.devices()[0]}
   assert np.asarray(jax.random.key_data(got)).tobytes() == \
       np.asarray(jax.random.key_data(key)).tobytes()
   # A sharded key leaf is not whole on any one device: refused, naming the leaf.
   dropout = state["rngs"]["dropout"]
   target["rngs"]["dropout"] = jax.ShapeDtypeStruct(dropout.shape, dropout.dtype)
-  with pytest.raises(lt.AbstractStateMismatchError, match=r"\['dropout'\].*no sharding"):
-    lt.read_step(step_dir, manifest, {"state": target})
+  with pytest.raises(AbstractStateMismatchError, match=r"\['dropout'\].*no sharding"):
+    read_step(step_dir, manifest, {"state": target})
 
 
 def _with_leaf(state_abstract, path, leaf):
@@ -188,8 +199,8 @@ def test_mismatched_key_targets_are_abstract_state_errors(tier, mesh, case):
     target = _with_leaf(abstract, "dropout", jax.ShapeDtypeStruct(
         (4,), dropout.dtype, sharding=dropout.sharding))
     pattern = r"\['dropout'\].*shape \(8,\).*asks for shape \(4,\) dtype key<urbg>"
-  with pytest.raises(lt.AbstractStateMismatchError, match=pattern):
-    lt.read_step(step_dir, manifest, {"state": target})
+  with pytest.raises(AbstractStateMismatchError, match=pattern):
+    read_step(step_dir, manifest, {"state": target})
 
 
 def test_key_target_with_another_sharding(tier, mesh):
@@ -201,27 +212,27 @@ def test_key_target_with_another_sharding(tier, mesh):
   by_model = NamedSharding(mesh, P("model"))  # the same two halves, on other devices
   target = _with_leaf(abstract_of(state), "dropout", jax.ShapeDtypeStruct(
       dropout.shape, dropout.dtype, sharding=by_model))
-  got = lt.read_step(step_dir, manifest, {"state": target})["state"]["rngs"]["dropout"]
+  got = read_step(step_dir, manifest, {"state": target})["state"]["rngs"]["dropout"]
   assert_keys_equal(got, jax.device_put(dropout, by_model), "dropout")
   quarters = NamedSharding(mesh, P(("data", "model")))
   target["rngs"]["dropout"] = jax.ShapeDtypeStruct(dropout.shape, dropout.dtype,
                                                    sharding=quarters)
-  with pytest.raises(lt.AbstractStateMismatchError,
+  with pytest.raises(AbstractStateMismatchError,
                      match=r"\['dropout'\]: the target sharding differs.*spec=P\('data',\)"):
-    lt.read_step(step_dir, manifest, {"state": target})
+    read_step(step_dir, manifest, {"state": target})
 
 
 def test_corrupt_key_data_is_caught_by_its_checksum(tier, mesh):
   state = key_state(mesh, seed=8)
   step_dir, manifest = _write(tier, state)
   record = next(leaf for leaf in manifest.items["state"].leaves if leaf.key_impl)
-  with open(step_dir / lt.DATA, "r+b") as f:
+  with open(step_dir / DATA, "r+b") as f:
     f.seek(record.shards[0].offset)
     byte = f.read(1)
     f.seek(record.shards[0].offset)
     f.write(bytes([byte[0] ^ 0x01]))
-  with pytest.raises(lt.CorruptStepError, match="checksum mismatch"):
-    lt.read_step(step_dir, manifest, {"state": abstract_of(state)})
+  with pytest.raises(CorruptStepError, match="checksum mismatch"):
+    read_step(step_dir, manifest, {"state": abstract_of(state)})
 
 
 def test_shard_sets_name_key_shards_as_the_manifest_does(tier, mesh):
@@ -242,9 +253,9 @@ def test_shard_sets_name_key_shards_as_the_manifest_does(tier, mesh):
 
 
 def _sign(fields: dict) -> str:
-  fields = {k: v for k, v in fields.items() if k != lt.MANIFEST_CRC_KEY}
+  fields = {k: v for k, v in fields.items() if k != MANIFEST_CRC_KEY}
   text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-  return json.dumps({**fields, lt.MANIFEST_CRC_KEY: google_crc32c.value(text.encode())})
+  return json.dumps({**fields, MANIFEST_CRC_KEY: google_crc32c.value(text.encode())})
 
 
 @pytest.mark.parametrize("value", [None, 7, "", "bad impl", "rbg;rm", "x" * 65, ["rbg"],
@@ -255,8 +266,8 @@ def test_invalid_key_impl_is_a_manifest_error(tier, mesh, value):
   raw = json.loads(manifest.to_json())
   leaf = next(x for x in raw["items"]["state"]["leaves"] if "key_impl" in x)
   leaf["key_impl"] = value
-  with pytest.raises(lt.ManifestError, match="'key_impl'"):
-    lt.StepManifest.from_json(_sign(raw))
+  with pytest.raises(ManifestError, match="'key_impl'"):
+    StepManifest.from_json(_sign(raw))
 
 
 def test_key_impl_on_a_host_leaf_is_a_manifest_error(tier, mesh):
@@ -264,30 +275,30 @@ def test_key_impl_on_a_host_leaf_is_a_manifest_error(tier, mesh):
   raw = json.loads(manifest.to_json())
   host = next(x for x in raw["items"]["state"]["leaves"] if x["kind"] == "host")
   host["key_impl"] = "threefry2x32"
-  with pytest.raises(lt.ManifestError, match="'key_impl'"):
-    lt.StepManifest.from_json(_sign(raw))
+  with pytest.raises(ManifestError, match="'key_impl'"):
+    StepManifest.from_json(_sign(raw))
 
 
 def test_manifest_with_key_impl_round_trips_and_unknown_impls_are_refused(tier, mesh):
   state = key_state(mesh, seed=11)
   step_dir, manifest = _write(tier, state)
-  assert lt.StepManifest.from_json(manifest.to_json()) == manifest
+  assert StepManifest.from_json(manifest.to_json()) == manifest
   # A well-formed name this JAX does not know: the manifest reads, a restore and the metadata
   # say what is missing.
   raw = json.loads(manifest.to_json())
   leaf = next(x for x in raw["items"]["state"]["leaves"] if x.get("key_impl") == "unsafe_rbg")
   leaf["key_impl"] = "future_prng"
-  unknown = lt.StepManifest.from_json(_sign(raw))
-  with pytest.raises(lt.AbstractStateMismatchError, match="'future_prng' is unknown"):
-    lt.read_step(step_dir, unknown, {"state": abstract_of(state)})
-  with pytest.raises(lt.ManifestError, match="'future_prng' is unknown"):
-    lt.item_metadata(unknown)
+  unknown = StepManifest.from_json(_sign(raw))
+  with pytest.raises(AbstractStateMismatchError, match="'future_prng' is unknown"):
+    read_step(step_dir, unknown, {"state": abstract_of(state)})
+  with pytest.raises(ManifestError, match="'future_prng' is unknown"):
+    item_metadata(unknown)
   # A known implementation whose key shape the stored data does not have (rbg keys are 4
   # words, threefry keys 2): refused too.
   leaf["key_impl"] = "threefry2x32"
-  wrong = lt.StepManifest.from_json(_sign(raw))
-  with pytest.raises(lt.AbstractStateMismatchError, match="is not 'threefry2x32' key data"):
-    lt.read_step(step_dir, wrong, {"state": abstract_of(state)})
+  wrong = StepManifest.from_json(_sign(raw))
+  with pytest.raises(AbstractStateMismatchError, match="is not 'threefry2x32' key data"):
+    read_step(step_dir, wrong, {"state": abstract_of(state)})
 
 
 # ----------------------------------------------------------------------------- the manager
@@ -365,7 +376,7 @@ def test_manager_restores_keys_from_the_persistent_tier(open_manager, dirs, mesh
   dropout = wrong["rngs"]["dropout"]
   wrong["rngs"]["dropout"] = jax.ShapeDtypeStruct(
       dropout.shape, jax.random.key(0, impl="threefry2x32").dtype, sharding=dropout.sharding)
-  with pytest.raises(lt.AbstractStateMismatchError, match=r"\['dropout'\].*key<fry>"):
+  with pytest.raises(AbstractStateMismatchError, match=r"\['dropout'\].*key<fry>"):
     again.restore(4, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(item=wrong)))
 
 
@@ -411,10 +422,10 @@ def test_keys_come_back_from_a_peer_copy_bit_exact(shm_root, tmp_path):
   (shm_root / "node1").mkdir()
   result, out = run_job(["restore", *common], 2, shm_root)
   assert_ok(result, out)
-  results = mp_worker.parse_results(out.lines)
+  results = mp_events.parse_results(out.lines)
   assert sorted(results) == [0, 1], tail(out)
   assert [(results[n]["step"], results[n]["tier"], results[n]["ok"]) for n in (0, 1)] == [
       ("6", "local", "1"), ("6", "peer", "1")], tail(out)
-  manifest = lt.read_manifest(shm_root / "node1" / "6")  # written back, keys included
+  manifest = read_manifest(shm_root / "node1" / "6")  # written back, keys included
   impls = {leaf.path: leaf.key_impl for leaf in manifest.items["state"].leaves if leaf.key_impl}
   assert impls == {"['rngs']['dropout']": "unsafe_rbg", "['rngs']['params']": "threefry2x32"}

@@ -10,21 +10,22 @@ import pytest
 import replicator_sim
 
 import orbax_mtc as mtc
-from orbax_mtc import managed, replicator
+from orbax_mtc.managed import protocol as replicator_protocol
+from orbax_mtc.managed import setup as managed_setup
 
 
 def _config(**over):
   fields = dict(job_name="run1", node_rank=0, nodes=4, data_parallelism=2, peer_ranks=(2,),
                 backup_interval_minutes=30)
   fields.update(over)
-  return replicator.ReplicatorConfig(**fields)
+  return replicator_protocol.ReplicatorConfig(**fields)
 
 
 def test_yaml_round_trip_and_the_simulator_reads_what_we_write():
   for config in (_config(), _config(peer_ranks=None, peers_per_node=1,
                                     backup_interval_minutes=None, backup_interval_steps=500)):
     text = config.to_yaml()
-    assert replicator.ReplicatorConfig.from_yaml(text) == config
+    assert replicator_protocol.ReplicatorConfig.from_yaml(text) == config
     fields = replicator_sim.validate(text)  # an independent reader
     assert fields["job-name"] == "run1" and fields["framework"] == "orbax"
   assert "peer-ranks: [2]" in _config().to_yaml()
@@ -58,7 +59,7 @@ def test_bad_configs_are_refused_with_the_reason(over, match):
 ])
 def test_malformed_yaml_written_by_someone_else(text, match):
   with pytest.raises(ValueError, match=match):
-    replicator.ReplicatorConfig.from_yaml(text)
+    replicator_protocol.ReplicatorConfig.from_yaml(text)
 
 
 def test_restore_entries_are_never_followed_blindly(tmp_path):
@@ -73,13 +74,13 @@ def test_restore_entries_are_never_followed_blindly(tmp_path):
   (local / "not-a-valid-name.restore").touch()
   (local / "job-s50-n1-w0.restore").write_text("junk")  # a regular file with a step
   (local / "other-s60-n1-w0.restore").touch()  # another job's
-  choice = replicator.choose_entry(local, node_rank=1, worker_index=0, job_name="job")
+  choice = replicator_protocol.choose_entry(local, node_rank=1, worker_index=0, job_name="job")
   assert choice.step == 20 and choice.target == (local / "20").resolve()
   reasons = "\n".join(choice.ignored)
   assert "outside" in reasons and "node 2 worker 0" in reasons
   assert "Malformed last-known-good entry" in reasons and "a regular file" in reasons
   assert "for job 'other'" in reasons
-  assert replicator.take_entry(local, choice) == 20
+  assert replicator_protocol.take_entry(local, choice) == 20
   assert not list(local.glob("*.restore"))
   assert (local / "20").is_dir() and outside.is_dir()  # nothing outside was touched
 
@@ -90,14 +91,14 @@ def test_two_steps_for_one_node_is_an_error_and_step_zero_means_nothing(tmp_path
   (local / "20").mkdir()
   os.symlink("20", local / "job-s20-n0-w0.restore")
   os.symlink(".replicator/restore/30", local / "job-s30-n0-w0.restore")
-  with pytest.raises(replicator.ReplicatorError, match=r"different steps \[20, 30\]"):
-    replicator.choose_entry(local, 0, 0)
+  with pytest.raises(replicator_protocol.ReplicatorError, match=r"different steps \[20, 30\]"):
+    replicator_protocol.choose_entry(local, 0, 0)
   for p in local.glob("*.restore"):
     p.unlink()
   (local / "job-s0-n0-w0.restore").touch()
-  choice = replicator.choose_entry(local, 0, 0)
+  choice = replicator_protocol.choose_entry(local, 0, 0)
   assert (choice.step, choice.target) == (0, None)
-  assert replicator.take_entry(local, choice) is None
+  assert replicator_protocol.take_entry(local, choice) is None
   assert (local / "20").is_dir()  # a "nothing" entry deletes no step
 
 
@@ -109,7 +110,7 @@ def test_a_staged_step_replaces_a_stale_folder_of_the_same_number(tmp_path):
   staged.mkdir(parents=True)
   (staged / "fresh").touch()
   os.symlink(".replicator/restore/30", local / "job-s30-n0-w0.restore")
-  assert replicator.take_entry(local, replicator.choose_entry(local, 0, 0)) == 30
+  assert replicator_protocol.take_entry(local, replicator_protocol.choose_entry(local, 0, 0)) == 30
   assert sorted(p.name for p in (local / "30").iterdir()) == ["fresh"]
 
 
@@ -181,11 +182,11 @@ def test_a_restore_entry_is_refused_and_moves_nothing(tmp_path, name, target, bu
   build(local)
   before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
   os.symlink(target, local / "job-s100-n1-w0.restore")
-  choice = replicator.choose_entry(local, node_rank=1, worker_index=0, job_name="job")
+  choice = replicator_protocol.choose_entry(local, node_rank=1, worker_index=0, job_name="job")
   assert (choice.step, choice.target) == (None, None), name
   assert len(choice.ignored) == 1 and choice.ignored[0].startswith("job-s100-n1-w0.restore: ")
   assert reason in choice.ignored[0], choice.ignored[0]
-  assert replicator.take_entry(local, choice) is None
+  assert replicator_protocol.take_entry(local, choice) is None
   # Only the entry is gone: no folder was moved, renamed or deleted.
   assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
 
@@ -194,11 +195,12 @@ def test_connect_logs_a_refused_entry_and_restores_nothing(tmp_path, monkeypatch
   local = tmp_path / "local"
   _step_folder(local / "90", 90, 0)
   os.symlink("90", local / "run1-s100-n0-w0.restore")
-  monkeypatch.setattr(replicator, "handshake", lambda *a, **k: None)
+  monkeypatch.setattr(replicator_protocol, "handshake", lambda *a, **k: None)
   warnings = []
-  monkeypatch.setattr(replicator.logging, "warning", lambda msg, *a: warnings.append(msg % a))
+  monkeypatch.setattr(replicator_protocol.logging, "warning",
+                      lambda msg, *a: warnings.append(msg % a))
   config = _config(nodes=1, peer_ranks=(), data_parallelism=1)
-  assert replicator.connect(local, config, 0, timeout_s=5, poll_s=0.01) is None
+  assert replicator_protocol.connect(local, config, 0, timeout_s=5, poll_s=0.01) is None
   assert any("says step 90, not 100" in w for w in warnings), warnings
   assert any("no usable restore entry" in w for w in warnings), warnings
   assert sorted(p.name for p in local.iterdir()) == ["90"]
@@ -210,9 +212,9 @@ def test_a_restore_entry_naming_its_step_and_process_is_taken(tmp_path, target):
   _step_folder(local / target, 100, 1)
   _step_folder(local / "peers" / "3" / "100", 100, 3)  # a peer copy is left alone
   os.symlink(target, local / "job-s100-n1-w0.restore")
-  choice = replicator.choose_entry(local, node_rank=1, worker_index=0, job_name="job")
+  choice = replicator_protocol.choose_entry(local, node_rank=1, worker_index=0, job_name="job")
   assert (choice.step, choice.target, choice.ignored) == (100, (local / target).resolve(), ())
-  assert replicator.take_entry(local, choice) == 100
+  assert replicator_protocol.take_entry(local, choice) == 100
   manifest = json.loads((local / "100" / "manifest.json").read_text())
   assert (manifest["step"], manifest["process_index"]) == (100, 1)
   assert not list(local.glob("*.restore")) and not (local / ".replicator" / "restore" / "100").exists()
@@ -220,33 +222,33 @@ def test_a_restore_entry_naming_its_step_and_process_is_taken(tmp_path, target):
   # process_index is the node rank unless given.
   _step_folder(local / "200", 200, 7)
   os.symlink("200", local / "job-s200-n1-w0.restore")
-  assert replicator.choose_entry(local, 1, 0, process_index=7).step == 200
-  assert replicator.choose_entry(local, 1, 0).step is None
+  assert replicator_protocol.choose_entry(local, 1, 0, process_index=7).step == 200
+  assert replicator_protocol.choose_entry(local, 1, 0).step is None
 
 
 def test_take_entry_refuses_a_hand_made_choice_of_a_peer_copy(tmp_path):
   local = tmp_path / "local"
   peer = _step_folder(local / "peers" / "3" / "100", 100, 3)
-  choice = replicator.RestoreChoice(100, peer.resolve())
-  with pytest.raises(replicator.ReplicatorError, match="under peers/"):
-    replicator.take_entry(local, choice)
+  choice = replicator_protocol.RestoreChoice(100, peer.resolve())
+  with pytest.raises(replicator_protocol.ReplicatorError, match="under peers/"):
+    replicator_protocol.take_entry(local, choice)
   assert peer.is_dir() and not (local / "100").exists()
 
 
 def test_agreement_across_processes():
-  assert replicator.agree([8, 8, 8]) == 8
-  assert replicator.agree([0, 0]) == 0
-  assert replicator.agree([8, 0]) is None
+  assert replicator_protocol.agree([8, 8, 8]) == 8
+  assert replicator_protocol.agree([0, 0]) == 0
+  assert replicator_protocol.agree([8, 0]) is None
 
 
 def test_peers_follow_orbax_with_slices_and_ask_for_peers_without():
   # 2 slices of 2 nodes: the node at the same index in the other slice (Orbax's rule).
-  assert managed.peers_for(0, 4, 2, None) == ((2,), None)
-  assert managed.peers_for(3, 4, 2, None) == ((1,), None)
+  assert managed_setup.peers_for(0, 4, 2, None) == ((2,), None)
+  assert managed_setup.peers_for(3, 4, 2, None) == ((1,), None)
   # One slice: Orbax would write no peers; we ask for one so FSDP-only jobs are protected.
-  assert managed.peers_for(1, 4, 1, None) == (None, 1)
-  assert managed.peers_for(0, 1, 1, None) == ((), None)
-  assert managed.peers_for(0, 4, 2, 3) == (None, 3)
+  assert managed_setup.peers_for(1, 4, 1, None) == (None, 1)
+  assert managed_setup.peers_for(0, 1, 1, None) == ((), None)
+  assert managed_setup.peers_for(0, 4, 2, 3) == (None, 3)
 
 
 def test_managed_options_validate():
@@ -259,7 +261,7 @@ def test_managed_options_validate():
   options = mtc.CheckpointManagerOptions(
       mode="managed", job_name="run7",
       persistent=mtc.PersistentCheckpointOptions(backup_interval_minutes=30))
-  config = managed.config_for_manager(options, None, 0, 1)
+  config = managed_setup.config_for_manager(options, None, 0, 1)
   assert (config.job_name, config.peer_ranks, config.backup_interval_minutes,
           config.backup_interval_steps) == ("run7", (), 30, None)
 
@@ -287,11 +289,11 @@ def test_handshake_waits_for_the_old_file_and_reports_failure(tmp_path):
   thread.start()
   try:
     new = _config(job_name="new", nodes=1, peer_ranks=(), data_parallelism=1)
-    assert replicator.connect(local, new, 0, timeout_s=30, poll_s=0.01) is None
+    assert replicator_protocol.connect(local, new, 0, timeout_s=30, poll_s=0.01) is None
     assert sim.config["job-name"] == "new"
     sim.fail = "disk is read-only"
-    with pytest.raises(replicator.ReplicatorError, match="disk is read-only"):
-      replicator.handshake(local, new, timeout_s=30, poll_s=0.01)
+    with pytest.raises(replicator_protocol.ReplicatorError, match="disk is read-only"):
+      replicator_protocol.handshake(local, new, timeout_s=30, poll_s=0.01)
     assert not (local / "replicator.failed").exists()
   finally:
     stop.set()

@@ -136,7 +136,7 @@ def _steps(directory):
 
 
 def test_gc_dry_run_then_delete(orbax_dir, capsys):
-  from orbax_mtc import cli
+  from orbax_mtc.tools import cli
 
   argv = ["gc", str(orbax_dir), "--keep-latest", "2", "--keep-every", "400"]
   assert cli.main(argv) == 0
@@ -158,7 +158,7 @@ def test_gc_dry_run_then_delete(orbax_dir, capsys):
 
 
 def test_gc_refuses_without_rules_or_directory(orbax_dir, shm_dir, capsys):
-  from orbax_mtc import cli
+  from orbax_mtc.tools import cli
 
   assert cli.main(["gc", str(orbax_dir)]) == 2
   assert "no retention rule given" in capsys.readouterr().err

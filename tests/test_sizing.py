@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orbax_mtc import cli, sizing
-from orbax_mtc.sizing import GIB, SizingError
+from orbax_mtc.tools import cli, size, size_render
+from orbax_mtc.tools.size import GIB, SizingError
 
 # ----------------------------------------------------------------------------- parse_size
 
@@ -27,7 +27,7 @@ from orbax_mtc.sizing import GIB, SizingError
     ("4096", 4096), ("4096B", 4096), (4096, 4096), ("0.5KiB", 512), ("1.0001KB", 1001),
 ])
 def test_parse_size(text, want):
-  assert sizing.parse_size(text) == want
+  assert size.parse_size(text) == want
 
 
 @pytest.mark.parametrize("text, fragment", [
@@ -37,25 +37,25 @@ def test_parse_size(text, want):
 ])
 def test_parse_size_rejects_with_the_fix(text, fragment):
   with pytest.raises(SizingError, match=fragment):
-    sizing.parse_size(text)
+    size.parse_size(text)
 
 
 # ----------------------------------------------------------------------------- the formula
 
 
 def test_factor_matches_both_published_anchors_exactly():
-  assert sizing.ramdisk_factor("tpu") == Fraction(22, 10)
-  assert sizing.ramdisk_factor("gpu") == Fraction(66, 10)
-  assert sizing.ramdisk_factor("gpu", 1) == Fraction(66, 10)
+  assert size.ramdisk_factor("tpu") == Fraction(22, 10)
+  assert size.ramdisk_factor("gpu") == Fraction(66, 10)
+  assert size.ramdisk_factor("gpu", 1) == Fraction(66, 10)
 
 
 def test_factor_is_linear_in_peers_and_only_peers_matter():
   for accelerator in ("tpu", "gpu"):
-    steps = [sizing.ramdisk_factor(accelerator, p) for p in range(5)]
+    steps = [size.ramdisk_factor(accelerator, p) for p in range(5)]
     assert [b - a for a, b in zip(steps, steps[1:], strict=False)] == [Fraction(44, 10)] * 4
-  assert sizing.ramdisk_factor("tpu", 1) == sizing.ramdisk_factor("gpu", 1)
-  assert sizing.ramdisk_factor("gpu", 0) == sizing.ramdisk_factor("tpu", 0)
-  assert sizing.ramdisk_factor("gpu", 2) == 11
+  assert size.ramdisk_factor("tpu", 1) == size.ramdisk_factor("gpu", 1)
+  assert size.ramdisk_factor("gpu", 0) == size.ramdisk_factor("tpu", 0)
+  assert size.ramdisk_factor("gpu", 2) == 11
 
 
 @pytest.mark.parametrize("accelerator, peers, fragment", [
@@ -66,7 +66,7 @@ def test_factor_is_linear_in_peers_and_only_peers_matter():
 ])
 def test_factor_rejects_bad_input(accelerator, peers, fragment):
   with pytest.raises(SizingError, match=fragment):
-    sizing.ramdisk_factor(accelerator, peers)
+    size.ramdisk_factor(accelerator, peers)
 
 
 @pytest.mark.parametrize("state, nodes, accelerator, peers, want", [
@@ -78,16 +78,16 @@ def test_factor_rejects_bad_input(accelerator, peers, fragment):
     ("5GiB", 1, "tpu", None, "11Gi"),
 ])
 def test_quantity_rounds_up_to_whole_gib(state, nodes, accelerator, peers, want):
-  result = sizing.size(state_size=state, nodes=nodes, accelerator=accelerator, peers=peers)
+  result = size.size(state_size=state, nodes=nodes, accelerator=accelerator, peers=peers)
   assert result.quantity == want
   assert result.gib * GIB >= result.factor * result.local.nbytes > (result.gib - 1) * GIB \
       or result.gib == 1
 
 
 def test_state_size_is_divided_by_the_nodes_holding_one_copy():
-  assert sizing.local_checkpoint_bytes(state_size="768GiB", nodes=16) == 48 * GIB
-  assert sizing.local_checkpoint_bytes(state_size="10", nodes=3) == 4  # rounded up
-  local = sizing.local_checkpoint(state_size="1GiB", nodes=4)
+  assert size.local_checkpoint_bytes(state_size="768GiB", nodes=16) == 48 * GIB
+  assert size.local_checkpoint_bytes(state_size="10", nodes=3) == 4  # rounded up
+  local = size.local_checkpoint(state_size="1GiB", nodes=4)
   assert "/ 4 nodes" in local.how
 
 
@@ -98,16 +98,27 @@ def test_state_size_is_divided_by_the_nodes_holding_one_copy():
 ])
 def test_local_checkpoint_rejects_bad_input(kwargs, fragment):
   with pytest.raises(SizingError, match=fragment):
-    sizing.local_checkpoint(**kwargs)
+    size_render.local_checkpoint(**kwargs)
+
+
+def test_pure_local_checkpoint_takes_a_measured_step():
+  orbax_step = size.SavedStep("/run/3", 1000, per_node=False)
+  assert size.local_checkpoint_bytes(step=orbax_step, nodes=4) == 250
+  assert "Orbax step /run/3 / 4 nodes" in size.local_checkpoint(step=orbax_step, nodes=4).how
+  mtc_step = size.SavedStep("/local/3", 1000, per_node=True)
+  assert size.local_checkpoint_bytes(step=mtc_step, nodes=4) == 1000  # one node's already
+  with pytest.raises(SizingError, match="exactly one of"):
+    size.local_checkpoint(state_size="1GiB", step=mtc_step)
+  assert size.size(step=mtc_step, accelerator="gpu").quantity == "1Gi"
 
 
 def test_explanation_fills_in_the_numbers():
-  text = sizing.size(state_size="768GiB", nodes=16, accelerator="tpu").explain()
+  text = size.size(state_size="768GiB", nodes=16, accelerator="tpu").explain()
   assert "48.00 GiB" in text
   assert "1.1 x 2 x (1 + 2 x 0) x local = 2.2 x 48.00 GiB = 105.60 GiB" in text
   assert "twins" in text
   assert text.splitlines()[-1].startswith("inMemoryVolumeSize: 106Gi")
-  gpu = sizing.size(state_size="8GiB", accelerator="gpu").explain()
+  gpu = size.size(state_size="8GiB", accelerator="gpu").explain()
   assert "1.1 x 2 x (1 + 2 x 1) x local = 6.6 x 8.00 GiB = 52.80 GiB" in gpu
 
 
@@ -119,7 +130,8 @@ def test_from_step_reads_orbax_mtc_and_orbax_steps(shm_dir, mesh):
   from conftest import abstract_of, make_state
 
   import orbax_mtc as mtc
-  from orbax_mtc import local_tier
+  from orbax_mtc.local.format import MANIFEST
+  from orbax_mtc.local.store import read_manifest
 
   state = make_state(mesh, scale=64)
   options = mtc.CheckpointManagerOptions(
@@ -132,27 +144,28 @@ def test_from_step_reads_orbax_mtc_and_orbax_steps(shm_dir, mesh):
     mgr.save(3, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
     mgr.wait_until_finished()
 
-  local_step = next(p for p in local_dir.rglob("3") if (p / local_tier.MANIFEST).is_file())
-  manifest = local_tier.read_manifest(local_step)
+  local_step = next(p for p in local_dir.rglob("3") if (p / MANIFEST).is_file())
+  manifest = read_manifest(local_step)
   array_bytes = sum(x.nbytes for x in [state["params"]["w"], state["ids"]])
   assert manifest.data_size >= array_bytes
-  want = manifest.data_size + (local_step / local_tier.MANIFEST).stat().st_size
-  assert sizing.local_checkpoint_bytes(from_step=local_step) == want
+  want = manifest.data_size + (local_step / MANIFEST).stat().st_size
+  assert size_render.local_checkpoint(from_step=local_step).nbytes == want
   # One node's shards already: --nodes does not divide them.
-  assert sizing.local_checkpoint_bytes(from_step=local_step, nodes=8) == want
+  assert size_render.local_checkpoint(from_step=local_step, nodes=8).nbytes == want
 
   orbax_step = persistent_dir / "3"
   total = sum(f.stat().st_size for f in orbax_step.rglob("*") if f.is_file())
   assert total >= array_bytes
-  assert sizing.local_checkpoint_bytes(from_step=orbax_step) == total
-  assert sizing.local_checkpoint_bytes(from_step=orbax_step, nodes=2) == math.ceil(total / 2)
+  assert size_render.local_checkpoint(from_step=orbax_step).nbytes == total
+  assert size_render.local_checkpoint(from_step=orbax_step, nodes=2).nbytes == \
+      math.ceil(total / 2)
 
   with pytest.raises(SizingError, match=rf"pass one of them, e\.g\. {persistent_dir / '3'}"):
-    sizing.local_checkpoint_bytes(from_step=persistent_dir)
+    size_render.local_checkpoint(from_step=persistent_dir)
 
-  (local_step / local_tier.MANIFEST).write_text("{not json")
+  (local_step / MANIFEST).write_text("{not json")
   with pytest.raises(SizingError, match="give a committed step"):
-    sizing.local_checkpoint_bytes(from_step=local_step)
+    size_render.local_checkpoint(from_step=local_step)
 
 
 def test_from_step_plain_folder_and_its_errors(tmp_path):
@@ -161,28 +174,28 @@ def test_from_step_plain_folder_and_its_errors(tmp_path):
   (step / "state" / "d" / "a").write_bytes(b"x" * 1000)
   (step / "_CHECKPOINT_METADATA").write_bytes(b"y" * 24)
   (step / "link").symlink_to(step / "state" / "d" / "a")  # not counted twice
-  assert sizing.step_folder_bytes(step) == (1024, False)
+  assert size_render.step_folder_bytes(step) == (1024, False)
 
   (tmp_path / "run" / "800").mkdir()
   with pytest.raises(SizingError, match=r"holds steps \(800, 1200\).*e\.g\. .*run/1200"):
-    sizing.step_folder_bytes(tmp_path / "run")
+    size_render.step_folder_bytes(tmp_path / "run")
   pax = tmp_path / "pax"
   (pax / "checkpoint_00000100").mkdir(parents=True)
   with pytest.raises(SizingError, match="checkpoint_00000100"):
-    sizing.step_folder_bytes(pax)
+    size_render.step_folder_bytes(pax)
   (tmp_path / "empty").mkdir()
   with pytest.raises(SizingError, match="holds no data files"):
-    sizing.step_folder_bytes(tmp_path / "empty")
+    size_render.step_folder_bytes(tmp_path / "empty")
   with pytest.raises(SizingError, match="does not exist"):
-    sizing.step_folder_bytes(tmp_path / "missing")
+    size_render.step_folder_bytes(tmp_path / "missing")
   with pytest.raises(SizingError, match="is a file"):
-    sizing.step_folder_bytes(step / "_CHECKPOINT_METADATA")
+    size_render.step_folder_bytes(step / "_CHECKPOINT_METADATA")
   (tmp_path / ".tmp-5-abc").mkdir()
   (tmp_path / ".tmp-5-abc" / "data.bin").write_bytes(b"z")
   with pytest.raises(SizingError, match="still being written"):
-    sizing.step_folder_bytes(tmp_path / ".tmp-5-abc")
+    size_render.step_folder_bytes(tmp_path / ".tmp-5-abc")
   with pytest.raises(SizingError, match="gcloud storage du -s gs://b/run/1200"):
-    sizing.step_folder_bytes("gs://b/run/1200")
+    size_render.step_folder_bytes("gs://b/run/1200")
 
 
 # ----------------------------------------------------------------------------- command line
@@ -194,7 +207,7 @@ def test_cli_prints_size_and_formula(capsys):
   out = capsys.readouterr().out
   assert "inMemoryVolumeSize: 106Gi" in out
   assert "2.2 x 48.00 GiB = 105.60 GiB" in out
-  assert sizing.main(["--state-size", "8GiB", "--accelerator", "gpu", "--peers", "2"]) == 0
+  assert cli.size_main(["--state-size", "8GiB", "--accelerator", "gpu", "--peers", "2"]) == 0
   out = capsys.readouterr().out
   assert "1 + 2 x 2" in out and "inMemoryVolumeSize: 88Gi" in out
 
@@ -209,7 +222,7 @@ def test_cli_prints_size_and_formula(capsys):
     (["--from-step", "/no/such/step", "--accelerator", "gpu"], "does not exist"),
 ])
 def test_cli_errors_name_the_fix(argv, fragment, capsys):
-  assert sizing.main(argv) == 2
+  assert cli.size_main(argv) == 2
   err = capsys.readouterr().err
   assert err.startswith("orbax-mtc size: error: ")
   assert fragment in err
@@ -217,11 +230,11 @@ def test_cli_errors_name_the_fix(argv, fragment, capsys):
 
 def test_cli_argument_errors_exit_2(capsys):
   with pytest.raises(SystemExit) as info:
-    sizing.main(["--state-size", "8GiB"])
+    cli.size_main(["--state-size", "8GiB"])
   assert info.value.code == 2
   assert "--accelerator" in capsys.readouterr().err
   with pytest.raises(SystemExit) as info:
-    sizing.main(["--state-size", "8GiB", "--from-step", "x", "--accelerator", "tpu"])
+    cli.size_main(["--state-size", "8GiB", "--from-step", "x", "--accelerator", "tpu"])
   assert info.value.code == 2
 
 
@@ -240,7 +253,7 @@ def _docs(path: Path) -> list[dict]:
 
 def test_render_tpu_writes_filled_manifests_and_env(tmp_path, capsys):
   out = tmp_path / "tpu"
-  assert sizing.main(_render_args(out, "tpu", "ct6e-standard-4t")) == 0
+  assert cli.size_main(_render_args(out, "tpu", "ct6e-standard-4t")) == 0
   assert "wrote" in capsys.readouterr().out
   for name in ("checkpoint-configuration.yaml", "jobset-maxtext.yaml"):
     text = (out / name).read_text()
@@ -262,8 +275,8 @@ def test_render_tpu_writes_filled_manifests_and_env(tmp_path, capsys):
 
 def test_render_gpu_passes_the_sized_peers_to_the_job(tmp_path):
   out = tmp_path / "gpu"
-  assert sizing.main(_render_args(out, "gpu", "a3-megagpu-8g", "--peers", "2",
-                                  "--local-dir", "/mtc")) == 0
+  assert cli.size_main(_render_args(out, "gpu", "a3-megagpu-8g", "--peers", "2",
+                                    "--local-dir", "/mtc")) == 0
   (cpc,) = _docs(out / "checkpoint-configuration.yaml")
   (jobset,) = _docs(out / "jobset-maxtext.yaml")
   assert cpc["spec"]["inMemoryVolumeSize"] == "176Gi"  # 16 GiB x 11
@@ -276,7 +289,7 @@ def test_render_gpu_passes_the_sized_peers_to_the_job(tmp_path):
 
 def test_render_single_tpu_slice_sizes_for_one_peer(tmp_path, capsys):
   out = tmp_path / "one"
-  assert sizing.main(_render_args(out, "tpu", "ct6e-standard-4t", "--slices", "1")) == 0
+  assert cli.size_main(_render_args(out, "tpu", "ct6e-standard-4t", "--slices", "1")) == 0
   assert "6.6 x 16.00 GiB" in capsys.readouterr().out
   (cpc,) = _docs(out / "checkpoint-configuration.yaml")
   assert cpc["spec"]["inMemoryVolumeSize"] == "106Gi"
@@ -299,7 +312,7 @@ def test_render_single_tpu_slice_sizes_for_one_peer(tmp_path, capsys):
 def test_render_rejects_inconsistent_input(tmp_path, capsys, extra, machine_type, accelerator,
                                            fragment):
   argv = _render_args(tmp_path / "out", accelerator, machine_type) + extra
-  assert sizing.main(argv) == 2
+  assert cli.size_main(argv) == 2
   assert fragment in capsys.readouterr().err
   assert not (tmp_path / "out" / "jobset-maxtext.yaml").exists()
 
@@ -315,23 +328,23 @@ def test_render_rejects_inconsistent_input(tmp_path, capsys, extra, machine_type
     ("ct4p-hightpu-4t", 32, ("tpu-v4-podslice", "4x4x8", 4)),
 ])
 def test_tpu_topology_inference(machine_type, nodes, want):
-  label, topology, chips = sizing.tpu_labels(machine_type, nodes)
+  label, topology, chips = size_render.tpu_labels(machine_type, nodes)
   assert (label, topology, chips) == want
   assert math.prod(int(d) for d in topology.split("x")) == nodes * chips
 
 
 def test_tpu_labels_overrides_and_unknown_families():
-  assert sizing.tpu_labels("ct9z-new-4t", 2, accelerator_label="tpu-v9-slice",
-                           topology="2x4") == ("tpu-v9-slice", "2x4", 4)
+  assert size_render.tpu_labels("ct9z-new-4t", 2, accelerator_label="tpu-v9-slice",
+                                topology="2x4") == ("tpu-v9-slice", "2x4", 4)
   with pytest.raises(SizingError, match="pass --tpu-accelerator"):
-    sizing.tpu_labels("ct9z-new-4t", 2)
+    size_render.tpu_labels("ct9z-new-4t", 2)
 
 
 def test_fill_names_unknown_placeholders():
-  assert sizing.fill("a: ${BUCKET}", {"BUCKET": "b"}) == "a: b"
-  assert sizing.fill("no placeholders, $HOME stays", {}) == "no placeholders, $HOME stays"
+  assert size_render.fill("a: ${BUCKET}", {"BUCKET": "b"}) == "a: b"
+  assert size_render.fill("no placeholders, $HOME stays", {}) == "no placeholders, $HOME stays"
   with pytest.raises(SizingError, match="does not fill: NOPE, ZED"):
-    sizing.fill("${ZED} ${NOPE} ${BUCKET}", {"BUCKET": "b"}, where="t.yaml")
+    size_render.fill("${ZED} ${NOPE} ${BUCKET}", {"BUCKET": "b"}, where="t.yaml")
 
 
 def test_render_refuses_a_template_that_does_not_parse(tmp_path):
@@ -339,10 +352,10 @@ def test_render_refuses_a_template_that_does_not_parse(tmp_path):
   (templates / "gke" / "gpu").mkdir(parents=True)
   (templates / "gke" / "gpu" / "checkpoint-configuration.yaml").write_text("a: [${BUCKET}\n")
   (templates / "gke" / "gpu" / "jobset-maxtext.yaml").write_text("kind: JobSet\n")
-  result = sizing.size(state_size="1GiB", accelerator="gpu")
+  result = size.size(state_size="1GiB", accelerator="gpu")
   with pytest.raises(SizingError, match="does not parse once filled in"):
-    sizing.render(tmp_path / "out", result, templates=templates, bucket="bkt",
-                  machine_type="a3-highgpu-8g", job_name="j")
+    size_render.render(tmp_path / "out", result, templates=templates, bucket="bkt",
+                       machine_type="a3-highgpu-8g", job_name="j")
 
 
 @pytest.mark.timeout(300)
@@ -374,10 +387,10 @@ def test_the_wheel_carries_the_templates_and_renders_from_them(tmp_path):
 
   out = tmp_path / "rendered"
   env = {**os.environ, "PYTHONPATH": str(site)}
-  where = subprocess.run([sys.executable, "-c", "from orbax_mtc import sizing; "
-                          "print(sizing.__file__); print(sizing.TEMPLATES)"],
+  where = subprocess.run([sys.executable, "-c", "from orbax_mtc.tools import size_render; "
+                          "print(size_render.__file__); print(size_render.TEMPLATES)"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-  assert where.stdout.split() == [str(site / "orbax_mtc" / "sizing.py"),
+  assert where.stdout.split() == [str(site / "orbax_mtc" / "tools" / "size_render.py"),
                                   str(site / "orbax_mtc" / "configs")], where.stderr
   done = subprocess.run([sys.executable, "-m", "orbax_mtc", "size",
                          *_render_args(out, "tpu", "ct6e-standard-4t")],

@@ -1,7 +1,7 @@
 """The chunked `ppermute` transport between 3 real JAX processes: streams of odd sizes in
 both directions around the ring plus a longer one, in chunks far smaller than the streams
 (so every round ends with a short chunk), issued one chunk per call first and then all at
-once; every process checks each stream it received byte for byte (`mp_worker.py transport`)."""
+once; every process checks each stream it received byte for byte (`mp_worker transport`)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,292 @@
+"""The persistent backup scheduler: which RAM step goes to the persistent tier, and when.
+
+A step chosen for backup is read back from the RAM tier on the writer thread once its local
+write commits (`schedule`). At the next save's agreement, once every process has its copy
+and no earlier backup is being written anywhere, every process hands the arrays to Orbax's
+save together (`advance`): Orbax's save has barriers, so the decision rests on gathered
+figures alone. How each attempt ends is learnt without a collective (`poll`) and reported
+through the next agreement (`take_error`), so training goes on when storage fails.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+
+from orbax_mtc import agreement, backup
+from orbax_mtc.agreement import Status
+from orbax_mtc.local import read as local_read
+from orbax_mtc.local import store as local_store
+from orbax_mtc.persistent import PersistentTier
+from orbax_mtc.ram_writer import RamWriter
+
+
+class BackupScheduler:
+  """Backups from the RAM tier to the persistent tier.
+
+  Args:
+    persistent: the persistent tier.
+    writer: the RAM tier's writer thread (the read-back runs there).
+    local: this node's RAM tier.
+    policy: back up by minutes (None: by steps, decided per `save`).
+    timeout_secs: Orbax's async timeout (a backup waiting longer for an earlier one is
+      worth a warning).
+  """
+
+  def __init__(self, persistent: PersistentTier, writer: RamWriter, local: local_store.LocalTier,
+               *, policy: backup.BackupIntervalPolicy | None, timeout_secs: float):
+    self._persistent = persistent
+    self._writer = writer
+    self._local = local
+    self.policy = policy
+    self._timeout_secs = timeout_secs
+    self.last_attempt: tuple[int, float] | None = None  # (step, seconds since epoch)
+    self._pending: backup.PendingBackup | None = None  # chosen, not yet handed to Orbax
+    self._inflight: int | None = None  # handed to Orbax, outcome not yet known
+    self._error: backup.BackupError | None = None  # newest failure, not yet reported
+    # Since when a due backup waits for an earlier one still running (monotonic seconds).
+    self._waiting_since: float | None = None
+    self._warned_waiting = False
+    self.last_backup: backup.BackupInfo | None = None
+    # Finished backup attempts, newest last ("done" or "failed"), for monitoring.
+    self.history: collections.deque[backup.BackupInfo] = collections.deque(maxlen=100)
+
+  @property
+  def pending(self) -> backup.PendingBackup | None:
+    """The step chosen for backup and not yet handed to Orbax."""
+    return self._pending
+
+  def start_clock(self) -> None:
+    """By minutes: count from the newest persistent step's commit time."""
+    if self.policy is None:
+      return
+    steps = self._persistent.steps()
+    if not steps:
+      return
+    try:
+      seconds = self._persistent.commit_time(steps[-1])
+    except Exception as e:  # noqa: BLE001 - an unreadable time only moves the first backup
+      logging.warning("orbax-mtc: no commit time for persistent step %d (%s); the first "
+                      "backup is taken at the first local save.", steps[-1], e)
+      return
+    if seconds:
+      self.last_attempt = (steps[-1], seconds)
+
+  def interval_due(self, step: int, now: float, saving_anywhere: bool) -> bool:
+    """By minutes: whether `step` is due (`now` and `saving_anywhere` are agreed)."""
+    if self.policy is None:
+      return False
+    return backup.interval_due(self.policy, step, now, self.last_attempt, saving_anywhere)
+
+  # --------------------------------------------------------------------- choosing
+
+  def schedule(self, step: int, args: Any, trees: dict[str, Any], jsons: dict[str, Any],
+               metrics: Any, custom_metadata: dict[str, Any] | None, now: float) -> None:
+    """Marks `step` for backup: the writer thread reads it back once its write commits
+    (after the write, before any later write can reuse its files)."""
+    self.drop_pending(f"step {step}")
+    templates, single = backup.templates(args)
+    targets = backup.host_targets(trees)
+    targets.update({name: None for name in jsons})
+    pending = backup.PendingBackup(
+        step=step, templates=templates, single=single, targets=targets,
+        memory_kind=backup.host_memory_kind(trees), metrics=metrics,
+        custom_metadata=custom_metadata)
+    pending.read = self._writer.submit(self.read_back, pending)
+    self._pending = pending
+    self.last_attempt = (step, now)
+
+  def read_back(self, pending: backup.PendingBackup) -> dict[str, Any]:
+    """Reads the step chosen for backup back from RAM, on the writer thread (file I/O only).
+
+    Returns:
+      Item name -> host arrays with the shardings the step was saved with (checksums
+      verified).
+
+    Raises:
+      LocalTierError, OSError: the step cannot be read; the backup is then dropped on every
+        process (`advance`).
+    """
+    step_dir = self._local.directory / str(pending.step)
+    manifest = self._local.manifest(pending.step)
+    crcs: dict[tuple[int, int], int] = {}
+    data = local_read.read_data(step_dir, manifest, crcs)
+    return local_read.arrays_from_buffer(data, manifest, pending.targets, str(step_dir),
+                                         crcs=crcs, memory_kind=pending.memory_kind)
+
+  def drop_pending(self, reason: str) -> None:
+    """Forgets the chosen step (a newer one, an on-demand save or a restore supersedes it)."""
+    pending, self._pending = self._pending, None
+    if pending is not None:
+      logging.info("orbax-mtc: backup of step %d superseded by %s.", pending.step, reason)
+
+  def pending_state(self) -> Status:
+    """NONE, or the pending read-back's READING, READY or FAILED (for the agreement)."""
+    return self._pending.state() if self._pending is not None else Status.NONE
+
+  def wait_for_read(self) -> None:
+    """Waits for the pending read-back (done by now but for a very short interval)."""
+    if self._pending is not None:
+      concurrent.futures.wait([self._pending.read])
+
+  def advance(self, states: np.ndarray, busy: np.ndarray) -> bool:
+    """Starts the pending backup once every process has read its copy and no earlier backup
+    is being written on any.
+
+    Args:
+      states: every process's `pending_state()`, from one all-gather.
+      busy: whether Orbax still writes an earlier backup, per process, from the same.
+
+    Returns:
+      Whether it started the backup (the same answer on every process).
+    """
+    pending = self._pending
+    if pending is None:
+      return False
+    if (states == Status.FAILED).any():
+      self._pending = None
+      bad = [p for p, state in enumerate(states) if state == Status.FAILED]
+      error = pending.read.exception() if pending.read is not None and pending.read.done() \
+          else None
+      logging.warning("orbax-mtc: no backup of step %d: its RAM copy could not be read on "
+                      "process(es) %s%s; the next scheduled backup takes a newer step.",
+                      pending.step, bad, f" ({error})" if error is not None else "")
+      return False
+    if busy.any():
+      self._note_waiting(pending.step, np.flatnonzero(busy).tolist())
+      return False
+    if not (states == Status.READY).all():
+      return False
+    self._pending = None
+    values = pending.read.result()
+    args = backup.backup_args(pending.templates, pending.single, values)
+    self.start(pending.step, args, pending.metrics, pending.custom_metadata)
+    return True
+
+  def _note_waiting(self, step: int, busy: list[int]) -> None:
+    """Warns once when due backups have waited longer than Orbax's timeout for an earlier one
+    that still runs: a storage write hangs (Orbax's timeout does not cover its metadata
+    write), and no backup starts until it ends."""
+    now = time.monotonic()
+    if self._waiting_since is None:
+      self._waiting_since = now
+      return
+    waited = now - self._waiting_since
+    if waited > self._timeout_secs and not self._warned_waiting:
+      self._warned_waiting = True
+      logging.warning(
+          "orbax-mtc: no backup has started for %.0f s, longer than Orbax's timeout (%d s): an "
+          "earlier backup to %s still runs on process(es) %s, so a storage write may hang. "
+          "Training goes on and the RAM tier and peers keep the newest steps; the backup of "
+          "step %d starts once it ends.", waited, self._timeout_secs,
+          self._persistent.directory, busy, step)
+
+  # --------------------------------------------------------------------- writing
+
+  def start(self, step: int, args: Any, metrics: Any,
+            custom_metadata: dict[str, Any] | None) -> None:
+    """Orbax's save of `step` (in the background); every process calls it together."""
+    self._waiting_since, self._warned_waiting = None, False
+    self.poll()
+    # Errors Orbax still holds of earlier backups: its next save would raise them here, on
+    # this process alone, between barriers every process must reach.
+    for error in self._persistent.leftover_errors():
+      logging.warning("orbax-mtc: an earlier backup to %s ended with %s: %s",
+                      self._persistent.directory, type(error).__name__, error)
+    self.last_backup = backup.BackupInfo(step=step, state="uploading", started_at=time.time())
+    self._inflight = step
+    try:
+      self._persistent.save(step, args, metrics, custom_metadata)
+    except Exception as e:  # noqa: BLE001 - a failed backup must not stop training
+      self._failed(step, e)
+
+  def save_older_step(self, step: int, args: Any, metrics: Any,
+                      custom_metadata: dict[str, Any] | None, *, newest_ram: int,
+                      agreed_persistent: Sequence[int], managed: bool,
+                      synchronous: bool) -> None:
+    """A forced save of a step older than the newest RAM step (Orbax allows it). RAM
+    retention keeps the newest steps, so the RAM tier would retire it at once and could lose
+    a newer step for it: it goes to the persistent tier only (docs/api.md).
+
+    Raises:
+      StepAlreadyExistsError: the persistent tier has the step.
+      ValueError: managed mode, where the RAM tier is the only tier this manager writes.
+    """
+    directory = self._persistent.directory
+    if step in agreed_persistent:
+      raise ocp.checkpoint_manager.StepAlreadyExistsError(
+          f"Step {step} already exists in the persistent tier {directory}. Delete it "
+          f"first with mgr.delete({step}) on every process to save it again.")
+    if managed:
+      raise ValueError(
+          f"save({step}, force=True): step {step} is older than the newest RAM step "
+          f"{newest_ram}, and in managed mode the RAM tier is the only tier this manager "
+          "writes (its retention keeps the newest steps). Save a newer step, or delete the "
+          "newer steps first with mgr.delete(step).")
+    logging.warning("orbax-mtc: step %d is older than the newest RAM step %d: saved to the "
+                    "persistent tier %s only.", step, newest_ram, directory)
+    self.start(step, args, metrics, custom_metadata)
+    if synchronous:
+      self.poll(block=True)
+
+  def poll(self, *, block: bool = False) -> None:
+    """Learns how the backup in flight ended (no collective): a failure is logged once and
+    kept for `take_error`; training goes on."""
+    step = self._inflight
+    if step is None:
+      return
+    if not block and self._persistent.finalizing():
+      return
+    try:
+      self._persistent.wait()  # raises the background failure, once
+    except Exception as e:  # noqa: BLE001 - reported through take_error
+      self._failed(step, e)
+      return
+    self._inflight = None
+    if step in self._persistent.steps():
+      self._error = None  # the newest backup is good: older failures are moot
+      self._record(step, "done")
+    else:
+      self._failed(step, RuntimeError("the step was not finalized"))
+
+  def flush(self, agree: Callable[[Any, str], list[Any]]) -> None:
+    """Starts the pending backup now and waits for it (every process calls this).
+
+    Args:
+      agree: gathers one agreement record from every process.
+    """
+    pending = self._pending
+    if pending is not None:
+      concurrent.futures.wait([pending.read])
+      self.poll(block=True)
+      records = agree(agreement.ReadBackRecord(state=pending.state()),
+                      f"the backup of step {pending.step}")
+      states = np.asarray([r.state for r in records])
+      self.advance(states, np.zeros(states.shape, dtype=bool))
+    self.poll(block=True)
+
+  def take_error(self) -> backup.BackupError | None:
+    """The newest failure not yet reported (reported once)."""
+    error, self._error = self._error, None
+    return error
+
+  def _record(self, step: int, state: str, error: str | None = None) -> None:
+    last = self.last_backup
+    started = last.started_at if last is not None and last.step == step else time.time()
+    self.last_backup = backup.BackupInfo(step=step, state=state, started_at=started, error=error)
+    self.history.append(self.last_backup)
+
+  def _failed(self, step: int, error: BaseException) -> None:
+    self._inflight = None
+    self._error = backup.BackupError(step, error)
+    self._record(step, "failed", f"{type(error).__name__}: {error}")
+    logging.error("orbax-mtc: persistent backup of step %d to %s failed: %s: %s. Training "
+                  "goes on; the step stays in the RAM tier and the next scheduled backup "
+                  "tries again.", step, self._persistent.directory, type(error).__name__, error)

@@ -1,0 +1,126 @@
+"""Orbax save/restore args translated for the RAM tier (pure: no I/O, no collective).
+
+A save is `args=ocp.args.Composite(name=PyTreeSave(tree), other=JsonSave(obj))` or a single
+`PyTreeSave`/`StandardSave`, which Orbax stores as its default item. The RAM tier holds pytree
+items (arrays, numpy, scalars) and JSON items; restore targets name each item's abstract tree
+(or None for JSON).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+PYTREE_SAVE = (ocp.args.PyTreeSave, ocp.args.StandardSave)
+PYTREE_RESTORE = (ocp.args.PyTreeRestore, ocp.args.StandardRestore)
+DEFAULT_ITEM = "default"  # Orbax's folder name for a single-item checkpoint
+STATE_ITEM = "state"  # the item name a restore without args builds from abstract_state
+
+
+def named_items(args: Any) -> dict[str, Any]:
+  """Item name -> args of one item (a single-item call is Orbax's default item)."""
+  return dict(args.items()) if isinstance(args, ocp.args.Composite) else {DEFAULT_ITEM: args}
+
+
+def split_save_args(args: Any) -> tuple[dict[str, Any], dict[str, Any], bool]:
+  """Splits Orbax save args into what the RAM tier writes.
+
+  Args:
+    args: `ocp.args.Composite` of PyTreeSave/StandardSave/JsonSave items, or one
+      PyTreeSave/StandardSave.
+
+  Returns:
+    (pytree items, JSON items, whether it was a single default item).
+
+  Raises:
+    TypeError: an item kind the RAM tier cannot hold, or args of another kind.
+  """
+  if isinstance(args, PYTREE_SAVE):
+    return {DEFAULT_ITEM: args.item}, {}, True
+  if isinstance(args, ocp.args.Composite):
+    trees, jsons = {}, {}
+    for name, item in args.items():
+      if isinstance(item, PYTREE_SAVE):
+        trees[name] = item.item
+      elif isinstance(item, ocp.args.JsonSave):
+        jsons[name] = item.item
+      else:
+        raise TypeError(
+            f"Item {name!r}: {type(item).__name__} cannot be saved to the RAM tier, which "
+            "holds PyTreeSave/StandardSave and JsonSave items. Save it with a plain "
+            "ocp.CheckpointManager, or convert it to a pytree of arrays.")
+    return trees, jsons, False
+  raise TypeError(
+      f"save() needs args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)) or "
+      f"ocp.args.PyTreeSave(state) / StandardSave(state); got {type(args).__name__}.")
+
+
+def restore_targets(args: Any, abstract_state: Any) -> tuple[dict[str, Any], bool | None]:
+  """What a restore builds, item by item.
+
+  Args:
+    args: Orbax restore args, or None to restore `abstract_state`.
+    abstract_state: the manager's abstract state (may be None).
+
+  Returns:
+    (item name -> target pytree, or None for a JSON item; True for a single-item restore,
+    False for Composite, None when args were omitted and the saved layout decides).
+
+  Raises:
+    TypeError: an args kind the RAM tier cannot restore.
+    ValueError: nothing says what to build.
+  """
+  if args is None:
+    if abstract_state is None:
+      raise ValueError("restore() needs args or an abstract_state given to the manager.")
+    return {STATE_ITEM: abstract_state}, None
+  if isinstance(args, PYTREE_RESTORE):
+    return {DEFAULT_ITEM: args.item if args.item is not None else abstract_state}, True
+  if isinstance(args, ocp.args.Composite):
+    targets = {}
+    for name, item in args.items():
+      if isinstance(item, PYTREE_RESTORE):
+        targets[name] = item.item if item.item is not None else abstract_state
+      elif isinstance(item, ocp.args.JsonRestore):
+        targets[name] = None
+      else:
+        raise TypeError(f"Item {name!r}: {type(item).__name__} is not supported by the "
+                        "RAM tier restore (PyTreeRestore/StandardRestore/JsonRestore).")
+      if targets[name] is None and not isinstance(item, ocp.args.JsonRestore):
+        raise ValueError(f"Item {name!r}: give PyTreeRestore(item=abstract_tree) or an "
+                         "abstract_state to the manager.")
+    return targets, False
+  raise TypeError(f"restore() args must be Composite, PyTreeRestore or StandardRestore; got "
+                  f"{type(args).__name__}.")
+
+
+def as_saved(targets: dict[str, Any], default_item: bool) -> dict[str, Any]:
+  """Targets of a restore without args, renamed as the step was saved (single item or not)."""
+  if default_item and STATE_ITEM in targets and len(targets) == 1:
+    return {DEFAULT_ITEM: targets[STATE_ITEM]}
+  return targets
+
+
+def is_array_target(leaf: Any) -> bool:
+  """A leaf the RAM tier can build as a jax.Array: an array, or a ShapeDtypeStruct with a
+  sharding."""
+  if isinstance(leaf, jax.Array):
+    return True
+  return isinstance(leaf, jax.ShapeDtypeStruct) and isinstance(
+      getattr(leaf, "sharding", None), jax.sharding.Sharding)
+
+
+def plain_path(key_path: Any) -> str:
+  """A leaf's path with every key as Orbax stores it (attribute and dict keys alike: a
+  dataclass or namedtuple is saved as a dict of its fields)."""
+  parts = []
+  for key in key_path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(key, attr):
+        parts.append(f"[{getattr(key, attr)!r}]")
+        break
+    else:
+      parts.append(str(key))
+  return "".join(parts)

@@ -1,0 +1,167 @@
+"""The step lists every process agreed on, and the faults still to be agreed.
+
+Rule 8: `all_steps`, `latest_step` and every branch before a collective read only agreed
+data. A `StepLedger` keeps that data (the RAM steps the cluster can assemble, the persistent
+steps every process sees) and gathers one `agreement` record per call to renew it. Rule 9: an
+error on one process (a failed RAM write on the writer thread, say) is held here until the
+next agreement carries it to every process, which then raises the same error together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from orbax_mtc import agreement, backup, restore_plan
+
+
+class StepLedger:
+  """Agreed step lists and unreported faults of one manager.
+
+  Args:
+    process_count: processes in the job.
+    allgather: `allgather(row, what)`, every process's int64 row (a collective, bounded by
+      the agreement timeout, naming `what` when someone is missing).
+    own_steps: this node's committed RAM steps.
+    copies: this node's servable peer copies, as (source, step), given its own steps.
+    persistent_steps: the persistent steps this process sees.
+    listing_groups: which processes hold the same shards (twins), or None.
+    max_to_keep: the RAM tier's retention.
+  """
+
+  def __init__(self, *, process_count: int,
+               allgather: Callable[[np.ndarray, str], np.ndarray],
+               own_steps: Callable[[], list[int]],
+               copies: Callable[[list[int]], list[tuple[int, int]]],
+               persistent_steps: Callable[[], list[int]],
+               listing_groups: Callable[[], list[int] | None],
+               max_to_keep: int | None):
+    self.process_count = process_count
+    self._allgather = allgather
+    self._own_steps = own_steps
+    self._copies = copies
+    self._persistent_steps = persistent_steps
+    self._listing_groups = listing_groups
+    self._max_to_keep = max_to_keep
+    self.ram: tuple[int, ...] = ()  # RAM steps the cluster can assemble
+    self.persistent: tuple[int, ...] = ()  # persistent steps every process sees
+    self._local_error: BaseException | None = None  # not yet handed to an agreement
+    self._fault_cause: BaseException | None = None  # handed, not yet raised
+    # Called before a local fault is raised (every process is there): let a backup finish.
+    self.before_local_raise: Callable[[], None] = lambda: None
+
+  # --------------------------------------------------------------------- gathering
+
+  def allgather(self, row: np.ndarray, what: str) -> np.ndarray:
+    """Every process's `row` (a collective)."""
+    return self._allgather(row, what)
+
+  def agree(self, record: Any, what: str) -> list[Any]:
+    """Every process's record of this call, index = process (one all-gather; rule 8)."""
+    return agreement.gather(record, lambda row: self._allgather(row, what))
+
+  def inventory(self, own_steps: list[int] | None = None,
+                persistent_steps: list[int] | None = None) -> agreement.Inventory:
+    """What this node can serve now (its part of every steps agreement)."""
+    own = self._own_steps() if own_steps is None else own_steps
+    persistent = self._persistent_steps() if persistent_steps is None else persistent_steps
+    return agreement.Inventory.of(own, self._copies(own), persistent)
+
+  def adopt(self, inventories: Sequence[agreement.Inventory], *, saved: int | None = None,
+            floor: int | None = None) -> list[restore_plan.NodeInventory]:
+    """Takes the agreed step lists from gathered inventories (the same on every process).
+
+    Args:
+      inventories: every process's inventory, index = process.
+      saved: a step every process has just started writing to RAM.
+      floor: the newest step every node holds (kept beyond max_to_keep).
+
+    Returns:
+      The inventories as the restore planner reads them.
+    """
+    nodes = [restore_plan.NodeInventory(frozenset(inv.own_steps), frozenset(inv.copies))
+             for inv in inventories]
+    ram = restore_plan.restorable_steps(nodes, self._listing_groups())
+    if saved is not None:
+      ram = restore_plan.retained_steps([*ram, saved], self._max_to_keep, floor)
+    self.ram = tuple(ram)
+    self.persistent = agreement.agreed_persistent_steps(inventories, self._persistent_steps())
+    return nodes
+
+  def forget(self, step: int) -> None:
+    """`step` was deleted from both tiers."""
+    self.ram = tuple(s for s in self.ram if s != step)
+    self.persistent = tuple(s for s in self.persistent if s != step)
+
+  def keep_ram(self, keep: Callable[[int], bool]) -> None:
+    """Drops the agreed RAM steps `keep` rejects (an abandoned timeline, a parent's
+    retention)."""
+    self.ram = tuple(s for s in self.ram if keep(s))
+
+  # --------------------------------------------------------------------- faults
+
+  def note_local_error(self, error: BaseException) -> bool:
+    """Keeps a writer-thread error for the next agreement. Returns False when one is already
+    kept (the caller logs the further one)."""
+    if self._local_error is not None:
+      return False
+    self._local_error = error
+    return True
+
+  def take_fault(self) -> agreement.Fault:
+    """This process's unreported error, handed to the next agreement."""
+    error, self._local_error = self._local_error, None
+    if error is not None:
+      self._fault_cause = error
+    return agreement.Fault.of(error)
+
+  def forgive(self) -> None:
+    """The agreed faults were handled without raising (a restore plans around them)."""
+    self._fault_cause = None
+
+  def raise_agreed_faults(self, records: Sequence[Any], what: str, *,
+                          own_backup_error: backup.BackupError | None = None) -> None:
+    """Raises the same error on every process when any reported one (rule 9).
+
+    Raises:
+      agreement.CheckpointError: a local fault on any process.
+      backup.BackupError: else, a failed backup on any process.
+    """
+    cause, self._fault_cause = self._fault_cause, None
+    found = agreement.faults(records)
+    if not found:
+      return
+    local = {p: f for p, f in found.items() if f.backup_step < 0}
+    if local:
+      # This error usually ends the program: let the backup in flight finish first (every
+      # process is here), or the interpreter stops under it and leaves a half-written
+      # `<step>.orbax-checkpoint-tmp` behind ("cannot schedule new futures after shutdown").
+      self.before_local_raise()
+      raise agreement.CheckpointError(
+          what, {p: f"{f.kind}: {f.message}" for p, f in local.items()}) from cause
+    if own_backup_error is not None:
+      raise own_backup_error
+    p, fault = min(found.items())
+    raise backup.BackupError(fault.backup_step, RuntimeError(
+        f"on process {p}: {fault.kind}: {fault.message}"))
+
+  def agree_steps(self, what: str, *,
+                  backup_error: Callable[[], backup.BackupError | None] | None = None) -> None:
+    """Agrees the step lists and raises, on every process alike, the errors any process
+    still holds (collective).
+
+    Args:
+      what: the call, for errors and timeouts.
+      backup_error: hands over a failed newest backup, reported when no local fault is.
+    """
+    fault = self.take_fault()
+    failed_backup = None
+    if backup_error is not None and not fault.present:
+      failed_backup = backup_error()
+      if failed_backup is not None:
+        fault = agreement.Fault.of(failed_backup.cause, backup_step=failed_backup.step)
+    records = self.agree(agreement.FinishRecord(fault=fault, inventory=self.inventory()), what)
+    self.adopt([r.inventory for r in records])
+    self.raise_agreed_faults(records, what, own_backup_error=failed_backup)

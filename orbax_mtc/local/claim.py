@@ -1,0 +1,83 @@
+"""Claiming this process's RAM folder at start-up, agreed across the job.
+
+Two processes given one folder, a path that is a file, a folder owned by another user or not
+writable: each is found before anything in the folder is touched, and a failure on any
+process is raised on every process together (rule 9), instead of leaving the others waiting
+in their next collective.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from orbax_mtc import agreement, files, lkg
+from orbax_mtc.local import lock as local_lock
+from orbax_mtc.local import store as local_store
+from orbax_mtc.peers import store as peer_store
+
+
+def claim_local_directory(local_path: Path, *, job_name: str, process_index: int,
+                          worker_index: int, local: local_store.LocalTier,
+                          store: peer_store.PeerStore, managed: bool,
+                          agree: Callable[[Any, str], list[Any]]
+                          ) -> local_lock.LocalDirectoryLock | None:
+  """Claims `local_path` for this process (a lock naming the holder) and prepares it.
+
+  Args:
+    local_path: this process's RAM folder.
+    job_name: the job's name (in the lock and the LKG links).
+    process_index: this process.
+    worker_index: this process's index inside its host.
+    local: the RAM tier on that folder.
+    store: the peer copies in it.
+    managed: GKE's replicator owns the LKG links (left alone).
+    agree: gathers one agreement record from every process.
+
+  Returns:
+    The lock (released by the manager's `close`).
+
+  Raises:
+    LocalDirectoryInUseError, ValueError, OSError: on this process;
+    agreement.CheckpointError: when another process failed.
+  """
+  lock: local_lock.LocalDirectoryLock | None = None
+  error: Exception | None = None
+  try:
+    if local_path.exists() and not local_path.is_dir():
+      raise ValueError(
+          f"local_directory {local_path} exists and is not a directory. Point "
+          "local_directory at a folder on the RAM disk (e.g. /dev/shm/ckpt) or remove the "
+          "file.")
+    existed = local_path.is_dir()
+    if existed:  # before the lock file is made in it
+      files.check_owner(local_path, "local_directory")
+    try:
+      lock = local_lock.LocalDirectoryLock.claim(local_path, job_name=job_name,
+                                                 process_index=process_index)
+    except OSError as e:
+      if not existed:
+        raise ValueError(f"Cannot create local_directory {local_path}: {e.strerror}. Choose "
+                         "a writable folder on the RAM disk (e.g. /dev/shm/ckpt).") from e
+      raise ValueError(f"local_directory {local_path} is not writable by this process (uid "
+                       f"{os.getuid()}): {e.strerror}. Fix its permissions or choose another "
+                       "folder.") from e
+    local.prepare()
+    store.prepare()
+    if not managed:
+      lkg.cleanup_temporary(local_path, job_name, process_index, worker_index)
+  except (local_lock.LocalDirectoryInUseError, ValueError, OSError) as e:
+    error = e
+  records = agree(agreement.StartRecord(fault=agreement.Fault.of(error)),
+                  "opening the local directory")
+  failed = agreement.faults(records)
+  if not failed:
+    return lock
+  if lock is not None:
+    lock.release()
+  if error is not None:
+    raise error
+  raise agreement.CheckpointError(
+      "opening the local directory", {p: f"{f.kind}: {f.message}" for p, f in failed.items()})

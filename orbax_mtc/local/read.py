@@ -1,0 +1,457 @@
+"""Reading committed steps back, with every checksum checked.
+
+`read_data` reads a step's data file into one aligned buffer while a second thread follows
+the reader and checksums each shard on bytes still in cache; `arrays_from_buffer` checks each
+shard against the manifest and builds the target's arrays from that buffer (on CPU without a
+copy). A target that does not match what was saved raises AbstractStateMismatchError, which
+no other copy of the step fixes; anything wrong with this node's copy raises LocalTierError,
+so a restore tries another source.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from orbax_mtc.local import checksum
+from orbax_mtc.local.format import (
+    ALIGN,
+    DATA,
+    AbstractStateMismatchError,
+    CorruptStepError,
+    Index,
+    LeafRecord,
+    LocalTierError,
+    ShardRecord,
+    StepManifest,
+    np_dtype,
+)
+from orbax_mtc.local.specs import (
+    describe_sharding,
+    is_key_dtype,
+    normalize_index,
+    saved_spec,
+    whole_index,
+)
+from orbax_mtc.local.store import open_regular_file, read_manifest
+
+_PIPELINE_PIECE = 4 << 20  # read, then checksum, this much at a time: it stays in cache
+
+
+def _check_leaf(item: str, path: str, record: LeafRecord, shape: tuple[int, ...],
+                dtype: Any) -> tuple[int, ...]:
+  """AbstractStateMismatchError unless a target of `shape` and `dtype` (numpy's or a PRNG key
+  dtype) is what `record` holds; returns the dims a key leaf's data adds (() for others)."""
+  try:
+    saved_shape, saved_dtype, key_dims = saved_spec(record)
+  except ValueError as e:
+    raise AbstractStateMismatchError(
+        f"Leaf {item}{path} holds PRNG keys this process cannot rebuild: {e}") from e
+  is_key = is_key_dtype(dtype)
+  if is_key != (record.key_impl is not None):
+    same_dtype = False
+  else:  # key dtypes compare by name: one name per implementation
+    same_dtype = dtype.name == saved_dtype.name if is_key else saved_dtype == dtype
+  if saved_shape != tuple(shape) or not same_dtype:
+    keys = f" (PRNG keys, {record.key_impl!r})" if record.key_impl is not None else ""
+    raise AbstractStateMismatchError(
+        f"Leaf {item}{path}: the checkpoint holds shape {saved_shape} dtype "
+        f"{saved_dtype.name}{keys}, but the target (abstract_state / restore args) asks for "
+        f"shape {tuple(shape)} dtype {dtype.name}. Pass an abstract state that matches the "
+        "saved one (jax.eval_shape of your init function with the same config).")
+  return key_dims
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedLeaf:
+  """A restore target leaf: the saved shape and dtype, placed with `sharding` (what Orbax's
+  `ArrayRestoreArgs(sharding=...)` asks for without a target array). A PRNG key leaf comes
+  back as keys: `sharding` is then the key array's."""
+
+  sharding: jax.sharding.Sharding
+
+
+def _target_spec(leaf: Any, saved: LeafRecord) -> tuple[tuple[int, ...], Any, Any]:
+  """(shape, dtype, sharding) a target leaf asks for; the dtype may be a PRNG key dtype."""
+  if isinstance(leaf, SavedLeaf):
+    try:
+      shape, dtype, _ = saved_spec(saved)
+    except ValueError:  # _check_leaf says why
+      shape, dtype = tuple(saved.shape), np_dtype(saved.dtype)
+    return shape, dtype, leaf.sharding
+  shape = tuple(getattr(leaf, "shape", ()))
+  dtype = getattr(leaf, "dtype", None)
+  if dtype is None:
+    dtype = np.asarray(leaf).dtype
+  elif not is_key_dtype(dtype):
+    dtype = np.dtype(dtype)
+  sharding = getattr(leaf, "sharding", None)
+  return shape, dtype, sharding
+
+
+def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
+  """A fresh uint8 buffer whose start is `align`-byte aligned.
+
+  JAX's CPU client adopts aligned host buffers without a copy, so the restored arrays live in
+  the very buffer the file was read into: one copy from the RAM disk, none after.
+  """
+  raw = np.empty(nbytes + align, dtype=np.uint8)
+  start = (-raw.ctypes.data) % align
+  return raw[start:start + nbytes]
+
+
+def _verified_view(data: np.ndarray, record: ShardRecord, dtype: np.dtype, where: str,
+                   crcs: dict[tuple[int, int], int] | None = None) -> np.ndarray:
+  if record.offset + record.nbytes > data.nbytes:
+    raise CorruptStepError(f"{where}: data file is shorter than its manifest says")
+  raw = data[record.offset:record.offset + record.nbytes]
+  value = _known_or_computed_crc(data, record.offset, record.nbytes, crcs)
+  if value != record.crc32c:
+    raise CorruptStepError(
+        f"{where}: checksum mismatch (crc32c {value:#010x}, manifest {record.crc32c:#010x})")
+  return raw.view(dtype).reshape(record.shape)
+
+
+def read_data(step_dir: Path, manifest: StepManifest,
+              crcs: dict[tuple[int, int], int] | None = None) -> np.ndarray:
+  """The step's data file in a fresh aligned buffer.
+
+  The checksum of every shard in the manifest is computed while the file is read (a second
+  thread follows the reader, on bytes still in cache); pass `crcs` to receive them, keyed by
+  (offset, nbytes), for `arrays_from_buffer` and `verify_buffer` to compare against instead of
+  reading the buffer again. Comparing is still the consumer's job.
+
+  Args:
+    step_dir: the committed step folder.
+    manifest: its manifest (`store.read_manifest`).
+    crcs: when given, receives the computed checksums.
+
+  Returns:
+    The first `manifest.data_size` bytes of the data file, as uint8.
+
+  Raises:
+    LocalTierError: the data file is missing, a link, or unreadable; CorruptStepError when it
+      is shorter than the manifest says.
+  """
+  data_path = step_dir / DATA
+  try:
+    fd = open_regular_file(step_dir, DATA)
+  except OSError as e:
+    raise LocalTierError(f"{data_path}: {e}") from e
+  try:
+    size = os.fstat(fd).st_size
+    if size < manifest.data_size:  # checked before the buffer is allocated
+      raise CorruptStepError(f"{data_path}: {size} bytes, shorter than the "
+                             f"{manifest.data_size} its manifest says")
+    data = aligned_empty(manifest.data_size)
+    ranges = [(shard.offset, shard.nbytes) for _, _, shard in manifest_entries(manifest)]
+    computed = _read_checksumming(fd, data_path, data, ranges)
+  finally:
+    os.close(fd)
+  if crcs is not None:
+    crcs.update(computed)
+  return data
+
+
+def _read_checksumming(fd: int, path: Path, buffer: np.ndarray,
+                       ranges: Sequence[tuple[int, int]]) -> dict[tuple[int, int], int]:
+  """Reads the file into `buffer` sequentially (one reader: parallel readers faulting in fresh
+  pages contend) while a second thread computes the CRC32C of each (offset, nbytes) range as
+  soon as its bytes are in: the restore costs about the longer of the two, not their sum."""
+  size = buffer.nbytes
+  ready = 0  # bytes of `buffer` filled so far
+  failed = False
+  progress = threading.Condition()
+  out: dict[tuple[int, int], int] = {}
+
+  def follow() -> None:
+    for offset, nbytes in sorted(set(ranges)):
+      value, start, stop = 0, offset, offset + nbytes
+      while start < stop:
+        piece = min(stop, start + _PIPELINE_PIECE)
+        with progress:
+          progress.wait_for(lambda p=piece: failed or ready >= min(p, size))
+          if failed:
+            return
+        value = checksum.crc_extend(value, buffer[start:piece])  # releases the GIL
+        start = piece
+      out[(offset, nbytes)] = value
+
+  follower = threading.Thread(target=follow, name="mtc-crc-follow", daemon=True)
+  follower.start()
+  try:
+    if os.fstat(fd).st_size < size:
+      raise CorruptStepError(f"{path}: shorter than its manifest says ({size} bytes)")
+    view = memoryview(buffer)
+    done = 0
+    while done < size:
+      n = os.preadv(fd, [view[done:min(size, done + _PIPELINE_PIECE)]], done)
+      if n <= 0:
+        raise CorruptStepError(f"{path}: unexpected end of file at byte {done}")
+      done += n
+      with progress:
+        ready = done
+        progress.notify()
+  except BaseException:
+    with progress:
+      failed = True
+      progress.notify()
+    raise
+  finally:
+    follower.join()
+  return out
+
+
+def read_step(step_dir: Path, manifest: StepManifest, targets: dict[str, Any],
+              crc_threads: int = 2) -> dict[str, Any]:
+  """Reads items of a committed step onto the target shardings, verifying every checksum.
+
+  Args:
+    step_dir: the committed step folder.
+    manifest: its manifest (`store.read_manifest`).
+    targets: item name -> a pytree of jax.ShapeDtypeStruct / jax.Array (with shardings),
+      `SavedLeaf`, or numpy / scalar leaves; JSON items take any value (ignored).
+    crc_threads: threads that check the shards' checksums.
+
+  Returns:
+    Item name -> the restored item.
+
+  Raises:
+    AbstractStateMismatchError: a target does not match (tree, shape, dtype, or a sharding
+      under which this node would need shards it did not save).
+    LocalTierError: this node cannot serve the step (corrupt bytes, a missing or short data
+      file).
+  """
+  crcs: dict[tuple[int, int], int] = {}
+  data = read_data(step_dir, manifest, crcs)
+  return arrays_from_buffer(data, manifest, targets, str(step_dir), crc_threads=crc_threads,
+                            crcs=crcs)
+
+
+def _sharding_mismatch(where: str, rec: LeafRecord, sharding: Any, index: Index,
+                       device: Any) -> Exception:
+  """The error for a target shard this node did not save.
+
+  A target sharding other than the saved one is the caller's mistake: AbstractStateMismatchError,
+  which no other copy of the step fixes. The same sharding with other shards here means this
+  process's devices changed since the save: LocalTierError, so restore tries another source.
+  """
+  target = describe_sharding(sharding)
+  if rec.sharding is not None and rec.sharding == target:
+    return LocalTierError(
+        f"{where}: this node holds no shard {index} for {device}, although the target sharding "
+        f"{target} is the saved one: this process's devices differ from those at save time")
+  return AbstractStateMismatchError(
+      f"{where}: the target sharding differs from the saved one: target {target}, saved "
+      f"{rec.sharding or 'unknown (the manifest does not record it)'}; this node holds no "
+      f"shard {index} for {device}. Restore with the sharding the step was saved with.")
+
+
+def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[str, Any],
+                       where_prefix: str, crc_threads: int = 2,
+                       crcs: dict[tuple[int, int], int] | None = None,
+                       memory_kind: str | None = None) -> dict[str, Any]:
+  """Builds the target items from a step's data buffer laid out as `manifest` says.
+
+  Every shard is checked against its checksum first. On CPU the arrays adopt the (aligned)
+  buffer without a copy.
+
+  Args:
+    data: the step's bytes (`read_data`, or a copy received from a peer).
+    manifest: the step's manifest.
+    targets: as for `read_step`.
+    where_prefix: names the source in error messages.
+    crc_threads: threads that check the shards' checksums.
+    crcs: checksums already computed from these bytes (`read_data`), keyed by (offset, nbytes).
+    memory_kind: e.g. "pinned_host": places the arrays in that memory of their devices
+      instead of the default one.
+
+  Returns:
+    Item name -> the restored item.
+
+  Raises:
+    AbstractStateMismatchError: as for `read_step`.
+    LocalTierError: a shard does not match its checksum (CorruptStepError), or this node
+      holds no shard for a device of the saved sharding (its devices changed).
+  """
+  jobs: list[tuple[Any, ShardRecord, np.dtype, str]] = []
+  plans: dict[str, Any] = {}
+  for item_name, target in targets.items():
+    record = manifest.items.get(item_name)
+    if record is None:
+      raise AbstractStateMismatchError(
+          f"Item {item_name!r} is not in local step {manifest.step} (it holds "
+          f"{sorted(manifest.items)}).")
+    if record.kind == "json":
+      plans[item_name] = ("json", record.value)
+      continue
+    by_path = {leaf.path: leaf for leaf in record.leaves}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    want_paths = [jax.tree_util.keystr(p) for p, _ in flat]
+    missing = sorted(set(want_paths) - set(by_path))
+    extra = sorted(set(by_path) - set(want_paths))
+    if missing or extra:
+      raise AbstractStateMismatchError(
+          f"Item {item_name!r}: the target tree does not match the saved tree. Leaves only in "
+          f"the target: {missing[:5]}; leaves only in the checkpoint: {extra[:5]}.")
+    leaf_plans = []
+    for (_, leaf), path in zip(flat, want_paths, strict=True):
+      rec = by_path[path]
+      shape, dtype, sharding = _target_spec(leaf, rec)
+      key_dims = _check_leaf(item_name, path, rec, shape, dtype)
+      if rec.key_impl is not None:
+        dtype = np_dtype(rec.dtype)  # the shards hold key data
+      where = f"{where_prefix}: leaf {item_name}{path}"
+      if sharding is None:
+        full = whole_index(rec.shape)
+        full_rec = next((s for s in rec.shards if s.index == full), None)
+        if full_rec is None:
+          raise AbstractStateMismatchError(
+              f"{where}: the target has no sharding (a host value), but this node does not "
+              f"hold the whole array (saved with sharding {rec.sharding or 'unknown'}). Give "
+              "the target leaf a sharding (e.g. jax.ShapeDtypeStruct(shape, dtype, "
+              "sharding=...)).")
+        slot = [None]
+        jobs.append((slot, full_rec, dtype, where))
+        leaf_plans.append(("host", slot, rec.python_type, leaf, rec.key_impl))
+      else:
+        by_index = {s.index: s for s in rec.shards}
+        device_slots = []
+        for device, index in sharding.addressable_devices_indices_map(shape).items():
+          norm = normalize_index(index, shape) + whole_index(key_dims)
+          shard_rec = by_index.get(norm)
+          if shard_rec is None:
+            raise _sharding_mismatch(where, rec, sharding, norm, device)
+          slot = [None]
+          jobs.append((slot, shard_rec, dtype, where))
+          device_slots.append((device, slot))
+        leaf_plans.append(("array", device_slots, sharding, shape, rec.key_impl))
+    plans[item_name] = ("pytree", treedef, leaf_plans)
+
+  def run(job):
+    slot, rec, dtype, where = job
+    slot[0] = _verified_view(data, rec, dtype, where, crcs)
+
+  with concurrent.futures.ThreadPoolExecutor(crc_threads, thread_name_prefix="mtc-crc") as ex:
+    list(ex.map(run, jobs))
+
+  restored: dict[str, Any] = {}
+  for item_name, plan in plans.items():
+    if plan[0] == "json":
+      restored[item_name] = plan[1]
+      continue
+    _, treedef, leaf_plans = plan
+    leaves = []
+    for leaf_plan in leaf_plans:
+      if leaf_plan[0] == "host":
+        _, slot, python_type, target_leaf, key_impl = leaf_plan
+        value = slot[0]
+        if key_impl is not None:  # keys are jax arrays: on the default device
+          value = jax.random.wrap_key_data(value, impl=key_impl)
+        elif python_type is not None and not isinstance(target_leaf, (np.ndarray, jax.Array)):
+          value = {"int": int, "float": float, "bool": bool}[python_type](value)
+        leaves.append(value)
+      else:
+        _, device_slots, sharding, shape, key_impl = leaf_plan
+        if key_impl is not None:
+          # Each device's keys from its data. In the default memory even when `memory_kind`
+          # asks for another: keys are small, and wrap_key_data computes on the device.
+          arrays = [jax.random.wrap_key_data(jax.device_put(slot[0], device), impl=key_impl)
+                    for device, slot in device_slots]
+        elif memory_kind is None:
+          arrays = [jax.device_put(slot[0], device) for device, slot in device_slots]
+        else:
+          sharding = sharding.with_memory_kind(memory_kind)
+          arrays = [jax.device_put(slot[0], jax.sharding.SingleDeviceSharding(
+              device, memory_kind=memory_kind)) for device, slot in device_slots]
+        leaves.append(jax.make_array_from_single_device_arrays(shape, sharding, arrays))
+    restored[item_name] = jax.tree_util.tree_unflatten(treedef, leaves)
+  return restored
+
+
+def manifest_entries(manifest: StepManifest) -> list[tuple[str, LeafRecord, ShardRecord]]:
+  """Every shard of a manifest as (item, leaf, shard), in manifest order (its ordinal)."""
+  return [(name, leaf, shard) for name, item in manifest.items.items() for leaf in item.leaves
+          for shard in leaf.shards]
+
+
+def shard_crc(data: np.ndarray, offset: int, nbytes: int) -> int:
+  """The CRC32C of the `nbytes` of `data` (uint8) at `offset`."""
+  return checksum.crc_ranges(data, [(offset, nbytes)])[0]
+
+
+def _known_or_computed_crc(data: np.ndarray, offset: int, nbytes: int,
+                           crcs: dict[tuple[int, int], int] | None) -> int:
+  """The checksum `read_data` computed for these bytes, else computed now."""
+  known = (crcs or {}).get((offset, nbytes))
+  return known if known is not None else shard_crc(data, offset, nbytes)
+
+
+def verify_buffer(data: np.ndarray, manifest: StepManifest, where: str,
+                  crcs: dict[tuple[int, int], int] | None = None) -> None:
+  """Checks every shard of `data` against its checksum.
+
+  Args:
+    data: the step's bytes, laid out as `manifest` says.
+    manifest: the step's manifest.
+    where: names the source in error messages.
+    crcs: checksums already computed from these bytes (`read_data`).
+
+  Raises:
+    CorruptStepError: `data` is short, or a shard does not match its checksum.
+  """
+  if data.nbytes < manifest.data_size:
+    raise CorruptStepError(f"{where}: {data.nbytes} bytes, manifest says {manifest.data_size}")
+  for item_name, leaf, shard in manifest_entries(manifest):
+    got = _known_or_computed_crc(data, shard.offset, shard.nbytes, crcs)
+    if got != shard.crc32c:
+      raise CorruptStepError(
+          f"{where}: leaf {item_name}{leaf.path} shard {shard.index}: checksum mismatch "
+          f"(crc32c {got:#010x}, manifest {shard.crc32c:#010x})")
+
+
+def verify_step(step_dir: Path) -> StepManifest:
+  """Re-checks every checksum of a committed step.
+
+  Args:
+    step_dir: the committed step folder.
+
+  Returns:
+    Its manifest.
+
+  Raises:
+    LocalTierError: on any problem (CorruptStepError for bytes that do not match).
+  """
+  manifest = read_manifest(step_dir)
+  data_path = step_dir / DATA
+  try:
+    fd = open_regular_file(step_dir, DATA)
+  except OSError as e:
+    raise LocalTierError(f"{data_path}: {e}") from e
+  try:
+    size = os.fstat(fd).st_size
+    if size != manifest.data_size:
+      raise CorruptStepError(f"{data_path}: {size} bytes, manifest says {manifest.data_size}")
+    # Unmapped when the last view goes (a mapping outlives its descriptor).
+    data = (np.frombuffer(mmap.mmap(fd, size, prot=mmap.PROT_READ), dtype=np.uint8) if size
+            else np.empty(0, np.uint8))
+  finally:
+    os.close(fd)
+  for item_name, item in manifest.items.items():
+    for leaf in item.leaves:
+      for shard in leaf.shards:
+        got = checksum.crc_ranges(data, [(shard.offset, shard.nbytes)])[0]
+        if got != shard.crc32c:
+          raise CorruptStepError(
+              f"{step_dir}: leaf {item_name}{leaf.path} shard {shard.index}: checksum "
+              f"mismatch (crc32c {got:#010x}, manifest {shard.crc32c:#010x})")
+  return manifest

@@ -1,0 +1,211 @@
+"""Device-to-host staging: the blocking part of a save.
+
+`stage` copies this node's unique shards (and its host values) into host memory and lays
+them out as data.bin will hold them; the background writer (`store.LocalTier.write`) then
+writes, checksums and commits them without touching the devices again. A typed PRNG key leaf
+is staged as its key data (see `format`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import json
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from orbax_mtc.local.format import KEY_IMPL_NAME, Index, ItemRecord, LeafRecord, ShardRecord, align
+from orbax_mtc.local.specs import (
+    describe_sharding,
+    encode_key_path,
+    is_key_dtype,
+    key_spec,
+    normalize_index,
+)
+
+
+@dataclasses.dataclass
+class _PendingShard:
+  source: Any  # jax array of one device's shard, or a numpy array
+  offset: int
+  nbytes: int
+  index: Index
+  dtype: np.dtype
+  shape: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class StagedStep:
+  """This node's part of one step in host memory, ready for the background writer."""
+
+  step: int
+  # (offset in data.bin, its bytes as uint8), ascending and disjoint; nothing may change these
+  # bytes until the writer is done with them (see `stage`).
+  pieces: list[tuple[int, np.ndarray]]
+  size: int
+  items: dict[str, ItemRecord]  # leaves with crc32c still 0: the writer fills them in
+  default_item: bool
+
+  @classmethod
+  def from_buffer(cls, step: int, buffer: np.ndarray, size: int, items: dict[str, ItemRecord],
+                  default_item: bool) -> StagedStep:
+    """A step already laid out as one buffer (a copy received from a peer)."""
+    return cls(step=step, pieces=[(0, buffer[:size])], size=size, items=items,
+               default_item=default_item)
+
+  def bytes_at(self, offset: int, nbytes: int) -> np.ndarray:
+    """The `nbytes` staged at `offset` (one shard's range lies within one piece)."""
+    i = bisect.bisect_right(self._starts, offset) - 1
+    if i < 0 or offset + nbytes > self.pieces[i][0] + self.pieces[i][1].nbytes:
+      raise ValueError(f"step {self.step}: bytes {offset}+{nbytes} are not staged")
+    start, piece = self.pieces[i]
+    return piece[offset - start:offset - start + nbytes]
+
+  @functools.cached_property
+  def _starts(self) -> list[int]:
+    return [start for start, _ in self.pieces]
+
+  def views(self) -> list[memoryview]:
+    """data.bin from offset 0 to `size` as consecutive views: the pieces, with zero bytes
+    for the alignment gaps between them."""
+    out, at = [], 0
+    for start, piece in self.pieces:
+      if start > at:
+        out.append(memoryview(np.zeros(start - at, np.uint8)))
+      out.append(memoryview(piece).cast("B"))
+      at = start + piece.nbytes
+    if self.size > at:
+      out.append(memoryview(np.zeros(self.size - at, np.uint8)))
+    return out
+
+
+def _is_array_leaf(x: Any) -> bool:
+  return isinstance(x, jax.Array)
+
+
+def _key_impl_of(path: str, leaf: jax.Array) -> str:
+  """The name of a PRNG key leaf's implementation, checked to name it again on restore."""
+  if not is_key_dtype(leaf.dtype):
+    raise TypeError(f"Leaf {path} has the extended dtype {leaf.dtype}, which the RAM tier "
+                    "cannot store (of extended dtypes it stores typed PRNG keys only).")
+  impl = str(jax.random.key_impl(leaf))
+  try:
+    if not KEY_IMPL_NAME.fullmatch(impl) or key_spec(impl)[0].name != leaf.dtype.name:
+      raise ValueError(f"the name {impl!r} does not name it")
+  except ValueError as e:
+    raise TypeError(f"Leaf {path} holds PRNG keys ({leaf.dtype}) of an implementation the RAM "
+                    f"tier cannot name for restore: {e}. Use a registered implementation "
+                    "(e.g. jax.random.key(seed, impl='threefry2x32')).") from e
+  return impl
+
+
+def _host_value(path: str, leaf: Any) -> tuple[np.ndarray, str | None]:
+  if isinstance(leaf, bool):
+    return np.asarray(leaf), "bool"
+  if isinstance(leaf, int):
+    return np.asarray(leaf, dtype=np.int64), "int"
+  if isinstance(leaf, float):
+    return np.asarray(leaf, dtype=np.float64), "float"
+  if isinstance(leaf, (np.ndarray, np.generic)):
+    if leaf.dtype == object:
+      raise TypeError(f"Leaf {path} is a numpy object array; the RAM tier stores numeric arrays.")
+    return np.asarray(leaf), None
+  raise TypeError(
+      f"Leaf {path} has type {type(leaf).__name__}, which the RAM tier cannot store. Use "
+      "jax/numpy arrays or Python scalars in the state, or save this value as a separate "
+      "ocp.args.JsonSave item.")
+
+
+
+def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any], *,
+          default_item: bool) -> StagedStep:
+  """This node's unique shards in host memory (the blocking part of a save).
+
+  A jax array's shard is its host value: on accelerators a device-to-host copy; on CPU a
+  read-only view of the array's own buffer, which JAX neither frees nor donates to another
+  computation while the view is alive, so no copy is needed there. Host leaves (numpy arrays,
+  scalars) are copied: the caller may change them once `save` returns. Each distinct shard
+  index this process holds is staged once: the copy that restores this node's devices without
+  any transfer. Data-parallel twins on other nodes write the same shard, which is what makes
+  them free copies of each other.
+
+  Args:
+    step: the step number.
+    pytree_items: item name -> pytree of jax arrays, numpy arrays and Python scalars.
+    json_items: item name -> JSON-serialisable value.
+    default_item: whether the step was saved from a single (non-Composite) argument.
+
+  Returns:
+    The staged step, its shards' checksums still 0 (the writer computes them).
+
+  Raises:
+    TypeError: a leaf the RAM tier cannot store, or a JSON item that is not serialisable.
+  """
+  pending: list[_PendingShard] = []
+  items: dict[str, ItemRecord] = {}
+  offset = 0
+  for item_name, tree in pytree_items.items():
+    leaves_with_path = jax.tree_util.tree_flatten_with_path(tree)[0]
+    records = []
+    for key_path, leaf in leaves_with_path:
+      path = jax.tree_util.keystr(key_path)
+      key_impl = None
+      if _is_array_leaf(leaf):
+        sharding = describe_sharding(leaf.sharding)
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+          key_impl = _key_impl_of(path, leaf)
+          leaf = jax.random.key_data(leaf)  # its shards: uint32, indexed over the data's dims
+        chosen: dict[Index, Any] = {}
+        for shard in sorted(leaf.addressable_shards, key=lambda s: (s.replica_id, s.device.id)):
+          index = normalize_index(shard.index, leaf.shape)
+          chosen.setdefault(index, shard.data)
+        dtype = np.dtype(leaf.dtype)
+        kind, python_type, sources = "array", None, list(chosen.items())
+        shape = tuple(leaf.shape)
+      else:
+        host, python_type = _host_value(path, leaf)
+        dtype, kind, shape = host.dtype, "host", tuple(host.shape)
+        sources = [(tuple((0, d) for d in host.shape), host)]
+        sharding = None
+      shards = []
+      for index, source in sources:
+        shard_shape = tuple(b - a for a, b in index)
+        nbytes = math.prod(shard_shape) * dtype.itemsize
+        pending.append(_PendingShard(source, offset, nbytes, index, dtype, shard_shape))
+        shards.append(ShardRecord(index=index, offset=offset, nbytes=nbytes, crc32c=0))
+        offset += align(nbytes)
+      records.append(LeafRecord(path=path, kind=kind, shape=shape, dtype=dtype.name,
+                                shards=tuple(shards), python_type=python_type,
+                                keys=encode_key_path(key_path), sharding=sharding,
+                                key_impl=key_impl))
+    items[item_name] = ItemRecord(kind="pytree", leaves=tuple(records))
+  for item_name, value in json_items.items():
+    try:
+      json.dumps(value)
+    except TypeError as e:
+      raise TypeError(f"Item {item_name!r} is not JSON-serialisable: {e}") from e
+    items[item_name] = ItemRecord(kind="json", value=value)
+
+  # Start every device->host transfer before waiting on any (no-op on CPU).
+  for p in pending:
+    if isinstance(p.source, jax.Array):
+      p.source.copy_to_host_async()
+  pieces = [(p.offset, _host_bytes(p)) for p in pending]
+  return StagedStep(step=step, pieces=pieces, size=offset, items=items,
+                    default_item=default_item)
+
+
+def _host_bytes(shard: _PendingShard) -> np.ndarray:
+  """One staged shard as C-ordered uint8 that nothing changes until the write is done."""
+  if isinstance(shard.source, jax.Array):
+    host = np.asarray(shard.source)
+  else:
+    host = np.array(shard.source, copy=True, order="C")  # one copy, already C-ordered
+  if host.dtype != shard.dtype or host.shape != shard.shape:
+    raise TypeError(f"a shard of dtype {host.dtype} shape {host.shape} was staged as "
+                    f"{shard.dtype} {shard.shape}")
+  return np.ascontiguousarray(host).reshape(-1).view(np.uint8)

@@ -1,0 +1,160 @@
+"""Peer copies driven from the manager's collective points (save, restore, waits).
+
+`PeerCopies` is what the manager holds of replication. From the global mesh it names the
+replica axis and builds the topology (replicas, twins, which peers hold whose copies; pure,
+in topology.py), then the `Replicator` that moves the copies (None in a single process, in
+managed mode where GKE's replicator copies, or on a mesh that names no replicas). It also
+keeps the shard sets of the job's shardings, which say which processes are twins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from orbax_mtc import topology
+from orbax_mtc.local import store as local_store
+from orbax_mtc.options import CheckpointManagerOptions, replica_axis_name
+from orbax_mtc.peers import replication
+from orbax_mtc.peers import store as peer_store
+from orbax_mtc.ram_writer import RamWriter
+
+
+class PeerCopies:
+  """The save side of replication, and the twin groups restore plans with.
+
+  Args:
+    options: the manager's options (replica axis, peers, chunking).
+    process_index: this process.
+    process_count: processes in the job.
+    local: this node's RAM tier (the steps sent).
+    store: the copies this node holds for others.
+    writer: the RAM tier's writer (copies are committed on its thread).
+    allgather: the collective all-gather of one int64 row.
+    send: this manager sends copies itself (False in managed mode).
+    optional: a mesh that names no replicas means no copies, with a warning, instead of an
+      error (the parent-style form when nobody asked for peers).
+  """
+
+  def __init__(self, options: CheckpointManagerOptions, process_index: int, process_count: int,
+               *, local: local_store.LocalTier, store: peer_store.PeerStore, writer: RamWriter,
+               allgather: Callable[[np.ndarray], np.ndarray], send: bool, optional: bool):
+    self._options = options
+    self._process_index = process_index
+    self._process_count = process_count
+    self._local = local
+    self._store = store
+    self._writer = writer
+    self._allgather = allgather
+    self._send = send
+    self._optional = optional
+    self.mesh: jax.sharding.Mesh | None = None
+    self.replica_axis: str | None = None
+    self.topology: topology.Topology | None = None
+    self.replicator: replication.Replicator | None = None
+    self._sets_cache: tuple[Any, list] | None = None
+    self._listing_cache: dict[int, list[int] | None] = {}
+
+  def set_mesh(self, mesh: jax.sharding.Mesh) -> None:
+    """Replica axis, topology and replicator from the job's global mesh.
+
+    Raises:
+      ValueError: the mesh names no replica axis the options accept (unless optional), or
+        the topology does not fit it.
+    """
+    options = self._options
+    self.mesh = mesh
+    try:
+      self.replica_axis = replica_axis_name(options, mesh.axis_names,
+                                            multi_process=self._process_count > 1,
+                                            axis_sizes=dict(mesh.shape))
+    except ValueError as e:
+      if not self._optional:
+        raise
+      logging.warning("orbax-mtc: RAM tier without peer copies: %s", e)
+      return
+    if self._process_count <= 1:
+      return
+    self.topology = topology.build_topology(
+        topology.process_grid(mesh), mesh.axis_names, self.replica_axis,
+        num_processes=self._process_count,
+        peers_per_node=options.replication.peers_per_node,
+        peer_ranks=options.replication.peer_ranks)
+    if not self._send or not self.topology.edges:
+      return
+    self.replicator = replication.Replicator(
+        self.topology, self._process_index, self._local, self._store, self._writer.executor,
+        self._allgather, chunk_bytes=options.replication.chunk_bytes,
+        window=options.replication.chunks_in_flight)
+    self._store.drop_sources(self.topology.held_by(self._process_index))
+
+  @property
+  def enabled(self) -> bool:
+    """This manager sends copies of its steps to peers."""
+    return self.replicator is not None
+
+  @property
+  def pending_step(self) -> int | None:
+    """The step whose copies are still going out."""
+    return self.replicator.pending_step if self.replicator is not None else None
+
+  def shard_sets(self, trees: dict[str, Any]) -> list:
+    """Which shards every process holds under the shardings of `trees` (cached)."""
+    key = tuple((name, tuple((leaf.sharding, tuple(leaf.shape))
+                             for leaf in jax.tree_util.tree_leaves(tree)
+                             if getattr(leaf, "sharding", None) is not None),
+                 jax.tree_util.tree_structure(tree))
+                for name, tree in trees.items())
+    if self._sets_cache is None or self._sets_cache[0] != key:
+      self._sets_cache = (key, replication.shard_sets(trees, self._process_count))
+    return self._sets_cache[1]
+
+  def listing_groups(self, abstract_state: Any, is_array_target: Any) -> list[int] | None:
+    """Twin groups for listing steps before any restore target is known: from
+    `abstract_state` when it has shardings; else None (own folders and peer copies only,
+    which never lists a step the cluster cannot assemble)."""
+    if self.topology is None or abstract_state is None:
+      return None
+    key = id(abstract_state)
+    if key not in self._listing_cache:
+      leaves = jax.tree_util.tree_leaves(abstract_state)
+      if not leaves or not all(is_array_target(leaf) for leaf in leaves):
+        groups = None
+      else:
+        # Not through shard_sets, whose one-entry cache serves the saves.
+        groups = replication.shard_groups(
+            replication.shard_sets({"state": abstract_state}, self._process_count))
+      self._listing_cache = {key: groups}
+    return self._listing_cache[key]
+
+  def schedule(self, step: int, trees: dict[str, Any]) -> None:
+    """Queues the copies of a step just saved (sent by the next `progress` calls)."""
+    if self.replicator is not None:
+      self.replicator.schedule(step, self.shard_sets(trees))
+
+  def schedule_recovery(self, step: int, sets: list, recovered: Sequence[int]) -> None:
+    """Queues the copies that involve nodes which got `step` back from elsewhere."""
+    if self.replicator is None or self.topology is None:
+      return
+    recovered = set(recovered)
+    edges = [e for e in self.topology.edges if e[0] in recovered or e[1] in recovered]
+    self.replicator.schedule(step, sets, edges)
+
+  def progress(self, *, block: bool) -> None:
+    """Moves pending copies forward (collectives: every process calls this in step)."""
+    replicator = self.replicator
+    if replicator is None or replicator.pending_step is None:
+      return
+    if block:
+      self._writer.wait()
+    replicator.progress(self._writer.status_of(replicator.pending_step), block=block)
+
+  def finish(self) -> None:
+    """Sends the pending copies now and returns once received copies are committed."""
+    self.progress(block=True)
+    if self.replicator is not None:
+      self._writer.drain()

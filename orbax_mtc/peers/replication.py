@@ -1,0 +1,275 @@
+"""Copies of each node's committed RAM step on its peers, moved with JAX collectives.
+
+`Replicator` is a small state machine driven from the main thread at points every process
+reaches in the same order (`save()`, `replicate_pending()`, `wait_until_finished()`):
+
+1. `schedule(step, edges)` after a local save (or a recovery) was issued;
+2. `progress()`: one tiny all-gather of "is the step committed here, and how many bytes do I
+   send on each edge"; once every node has committed, the streams are fixed;
+3. then each `progress()` hands the chunks that have arrived to the writer and issues up to
+   128 MiB more (at most `window` chunks in flight; those still running when it returns run
+   while training goes on), so a step's copies are out within a few training steps;
+4. received chunks are written to `<local>/peers/<source>/.tmp-*` by the writer thread, which
+   commits the copy by renaming it once the last chunk is in.
+
+The restore side (`outgoing_step`, `shard_sets`) serves a whole step to a node that lost its
+folder, from a twin's own folder or from a copy.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from orbax_mtc import agreement, transport
+from orbax_mtc.agreement import Status
+from orbax_mtc.local import format as local_format
+from orbax_mtc.local import read as local_read
+from orbax_mtc.local import specs as local_specs
+from orbax_mtc.local import store as local_store
+from orbax_mtc.peers import exchange
+from orbax_mtc.peers import store as peer_store
+from orbax_mtc.topology import Topology
+
+ShardKey = tuple[str, str, local_format.Index]  # (item, leaf path, global index)
+
+# Bytes a non-blocking `progress()` issues per call (the replication share of one training step).
+_BYTES_PER_CALL = 128 << 20
+
+# Status a process reports for the step being replicated (the one set of codes).
+WRITING, COMMITTED, FAILED = Status.WRITING, Status.COMMITTED, Status.FAILED
+
+
+def shard_sets(trees: dict[str, Any], process_count: int) -> list[frozenset[ShardKey]]:
+  """Per process, the (item, path, index) of every array shard it holds under these shardings.
+
+  Leaves are jax.Arrays or ShapeDtypeStructs with a sharding; others (numpy, scalars) are held
+  whole by every process and are not part of the sets. A PRNG key leaf's indices span its key
+  data's dims too, as in the manifest.
+  """
+  sets: list[set[ShardKey]] = [set() for _ in range(process_count)]
+  for item_name, tree in trees.items():
+    if tree is None:
+      continue
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      sharding = getattr(leaf, "sharding", None)
+      shape = getattr(leaf, "shape", None)
+      if sharding is None or shape is None or not hasattr(sharding, "devices_indices_map"):
+        continue
+      path = jax.tree_util.keystr(key_path)
+      key_dims = tuple((0, n) for n in local_specs.key_data_dims(getattr(leaf, "dtype", None)))
+      for device, index in sharding.devices_indices_map(tuple(shape)).items():
+        sets[device.process_index].add(
+            (item_name, path, local_specs.normalize_index(index, tuple(shape)) + key_dims))
+  return [frozenset(s) for s in sets]
+
+
+def shard_groups(sets: Sequence[frozenset[ShardKey]]) -> list[int]:
+  """Equal ids for processes that hold exactly the same shards (data-parallel twins)."""
+  first: dict[frozenset[ShardKey], int] = {}
+  return [first.setdefault(s, i) for i, s in enumerate(sets)]
+
+
+def skip_ordinals(manifest: local_format.StepManifest, receiver: frozenset[ShardKey]) -> set[int]:
+  """Ordinals of array shards the receiver holds itself (identical bytes: not sent)."""
+  return {i for i, (name, leaf, shard) in enumerate(local_read.manifest_entries(manifest))
+          if leaf.kind == "array" and (name, leaf.path, shard.index) in receiver}
+
+
+# This node's own step as read: manifest, data, and the checksums computed while reading.
+OwnStep = tuple[local_format.StepManifest, np.ndarray, dict[tuple[int, int], int]]
+
+
+def read_own(local: local_store.LocalTier, step: int) -> OwnStep:
+  """Reads this node's committed `step` and verifies every checksum."""
+  manifest = local.manifest(step)
+  crcs: dict[tuple[int, int], int] = {}
+  data = local_read.read_data(local.directory / str(step), manifest, crcs)
+  local_read.verify_buffer(data, manifest, str(local.directory / str(step)), crcs)
+  return manifest, data, crcs
+
+
+def outgoing_step(kind: str, destination: int, step: int, local: local_store.LocalTier,
+                  store: peer_store.PeerStore, own: OwnStep | None) -> peer_store.OutgoingStream:
+  """A whole step for `destination`: this node's own step `own` (as a twin, read with
+  `read_own`) or a copy it holds.
+
+  Every checksum is verified on the reading side, before anything is sent.
+  """
+  if kind == "twin":
+    assert own is not None, "a twin serves its own step, read by read_own"
+    manifest, data = own[:2]
+    manifest = dataclasses.replace(manifest, process_index=destination)
+  else:
+    manifest, data = store.read(destination, step, local.directory / str(step))
+  return peer_store.step_stream(manifest, data)
+
+
+@dataclasses.dataclass
+class _StepCopies:
+  """The copies of one step being sent and received."""
+
+  step: int
+  edges: tuple[tuple[int, int], ...]
+  receivers: dict[int, frozenset[ShardKey]]
+  transfer: transport.Transfer | None = None
+  incoming: dict[int, peer_store.IncomingCopy] = dataclasses.field(default_factory=dict)
+  sent_bytes: int = 0
+
+
+class Replicator:
+  """Sends this node's committed steps to its peers and receives theirs (see module doc)."""
+
+  def __init__(self, topo: Topology, me: int, local: local_store.LocalTier,
+               store: peer_store.PeerStore, writer: concurrent.futures.Executor,
+               allgather: Callable[[np.ndarray], np.ndarray], *, chunk_bytes: int,
+               window: int = 2):
+    self.topology = topo
+    self.me = me
+    self._local = local
+    self._store = store
+    self._writer = writer
+    self._allgather = allgather
+    self._chunk_bytes = chunk_bytes
+    self._window = window
+    # Chunks issued per non-blocking call (at most `window` in flight at once): about
+    # _BYTES_PER_CALL, so a step of a few hundred MiB is out within a few training steps.
+    self._chunks_per_call = max(window, _BYTES_PER_CALL // max(1, chunk_bytes))
+    self._job: _StepCopies | None = None
+    self._commits: list[tuple[int, int, concurrent.futures.Future]] = []
+    self.last_bytes_sent = 0
+
+  @property
+  def pending_step(self) -> int | None:
+    return self._job.step if self._job is not None else None
+
+  def schedule(self, step: int, shard_sets_by_process: Sequence[frozenset[ShardKey]],
+               edges: Sequence[tuple[int, int]] | None = None) -> None:
+    """Queues `step` for replication on `edges` (default: every copy edge of the topology)."""
+    self.reap_commits()
+    chosen = tuple(sorted(self.topology.edges if edges is None else edges))
+    if not chosen:
+      return
+    if self._job is not None:
+      raise RuntimeError("replication of the previous step is still pending; finish it first")
+    receivers = {dst: shard_sets_by_process[dst] for src, dst in chosen if src == self.me}
+    self._job = _StepCopies(step, chosen, receivers)
+
+  def progress(self, status: int, *, block: bool) -> None:
+    """Moves the pending replication forward; every process calls it at the same point.
+
+    `status` says whether this node's step is WRITING, COMMITTED or FAILED. With `block`, the
+    caller has waited for its local write, and this returns with the copies handed to the
+    writer thread.
+    """
+    job = self._job
+    if job is None:
+      return
+    if job.transfer is None and not self._start(job, status):
+      return
+    assert job.transfer is not None
+    try:
+      if block:
+        job.transfer.run()
+      else:
+        job.transfer.retire_ready()
+        job.transfer.advance(self._chunks_per_call)
+        job.transfer.retire_ready()
+    except BaseException:
+      # A chunk that failed to go out or come in leaves the streams incomplete: drop this
+      # step's copies instead of finishing (and committing) them later.
+      for incoming in job.incoming.values():
+        self._writer.submit(incoming.abort)
+      self._job = None
+      raise
+    if job.transfer.done:
+      self._finish(job)
+
+  def _start(self, job: _StepCopies, status: int) -> bool:
+    """One stream exchange: once every process has committed the step, its copies' sizes
+    are agreed and their transfer is planned. Returns whether it was."""
+    outgoing: dict[int, peer_store.OutgoingStream] = {}
+    if status == COMMITTED:
+      try:
+        step_dir = self._local.directory / str(job.step)
+        manifest = self._local.manifest(job.step)
+        for src, dst in job.edges:
+          if src == self.me:
+            skip = skip_ordinals(manifest, job.receivers[dst])
+            outgoing[dst] = peer_store.copy_stream(step_dir, manifest, self.me, skip)
+      except Exception as e:  # noqa: BLE001 - agreed below: every process drops the step
+        logging.warning("orbax-mtc: cannot send step %d to peers: %s: %s", job.step,
+                        type(e).__name__, e)
+        status = FAILED
+
+    def proceed(records: list[agreement.SendRecord], _: np.ndarray) -> bool:
+      statuses = [record.status for record in records]
+      failed = [p for p, s in enumerate(statuses) if s == FAILED]
+      if failed:
+        logging.warning("orbax-mtc: step %d is not replicated: process(es) %s did not commit "
+                        "it", job.step, failed)
+        self._job = None
+        return False
+      return WRITING not in statuses
+
+    def sink_for(stream: transport.Stream) -> transport.Sink:
+      incoming = self._store.begin(stream.source, job.step, stream.nbytes)
+      job.incoming[stream.source] = incoming
+
+      def sink(offset: int, data: np.ndarray) -> None:
+        self._writer.submit(incoming.write, offset, data)
+      return sink
+
+    agreed = exchange.exchange(
+        job.edges, self.me, outgoing, exchange.outgoing_sizes(job.edges, self.me, outgoing),
+        agreement.SendRecord(status=status), self._allgather, proceed=proceed,
+        sink_for=sink_for, chunk_limit=self._chunk_bytes, window=self._window)
+    if agreed.transfer is None:
+      return False
+    job.transfer = agreed.transfer
+    job.sent_bytes = sum(s.nbytes for s in outgoing.values())
+    return True
+
+  def _finish(self, job: _StepCopies) -> None:
+    self.reap_commits()
+    for source, incoming in job.incoming.items():
+      future = self._writer.submit(incoming.commit, self._local.keep_floor)
+      self._commits.append((source, job.step, future))
+    self.last_bytes_sent = job.sent_bytes
+    self._job = None
+
+  def reap_commits(self) -> None:
+    """Logs received copies whose commit failed on the writer thread (the copy is then
+    simply not held: restore plans only from copies listed in an agreed inventory)."""
+    waiting = []
+    for source, step, future in self._commits:
+      if not future.done():
+        waiting.append((source, step, future))
+      elif future.exception() is not None:
+        error = future.exception()
+        logging.warning("orbax-mtc: the copy of step %d from process %d was not kept: %s: %s",
+                        step, source, type(error).__name__, error)
+    self._commits = waiting
+
+
+def receive_buffers() -> tuple[dict[int, np.ndarray], Callable[[transport.Stream],
+                                                               transport.Sink]]:
+  """Sinks that collect whole streams into aligned buffers (restore side)."""
+  buffers: dict[int, np.ndarray] = {}
+
+  def sink_for(stream: transport.Stream) -> transport.Sink:
+    buffer = local_read.aligned_empty(stream.nbytes)
+    buffers[stream.source] = buffer
+
+    def sink(offset: int, data: np.ndarray) -> None:
+      buffer[offset:offset + data.nbytes] = data
+    return sink
+
+  return buffers, sink_for
+

@@ -1,0 +1,531 @@
+"""Copies of other nodes' RAM checkpoints held on this node, and the byte streams that carry them.
+
+Layout under this node's local directory::
+
+  <local>/peers/<source_rank>/<step>/manifest.json   the source's manifest, verbatim
+  <local>/peers/<source_rank>/<step>/copy.json       where each shard of it is held here
+  <local>/peers/<source_rank>/<step>/data.bin        the stream as received (header + shards)
+  <local>/peers/<source_rank>/.tmp-<step>-<id>/      a copy being received (never read)
+
+A shard that this node already holds in its own folder of the same step (same array, same
+index: a data-parallel twin's identical shard) is not sent; `copy.json` marks it -1 and serving
+the copy reads it from the own folder. Checksums are the source's: whoever reads a copy checks
+every shard before trusting it.
+
+A stream is `[8-byte header length][JSON header][zero padding to 64][shards, each 64-aligned]`.
+The same framing carries a whole step from a twin or a peer to a node that lost its folder.
+
+File I/O only: no collectives, safe on the writer thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import reprlib
+import shutil
+import stat
+import struct
+import uuid
+from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from orbax_mtc import files
+from orbax_mtc.local import format as local_format
+from orbax_mtc.local import read as local_read
+from orbax_mtc.local import store as local_store
+
+PEERS = "peers"
+COPY_META = local_format.PEER_COPY_META
+COPY_FORMAT = "orbax-mtc/peer-copy/1"
+STREAM_FORMAT = "orbax-mtc/stream/1"
+_ALIGN = 64
+_LEN = struct.Struct("<Q")
+
+
+def _align(n: int) -> int:
+  return -(-n // _ALIGN) * _ALIGN
+
+
+# ----------------------------------------------------------------------------- streams
+
+
+@dataclasses.dataclass
+class Segment:
+  """`nbytes` of a stream at `offset`, taken from an in-memory buffer or from a file."""
+
+  offset: int
+  nbytes: int
+  buffer: np.ndarray | None = None  # uint8
+  path: Path | None = None
+  file_offset: int = 0
+
+
+@dataclasses.dataclass
+class OutgoingStream:
+  """A stream assembled on demand from segments (header, then shards)."""
+
+  nbytes: int
+  segments: list[Segment]
+
+  def read(self, offset: int, out: np.ndarray) -> None:
+    """Fills `out` with stream bytes [offset, offset + out.nbytes); gaps stay as they are."""
+    stop = offset + out.nbytes
+    fds: dict[Path, int] = {}
+    try:
+      for seg in self.segments:
+        lo, hi = max(offset, seg.offset), min(stop, seg.offset + seg.nbytes)
+        if lo >= hi:
+          continue
+        target = out[lo - offset:hi - offset]
+        if seg.buffer is not None:
+          target[:] = seg.buffer[lo - seg.offset:hi - seg.offset]
+        else:
+          assert seg.path is not None
+          if seg.path not in fds:
+            fds[seg.path] = os.open(seg.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+          got = os.preadv(fds[seg.path], [memoryview(target)], seg.file_offset + lo - seg.offset)
+          if got != hi - lo:
+            raise local_format.CorruptStepError(f"{seg.path}: short read while sending a copy")
+    finally:
+      for fd in fds.values():
+        os.close(fd)
+
+
+def stream_header(header: dict[str, Any]) -> tuple[np.ndarray, int]:
+  """(framed header bytes, offset of the first shard)."""
+  text = json.dumps(dict(header, format=STREAM_FORMAT)).encode()
+  framed = np.frombuffer(_LEN.pack(len(text)) + text, dtype=np.uint8)
+  return framed, _align(framed.nbytes)
+
+
+def parse_stream_header(data: np.ndarray | bytes) -> tuple[dict[str, Any], int]:
+  """(header, offset of the first shard); CorruptStepError for anything malformed."""
+  raw = memoryview(np.asarray(data, dtype=np.uint8)) if not isinstance(data, bytes) else data
+  if len(raw) < _LEN.size:
+    raise local_format.CorruptStepError("stream shorter than its header")
+  (length,) = _LEN.unpack(bytes(raw[:_LEN.size]))
+  if length > len(raw) - _LEN.size:
+    raise local_format.CorruptStepError("stream header length is out of range")
+  try:
+    header = json.loads(bytes(raw[_LEN.size:_LEN.size + length]))
+  except (ValueError, RecursionError) as e:
+    raise local_format.CorruptStepError(f"stream header is unreadable: {e}") from e
+  if not isinstance(header, dict):
+    raise local_format.CorruptStepError(f"stream header is {type(header).__name__}, not an object")
+  if header.get("format") != STREAM_FORMAT:
+    raise local_format.CorruptStepError(
+        f"unknown stream format {reprlib.repr(header.get('format'))}")
+  return header, _align(_LEN.size + length)
+
+
+def _header_text(header: dict[str, Any], key: str) -> str:
+  """A string field of a stream header; CorruptStepError when missing or not a string."""
+  value = header.get(key)
+  if not isinstance(value, str):
+    raise local_format.CorruptStepError(
+        f"stream header field {key!r} holds {reprlib.repr(value)}, expected a string")
+  return value
+
+
+def _check_layout(layout: Any, manifest: local_format.StepManifest, data_start: int,
+                  stream_size: int, where: str) -> list[int]:
+  """The layout of a copy as absolute offsets in its data file (-1: in the holder's own
+  folder), each shard sent lying within the `stream_size` bytes; CorruptStepError if not."""
+  entries = local_read.manifest_entries(manifest)
+  if not isinstance(layout, list) or len(layout) != len(entries):
+    raise local_format.CorruptStepError(f"{where}: copy layout does not match its manifest")
+  out = []
+  for at, (name, leaf, shard) in zip(layout, entries, strict=True):
+    if type(at) is not int or at < -1:
+      raise local_format.CorruptStepError(
+          f"{where}: layout entry of {name}{leaf.path} holds {reprlib.repr(at)}, expected -1 "
+          "or an offset")
+    if at >= 0:
+      at += data_start
+      if at + shard.nbytes > stream_size:
+        raise local_format.CorruptStepError(
+            f"{where}: shard {name}{leaf.path} {shard.index} lies beyond the {stream_size} "
+            "bytes received")
+    out.append(at)
+  return out
+
+
+def copy_stream(step_dir: Path, manifest: local_format.StepManifest, source: int,
+                skip: Collection[int]) -> OutgoingStream:
+  """The stream that gives a peer a copy of this node's committed step, minus `skip` ordinals
+  (shards the peer already holds in its own folder of that step)."""
+  entries = local_read.manifest_entries(manifest)
+  layout: list[int] = []
+  pending = []
+  offset = 0
+  for ordinal, (_, _, shard) in enumerate(entries):
+    if ordinal in skip:
+      layout.append(-1)
+      continue
+    layout.append(offset)  # relative to the data start; made absolute below
+    pending.append((offset, shard))
+    offset = _align(offset + shard.nbytes)
+  framed, data_start = stream_header({
+      "kind": "copy", "source": source, "step": manifest.step,
+      "manifest": manifest.to_json(), "layout": layout})
+  # Offsets in the header are relative to the data start, so the header need not know its size.
+  segments = [Segment(0, framed.nbytes, buffer=framed)]
+  data_path = step_dir / local_format.DATA
+  for rel, shard in pending:
+    segments.append(Segment(data_start + rel, shard.nbytes, path=data_path,
+                            file_offset=shard.offset))
+  return OutgoingStream(nbytes=data_start + offset, segments=segments)
+
+
+def step_stream(manifest: local_format.StepManifest, data: np.ndarray) -> OutgoingStream:
+  """The stream that gives a node a whole step (manifest + data in manifest layout)."""
+  framed, data_start = stream_header({"kind": "step", "manifest": manifest.to_json()})
+  return OutgoingStream(nbytes=data_start + manifest.data_size, segments=[
+      Segment(0, framed.nbytes, buffer=framed),
+      Segment(data_start, manifest.data_size, buffer=data[:manifest.data_size])])
+
+
+def received_step(buffer: np.ndarray) -> tuple[local_format.StepManifest, np.ndarray]:
+  """(manifest, data view) of a whole-step stream received into an aligned buffer."""
+  header, data_start = parse_stream_header(buffer)
+  if header.get("kind") != "step":
+    raise local_format.CorruptStepError(
+        f"expected a step stream, got {reprlib.repr(header.get('kind'))}")
+  manifest = local_format.StepManifest.from_json(_header_text(header, "manifest"),
+                                               where="manifest of a received step stream")
+  data = buffer[data_start:data_start + manifest.data_size]
+  if data.nbytes != manifest.data_size:
+    raise local_format.CorruptStepError("step stream is shorter than its manifest says")
+  return manifest, data
+
+
+# ----------------------------------------------------------------------------- the store
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyMeta:
+  source: int
+  step: int
+  layout: tuple[int, ...]  # per manifest ordinal: absolute offset in data.bin, or -1 (own folder)
+
+  @property
+  def needs_own_step(self) -> bool:
+    return any(x < 0 for x in self.layout)
+
+
+class IncomingCopy:
+  """A copy being received: chunks land in a temporary folder; `commit` makes it visible."""
+
+  def __init__(self, store: PeerStore, source: int, step: int, nbytes: int):
+    self._store = store
+    self.source, self.step, self.nbytes = source, step, nbytes
+    parent = store.make_source_dir(source)
+    self.tmp = parent / f"{local_format.TMP_PREFIX}{step}-{uuid.uuid4().hex}"
+    files.make_private_dir(self.tmp, store.dir_mode, exist_ok=False)
+    self._fd = os.open(self.tmp / local_format.DATA,
+                       os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, store.file_mode)
+    os.fchmod(self._fd, store.file_mode)  # whatever the umask
+    self.failed: BaseException | None = None
+    self.received = 0  # bytes written; chunks never overlap, so == nbytes when complete
+
+  def write(self, offset: int, data: np.ndarray) -> None:
+    if self.failed is not None:
+      return
+    try:
+      view = memoryview(np.ascontiguousarray(data))
+      written = 0
+      while written < len(view):
+        written += os.pwrite(self._fd, view[written:], offset + written)
+      self.received += written
+    except OSError as e:
+      self.failed = e
+
+  def commit(self, keep_floor: int | None) -> Path | None:
+    """Checks the header, writes manifest + layout, renames into place; None on failure."""
+    try:
+      if self.failed is not None:
+        raise self.failed
+      # A transfer cut short (an error on either side) must never commit a partial copy.
+      if self.received != self.nbytes:
+        raise local_format.CorruptStepError(
+            f"incomplete copy: {self.received} of {self.nbytes} bytes received")
+      os.fsync(self._fd)
+      manifest, layout = self._parse()
+      file_mode = self._store.file_mode
+      files.write_private_file(self.tmp / local_format.MANIFEST,
+                                    manifest.to_json().encode(), file_mode)
+      files.write_private_file(self.tmp / COPY_META, json.dumps(
+          {"format": COPY_FORMAT, "source": self.source, "step": self.step,
+           "layout": layout}).encode(), file_mode)
+      files.fsync_dir(self.tmp)
+      final = self._store.source_dir(self.source) / str(self.step)
+      if os.path.lexists(final):  # a re-sent copy (after a recovery) replaces the old one
+        _remove(final)
+      os.rename(self.tmp, final)
+      files.fsync_dir(final.parent)
+    except (OSError, ValueError, KeyError, local_format.LocalTierError) as e:
+      logging.warning("orbax-mtc: copy of step %d from process %d not kept: %s", self.step,
+                      self.source, e)
+      _remove(self.tmp)
+      return None
+    finally:
+      os.close(self._fd)
+    self._store.apply_retention(self.source, keep_floor)
+    return final
+
+  def _parse(self) -> tuple[local_format.StepManifest, list[int]]:
+    """(manifest, layout as absolute offsets) of the received stream, checked against this
+    copy; CorruptStepError / ManifestError for anything malformed."""
+    where = f"copy of step {self.step} from process {self.source}"
+    head = os.pread(self._fd, 1 << 16, 0)
+    if len(head) < _LEN.size:
+      raise local_format.CorruptStepError(f"{where}: stream shorter than its header")
+    (length,) = _LEN.unpack(head[:_LEN.size])
+    if _LEN.size + length > self.nbytes:
+      raise local_format.CorruptStepError(f"{where}: stream header length is out of range")
+    if _LEN.size + length > len(head):
+      head = os.pread(self._fd, _LEN.size + length, 0)
+    header, data_start = parse_stream_header(head)
+    kind = header.get("kind")
+    source = header.get("source")
+    step = header.get("step")
+    if kind != "copy" or type(source) is not int or source != self.source \
+        or type(step) is not int or step != self.step:
+      raise local_format.CorruptStepError(
+          f"stream for copy ({self.source}, {self.step}) carries {reprlib.repr(kind)} "
+          f"({reprlib.repr(source)}, {reprlib.repr(step)})")
+    manifest = local_format.StepManifest.from_json(_header_text(header, "manifest"),
+                                                 where=f"manifest of the {where}")
+    local_format.validate_for(manifest, where=f"manifest of the {where}", step=self.step,
+                            process_index=self.source)
+    layout = _check_layout(header.get("layout"), manifest, data_start, self.nbytes, where)
+    return manifest, layout
+
+  def abort(self) -> None:
+    """Drops a copy whose transfer failed (its temporary folder goes)."""
+    try:
+      os.close(self._fd)
+    except OSError:
+      pass
+    _remove(self.tmp)
+
+
+def _remove(path: Path) -> None:
+  """Un-commits first (rename), then deletes: a half-deleted copy is never listed. A link is
+  removed itself, never what it points to."""
+  if not os.path.lexists(path):
+    return
+  doomed = path.with_name(f"{local_format.TMP_PREFIX}del-{uuid.uuid4().hex}")
+  try:
+    os.rename(path, doomed)
+  except FileNotFoundError:
+    return
+  if doomed.is_symlink():
+    doomed.unlink()
+  else:
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _is_real_dir(path: Path) -> bool:
+  return not path.is_symlink() and path.is_dir()
+
+
+class PeerStore:
+  """`<local>/peers/`: copies of other nodes' steps held on this node.
+
+  Folders are created with `dir_mode`, files with `file_mode`; links named like a source or a
+  step are never followed.
+  """
+
+  def __init__(self, local_directory: Path, *, max_to_keep: int | None,
+               dir_mode: int = 0o700, file_mode: int = 0o600):
+    self.root = Path(local_directory) / PEERS
+    self.max_to_keep = max_to_keep
+    self.dir_mode = dir_mode
+    self.file_mode = file_mode
+
+  def prepare(self) -> None:
+    """Drops copies interrupted while being received."""
+    if not _is_real_dir(self.root):
+      return
+    for source in self.root.iterdir():
+      if _is_real_dir(source):
+        for entry in source.iterdir():
+          if entry.name.startswith(local_format.TMP_PREFIX):
+            _remove(entry)
+
+  def source_dir(self, source: int) -> Path:
+    return self.root / str(int(source))
+
+  def make_source_dir(self, source: int) -> Path:
+    """The folder of `source`'s copies, created (with `dir_mode`) where missing. A link in
+    its place is removed: only this store writes there."""
+    folder = self.source_dir(source)
+    self.root.parent.mkdir(parents=True, exist_ok=True)
+    for path in (self.root, folder):
+      if path.is_symlink():
+        logging.warning("orbax-mtc: removing %s: a symbolic link where peer copies belong", path)
+        path.unlink()
+      files.make_private_dir(path, self.dir_mode)
+    return folder
+
+  def begin(self, source: int, step: int, nbytes: int) -> IncomingCopy:
+    return IncomingCopy(self, source, step, nbytes)
+
+  def copies(self) -> list[tuple[int, int]]:
+    """Committed copies as (source, step), sorted; links are skipped, never followed."""
+    out: list[tuple[int, int]] = []
+    if not _is_real_dir(self.root):
+      return out
+    for source in self.root.iterdir():
+      if not local_store.is_step_name(source.name) or not _is_real_dir(source):
+        continue
+      for entry in source.iterdir():
+        if not local_store.is_step_name(entry.name):
+          continue
+        if entry.is_symlink():
+          local_store.warn_link_skipped(str(entry))
+          continue
+        if entry.is_dir() and _is_regular(entry / COPY_META) \
+            and _is_regular(entry / local_format.MANIFEST):
+          out.append((int(source.name), int(entry.name)))
+    return sorted(out)
+
+  def meta(self, source: int, step: int) -> CopyMeta:
+    """The checked copy record of a committed copy; LocalTierError if unusable."""
+    folder = self.source_dir(source) / str(step)
+    path = folder / COPY_META
+    try:
+      raw = json.loads(local_store.read_step_file(folder, COPY_META))
+    except (OSError, ValueError, RecursionError) as e:
+      raise local_format.LocalTierError(f"{path} is unreadable: {e}") from e
+    if not isinstance(raw, dict) or raw.get("format") != COPY_FORMAT:
+      raise local_format.LocalTierError(f"{path} is not a copy record of format {COPY_FORMAT!r}")
+    for key, want in (("source", source), ("step", step)):
+      if type(raw.get(key)) is not int or raw[key] != want:
+        raise local_format.LocalTierError(
+            f"{path}: field {key!r} holds {reprlib.repr(raw.get(key))}, expected {want}")
+    layout = raw.get("layout")
+    if not isinstance(layout, list) or any(type(x) is not int or x < -1 for x in layout):
+      raise local_format.LocalTierError(
+          f"{path}: field 'layout' holds {reprlib.repr(layout)}, expected a list of offsets "
+          "or -1")
+    return CopyMeta(source, step, tuple(layout))
+
+  def servable(self, own_steps: Collection[int]) -> list[tuple[int, int]]:
+    """Copies this node can serve now: complete, or completed by its own folder of the step."""
+    own = set(own_steps)
+    out = []
+    for source, step in self.copies():
+      try:
+        meta = self.meta(source, step)
+      except local_format.LocalTierError:
+        continue
+      if not meta.needs_own_step or step in own:
+        out.append((source, step))
+    return out
+
+  def read(self, source: int, step: int, own_dir: Path) -> tuple[local_format.StepManifest,
+                                                                   np.ndarray]:
+    """The source's step rebuilt in its own layout, every checksum verified.
+
+    LocalTierError (CorruptStepError, ManifestError) for anything missing or malformed.
+    """
+    folder = self.source_dir(source) / str(step)
+    manifest = local_store.read_manifest(folder)
+    local_format.validate_for(manifest, where=str(folder / local_format.MANIFEST),
+                            process_index=source)
+    meta = self.meta(source, step)
+    entries = local_read.manifest_entries(manifest)
+    if len(meta.layout) != len(entries):
+      raise local_format.CorruptStepError(f"{folder}: layout and manifest disagree")
+    own_index: dict[tuple[str, str, Any], local_format.ShardRecord] = {}
+    own_path = own_dir / local_format.DATA
+    if meta.needs_own_step:
+      own_manifest = local_store.read_manifest(own_dir)  # its data file holds every shard
+      own_index = {(name, leaf.path, shard.index): shard
+                   for name, leaf, shard in local_read.manifest_entries(own_manifest)}
+    try:
+      copy_fd = local_store.open_step_file(folder, local_format.DATA)
+    except OSError as e:
+      raise local_format.LocalTierError(f"{folder / local_format.DATA}: {e}") from e
+    own_fd = -1
+    try:
+      copy_size = os.fstat(copy_fd).st_size
+      plan = []
+      # Every shard's source is checked before the buffer is allocated: a manifest cannot
+      # make this node allocate more than the bytes that back it.
+      for (name, leaf, shard), at in zip(entries, meta.layout, strict=True):
+        if at >= 0:
+          if at + shard.nbytes > copy_size:
+            raise local_format.CorruptStepError(
+                f"{folder}: shard {name}{leaf.path} {shard.index} lies beyond the "
+                f"{copy_size} bytes of {folder / local_format.DATA}")
+          plan.append((shard, copy_fd, at, folder / local_format.DATA))
+        else:
+          mine = own_index.get((name, leaf.path, shard.index))
+          if mine is None or mine.nbytes != shard.nbytes:
+            raise local_format.CorruptStepError(
+                f"{folder}: shard {name}{leaf.path} {shard.index} is not in {own_dir}")
+          plan.append((shard, None, mine.offset, own_path))
+      if meta.needs_own_step:
+        try:
+          own_fd = local_store.open_step_file(own_dir, local_format.DATA)
+        except OSError as e:
+          raise local_format.LocalTierError(f"{own_path}: {e}") from e
+      data = local_read.aligned_empty(manifest.data_size)
+      for shard, fd, offset, source_file in plan:
+        fd = own_fd if fd is None else fd
+        target = memoryview(data[shard.offset:shard.offset + shard.nbytes])
+        got = os.preadv(fd, [target], offset)
+        if got != shard.nbytes:
+          raise local_format.CorruptStepError(
+              f"{folder}: short read of a shard ({got} of {shard.nbytes} bytes at "
+              f"{offset} of {source_file}, {os.fstat(fd).st_size} bytes)")
+    finally:
+      os.close(copy_fd)
+      if own_fd >= 0:
+        os.close(own_fd)
+    local_read.verify_buffer(data, manifest, f"copy of process {source} step {step} in {folder}")
+    return manifest, data
+
+  def apply_retention(self, source: int, keep_floor: int | None) -> None:
+    """Keeps the newest `max_to_keep` copies of one source (and the common floor step)."""
+    if self.max_to_keep is None:
+      return
+    steps = sorted(s for src, s in self.copies() if src == source)
+    for step in steps[:max(0, len(steps) - self.max_to_keep)]:
+      if step != keep_floor:
+        _remove(self.source_dir(source) / str(step))
+
+  def delete_step(self, step: int) -> None:
+    for source, s in self.copies():
+      if s == step:
+        _remove(self.source_dir(source) / str(s))
+
+  def drop_newer(self, step: int) -> None:
+    """Removes copies of steps after `step` (a timeline the job abandoned on restore)."""
+    for source, s in self.copies():
+      if s > step:
+        _remove(self.source_dir(source) / str(s))
+
+  def drop_sources(self, keep: Sequence[int]) -> None:
+    """Removes copies of nodes this node no longer holds copies for."""
+    if not _is_real_dir(self.root):
+      return
+    for source in self.root.iterdir():
+      if local_store.is_step_name(source.name) and int(source.name) not in set(keep):
+        _remove(source)
+
+
+def _is_regular(path: Path) -> bool:
+  try:
+    return stat.S_ISREG(os.lstat(path).st_mode)
+  except OSError:
+    return False

@@ -1,0 +1,113 @@
+"""The persistent tier: the parent `ocp.CheckpointManager`, seen from the composed parts.
+
+`orbax_mtc.CheckpointManager` *is* an `ocp.CheckpointManager` constructed on the persistent
+directory, so the persistent tier is a standard Orbax checkpoint written by Orbax's own code.
+The composed parts (backup scheduler, persistent restore, on-demand save) reach it only
+through a `PersistentTier`, which runs the parent's methods in the manager's "persistent
+view" (inside it, the manager's own overrides defer to the parent). This module is also the
+one place that reads Orbax's internals (the finalize thread, the save policy's history);
+another Orbax version without them falls back to the public flags.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint import checkpoint_managers as policies
+
+from orbax_mtc import backup
+
+
+class PersistentTier:
+  """The parent manager's persistent-tier operations.
+
+  Args:
+    orbax_manager: the manager, as the parent class knows it (for its attributes).
+    parent: `parent(name)` returns the parent class's bound method `name`, run in the
+      persistent view.
+  """
+
+  def __init__(self, orbax_manager: ocp.CheckpointManager,
+               parent: Callable[[str], Callable[..., Any]]):
+    self._manager = orbax_manager
+    self._parent = parent
+
+  @property
+  def directory(self) -> epath.Path:
+    return self._manager.directory
+
+  def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+    """The parent's method `name`, as Orbax defines it (persistent tier alone)."""
+    return self._parent(name)(*args, **kwargs)
+
+  def steps(self) -> list[int]:
+    """The persistent steps this process sees."""
+    return list(self._parent("all_steps")())
+
+  def save(self, step: int, args: Any, metrics: Any,
+           custom_metadata: dict[str, Any] | None) -> None:
+    """Orbax's save of `step` (forced; Orbax writes in the background)."""
+    self._parent("save")(step, args=args, metrics=metrics, force=True,
+                         custom_metadata=custom_metadata)
+
+  def wait(self) -> None:
+    """Orbax's `wait_until_finished` (raises a background failure, once)."""
+    self._parent("wait_until_finished")()
+
+  def commit_time(self, step: int) -> float | None:
+    """Seconds since the epoch at which `step` was committed, if Orbax recorded it."""
+    nsecs = self._parent("metadata")(step).commit_timestamp_nsecs
+    return nsecs / 1e9 if nsecs else None
+
+  def step_directory(self, step: int) -> epath.Path:
+    """Where `step` is read from."""
+    return epath.Path(self._manager._get_read_step_directory(step, self._manager.directory))
+
+  def finalizing(self) -> bool:
+    """Whether Orbax's finalize thread of the newest save still runs on this process.
+
+    Asked of the thread, not of the parent's `is_saving_in_progress()`: that flag is cleared
+    through a barrier (with Orbax's timeout) on the finalize thread, and when a process's
+    finalize comes late (a hung write) the barrier times out and the flag stays True for
+    good, which would stop every later backup. Another Orbax version without the thread
+    falls back to the flag.
+    """
+    finalize = self._manager.__dict__.get("_finalize_thread")
+    if finalize is None or not hasattr(finalize, "map"):
+      return bool(self._parent("is_saving_in_progress")())
+    return bool(finalize.map(lambda thread: thread is not None and thread.is_alive()))
+
+  def busy(self) -> bool:
+    """Whether Orbax still works on a save on this process (finalize thread, commit thread,
+    metadata file write): a save started now would wait for it on the main thread."""
+    return self.finalizing() or backup.orbax_writes_running(self._manager._checkpointer)
+
+  def leftover_errors(self) -> list[BaseException]:
+    """Waits for Orbax's earlier saves and consumes the errors they left on this process."""
+    errors: list[BaseException] = []
+    try:
+      self.wait()
+    except Exception as e:  # noqa: BLE001 - reported by the caller
+      errors.append(e)
+    return errors + backup.collect_orbax_errors(self._manager._checkpointer)
+
+  def policy_says(self, step: int, agreed: Sequence[int],
+                  reached_preemption: Callable[[], bool]) -> bool:
+    """Orbax's `should_save` for the persistent tier, asked with the agreed persistent steps
+    instead of this process's own list (which can lag after a failed finalize)."""
+    if agreed and agreed[-1] >= step:
+      return False
+    kept = set(agreed)
+    manager = self._manager
+    previous = [info for info in manager._checkpoints if info.step in kept]
+    context = policies.DecisionContext(
+        is_saving_in_progress=False, reached_preemption=reached_preemption(),
+        multiprocessing_options=manager._multiprocessing_options)
+    current = ocp.checkpoint_manager.CheckpointInfo(
+        step=step, time=datetime.datetime.now(tz=datetime.UTC), metrics=None)
+    return bool(manager._save_decision_policy.should_save(current, previous_steps=previous,
+                                                          context=context))

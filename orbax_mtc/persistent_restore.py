@@ -1,0 +1,91 @@
+"""Restore from the persistent tier: Orbax's own restore, with the RAM tier's clear errors.
+
+The persistent tier is a standard Orbax checkpoint, so Orbax restores it (on any topology).
+Before that, the target is checked against the saved tree's metadata, leaf by leaf: Orbax
+alone would raise an error that does not name the leaf, or silently cast dtypes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from orbax_mtc import item_args
+from orbax_mtc.local import format as local_format
+from orbax_mtc.local import specs as local_specs
+from orbax_mtc.persistent import PersistentTier
+
+
+def restore(persistent: PersistentTier, step: int, targets: dict[str, Any],
+            single: bool | None) -> Any:
+  """Restores `step` from the persistent tier.
+
+  Args:
+    persistent: the persistent tier.
+    step: a persistent step every process sees.
+    targets: item name -> target tree (None: a JSON item).
+    single: a single-item restore (None: as the step was saved).
+
+  Returns:
+    The restored item, or an `ocp.args.Composite` of items.
+
+  Raises:
+    local_format.AbstractStateMismatchError: the targets do not match what was saved.
+  """
+  step_dir = persistent.step_directory(step)
+  saved_items = sorted(p.name for p in step_dir.iterdir() if p.is_dir()) \
+      if step_dir.is_dir() else []
+  if single is None:
+    single = saved_items == [item_args.DEFAULT_ITEM]
+    targets = item_args.as_saved(targets, single)
+  for name, target in targets.items():
+    if target is not None:
+      check_item(step_dir / name, name, target)
+
+  def restore_arg(target):
+    if target is None:
+      return ocp.args.JsonRestore()
+    return ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+
+  if single:
+    return persistent.call("restore", step, args=restore_arg(targets[item_args.DEFAULT_ITEM]))
+  return persistent.call("restore", step, args=ocp.args.Composite(
+      **{name: restore_arg(t) for name, t in targets.items()}))
+
+
+def check_item(item_dir: epath.Path, name: str, target: Any) -> None:
+  """Raises the RAM tier's clear error for a target that does not match the saved tree.
+
+  Raises:
+    local_format.AbstractStateMismatchError: a leaf is missing, or its shape or dtype differs.
+  """
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    saved = checkpointer.metadata(item_dir)
+  saved_tree = getattr(getattr(saved, "item_metadata", None), "tree", saved)
+  saved_leaves = {item_args.plain_path(p): leaf
+                  for p, leaf in jax.tree_util.tree_flatten_with_path(saved_tree)[0]}
+  for key_path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
+    path = item_args.plain_path(key_path)
+    meta = saved_leaves.get(path)
+    if meta is None:
+      raise local_format.AbstractStateMismatchError(
+          f"Leaf {name}{path} of the restore target is not in the persistent checkpoint "
+          f"{item_dir} (it holds {sorted(saved_leaves)[:8]}).")
+    if not hasattr(leaf, "shape") or not hasattr(meta, "shape"):
+      continue  # Python scalars and other non-array leaves carry no shape to compare
+    # Orbax stores (and describes) a PRNG key leaf as its key data.
+    want_shape, want_dtype = local_specs.stored_spec(leaf.shape, leaf.dtype)
+    have_shape, have_dtype = tuple(meta.shape), np.dtype(meta.dtype)
+    if want_shape != have_shape or want_dtype != have_dtype:
+      asked = f"shape {want_shape} dtype {want_dtype.name}"
+      if local_specs.is_key_dtype(leaf.dtype):
+        asked = f"shape {tuple(leaf.shape)} dtype {leaf.dtype.name} (stored as {asked})"
+      raise local_format.AbstractStateMismatchError(
+          f"Leaf {name}{path}: the persistent checkpoint holds shape {have_shape} dtype "
+          f"{have_dtype.name}, but the target asks for {asked}. Pass an abstract state that "
+          "matches the saved one.")

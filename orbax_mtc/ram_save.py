@@ -1,0 +1,157 @@
+"""One save to the RAM tier: the save's agreement, then stage, write, back up, copy.
+
+The path of a step: `CheckpointManager.save` -> `save_policy.decide_save` -> `RamSaver.save`
+(one all-gather of a `SaveRecord`: every branch below reads only gathered figures) ->
+`local_staging.stage` (device to host: the blocking part) -> `RamWriter.write` (the writer
+thread writes and commits `<local>/<step>/`) -> `BackupScheduler.schedule` (read back for the
+persistent tier, when due) -> `PeerCopies.schedule` (copies go out during the next saves).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from orbax_mtc import agreement, item_args
+from orbax_mtc.backup_scheduler import BackupScheduler
+from orbax_mtc.ledger import StepLedger
+from orbax_mtc.local import staging as local_staging
+from orbax_mtc.local import store as local_store
+from orbax_mtc.peers.copies import PeerCopies
+from orbax_mtc.persistent import PersistentTier
+from orbax_mtc.ram_writer import RamWriter
+
+
+class RamSaver:
+  """Saves steps to this node's RAM tier, the same way on every process.
+
+  Args:
+    local: this node's RAM tier.
+    writer: its writer thread.
+    ledger: the agreed step lists and faults.
+    backups: the persistent backup scheduler.
+    peers: the peer copies.
+    persistent: the persistent tier.
+    asynchronous: writes run in the background (else `save` returns with every tier done).
+  """
+
+  def __init__(self, *, local: local_store.LocalTier, writer: RamWriter, ledger: StepLedger,
+               backups: BackupScheduler, peers: PeerCopies, persistent: PersistentTier,
+               asynchronous: bool):
+    self._local = local
+    self._writer = writer
+    self._ledger = ledger
+    self._backups = backups
+    self._peers = peers
+    self._persistent = persistent
+    self._asynchronous = asynchronous
+    self.last_blocking_seconds: float | None = None
+
+  def save(self, step: int, args: Any, *, backup_wanted: bool = False, metrics: Any = None,
+           custom_metadata: dict[str, Any] | None = None, parent_saved: bool = False,
+           ondemand: bool = False) -> None:
+    """Stages and writes `step` to RAM (and schedules its backup and peer copies).
+
+    Collective: every process calls it for the same step.
+
+    Args:
+      step: the step.
+      args: Orbax save args.
+      backup_wanted: the step is due for a persistent backup.
+      metrics: Orbax metrics (for the backup).
+      custom_metadata: Orbax custom metadata (for the backup).
+      parent_saved: Orbax's own save has just written the step to the persistent tier (the
+        parent-style form, which mirrors it into RAM).
+      ondemand: the preemption save, which skips a step every node holds already.
+
+    Raises:
+      ValueError: processes save different steps.
+      ocp.checkpoint_manager.StepAlreadyExistsError: the step is in a tier already.
+      agreement.CheckpointError: an earlier local write failed on some process.
+    """
+    trees, jsons, default_item = item_args.split_save_args(args)
+    self._writer.wait()  # one write in flight (as Orbax): steps commit in order
+    # The previous step's copies must be out before retention may retire its folder.
+    self._peers.progress(block=True)
+    self._backups.wait_for_read()
+    # The save's one agreement (main thread, rule 2). It carries every per-process fact the
+    # branches below read, so that every process takes the same ones (rule 8), and any error
+    # a process holds, so that every process raises it together (rule 9).
+    ledger = self._ledger
+    own = self._local.steps()
+    persistent = self._persistent.steps()
+    record = agreement.SaveRecord(
+        step=step, fault=ledger.take_fault(), inventory=ledger.inventory(own, persistent),
+        has_step_in_ram=step in own, has_step_persistent=step in persistent,
+        wants_backup=backup_wanted, backup_state=self._backups.pending_state(),
+        orbax_busy=self._persistent.busy(), clock_ms=int(time.time() * 1000))
+    records = ledger.agree(record, f"the save of step {step}")
+    if len({r.step for r in records}) > 1:
+      raise ValueError(
+          "save() was called with different steps on different processes: " + ", ".join(
+              f"process {p}: {r.step}" for p, r in enumerate(records)) +
+          ". Every process must save the same step at the same point of the loop.")
+    inventories = [r.inventory for r in records]
+    newest = [max(inv.own_steps) if inv.own_steps else -1 for inv in inventories]
+    floor = min(newest) if ledger.process_count > 1 and min(newest) >= 0 else None
+    ledger.adopt(inventories)
+    ledger.raise_agreed_faults(records, f"an earlier local write (before step {step})")
+    in_ram = np.asarray([r.has_step_in_ram for r in records])
+    in_persistent = np.asarray([r.has_step_persistent for r in records])
+    backup_wanted = any(r.wants_backup for r in records)
+    # Here, on the gathered figures alone, so that every process starts it or none does.
+    backup_started = self._backups.advance(
+        np.asarray([r.backup_state for r in records]), np.asarray([r.orbax_busy for r in records]))
+    if ondemand and in_ram.all():
+      return  # the preemption step is committed everywhere already
+    if not parent_saved and not ondemand and in_ram.all() and backup_wanted and \
+        not in_persistent.any():
+      # Committed in RAM everywhere, not yet persistent (e.g. the final step, forced): back
+      # up those RAM copies; `args` only describe them.
+      self._backups.schedule(step, args, trees, jsons, metrics, custom_metadata, time.time())
+      if not self._asynchronous:
+        self._backups.flush(ledger.agree)
+      return
+    if ondemand and in_ram.any():
+      # The on-demand step is in some folders only (an earlier save of it failed elsewhere):
+      # those write it again with the others, from the same state.
+      if step in own:
+        self._local.delete(step)
+    elif not parent_saved and not ondemand and (in_ram.any() or in_persistent.any()):
+      # As Orbax: a step is never silently replaced (the tiers would then disagree on it).
+      where = "" if in_ram.all() or not in_ram.any() else \
+          f" of process(es) {np.flatnonzero(in_ram).tolist()} only"
+      raise ocp.checkpoint_manager.StepAlreadyExistsError(
+          f"Step {step} already exists (RAM tier {self._local.directory}{where} or persistent "
+          f"tier {self._persistent.directory}). Delete it first with mgr.delete({step}) on "
+          "every process to save it again.")
+    if ledger.process_count > 1:
+      # The newest step all nodes hold: kept beyond max_to_keep.
+      self._local.keep_floor = floor
+      # Steps kept only as the previous floor can go now, before this write reuses their file:
+      # the RAM footprint stays at max_to_keep committed steps plus the one being written.
+      self._local.apply_retention()
+    ledger.adopt(inventories, saved=step, floor=floor)
+    # Not whether this process still writes a backup: each process learns that on its own,
+    # so it can differ between processes, and this answer decides whether the step is
+    # backed up.
+    saving_anywhere = any(r.orbax_busy for r in records) or backup_started
+    now = records[0].clock_ms / 1000
+    if not backup_wanted:
+      backup_wanted = self._backups.interval_due(step, now, saving_anywhere)
+    started = time.perf_counter()
+    staged = local_staging.stage(step, trees, jsons, default_item=default_item)
+    self.last_blocking_seconds = time.perf_counter() - started
+    self._writer.write(staged)
+    if backup_wanted:
+      self._backups.schedule(step, args, trees, jsons, metrics, custom_metadata, now)
+      if not self._asynchronous:
+        self._backups.flush(ledger.agree)  # synchronous: both tiers hold the step on return
+    self._peers.schedule(step, trees)
+    if not self._asynchronous:
+      self._peers.progress(block=True)
+      # Synchronous mode: the write is done, and its outcome is raised on every process alike.
+      ledger.agree_steps(f"the save of step {step}")

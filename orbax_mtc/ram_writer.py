@@ -1,0 +1,113 @@
+"""The RAM tier's writer thread: one local write in flight, errors kept for the agreement.
+
+Everything that touches the RAM disk in the background runs on this one thread, in order:
+the step writes, the read-back of a step chosen for backup, the peer copies' chunks and
+their commits. Steps therefore commit in the order they were saved, and a read-back reads a
+step before any later write can reuse its files. The thread does file I/O only (rule 2).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any
+
+from absl import logging
+
+from orbax_mtc.agreement import Status
+from orbax_mtc.local import staging as local_staging
+from orbax_mtc.local import store as local_store
+
+
+class RamWriter:
+  """Writes staged steps into the RAM tier, one at a time.
+
+  Args:
+    local: this node's RAM tier.
+    process_index: this process.
+    process_count: processes in the job.
+    asynchronous: write on the thread (else in the caller, before `write` returns).
+    on_error: receives a failed write's error, once the write is waited for; it returns
+      False when an earlier error is still unreported (this one is then only logged).
+  """
+
+  def __init__(self, local: local_store.LocalTier, process_index: int, process_count: int, *,
+               asynchronous: bool, on_error: Callable[[BaseException], bool]):
+    self._local = local
+    self._process_index = process_index
+    self._process_count = process_count
+    self._asynchronous = asynchronous
+    self._on_error = on_error
+    self.executor = concurrent.futures.ThreadPoolExecutor(
+        1, thread_name_prefix="mtc-local-write")
+    self._in_flight: concurrent.futures.Future | None = None
+
+  @property
+  def in_flight(self) -> bool:
+    """A write was issued and not yet waited for."""
+    return self._in_flight is not None
+
+  @property
+  def writing(self) -> bool:
+    """A write is still running."""
+    return self._in_flight is not None and not self._in_flight.done()
+
+  def status_of(self, step: int) -> Status:
+    """WRITING, COMMITTED or FAILED: where this node is with `step` (for peer copies)."""
+    if self.writing:
+      return Status.WRITING
+    return Status.COMMITTED if step in self._local.steps() else Status.FAILED
+
+  def write(self, staged: local_staging.StagedStep, *, background: bool | None = None) -> None:
+    """Issues the write of `staged`; the caller waits for the previous one first.
+
+    Args:
+      staged: the step's bytes on the host.
+      background: write on the thread; default: as the manager's async option says. A
+        synchronous write is waited for (its error kept for the next agreement).
+    """
+    if background if background is not None else self._asynchronous:
+      self._in_flight = self.executor.submit(self._write, staged)
+      return
+    self._in_flight = concurrent.futures.Future()
+    try:
+      self._write(staged)
+      self._in_flight.set_result(None)
+    except Exception as e:  # noqa: BLE001 - raised on every process by the next agreement
+      self._in_flight.set_exception(e)
+    self.wait()
+
+  def wait(self) -> None:
+    """Waits for the write in flight. Its error is kept for the next agreement, which raises
+    it on every process alike (raised here, on one process, it would leave the others
+    waiting in their next collective)."""
+    in_flight, self._in_flight = self._in_flight, None
+    if in_flight is None:
+      return
+    try:
+      in_flight.result()
+    except Exception as e:  # noqa: BLE001 - reported through the next agreement
+      if not self._on_error(e):
+        logging.error("orbax-mtc: a further local write failed before the first error was "
+                      "reported: %s: %s", type(e).__name__, e)
+
+  def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    """Runs `fn(*args)` on the writer thread, after everything issued before it."""
+    return self.executor.submit(fn, *args)
+
+  def drain(self) -> None:
+    """Returns once everything issued so far has run (received copies are committed)."""
+    self.executor.submit(lambda: None).result()
+
+  def shutdown(self) -> None:
+    self.executor.shutdown(wait=True)
+
+  def _write(self, staged: local_staging.StagedStep) -> None:
+    try:
+      self._local.write(staged, self._process_index, self._process_count)
+    except OSError as e:
+      raise OSError(
+          e.errno, f"orbax-mtc: local save of step {staged.step} to {self._local.directory} "
+          f"failed: {e.strerror}. Committed steps are untouched. If the RAM disk is full, "
+          "lower LocalCheckpointOptions.max_to_keep or enlarge the RAM disk (GKE sizing: "
+          "2.2x the per-node checkpoint on TPU).") from e

@@ -1,0 +1,170 @@
+"""Which tier a restore comes from: the cluster's RAM, else persistent, else nothing.
+
+`restore(None)` takes the newest step the whole cluster can assemble from RAM (own folders,
+twins, peers' copies: restore_exec.py), else the newest persistent step every process sees
+(persistent_restore.py), else starts from scratch. In managed mode the first `restore(None)`
+honours the step the replicator's `.restore` entries name. After `restore(None)`, RAM steps
+newer than the restored one belong to a timeline the job abandons and are dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from absl import logging
+
+from orbax_mtc import persistent_restore
+from orbax_mtc.ledger import StepLedger
+from orbax_mtc.local import format as local_format
+from orbax_mtc.local import store as local_store
+from orbax_mtc.managed import hookup
+from orbax_mtc.peers import store as peer_store
+from orbax_mtc.persistent import PersistentTier
+from orbax_mtc.ram_writer import RamWriter
+from orbax_mtc.restore_exec import RamRestore
+
+
+@dataclasses.dataclass
+class RestoreInfo:
+  """Where the last `restore` came from (for logs, the demo and `status`)."""
+
+  step: int | None
+  # "local" (own folder), "peer" (a twin or a peer's copy), "replicator" (managed mode's
+  # entry), "persistent" or "none"
+  tier: str
+  seconds: float
+
+
+class TieredRestore:
+  """Restores from the best tier, the same way on every process.
+
+  Args:
+    ram: the RAM restore executor.
+    persistent: the persistent tier.
+    local: this node's RAM tier.
+    store: the peer copies this node holds.
+    writer: the RAM tier's writer thread.
+    ledger: the agreed step lists and faults.
+    delete_local: removes RAM steps (and re-points the LKG link).
+    agree: gathers one agreement record from every process.
+  """
+
+  def __init__(self, *, ram: RamRestore, persistent: PersistentTier,
+               local: local_store.LocalTier, store: peer_store.PeerStore, writer: RamWriter,
+               ledger: StepLedger, delete_local: Callable[[list[int]], None],
+               agree: Callable[[Any, str], list[Any]]):
+    self._ram = ram
+    self._persistent = persistent
+    self._local = local
+    self._store = store
+    self._writer = writer
+    self._ledger = ledger
+    self._delete_local = delete_local
+    self._agree = agree
+    self.replicator_entry: int | None = None  # managed: the entry, until restore(None)
+    self.last: RestoreInfo | None = None
+
+  def restore(self, step: int | None, targets: dict[str, Any], single: bool | None) -> Any:
+    """Restores `step` (None: the newest) from RAM, else from the persistent tier.
+
+    Collective: every process calls it with the same step and targets.
+
+    Returns:
+      The restored item, or an `ocp.args.Composite` of items; None when `step` is None and
+      nothing was saved.
+
+    Raises:
+      FileNotFoundError: `step` is in neither tier.
+      local_format.AbstractStateMismatchError: the targets do not match what was saved.
+      local_format.LocalTierError: `step` is in RAM everywhere but unusable, and not
+        persistent.
+    """
+    started = time.perf_counter()
+    if step is None and self.replicator_entry is not None:
+      return self._from_replicator_entry(targets, single, started)
+    return self._restore(step, targets, single, started)
+
+  def _restore(self, step: int | None, targets: dict[str, Any], single: bool | None,
+               started: float) -> Any:
+    result = self._ram.restore(step, targets, single, lambda s, tier: self._finish(
+        s, tier, started, drop_newer=step is None))
+    if result.found:
+      return result.value
+    persistent_step = result.plan.persistent_step
+    if persistent_step is not None:
+      return self._from_persistent(persistent_step, targets, single, started,
+                                   drop_newer=step is None)
+    if step is not None:
+      if result.tried:
+        raise local_format.LocalTierError(
+            f"Step {step} is in the RAM tier of every process but could not be used (corrupt "
+            "or incomplete; see the warnings above) and the persistent tier does not have it.")
+      raise FileNotFoundError(
+          f"Step {step} is in neither tier: local steps (this process) {self._local.steps()}, "
+          f"persistent steps {self._persistent.steps()}.")
+    self._from_scratch(started)
+    return None
+
+  def _from_replicator_entry(self, targets: dict[str, Any], single: bool | None,
+                             started: float) -> Any:
+    """Managed mode, first restore(None): the step the replicator's entries name."""
+    mine, self.replicator_entry = self.replicator_entry, None
+    entry = hookup.entry_step(mine, self._local.steps(), self._agree)
+    if entry:
+      result = self._ram.restore(entry, targets, single, lambda s, _: self._finish(
+          s, "replicator", started, drop_newer=False))
+      if result.found:
+        return result.value
+    elif entry == 0:  # the replicator has nothing: the persistent tier, else scratch
+      if self._ledger.persistent:
+        return self._from_persistent(self._ledger.persistent[-1], targets, single, started,
+                                     drop_newer=True)
+      self._from_scratch(started)
+      return None
+    return self._restore(None, targets, single, started)
+
+  def _from_persistent(self, step: int, targets: dict[str, Any], single: bool | None,
+                       started: float, *, drop_newer: bool) -> Any:
+    restored = persistent_restore.restore(self._persistent, step, targets, single)
+    self._finish(step, "persistent", started, drop_newer=drop_newer)
+    return restored
+
+  def _from_scratch(self, started: float) -> None:
+    logging.info("orbax-mtc: no checkpoint in RAM (%s) or in %s: starting from scratch.",
+                 self._local.directory, self._persistent.directory)
+    # Local steps no other process shares belong to an earlier run: drop them, or this node
+    # would skip saving those step numbers and a later restore could mix the two runs.
+    self._delete_local(self._local.steps())
+    self._writer.drain()  # copies in flight land before the drop
+    self._store.drop_newer(-1)
+    self._ledger.keep_ram(lambda _: False)
+    self.last = RestoreInfo(step=None, tier="none", seconds=time.perf_counter() - started)
+
+  def ram_only(self, step: int | None, targets: dict[str, Any], single: bool | None) -> Any:
+    """From RAM alone (the parent-style form, whose parent serves the rest).
+
+    Returns:
+      (found, value).
+    """
+    started = time.perf_counter()
+    result = self._ram.restore(step, targets, single, lambda s, tier: self._finish(
+        s, tier, started, drop_newer=step is None))
+    return result.found, result.value
+
+  def _finish(self, step: int, tier: str, started: float, *, drop_newer: bool) -> None:
+    # After restore(None), local steps newer than the agreed one exist on some nodes only and
+    # belong to a timeline the job abandons: drop them so that they can neither be restored
+    # later nor block saving those step numbers again. An explicit restore(step) keeps them.
+    if drop_newer:
+      self._delete_local([s for s in self._local.steps() if s > step])
+      # Peer copies received before this restore are committed on the writer thread: let
+      # them land first, or a newer one could be committed after the drop below.
+      self._writer.drain()
+      self._store.drop_newer(step)
+      self._ledger.keep_ram(lambda s: s <= step)
+    self.last = RestoreInfo(step=step, tier=tier, seconds=time.perf_counter() - started)
+    logging.info("orbax-mtc: restored step %d from the %s tier in %.2fs", step, tier,
+                 self.last.seconds)

@@ -1,0 +1,214 @@
+"""When each tier saves: pure decisions in the style of Orbax's `SaveDecisionPolicy`.
+
+Every input here is agreed (rule 8 of docs/design.md): the step lists every process agreed
+on, the preemption answer, the caller's `force`. So every process takes the same branch, and
+these functions can be tested with plain numbers (no JAX, no I/O, no collective).
+
+- `ShouldSaveFnPolicy` wraps Orbax's older `should_save_fn(step, last_saved_step)` as a policy.
+- `ram_policy` is the RAM tier's policy from `LocalCheckpointOptions`.
+- `ram_should_save` asks it with the agreed RAM steps.
+- `first_backup_due` counts the first backup from an attempt that may still be on its way.
+- `decide_save` turns one `save(step)` call into a `SaveDecision`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from orbax.checkpoint import checkpoint_managers as policies
+from orbax.checkpoint import options as ocp_options
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepInfo:
+  """A `PolicyCheckpointInfo` with only a step (the RAM tier keeps no save times)."""
+
+  step: int
+  time: Any = None
+  metrics: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ShouldSaveFnPolicy:
+  """Orbax's `should_save_fn(step, last_saved_step) -> bool` as a `SaveDecisionPolicy`."""
+
+  fn: Callable[[int, int | None], bool]
+
+  def should_save(self, step: policies.PolicyCheckpointInfo,
+                  previous_steps: Sequence[policies.PolicyCheckpointInfo], *,
+                  context: policies.DecisionContext) -> bool:
+    del context
+    last = previous_steps[-1].step if previous_steps else None
+    return bool(self.fn(step.step, last))
+
+
+def ram_policy(local_options: Any) -> policies.SaveDecisionPolicy:
+  """The RAM tier's save policy.
+
+  Args:
+    local_options: `LocalCheckpointOptions`.
+
+  Returns:
+    Its `save_decision_policy`, else its `should_save_fn` as a policy, else every
+    `save_interval_steps` steps.
+  """
+  if local_options.save_decision_policy is not None:
+    return local_options.save_decision_policy
+  if local_options.should_save_fn is not None:
+    return ShouldSaveFnPolicy(local_options.should_save_fn)
+  return policies.FixedIntervalPolicy(local_options.save_interval_steps)
+
+
+def ram_should_save(step: int, agreed_ram: Sequence[int], local_options: Any, *,
+                    write_in_flight: bool) -> bool:
+  """Whether the RAM tier saves `step`.
+
+  Args:
+    step: the step asked about.
+    agreed_ram: the RAM steps every process agreed on (the step being written among them),
+      so that a node whose folder was wiped answers as the others do.
+    local_options: `LocalCheckpointOptions`.
+    write_in_flight: a local write was issued and not yet waited for.
+
+  Returns:
+    False when read-only or when a step at least as new is held; else the policy's answer.
+  """
+  if local_options.read_only:
+    return False
+  steps = sorted(agreed_ram)
+  if steps and steps[-1] >= step:
+    return False
+  context = policies.DecisionContext(
+      is_saving_in_progress=write_in_flight, reached_preemption=False,
+      multiprocessing_options=ocp_options.MultiprocessingOptions())
+  return bool(ram_policy(local_options).should_save(
+      _StepInfo(step), [_StepInfo(s) for s in steps], context=context))
+
+
+def first_backup_due(step: int, last_attempt_step: int, persistent_options: Any) -> bool:
+  """Whether `step` is due for backup while the first backup (of `last_attempt_step`) may be
+  on its way: Orbax would save the first step it is asked about, so count from the attempt.
+
+  Args:
+    step: the step asked about.
+    last_attempt_step: the step of the newest backup attempt.
+    persistent_options: `PersistentCheckpointOptions` (without a `save_decision_policy`).
+  """
+  if persistent_options.should_save_fn is not None:
+    return bool(persistent_options.should_save_fn(step, last_attempt_step))
+  return step > last_attempt_step and step % persistent_options.save_interval_steps == 0
+
+
+class SaveAction(enum.Enum):
+  """What one `save(step)` call does."""
+
+  SKIP = "skip"  # no tier is due (or the on-demand step was saved already)
+  ONDEMAND = "ondemand"  # the preemption step: RAM, peers, then persistent within the budget
+  OLDER_STEP = "older_step"  # forced, older than the newest RAM step: persistent tier only
+  LOCAL = "local"  # the RAM tier (and, when `backup` is set, a backup taken from it)
+  PERSISTENT_ONLY = "persistent_only"  # read-only RAM tier: back up straight from the arrays
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveDecision:
+  """The outcome of `decide_save`: the action, and whether a backup is wanted with it."""
+
+  action: SaveAction
+  backup: bool = False
+
+
+def decide_save(step: int, *, force: bool, preempted: bool, read_only: bool, managed: bool,
+                agreed_ram: Sequence[int], agreed_persistent: Sequence[int],
+                ondemand_step: int | None, ram_due: Callable[[], bool],
+                persistent_due: Callable[[], bool]) -> SaveDecision:
+  """Decides one `save(step)` from agreed inputs (the same answer on every process).
+
+  Args:
+    step: the step being saved.
+    force: the caller's `force`.
+    preempted: `reached_preemption(step)`.
+    read_only: the RAM tier is read-only.
+    managed: GKE's replicator backs the RAM steps up (no persistent saves of ours).
+    agreed_ram: the RAM steps every process agreed on.
+    agreed_persistent: the persistent steps every process sees.
+    ondemand_step: the step of the last on-demand save, if any.
+    ram_due: the RAM tier's schedule (asked only when nothing else decides).
+    persistent_due: the persistent tier's schedule (asked only when nothing else decides).
+
+  Returns:
+    The SaveDecision.
+  """
+  backup = not managed and (force or preempted or persistent_due()) and (
+      step not in agreed_persistent)
+  # A backup is taken from the RAM tier, so a step due for one is saved there too.
+  local = not read_only and (force or preempted or backup or ram_due())
+  if preempted:
+    if ondemand_step == step:
+      return SaveDecision(SaveAction.SKIP)  # saved on demand already (a step is saved once)
+    return SaveDecision(SaveAction.ONDEMAND)
+  if not (local or backup):
+    return SaveDecision(SaveAction.SKIP)
+  newest_ram = max(agreed_ram) if agreed_ram else None
+  if local and newest_ram is not None and step < newest_ram:
+    return SaveDecision(SaveAction.OLDER_STEP, backup=True)
+  if local:
+    return SaveDecision(SaveAction.LOCAL, backup=backup)
+  return SaveDecision(SaveAction.PERSISTENT_ONLY, backup=True)
+
+
+class SaveSchedule:
+  """The policies above, asked with the manager's agreed state.
+
+  Args:
+    options: the manager's `CheckpointManagerOptions`.
+    managed: GKE's replicator backs the RAM tier up.
+    agreed_ram: the agreed RAM steps, now.
+    agreed_persistent: the agreed persistent steps, now.
+    write_in_flight: whether a RAM write was issued and not yet waited for, now.
+    backup_by_minutes: backups are decided by minutes, at RAM saves (not per step).
+    last_backup_attempt: the newest backup attempt's step, if any, now.
+    orbax_says: Orbax's own persistent policy, `orbax_says(step)`.
+  """
+
+  def __init__(self, options: Any, *, managed: bool,
+               agreed_ram: Callable[[], Sequence[int]],
+               agreed_persistent: Callable[[], Sequence[int]],
+               write_in_flight: Callable[[], bool], backup_by_minutes: bool,
+               last_backup_attempt: Callable[[], int | None],
+               orbax_says: Callable[[int], bool]):
+    self._options = options
+    self._managed = managed
+    self._agreed_ram = agreed_ram
+    self._agreed_persistent = agreed_persistent
+    self._write_in_flight = write_in_flight
+    self._backup_by_minutes = backup_by_minutes
+    self._last_backup_attempt = last_backup_attempt
+    self._orbax_says = orbax_says
+
+  def ram_due(self, step: int) -> bool:
+    """Whether the RAM tier's schedule asks for `step`."""
+    return ram_should_save(step, self._agreed_ram(), self._options.local,
+                           write_in_flight=self._write_in_flight())
+
+  def persistent_due(self, step: int) -> bool:
+    """Whether the persistent tier's schedule asks for `step`."""
+    if self._managed or self._backup_by_minutes:
+      return False  # GKE's replicator backs up; by minutes: decided at RAM saves
+    schedule = self._options.persistent
+    attempt = self._last_backup_attempt()
+    if attempt is not None and schedule.save_decision_policy is None and \
+        not self._agreed_persistent():
+      return first_backup_due(step, attempt, schedule)
+    return self._orbax_says(step)
+
+  def decide(self, step: int, *, force: bool, preempted: bool,
+             ondemand_step: int | None) -> SaveDecision:
+    """`decide_save` for one `save(step)` call."""
+    return decide_save(
+        step, force=force, preempted=preempted, read_only=self._options.local.read_only,
+        managed=self._managed, agreed_ram=self._agreed_ram(),
+        agreed_persistent=self._agreed_persistent(), ondemand_step=ondemand_step,
+        ram_due=lambda: self.ram_due(step), persistent_due=lambda: self.persistent_due(step))

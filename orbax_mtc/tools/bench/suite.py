@@ -1,0 +1,508 @@
+"""`orbax-mtc bench suite`: orbax-mtc beside the machine's limits and Orbax, in one run.
+
+For each process count (`--procs`), one job of that many real JAX processes (one CPU device
+each, jax.distributed on localhost) runs `suite_worker` over every state size that fits this
+machine; then, per process count and size, `--ondemand-reps` jobs are sent a real SIGTERM
+(`ondemand.run_once`). Every figure is the median of `--reps` repetitions (min and max kept),
+timed on the slowest process. Outputs under `--out`: `suite.json` (every raw figure, the
+environment, what was skipped and why), `suite.md` (ratios: ours / limit, ours / Orbax) and
+`suite.png` (bandwidth vs state size; needs matplotlib, `pip install 'orbax-mtc[bench]'`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from orbax_mtc.tools import cli
+
+# Memory and RAM disk one process needs for one size, in multiples of its state. Measured
+# (`peak_rss_bytes` in suite.json, at 1 and 2 GiB, runtime excluded): one process peaks at
+# about 5.8x the state in memory (the local phase and Orbax's restore), plus up to 3 state-sized
+# files on the RAM disk at once (the step being written, the one it replaces, the paired raw
+# file): 9x. With several processes the ring phase holds the state, its one-replica copy, a
+# restore and the transport's buffers (up to 6.8x at 256 MiB) plus the node's own step and
+# its peer's copy on the RAM disk: 10x.
+PEAK_STATE_MULTIPLE_ONE_PROCESS = 9
+PEAK_STATE_MULTIPLE_PEERS = 10
+RUNTIME_BYTES_PER_PROCESS = 2**29  # Python, JAX and XLA before any state
+TARGETS = {  # name: (limit, higher is better)
+    "local save / raw write": (0.6, True),
+    "restore / raw read": (0.6, True),
+    "save blocking / memcpy": (1.25, False),
+    "recovery / local restore": (1.5, False),
+    "loop overhead, local save every 10 steps": (0.05, False),
+}
+
+
+def plan_runs(procs: Sequence[int], sizes_mib: Sequence[int],
+              available_bytes: int) -> tuple[dict[int, list[int]], list[dict[str, Any]]]:
+  """Which sizes each process count runs, and the combinations skipped for memory (pure)."""
+  runs: dict[int, list[int]] = {}
+  skipped = []
+  for n in procs:
+    for mib in sorted(sizes_mib):
+      multiple = PEAK_STATE_MULTIPLE_ONE_PROCESS if n == 1 else PEAK_STATE_MULTIPLE_PEERS
+      need = n * (mib * 2**20 * multiple + RUNTIME_BYTES_PER_PROCESS)
+      if need <= available_bytes:
+        runs.setdefault(n, []).append(mib)
+      else:
+        skipped.append({"procs": n, "mib": mib, "why": (
+            f"needs about {need / 2**30:.1f} GiB of memory and RAM disk "
+            f"({multiple}x the state and 0.5 GiB per process), "
+            f"{available_bytes / 2**30:.1f} GiB available")})
+  return runs, skipped
+
+
+def available_memory() -> int:
+  """Bytes both free in memory and on /dev/shm (the RAM disk lives in memory), less 10 %."""
+  avail = None
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          avail = int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
+  values = [v for v in (avail, shm) if v is not None]
+  return int(min(values) * 0.9) if values else 8 * 2**30
+
+
+def _median(samples: Sequence[float] | None) -> float:
+  return statistics.median(samples) if samples else float("nan")
+
+
+def summarize(record: dict[str, Any], ondemand: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+  """Bandwidths, ratios and target checks for one (procs, size) record (pure)."""
+  sec = record["seconds"]
+  nbytes = record["bytes_per_process"]
+
+  def med(key: str) -> float:
+    return _median(sec.get(key))
+
+  def gbps(key: str) -> float:
+    return nbytes / med(key) / 1e9
+
+  def ratio(a: float, b: float) -> float:
+    return a / b if b and b == b and a == a else float("nan")
+
+  def paired(ours: str, limit: str, *, bandwidth: bool) -> float | None:
+    """Median over repetitions of ours against the limit taken beside it in the same
+    repetition (bandwidth: the limit's seconds over ours); None if not measured in pairs."""
+    a, b = sec.get(ours), sec.get(limit)
+    if not a or not b or len(a) != len(b):
+      return None
+    return statistics.median(ratio(y, x) if bandwidth else ratio(x, y)
+                             for x, y in zip(a, b, strict=True))
+
+  out: dict[str, Any] = {"procs": record["procs"], "mib": record["mib"],
+                         "bytes_per_process": nbytes}
+  # On an accelerator (--fresh-state) a save must at least copy the state off the device:
+  # that copy, not a host memcpy, is what its blocking time is held to.
+  blocking_limit = "d2h" if "paired_d2h_s" in sec or "d2h_s" in sec else "memcpy"
+  out["backend"] = record.get("backend", "cpu")
+  out["device_kind"] = record.get("device_kind")
+  out["blocking_limit"] = "device-to-host copy" if blocking_limit == "d2h" else "memcpy"
+  for key in ("memcpy", "d2h", "raw_write_new", "raw_write_overwrite", "raw_read",
+              "raw_ppermute", "raw_broadcast", "paired_memcpy", "paired_d2h",
+              "paired_raw_write", "paired_raw_read",
+              "mtc_save", "mtc_restore", "orbax_save", "orbax_restore", "emergency_save",
+              "emergency_restore"):
+    if f"{key}_s" in sec:
+      out[f"{key}_gbps"] = gbps(f"{key}_s")
+  for key in ("memcpy", "d2h", "mtc_blocking", "orbax_blocking", "emergency_blocking"):
+    if f"{key}_s" in sec:
+      out[f"{key}_s"] = med(f"{key}_s")
+  raw_write = max(out.get("raw_write_new_gbps", float("nan")),
+                  out.get("raw_write_overwrite_gbps", float("nan")))
+  # Target ratios pair each of our figures with its limit from the same repetition where the
+  # worker measured them so (records from before that compare the medians of the phases).
+  pairs = {
+      "local save / raw write": (paired("mtc_save_s", "paired_raw_write_s", bandwidth=True),
+                                 ratio(out.get("mtc_save_gbps", float("nan")), raw_write)),
+      "restore / raw read": (paired("mtc_restore_s", "paired_raw_read_s", bandwidth=True),
+                             ratio(out.get("mtc_restore_gbps", float("nan")),
+                                   out.get("raw_read_gbps", float("nan")))),
+      "save blocking / memcpy": (
+          paired("mtc_blocking_s", f"paired_{blocking_limit}_s", bandwidth=False),
+          ratio(med("mtc_blocking_s"), med(f"{blocking_limit}_s"))),
+  }
+  ratios = {name: by_pairs if by_pairs is not None else by_medians
+            for name, (by_pairs, by_medians) in pairs.items()}
+  for layout in ("ring", "twin"):
+    if f"mtc_recovery_{layout}_s" in sec:
+      out[f"recovery_{layout}_s"] = med(f"mtc_recovery_{layout}_s")
+      out[f"local_restore_{layout}_s"] = med(f"mtc_local_restore_{layout}_s")
+      # The local restore of each repetition is taken just before its recovery.
+      by_pairs = paired(f"mtc_recovery_{layout}_s", f"mtc_local_restore_{layout}_s",
+                        bandwidth=False)
+      ratios[f"recovery / local restore ({layout})"] = by_pairs if by_pairs is not None else \
+          ratio(out[f"recovery_{layout}_s"], out[f"local_restore_{layout}_s"])
+      moved = _median(sec.get(f"mtc_replication_{layout}_bytes"))
+      out[f"replication_{layout}_bytes"] = moved
+      out[f"replication_{layout}_s"] = med(f"mtc_replication_{layout}_s")
+  if "mtc_replication_ring_s" in sec and "raw_ppermute_s" in sec:
+    ring_gbps = out["replication_ring_bytes"] / out["replication_ring_s"] / 1e9
+    out["replication_ring_gbps"] = ring_gbps
+    ratios["replication / raw ppermute"] = ratio(ring_gbps, out["raw_ppermute_gbps"])
+  if "loop_plain_s" in sec:
+    plain = med("loop_plain_s")
+    for key, name in (("loop_local_s", "loop overhead, local save every 10 steps"),
+                      ("loop_peers_s", "loop overhead, with peers")):
+      if key in sec:
+        ratios[name] = med(key) / plain - 1
+  for ours, theirs in (("mtc_save_gbps", "orbax_save_gbps"),
+                       ("mtc_restore_gbps", "orbax_restore_gbps"),
+                       ("mtc_save_gbps", "emergency_save_gbps"),
+                       ("mtc_restore_gbps", "emergency_restore_gbps")):
+    if ours in out and theirs in out:
+      ratios[f"{ours[:-5]} / {theirs[:-5]}"] = ratio(out[ours], out[theirs])
+  for theirs in ("orbax_blocking_s", "emergency_blocking_s"):
+    if theirs in out:
+      ratios[f"{theirs[:-2]} / mtc_blocking"] = ratio(out[theirs], out["mtc_blocking_s"])
+  out["ratios"] = ratios
+  out["targets"] = {}
+  for name, (limit, higher) in TARGETS.items():
+    keys = [k for k in ratios if k == name or k.startswith(name + " (")]
+    for key in keys:
+      value = ratios[key]
+      out["targets"][key] = {"value": value, "limit": limit,
+                             "met": bool(value >= limit if higher else value <= limit)}
+  if ondemand:
+    out["ondemand_s"] = _median([r["sigterm_to_durable_s"] for r in ondemand])
+    out["ondemand_parts_s"] = {k: _median([r[f"{k}_s"] for r in ondemand])
+                               for k in ("notice", "agreement", "local", "peers", "persistent")}
+  out["spread"] = {k: {"min": min(v), "max": max(v), "n": len(v)}
+                   for k, v in sec.items() if v}
+  out["notes"] = record.get("notes", {})
+  return out
+
+
+def _fmt(value: float, digits: int = 2, suffix: str = "") -> str:
+  if value is None or value != value:
+    return "-"
+  return f"{value:.{digits}f}{suffix}"
+
+
+def markdown(rows: Sequence[dict[str, Any]], skipped: Sequence[dict[str, Any]],
+             command: str) -> str:
+  """The ratio tables (pure)."""
+  backends = sorted({r.get("backend", "cpu") + (
+      f" ({r['device_kind']})" if r.get("device_kind") not in (None, r.get("backend", "cpu"))
+      else "") for r in rows})
+  on_device = any(r.get("blocking_limit") == "device-to-host copy" for r in rows)
+  blocking_header = "blocking / device-to-host copy" if on_device else "blocking / memcpy"
+  lines = [f"`{command}`", ""]
+  if backends:
+    lines += [f"Arrays on: {', '.join(backends)}." + (
+        " Every save starts from a fresh device copy of the state (no host copy cached); "
+        "the save's blocking time is held to a device-to-host copy of the state."
+        if on_device else ""), ""]
+  lines += ["Targets (slowest process; each of our figures against its limit measured beside "
+            "it in the same repetition, median over the repetitions):", "",
+            "| procs | MiB/proc | local save / raw write (≥0.6) | restore / raw read (≥0.6) | "
+            f"{blocking_header} (≤1.25) | recovery / local restore (≤1.5): ring, twin | "
+           "loop overhead (≤5 %): local, peers | replication / ppermute |",
+           "|---|---|---|---|---|---|---|---|"]
+
+  def mark(row, key, digits=2, pct=False):
+    target = row["targets"].get(key)
+    value = row["ratios"].get(key, float("nan"))
+    text = _fmt(100 * value, 1, " %") if pct else _fmt(value, digits, "x")
+    if target is not None and value == value:
+      text += " ✓" if target["met"] else " ✗"
+    return text
+
+  for row in rows:
+    r = row["ratios"]
+    lines.append(
+        f"| {row['procs']} | {row['mib']} | {mark(row, 'local save / raw write')} | "
+        f"{mark(row, 'restore / raw read')} | {mark(row, 'save blocking / memcpy')} | "
+        f"{mark(row, 'recovery / local restore (ring)')}, "
+        f"{mark(row, 'recovery / local restore (twin)')} | "
+        f"{mark(row, 'loop overhead, local save every 10 steps', pct=True)}, "
+        f"{_fmt(100 * r.get('loop overhead, with peers', float('nan')), 1, ' %')} | "
+        f"{_fmt(r.get('replication / raw ppermute', float('nan')), 2, 'x')} |")
+  lines += ["", "orbax-mtc against Orbax on the same RAM disk (higher is better for orbax-mtc):",
+            "", "| procs | MiB/proc | save vs ocp.CheckpointManager | restore vs "
+            "ocp.CheckpointManager | blocking: Orbax / ours | save vs emergency | restore vs "
+            "emergency | blocking: emergency / ours | SIGTERM -> durable |",
+            "|---|---|---|---|---|---|---|---|---|"]
+  for row in rows:
+    r = row["ratios"]
+    lines.append(
+        f"| {row['procs']} | {row['mib']} | {_fmt(r.get('mtc_save / orbax_save'), 2, 'x')} | "
+        f"{_fmt(r.get('mtc_restore / orbax_restore'), 2, 'x')} | "
+        f"{_fmt(r.get('orbax_blocking / mtc_blocking'), 1, 'x')} | "
+        f"{_fmt(r.get('mtc_save / emergency_save'), 2, 'x')} | "
+        f"{_fmt(r.get('mtc_restore / emergency_restore'), 2, 'x')} | "
+        f"{_fmt(r.get('emergency_blocking / mtc_blocking'), 1, 'x')} | "
+        f"{_fmt(row.get('ondemand_s'), 2, ' s')} |")
+  lines += ["", "Bandwidths, GB/s per process (median):", "",
+            f"| procs | MiB/proc | {'memcpy / device-to-host' if on_device else 'memcpy'} | "
+            "raw write new / overwrite | raw read | ppermute | "
+            "broadcast | ours save | ours restore | Orbax save / restore | emergency save / "
+            "restore | ours blocking | replication ring |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for row in rows:
+    g = row.get
+    lines.append(
+        f"| {row['procs']} | {row['mib']} | {_fmt(g('memcpy_gbps'), 1)}"
+        f"{' / ' + _fmt(g('d2h_gbps')) if on_device else ''} | "
+        f"{_fmt(g('raw_write_new_gbps'))} / {_fmt(g('raw_write_overwrite_gbps'))} | "
+        f"{_fmt(g('raw_read_gbps'))} | {_fmt(g('raw_ppermute_gbps'))} | "
+        f"{_fmt(g('raw_broadcast_gbps'))} | {_fmt(g('mtc_save_gbps'))} | "
+        f"{_fmt(g('mtc_restore_gbps'))} | {_fmt(g('orbax_save_gbps'))} / "
+        f"{_fmt(g('orbax_restore_gbps'))} | {_fmt(g('emergency_save_gbps'))} / "
+        f"{_fmt(g('emergency_restore_gbps'))} | {_fmt(1e3 * g('mtc_blocking_s', float('nan')), 1, ' ms')} | "
+        f"{_fmt(g('replication_ring_gbps'))} |")
+  if skipped:
+    lines += ["", "Skipped: " + "; ".join(
+        f"{s['procs']} x {s['mib']} MiB ({s['why']})" for s in skipped) + "."]
+  notes = sorted({v for row in rows for v in row.get("notes", {}).values()})
+  if notes:
+    lines += ["", "Notes: " + " ".join(f"Orbax emergency: {n}." for n in notes)]
+  return "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[dict[str, Any]], path: Path) -> str | None:
+  """Bandwidth vs state size, one panel per process count; returns why not, if not."""
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return "matplotlib is not installed: pip install 'orbax-mtc[bench]'"
+  procs = sorted({r["procs"] for r in rows})
+  fig, axes = plt.subplots(1, len(procs), figsize=(5 * len(procs), 4), squeeze=False)
+  series = [("raw_write_overwrite_gbps", "raw write (overwrite)", "k--"),
+            ("raw_read_gbps", "raw read", "k:"),
+            ("mtc_save_gbps", "orbax-mtc save", "C0-o"),
+            ("mtc_restore_gbps", "orbax-mtc restore", "C0-s"),
+            ("orbax_save_gbps", "Orbax save", "C1-o"),
+            ("orbax_restore_gbps", "Orbax restore", "C1-s"),
+            ("emergency_save_gbps", "Orbax emergency save", "C2-o"),
+            ("emergency_restore_gbps", "Orbax emergency restore", "C2-s"),
+            ("replication_ring_gbps", "orbax-mtc replication", "C3-^"),
+            ("raw_ppermute_gbps", "raw ppermute", "C3:")]
+  for ax, n in zip(axes[0], procs, strict=True):
+    mine = sorted((r for r in rows if r["procs"] == n), key=lambda r: r["mib"])
+    for key, label, style in series:
+      points = [(r["mib"], r[key]) for r in mine if key in r]
+      if points:
+        ax.plot(*zip(*points, strict=True), style, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("state per process (MiB)")
+    ax.set_ylabel("GB/s per process")
+    ax.set_title(f"{n} process{'es' if n > 1 else ''}")
+    ax.grid(True, alpha=0.3)
+  # One legend for all panels, below them: inside a panel it covered the curves.
+  handles, labels = axes[0][-1].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8, frameon=False)
+  fig.tight_layout(rect=(0, 0.14, 1, 1))
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return None
+
+
+def _no_nan(value: Any) -> Any:
+  """NaN (a figure not measured) as null, so the JSON is strict."""
+  if isinstance(value, float) and value != value:
+    return None
+  if isinstance(value, dict):
+    return {k: _no_nan(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_no_nan(v) for v in value]
+  return value
+
+
+class _Collect:
+  def __init__(self, echo: bool, bar: Any = None):
+    self.text = ""
+    self.echo = echo
+    self.bar = bar  # a tqdm advanced once per size measured
+
+  def write(self, text: str) -> int:
+    self.text += text
+    if "@@suite" in text:
+      if self.bar is not None:
+        self.bar.update(1)
+      if self.echo:
+        line = f"  measured {json.loads(text.split('@@suite ', 1)[1])['mib']} MiB"
+        _say(line, self.bar)
+    return len(text)
+
+  def flush(self) -> None:
+    pass
+
+
+def _say(line: str, bar: Any = None, file: Any = None) -> None:
+  """Prints a line (to stdout by default) above the progress bar, if one is drawn."""
+  file = sys.stdout if file is None else file
+  if bar is None:
+    print(line, file=file, flush=True)
+  else:
+    bar.write(line, file=file)
+    file.flush()
+
+
+def _run_job(args, n: int, sizes: list[int], scratch: Path,
+             bar: Any = None) -> tuple[list[dict[str, Any]], str | None]:
+  """Runs one job for every size; returns its records and why it failed (None: it did not)."""
+  from orbax_mtc.tools import launch
+
+  persistent = scratch / "persistent"
+  shared = scratch / "shared"
+  for folder in (persistent, shared):
+    folder.mkdir(parents=True, exist_ok=True)
+  command = [sys.executable, "-m", "orbax_mtc.tools.bench.suite_worker",
+             "--sizes", *map(str, sizes), "--reps", str(args.reps),
+             "--persistent", str(persistent), "--shared-local", str(shared),
+             "--loop-steps", str(args.loop_steps), "--save-every", str(args.save_every),
+             "--step-ms", str(args.step_ms), "--contenders", *args.contenders,
+             "--fresh-state", args.fresh_state]
+  out = _Collect(echo=not args.quiet, bar=bar)
+  try:
+    result = launch.run_processes(command, n, devices_per_process=1,
+                                  local_root=scratch / "local",
+                                  env={"TF_CPP_MIN_LOG_LEVEL": "2"}, output=out,
+                                  timeout_s=args.timeout_s)
+  finally:
+    shutil.rmtree(scratch, ignore_errors=True)
+  records = [json.loads(line.split("@@suite ", 1)[1]) for line in out.text.splitlines()
+             if "@@suite " in line]
+  failure = None
+  if result.returncode != 0 or len(records) != len(sizes):
+    killed = " (SIGKILL: out of memory or --timeout-s)" if 137 in result.returncodes else ""
+    failure = f"the job failed with exit {result.returncodes}{killed}"
+    _say(f"suite job with {n} processes: {failure}\n" + out.text[-4000:], bar, sys.stderr)
+  return records, failure
+
+
+def _environment() -> dict[str, Any]:
+  import platform
+
+  import jax
+  import orbax.checkpoint as ocp
+
+  return {"python": platform.python_version(), "jax": jax.__version__,
+          "orbax_checkpoint": ocp.__version__, "cpus": os.cpu_count(),
+          "machine": platform.machine(), "platform": platform.platform(),
+          "memory_available_bytes": available_memory(), "time": time.time()}
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="orbax-mtc bench suite",
+                                   description=__doc__.split("\n\n")[0])
+  parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 2048, 4096],
+                      metavar="MIB",
+                      help="state MiB per process (combinations that do not fit are skipped) "
+                      "(default: 64 256 1024 2048 4096)")
+  parser.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4], metavar="N",
+                      help="process counts, one job each (default: 1 2 4)")
+  parser.add_argument("--reps", type=int, default=5,
+                      help="repetitions of each measurement; figures are medians "
+                      "(default: %(default)s)")
+  parser.add_argument("--ondemand-reps", type=int, default=1,
+                      help="SIGTERM jobs per process count and size (0: none) "
+                      "(default: %(default)s)")
+  parser.add_argument("--loop-steps", type=int, default=30,
+                      help="training steps of the loop-overhead figure (default: %(default)s)")
+  parser.add_argument("--save-every", type=int, default=10,
+                      help="local save interval, in steps, of the loop-overhead figure "
+                      "(default: %(default)s)")
+  parser.add_argument("--step-ms", type=float, default=200.0,
+                      help="training step length in the loop-overhead figure (device time) "
+                      "(default: %(default)s)")
+  parser.add_argument("--contenders", nargs="+",
+                      default=["limits", "orbax", "emergency", "mtc", "loop"],
+                      help="what to measure: limits (memcpy, raw I/O, collectives), orbax "
+                      "(plain CheckpointManager), emergency (Orbax's emergency manager), mtc, "
+                      "loop (train-loop overhead) (default: all five)")
+  parser.add_argument("--out", default="bench-out",
+                      help="folder for suite.json/md/png (default: %(default)s)")
+  parser.add_argument("--scratch", default="/dev/shm",
+                      help="RAM disk under which the jobs' folders are made (and removed) "
+                      "(default: %(default)s)")
+  parser.add_argument("--max-memory-gib", type=float, default=None,
+                      help="memory the suite may plan for (default: what is free)")
+  parser.add_argument("--timeout-s", type=float, default=3600,
+                      help="seconds one job may take before it is killed (default: %(default)s)")
+  parser.add_argument("--fresh-state", choices=("auto", "on", "off"), default="auto",
+                      help="save a fresh device copy of the state each time and hold the "
+                      "save's blocking time to a device-to-host copy instead of a memcpy "
+                      "(auto: on unless the arrays are on CPU) (default: %(default)s)")
+  parser.add_argument("--quiet", action="store_true",
+                      help="no progress lines or bar, only the final table "
+                      "(default: show progress)")
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  if args.reps < 1:
+    raise SystemExit("orbax-mtc bench suite: --reps must be at least 1")
+  if any(n < 1 for n in args.procs) or any(m < 1 for m in args.sizes):
+    raise SystemExit("orbax-mtc bench suite: --procs and --sizes must be positive")
+  from orbax_mtc.tools.bench import ondemand
+
+  budget = int(args.max_memory_gib * 2**30) if args.max_memory_gib else available_memory()
+  runs, skipped = plan_runs(args.procs, args.sizes, budget)
+  out_dir = Path(args.out)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  records: list[dict[str, Any]] = []
+  ondemand_runs: list[dict[str, Any]] = []
+  failed: list[dict[str, Any]] = []
+  started = time.time()
+  # One unit per size measured and per on-demand job: a size whose job failed skips its
+  # on-demand jobs too, so the bar still ends at its total.
+  per_size = 1 + args.ondemand_reps
+  with cli.progress(total=per_size * sum(len(sizes) for sizes in runs.values()),
+                    desc="bench suite", unit="run", enabled=not args.quiet) as bar:
+    for n, sizes in sorted(runs.items()):
+      if not args.quiet:
+        _say(f"{n} process(es): sizes {sizes} MiB", bar)
+      scratch = Path(tempfile.mkdtemp(prefix="orbax-mtc-suite-", dir=args.scratch))
+      job_records, failure = _run_job(args, n, sizes, scratch, bar)
+      records += job_records
+      measured = [r["mib"] for r in job_records]
+      failed += [{"procs": n, "mib": mib, "why": failure} for mib in sizes
+                 if mib not in measured]
+      bar.update(per_size * max(0, len(sizes) - len(measured)))
+      for mib in measured:
+        for _ in range(args.ondemand_reps):
+          root = Path(tempfile.mkdtemp(prefix="orbax-mtc-suite-ondemand-", dir=args.scratch))
+          try:
+            ondemand_runs.append({"procs": n, **ondemand.run_once(n, mib, root)})
+          finally:
+            shutil.rmtree(root, ignore_errors=True)
+          bar.update(1)
+  rows = [summarize(r, [o for o in ondemand_runs if o["procs"] == r["procs"]
+                        and o["mib"] == r["mib"]]) for r in records]
+  command = "orbax-mtc bench suite " + " ".join(argv if argv is not None else sys.argv[1:])
+  why_no_plot = plot(rows, out_dir / "suite.png")
+  text = markdown(rows, skipped + failed, command.strip())
+  if why_no_plot:
+    text += f"\nNo plot: {why_no_plot}.\n"
+  (out_dir / "suite.md").write_text(text)
+  (out_dir / "suite.json").write_text(json.dumps({
+      "args": vars(args), "environment": _environment(), "wall_s": time.time() - started,
+      "skipped": skipped, "failed": failed, "runs": records, "ondemand": ondemand_runs,
+      "summary": _no_nan(rows)}, indent=1, allow_nan=False))
+  print(text)
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

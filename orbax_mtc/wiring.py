@@ -1,0 +1,166 @@
+"""Builds the manager's composed parts, each given what it needs (no part reaches back).
+
+The parts, and what depends on what::
+
+  LocalTier, PeerStore  <- the RAM folder (claimed on every process: local/claim.py)
+  RamWriter             <- LocalTier; its errors go to the StepLedger
+  StepLedger            <- the all-gather; own steps (LocalTier), copies (PeerStore),
+                           persistent steps (PersistentTier), twin groups (PeerCopies)
+  PeerCopies            <- LocalTier, PeerStore, RamWriter, the all-gather
+  BackupScheduler       <- PersistentTier, RamWriter, LocalTier
+  RamSaver              <- all of the above
+  RamRestore            <- LocalTier, PeerStore, RamWriter, StepLedger, PeerCopies
+  OnDemandSaver         <- RamSaver, PeerCopies, BackupScheduler, PersistentTier, StepLedger
+  SaveSchedule          <- StepLedger, RamWriter, BackupScheduler, Orbax's own policy
+  TieredRestore         <- RamRestore, PersistentTier, LocalTier, PeerStore, StepLedger
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from orbax_mtc import (
+  agreement,
+  backup,
+  collectives,
+  item_args,
+  lkg,
+  save_policy,
+)
+from orbax_mtc.backup_scheduler import BackupScheduler
+from orbax_mtc.ledger import StepLedger
+from orbax_mtc.local import claim
+from orbax_mtc.local import lock as local_lock
+from orbax_mtc.local import store as local_store
+from orbax_mtc.ondemand import OnDemandSaver
+from orbax_mtc.options import CheckpointManagerOptions
+from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers.copies import PeerCopies
+from orbax_mtc.persistent import PersistentTier
+from orbax_mtc.ram_save import RamSaver
+from orbax_mtc.ram_writer import RamWriter
+from orbax_mtc.restore_exec import RamRestore
+from orbax_mtc.restore_tiers import TieredRestore
+
+
+@dataclasses.dataclass
+class Parts:
+  """The composed parts of one manager."""
+
+  local: local_store.LocalTier
+  store: peer_store.PeerStore
+  lock: local_lock.LocalDirectoryLock | None
+  links: lkg.LinkKeeper
+  writer: RamWriter
+  ledger: StepLedger
+  peers: PeerCopies
+  backups: BackupScheduler
+  ram: RamSaver
+  restorer: RamRestore
+  ondemand: OnDemandSaver
+  schedule: save_policy.SaveSchedule
+  tiers: TieredRestore
+  delete_local: Callable[[list[int]], None]  # removes RAM steps, re-points the LKG link
+
+
+def build(*, options: CheckpointManagerOptions, local_directory: Path,
+          abstract_state: Any, process_index: int, process_count: int, worker_index: int,
+          persistent: PersistentTier, backup_policy: backup.BackupIntervalPolicy | None,
+          peers_optional: bool, orbax_says: Callable[[int], bool]) -> Parts:
+  """Opens the RAM tier on `local_directory` (collective: claimed on every process) and
+  builds every part around it.
+
+  Args:
+    options: the manager's options.
+    local_directory: this process's RAM folder.
+    abstract_state: the manager's abstract state (twin groups for listing steps), or None.
+    process_index: this process.
+    process_count: processes in the job.
+    worker_index: this process's index inside its host.
+    persistent: the persistent tier (the parent manager; used lazily).
+    backup_policy: back up by minutes, or None.
+    peers_optional: a mesh without replicas means no peer copies (instead of an error).
+    orbax_says: Orbax's own persistent save policy, `orbax_says(step)`.
+
+  Raises:
+    LocalDirectoryInUseError, ValueError, OSError, CheckpointError: the RAM folder cannot be
+      claimed on this or another process (local/claim.py).
+  """
+  managed = options.mode == "managed"
+
+  def allgather(row: np.ndarray, what: str) -> np.ndarray:
+    return collectives.allgather(row, what, process_count, options.agreement_timeout_seconds)
+
+  agree = agree_with(allgather)
+  links = lkg.LinkKeeper(local_directory, options.job_name, process_index, worker_index,
+                         managed=managed)
+  modes = {"dir_mode": options.local.directory_mode, "file_mode": options.local.file_mode}
+  local = local_store.LocalTier(local_directory, max_to_keep=options.local.max_to_keep,
+                               on_commit=lambda step: links.committed(step), reuse_files=not managed,
+                               process_index=process_index, process_count=process_count,
+                               **modes)
+  store = peer_store.PeerStore(local_directory, max_to_keep=options.local.max_to_keep, **modes)
+  lock = claim.claim_local_directory(
+      local_directory, job_name=options.job_name, process_index=process_index,
+      worker_index=worker_index, local=local, store=store, managed=managed, agree=agree)
+  asynchronous = options.enable_async_checkpointing
+  # The writer's errors wait in the ledger for the next agreement (bound once it exists).
+  writer = RamWriter(local, process_index, process_count, asynchronous=asynchronous,
+                     on_error=lambda error: ledger.note_local_error(error))
+  peers = PeerCopies(options, process_index, process_count, local=local, store=store,
+                     writer=writer,
+                     allgather=lambda row: allgather(row, "the peer copies of a step"),
+                     send=not managed, optional=peers_optional)
+  ledger = StepLedger(
+      process_count=process_count, allgather=allgather, own_steps=local.steps,
+      copies=lambda own: store.servable(own) if peers.enabled else [],
+      persistent_steps=persistent.steps,
+      listing_groups=lambda: peers.listing_groups(abstract_state, item_args.is_array_target),
+      max_to_keep=options.local.max_to_keep)
+  backups = BackupScheduler(
+      persistent, writer, local, policy=backup_policy,
+      timeout_secs=(options.async_options or ocp.AsyncOptions()).timeout_secs)
+  ledger.before_local_raise = lambda: backups.poll(block=True)
+  ram = RamSaver(local=local, writer=writer, ledger=ledger, backups=backups, peers=peers,
+                 persistent=persistent, asynchronous=asynchronous)
+  restorer = RamRestore(me=process_index, local=local, store=store, writer=writer,
+                        ledger=ledger, peers=peers, chunk_bytes=options.replication.chunk_bytes,
+                        window=options.replication.chunks_in_flight)
+  ondemand = OnDemandSaver(
+      grace_seconds=options.ondemand_grace_seconds, read_only=options.local.read_only,
+      managed=managed, local=local, writer=writer, ram=ram, peers=peers, backups=backups,
+      persistent=persistent, ledger=ledger)
+  schedule = save_policy.SaveSchedule(
+      options, managed=managed, agreed_ram=lambda: ledger.ram,
+      agreed_persistent=lambda: ledger.persistent, write_in_flight=lambda: writer.in_flight,
+      backup_by_minutes=backup_policy is not None,
+      last_backup_attempt=lambda: None if backups.last_attempt is None else
+      backups.last_attempt[0],
+      orbax_says=orbax_says)
+
+  def delete_local(steps: list[int]) -> None:
+    """Removes RAM steps (main thread, no write in flight) and re-points the LKG link."""
+    for step in steps:
+      local.delete(step)
+    if steps:
+      links.refresh(local.steps())
+
+  tiers = TieredRestore(ram=restorer, persistent=persistent, local=local, store=store,
+                        writer=writer, ledger=ledger, delete_local=delete_local, agree=agree)
+  return Parts(local=local, store=store, lock=lock, links=links, writer=writer, ledger=ledger,
+               peers=peers, backups=backups, ram=ram, restorer=restorer, ondemand=ondemand,
+               schedule=schedule, tiers=tiers, delete_local=delete_local)
+
+
+def agree_with(allgather: Callable[[np.ndarray, str], np.ndarray]
+               ) -> Callable[[Any, str], list[Any]]:
+  """`agree(record, what)`: every process's record, over `allgather`."""
+  def agree(record: Any, what: str) -> list[Any]:
+    return agreement.gather(record, lambda row: allgather(row, what))
+  return agree

@@ -1,0 +1,272 @@
+"""Every hook that injects timing or a fault into a running manager.
+
+Timing and faults are injected here, never by sleeping in a test; the sub-commands call these
+functions and nothing of the manager that is not public. Each hook replaces a public method
+of one of the manager's composed parts, on its class (one manager per worker process), or
+uses the manager's public API:
+
+  diverge_and_die       LocalTier.write (replaced on the dying process); on the others the
+                        manager's wait_until_local_finished()
+  drop_local_step       the step's folder removed, as a node that lost it
+  persistent_steps      Orbax's own listing of the persistent directory
+  peer_copies           a PeerStore opened on the node's folder (read only)
+  small_replication_calls
+                        module orbax_mtc.peers.replication: _BYTES_PER_CALL
+  install_write_hook    LocalTier.write (wrapped)
+  install_restore_hook  RamRestore.build (wrapped)
+  install_fault         by --phase: kill, write, writeback: LocalTier.write (replaced);
+                        commit: LinkKeeper.committed (replaced); readback:
+                        BackupScheduler.read_back (replaced); send: the module function
+                        orbax_mtc.peers.store.copy_stream (replaced); restore-read: the module
+                        function orbax_mtc.local.read.read_data (replaced until the returned
+                        undo is called)
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pathlib
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from orbax_mtc.local.store import LocalTier
+
+from .events import emit
+
+HOOK_WAIT_S = 60.0  # a hook waits at most this long for the notice or the go file
+_POLL_S = 0.02
+
+FAULT_PHASES = ("write", "commit", "readback", "send", "restore-read", "writeback", "kill")
+
+
+# ----------------------------------------------------------------------------- save loop
+
+
+def diverge_and_die(mgr, me: int, step: int, state: Any, *, dying: bool,
+                    report: Callable[[], None]) -> None:
+  """Deterministic divergence at `step`; never returns.
+
+  Every process calls save(step), as a real job does, but the local write of the dying
+  process never completes (its writer blocks, standing for a node killed mid-write); the
+  others commit `step`. After a barrier every process calls `report` (COMMITTED), then the
+  dying one prints DYING and SIGKILLs itself while the others wait (the launcher kills them).
+  """
+  import orbax.checkpoint as ocp
+  from jax.experimental import multihost_utils
+
+  if dying:
+    LocalTier.write = lambda *a, **k: threading.Event().wait()
+  mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+  if not dying:
+    # This process's own work only: wait_until_finished() would also replicate, a
+    # collective the blocked process never joins.
+    mgr.wait_until_local_finished()
+  multihost_utils.sync_global_devices(f"mp-worker-die-{step}")
+  report()
+  if dying:
+    emit(f"DYING process={me} step={step}")
+    os.kill(os.getpid(), signal.SIGKILL)
+  threading.Event().wait()  # until the launcher kills us
+
+
+def drop_local_step(mgr, step: int) -> None:
+  """Deletes `step` from this node's RAM tier only (as after a failed write)."""
+  import shutil
+
+  mgr.wait_until_local_finished()
+  shutil.rmtree(mgr.local_directory / str(step))
+
+
+def persistent_steps(mgr) -> list[int]:
+  """The steps in the manager's persistent tier, as Orbax lists them."""
+  import orbax.checkpoint as ocp
+
+  return sorted(ocp.utils.checkpoint_steps(mgr.directory))
+
+
+def peer_copies(mgr) -> list[tuple[int, int]]:
+  """(source, step) of the peer copies this node holds."""
+  from orbax_mtc.peers.store import PeerStore
+
+  return list(PeerStore(mgr.local_directory, max_to_keep=None).copies())
+
+
+def small_replication_calls(nbytes: int = 1 << 20) -> None:
+  """One save() call moves `nbytes` of peer copies (not 128 MiB), so a step's copies are
+  still on their way during the next saves, as a large model's are."""
+  from orbax_mtc.peers import replication
+
+  replication._BYTES_PER_CALL = nbytes
+
+
+# ----------------------------------------------------------------------------- preemption
+
+
+def _wait_for_notice(timeout_s: float = HOOK_WAIT_S) -> float | None:
+  """Polls `preemption.notice_time()` until the job's SIGTERM is known, at most `timeout_s`."""
+  from orbax_mtc import preemption
+
+  deadline = time.monotonic() + timeout_s
+  while True:
+    notice = preemption.notice_time()
+    if notice is not None or time.monotonic() >= deadline:
+      return notice
+    time.sleep(_POLL_S)
+
+
+def _wait_for_file(path: pathlib.Path, timeout_s: float = HOOK_WAIT_S) -> bool:
+  deadline = time.monotonic() + timeout_s
+  while not path.exists():
+    if time.monotonic() >= deadline:
+      return False
+    time.sleep(_POLL_S)
+  return True
+
+
+def install_write_hook(args, mgr, me: int, ondemand_steps: set[int]) -> None:
+  """Wraps this process's local writer (it runs on the manager's writer thread).
+
+  write: the write of --hook-step first prints HOOK-WRITING and waits until the preemption
+    notice is known (the test sends SIGTERM when it sees the line), so the notice lands while
+    an ordinary save is being written.
+  ondemand-write: the first write of a step whose `reached_preemption` was True prints
+    HOOK-ONDEMAND and waits for `<marker-dir>/go`, so the test can signal again meanwhile.
+  """
+  real = LocalTier.write
+  done: set[int] = set()
+
+  def write(tier, staged, *rest, **kwargs):
+    step = getattr(staged, "step", None)
+    if step not in done:
+      if args.hook == "write" and step == args.hook_step:
+        done.add(step)
+        emit(f"HOOK-WRITING process={me} step={step}")
+        notice = _wait_for_notice()
+        emit(f"HOOK-NOTICE process={me} step={step} known={int(notice is not None)}")
+      elif args.hook == "ondemand-write" and step in ondemand_steps:
+        done.add(step)
+        emit(f"HOOK-ONDEMAND process={me} step={step}")
+        found = _wait_for_file(pathlib.Path(args.marker_dir) / "go")
+        emit(f"HOOK-GO process={me} step={step} found={int(found)}")
+    return real(tier, staged, *rest, **kwargs)
+
+  LocalTier.write = write
+
+
+def install_restore_hook(mgr, me: int) -> None:
+  """The first read of a RAM step inside restore() prints HOOK-RESTORING and waits until the
+  preemption notice is known (the test sends SIGTERM when it sees the line)."""
+  fired: list[bool] = []
+
+  def hooked(fn):
+    def wrapper(*a, **k):
+      if not fired:
+        fired.append(True)
+        emit(f"HOOK-RESTORING process={me}")
+        notice = _wait_for_notice()
+        emit(f"HOOK-NOTICE process={me} known={int(notice is not None)}")
+      return fn(*a, **k)
+    return wrapper
+
+  from orbax_mtc.restore_exec import RamRestore
+
+  RamRestore.build = hooked(RamRestore.build)
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+def install_fault(args, mgr, me: int) -> Callable[[], None]:
+  """Makes --fault-process fail in --phase (at --fault-step where a step applies).
+
+  Returns:
+    What to call once the restore is over: it undoes a restore-read fault (the saves after
+    it read nothing back); a no-op for the other phases.
+  """
+  from orbax_mtc.backup_scheduler import BackupScheduler
+  from orbax_mtc.lkg import LinkKeeper
+  from orbax_mtc.local.format import CorruptStepError
+  from orbax_mtc.peers import store as peer_store
+
+  def nothing() -> None:
+    pass
+
+  if me != args.fault_process:
+    return nothing
+  phase, at = args.phase, args.fault_step
+  if phase == "kill":
+    write = LocalTier.write
+
+    def dying_write(tier, staged, *rest, **kwargs):
+      if staged.step == at:  # killed mid-save: the step is never committed here
+        emit(f"DYING process={me} step={at}")
+        os.kill(os.getpid(), signal.SIGKILL)
+      return write(tier, staged, *rest, **kwargs)
+    LocalTier.write = dying_write
+  elif phase in ("write", "writeback"):
+    write = LocalTier.write
+    first = {"done": False}
+
+    def failing_write(tier, staged, *rest, **kwargs):
+      # writeback: the first write after the restore (the recovered step written back).
+      if (phase == "write" and staged.step == at) or (phase == "writeback" and not first["done"]):
+        first["done"] = True
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+      first["done"] = True
+      return write(tier, staged, *rest, **kwargs)
+    LocalTier.write = failing_write
+  elif phase == "commit":
+    committed = LinkKeeper.committed
+
+    def failing_commit(links, step):
+      if step == at:
+        raise PermissionError(errno.EACCES, "LKG link not writable (injected)")
+      return committed(links, step)
+    LinkKeeper.committed = failing_commit
+  elif phase == "readback":
+    read_back = BackupScheduler.read_back
+
+    def failing_read(scheduler, pending):
+      if pending.step == at:
+        raise CorruptStepError("read-back failed (injected)")
+      return read_back(scheduler, pending)
+    BackupScheduler.read_back = failing_read
+  elif phase == "send":
+    copy_stream = peer_store.copy_stream
+
+    def failing_stream(step_dir, manifest, *rest, **kwargs):
+      if manifest.step == at:
+        raise RuntimeError("peer copy read failed (injected)")
+      return copy_stream(step_dir, manifest, *rest, **kwargs)
+    peer_store.copy_stream = failing_stream
+  elif phase == "restore-read":
+    def failing_read_data(*a, **k):
+      raise RuntimeError("restore read failed (injected)")
+    return _replace_read_data(lambda read_data: failing_read_data)
+  return nothing
+
+
+def _replace_read_data(make: Callable[[Callable], Callable]) -> Callable[[], None]:
+  """Sets `read_data = make(read_data)` in every module the library calls it through;
+  returns what puts the originals back."""
+  import importlib
+
+  originals = []
+  for name in ("orbax_mtc.local.read",):
+    try:
+      module = importlib.import_module(name)
+    except ImportError:
+      continue
+    if hasattr(module, "read_data"):
+      originals.append((module, module.read_data))
+  for module, read_data in originals:
+    module.read_data = make(read_data)
+
+  def undo() -> None:
+    for module, read_data in originals:
+      module.read_data = read_data
+  return undo

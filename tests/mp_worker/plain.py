@@ -1,0 +1,122 @@
+"""Sub-commands off the manager's usual path: plain-restore (a plain Orbax manager reads the
+persistent tier), transport (the chunked byte streams between processes), managed-init (the
+GKE-style start)."""
+
+from __future__ import annotations
+
+from orbax_mtc import testing
+
+from .common import EXIT_MISMATCH, make_mesh, manager, restore_and_check, save_loop
+from .events import emit
+
+
+def cmd_plain_restore(args) -> int:
+  """Reads the persistent tier with a plain Orbax manager in one process, any device count:
+  to numpy, then to one device; both compared bit for bit with the global state."""
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+
+  expected = testing.global_state_numpy(args.seed, args.step, args.data, args.model, args.rows)
+  mgr = ocp.CheckpointManager(args.persistent_dir)
+  ok = True
+  try:
+    steps = list(mgr.all_steps())
+    if args.step not in steps:
+      emit(f"RESULT mode=steps step={args.step} ok=0 detail=steps {steps}")
+      return EXIT_MISMATCH
+    device = jax.devices()[0]
+    targets = {
+        "numpy": jax.tree.map(lambda x: ocp.RestoreArgs(restore_type=np.ndarray), expected),
+        "device": jax.tree.map(
+            lambda x: ocp.ArrayRestoreArgs(
+                sharding=jax.sharding.SingleDeviceSharding(device),
+                global_shape=x.shape, dtype=x.dtype), expected),
+    }
+    for mode, restore_args in targets.items():
+      restored = mgr.restore(args.step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(restore_args=restore_args))).state
+      problems = testing.host_differences(restored, expected, jax_arrays=mode == "device")
+      ok = ok and not problems
+      emit(f"RESULT mode={mode} devices={jax.device_count()} step={args.step} "
+           f"ok={int(not problems)} detail={'; '.join(problems) or '-'}")
+  finally:
+    mgr.close()
+  emit("DONE")
+  return 0 if ok else EXIT_MISMATCH
+
+
+def _stream_bytes(source: int, destination: int, nbytes: int):
+  import numpy as np
+
+  return np.random.default_rng(1000 * source + destination).integers(
+      0, 256, nbytes, dtype=np.uint8)
+
+
+def cmd_transport(args) -> int:
+  """Streams of odd sizes between every process, in small chunks: issued a chunk per call
+  (handing arrived chunks over without waiting, as replication does between steps), then the
+  rest at once; every received stream must equal what its source sent."""
+  import jax
+  import numpy as np
+
+  from orbax_mtc import distributed, transport
+
+  distributed.initialize()
+  me, n = jax.process_index(), jax.process_count()
+  # Ring both ways plus one long stream; sizes leave a short last chunk in every round.
+  sizes = {(i, (i + 1) % n): args.chunk_bytes * (i + 2) + 37 * (i + 1) for i in range(n)}
+  sizes |= {((i + 1) % n, i): args.chunk_bytes // 3 + i for i in range(n)}
+  sizes[(0, n - 1)] = args.chunk_bytes * 5 + 1
+  streams = [transport.Stream(s, d, nbytes) for (s, d), nbytes in sizes.items()]
+  received: dict[int, np.ndarray] = {}
+
+  def reader_for(stream):
+    data = _stream_bytes(stream.source, stream.destination, stream.nbytes)
+    return lambda offset, out: np.copyto(out, data[offset:offset + out.nbytes])
+
+  def sink_for(stream):
+    received[stream.source] = np.full(stream.nbytes, 7, np.uint8)
+
+    def sink(offset, data):
+      received[stream.source][offset:offset + data.nbytes] = data
+    return sink
+
+  transfer = transport.Transfer(streams, me=me, reader_for=reader_for, sink_for=sink_for,
+                                chunk_limit=args.chunk_bytes, window=2)
+  calls = 0
+  while not transfer.done and calls < args.stepwise_calls:
+    transfer.retire_ready()
+    transfer.advance(1)
+    transfer.retire_ready()
+    calls += 1
+  transfer.run()
+  expected = {s.source: s for s in streams if s.destination == me}
+  bad = [src for src, stream in expected.items()
+         if src not in received or not np.array_equal(
+             received[src], _stream_bytes(src, me, stream.nbytes))]
+  emit(f"TRANSPORT process={me} streams={len(expected)} bad={bad} calls={calls}")
+  return 0 if not bad and sorted(received) == sorted(expected) else EXIT_MISMATCH
+
+
+def cmd_managed_init(args) -> int:
+  """GKE-style start: jax.distributed from <local>/jax-init-info.txt (waited for) and the
+  replicator handshake by initialize_multi_tier_checkpointing, then restore and save."""
+  import jax
+  from jax._src import distributed as jax_distributed
+
+  import orbax_mtc as mtc
+  from orbax_mtc import distributed
+
+  entry = mtc.initialize_multi_tier_checkpointing(
+      distributed.local_directory(), run_name=args.job_name,
+      backup_interval_steps=args.persistent_interval, jax_initialization_timeout_seconds=60,
+      handshake_timeout_seconds=60, poll_seconds=0.02)
+  emit(f"INIT process={jax.process_index()} "
+       f"coordinator={jax_distributed.global_state.coordinator_address} entry={entry}")
+  mesh = make_mesh()
+  with manager(args, mesh) as mgr:
+    step, ok = restore_and_check(args, mgr, mesh)
+    save_loop(args, mgr, mesh, 0 if step is None else step + 1, args.steps)
+  emit("DONE")
+  return 0 if ok else EXIT_MISMATCH

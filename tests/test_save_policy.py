@@ -1,0 +1,151 @@
+"""Pure save decisions (orbax_mtc.save_policy): plain numbers in, a decision out."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from orbax.checkpoint import checkpoint_managers as policies
+
+from orbax_mtc import save_policy
+from orbax_mtc.options import LocalCheckpointOptions, PersistentCheckpointOptions
+from orbax_mtc.save_policy import SaveAction, SaveDecision
+
+
+def _never() -> bool:
+  raise AssertionError("this schedule must not be asked")
+
+
+def _decide(step: int, *, force=False, preempted=False, read_only=False, managed=False,
+            ram=(), persistent=(), ondemand_step=None,
+            ram_due: Callable[[], bool] = lambda: False,
+            persistent_due: Callable[[], bool] = lambda: False) -> SaveDecision:
+  return save_policy.decide_save(
+      step, force=force, preempted=preempted, read_only=read_only, managed=managed,
+      agreed_ram=ram, agreed_persistent=persistent, ondemand_step=ondemand_step,
+      ram_due=ram_due, persistent_due=persistent_due)
+
+
+def test_nothing_due_skips():
+  assert _decide(3) == SaveDecision(SaveAction.SKIP)
+
+
+def test_ram_schedule_saves_to_ram_without_backup():
+  assert _decide(3, ram_due=lambda: True) == SaveDecision(SaveAction.LOCAL, backup=False)
+
+
+def test_a_backup_is_taken_from_ram_so_the_step_goes_there_too():
+  decision = _decide(3, persistent_due=lambda: True, ram_due=_never)
+  assert decision == SaveDecision(SaveAction.LOCAL, backup=True)
+
+
+def test_force_asks_no_schedule_and_backs_up():
+  assert _decide(3, force=True, ram_due=_never, persistent_due=_never) == SaveDecision(
+      SaveAction.LOCAL, backup=True)
+
+
+def test_a_step_already_persistent_is_not_backed_up_again():
+  assert _decide(3, force=True, persistent=(3,)) == SaveDecision(SaveAction.LOCAL, False)
+
+
+def test_managed_mode_never_backs_up():
+  assert _decide(3, force=True, managed=True, persistent_due=_never) == SaveDecision(
+      SaveAction.LOCAL, backup=False)
+
+
+def test_preemption_saves_on_demand_once():
+  assert _decide(7, preempted=True).action is SaveAction.ONDEMAND
+  assert _decide(7, preempted=True, ondemand_step=7).action is SaveAction.SKIP
+
+
+def test_an_older_forced_step_goes_to_the_persistent_tier_only():
+  assert _decide(2, force=True, ram=(4, 6)) == SaveDecision(SaveAction.OLDER_STEP, True)
+
+
+def test_read_only_ram_backs_up_straight_from_the_arrays():
+  assert _decide(3, force=True, read_only=True) == SaveDecision(
+      SaveAction.PERSISTENT_ONLY, backup=True)
+  assert _decide(3, read_only=True, ram_due=_never).action is SaveAction.SKIP
+
+
+@given(step=st.integers(0, 10**6), force=st.booleans(), preempted=st.booleans(),
+       read_only=st.booleans(), managed=st.booleans(), ram_due=st.booleans(),
+       persistent_due=st.booleans(),
+       ram=st.lists(st.integers(0, 10**6), max_size=4),
+       persistent=st.lists(st.integers(0, 10**6), max_size=4))
+def test_decisions_follow_the_rules(step, force, preempted, read_only, managed, ram_due,
+                                    persistent_due, ram, persistent):
+  decision = _decide(step, force=force, preempted=preempted, read_only=read_only,
+                     managed=managed, ram=ram, persistent=persistent,
+                     ram_due=lambda: ram_due, persistent_due=lambda: persistent_due)
+  wants_backup = not managed and (force or preempted or persistent_due) and \
+      step not in persistent
+  wants_ram = not read_only and (force or preempted or wants_backup or ram_due)
+  if preempted:
+    assert decision.action is SaveAction.ONDEMAND
+  elif not (wants_ram or wants_backup):
+    assert decision.action is SaveAction.SKIP
+  elif wants_ram:
+    older = bool(ram) and step < max(ram)
+    assert decision.action is (SaveAction.OLDER_STEP if older else SaveAction.LOCAL)
+    if not older:
+      assert decision.backup == wants_backup
+  else:
+    assert decision == SaveDecision(SaveAction.PERSISTENT_ONLY, backup=True)
+  if decision.action in (SaveAction.LOCAL, SaveAction.PERSISTENT_ONLY) and decision.backup:
+    assert step not in persistent  # never a backup of a step every process sees there
+
+
+def test_ram_should_save_counts_agreed_steps_only():
+  local = LocalCheckpointOptions(save_interval_steps=5)
+  assert save_policy.ram_should_save(10, (), local, write_in_flight=False)
+  assert not save_policy.ram_should_save(11, (), local, write_in_flight=False)
+  # A node whose folder was wiped answers as the others: step 10 is held by the cluster.
+  assert not save_policy.ram_should_save(10, (5, 10), local, write_in_flight=False)
+  assert not save_policy.ram_should_save(
+      10, (), LocalCheckpointOptions(read_only=True), write_in_flight=False)
+
+
+def test_should_save_fn_sees_the_last_agreed_step():
+  seen = []
+
+  def fn(step, last):
+    seen.append((step, last))
+    return step - (last or 0) >= 3
+
+  local = LocalCheckpointOptions(should_save_fn=fn)
+  assert not save_policy.ram_should_save(5, (3,), local, write_in_flight=False)
+  assert save_policy.ram_should_save(6, (1, 3), local, write_in_flight=False)
+  assert seen == [(5, 3), (6, 3)]
+
+
+def test_a_save_decision_policy_gets_the_write_in_flight():
+  @dataclasses.dataclass
+  class NotWhileSaving:
+    def should_save(self, step, previous_steps, *, context):
+      return not context.is_saving_in_progress
+
+  local = LocalCheckpointOptions(save_decision_policy=NotWhileSaving())
+  assert save_policy.ram_should_save(1, (), local, write_in_flight=False)
+  assert not save_policy.ram_should_save(1, (), local, write_in_flight=True)
+
+
+def test_should_save_fn_policy_composes_with_orbax_policies():
+  policy = policies.AnySavePolicy([
+      save_policy.ShouldSaveFnPolicy(lambda step, last: step == 7),
+      policies.FixedIntervalPolicy(10)])
+  context = policies.DecisionContext(is_saving_in_progress=False, reached_preemption=False,
+                                     multiprocessing_options=None)
+  info = save_policy._StepInfo  # a PolicyCheckpointInfo with a step only
+  assert [s for s in range(21) if policy.should_save(info(s), [], context=context)] == [
+      0, 7, 10, 20]
+
+
+@pytest.mark.parametrize(("step", "last", "due"), [(10, 10, False), (20, 10, True),
+                                                   (15, 10, False), (30, 20, True)])
+def test_first_backup_counts_from_the_attempt_on_its_way(step, last, due):
+  persistent = PersistentCheckpointOptions(save_interval_steps=10)
+  assert save_policy.first_backup_due(step, last, persistent) is due
