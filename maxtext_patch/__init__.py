@@ -47,7 +47,11 @@ _installed: str | None = None
 
 
 def installed_version() -> str | None:
-  """The MaxText version `install()` patched, or None before it ran."""
+  """The MaxText version `install()` patched.
+
+  Returns:
+    The version, "unknown" if `install()` could not tell it, or None before it ran.
+  """
   return _installed
 
 
@@ -186,18 +190,25 @@ def _tpu_emergency_init(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 def install(*, check_version: bool = True, **mtc_keys: Any) -> str | None:
-  """Makes MaxText's checkpointing run on orbax-mtc where its config enables emergency or
-  multi-tier checkpointing; returns the MaxText version patched (None if unknown).
+  """Makes MaxText's checkpointing run on orbax-mtc.
 
-  mtc_keys: orbax-mtc's own keys (`mtc_peers_per_node=1`, `mtc_replica_axis="data"`, ...;
-  see `maxtext_patch.config.NEW_KEYS`), which MaxText's config would reject.
-  Call it before MaxText builds its config (that is where MaxText joins jax.distributed).
+  Only configs that enable emergency or multi-tier checkpointing are affected. Call it before
+  MaxText builds its config (that is where MaxText joins jax.distributed). Calling it again
+  leaves what it patched before in place.
+
+  Args:
+    check_version: Refuse a MaxText outside SUPPORTED_MAXTEXT; False tries anyway.
+    **mtc_keys: orbax-mtc's own keys (`mtc_peers_per_node=1`, `mtc_replica_axis="data"`,
+      ...; see `maxtext_patch.config.NEW_KEYS`), which MaxText's config would reject.
+
+  Returns:
+    The MaxText version patched, or None if it cannot be told.
 
   Raises:
-    MaxTextNotAvailableError: MaxText cannot be imported (it needs Python >= 3.12).
-    UnsupportedMaxTextError: a MaxText outside SUPPORTED_MAXTEXT (`check_version=False`
-      tries anyway) or without the functions patched.
-    MaxTextConfigError: an unknown or malformed mtc_* key.
+    MaxTextNotAvailableError: If MaxText cannot be imported (it needs Python >= 3.12).
+    UnsupportedMaxTextError: If the MaxText is outside SUPPORTED_MAXTEXT (`check_version=False`
+      tries anyway) or lacks the functions patched.
+    MaxTextConfigError: If an mtc_* key is unknown or malformed.
   """
   global _installed
   keys = mtc_config.check_new_keys(mtc_keys)

@@ -42,9 +42,15 @@ _ITEMS = "items"  # MaxText's item name for its standard manager
 
 
 class StopTraining(Exception):
-  """Ends the training loop cleanly (MaxText's `exceptions.StopTraining`) at the agreed
-  preemption step. Once `install()` ran, the exception raised is also MaxText's own class.
-  A failed save is not a clean end: it raises RuntimeError, as MaxText does."""
+  """Ends the training loop cleanly (MaxText's `exceptions.StopTraining`).
+
+  Raised at the agreed preemption step. Once `install()` ran, the exception raised is also
+  MaxText's own class. A failed save is not a clean end: it raises RuntimeError, as MaxText
+  does.
+
+  Args:
+    reason: Why training stops.
+  """
 
   def __init__(self, reason: str):
     super().__init__(reason)
@@ -62,8 +68,15 @@ _state_layout: Callable[[Any], Any] | None = None
 
 
 def set_state_layout(layout: Callable[[Any], Any] | None) -> None:
-  """How the standalone factory lays out the abstract state: MaxText's layout when MaxText's
-  own functions save and restore (they convert the state the same way), else ours."""
+  """Sets how the standalone factory lays out the abstract state.
+
+  MaxText's layout when MaxText's own functions save and restore (they convert the state the
+  same way), else ours.
+
+  Args:
+    layout: Maps a train state to the tree the manager saves; None for ours (nested dicts
+      keyed by field names).
+  """
   global _state_layout
   _state_layout = layout
 
@@ -73,18 +86,30 @@ def _stop(reason: str) -> Exception:
 
 
 def set_extra_keys(keys: Mapping[str, Any]) -> None:
-  """The orbax-mtc keys (`mtc_peers_per_node`, ...) for managers built from now on."""
+  """Sets the orbax-mtc keys (`mtc_peers_per_node`, ...) for managers built from now on.
+
+  Args:
+    keys: orbax-mtc key -> value (strings from a command line accepted).
+
+  Raises:
+    MaxTextConfigError: If a key is unknown or its value malformed.
+  """
   global _extra_keys
   _extra_keys = mtc_config.check_new_keys(keys)
 
 
 def extra_keys() -> dict[str, Any]:
+  """The orbax-mtc keys set by `set_extra_keys`, typed (a copy)."""
   return dict(_extra_keys)
 
 
 @contextlib.contextmanager
 def using_config(config: Any) -> Iterator[None]:
-  """Makes `config` the one the manager factories read their other keys from."""
+  """Makes `config` the one the manager factories read their other keys from.
+
+  Args:
+    config: A MaxText config (HyperParameters or a dict), in effect inside the `with` block.
+  """
   token = _current_config.set(config)
   try:
     yield
@@ -93,8 +118,15 @@ def using_config(config: Any) -> Iterator[None]:
 
 
 def is_multi_tier(checkpoint_manager: Any) -> bool:
-  """Whether this is an orbax-mtc manager in its multi-tier form (built by the factories
-  below), as opposed to a plain or parent-style Orbax manager."""
+  """Whether a manager is an orbax-mtc manager in its multi-tier form.
+
+  Args:
+    checkpoint_manager: Any object (a manager or None).
+
+  Returns:
+    True for a multi-tier `orbax_mtc.CheckpointManager` (built by the factories below); False
+    for a plain or parent-style Orbax manager, or anything else.
+  """
   return isinstance(checkpoint_manager, mtc.CheckpointManager) and isinstance(
       checkpoint_manager.options, mtc.CheckpointManagerOptions)
 
@@ -213,6 +245,23 @@ def create_orbax_emergency_checkpoint_manager(
 
   The other keys (backup minutes, retention, async, mtc_*) come from the config given to
   `using_config` (MaxText's `create_checkpoint_manager` does that once installed).
+
+  Args:
+    local_checkpoint_dir: This host's RAM disk (`{process_index}` is replaced); created if
+      missing.
+    persistent_checkpoint_dir: The persistent tier's directory.
+    global_mesh: The mesh the job trains on.
+    abstract_state: The train state's abstract form (shapes, dtypes, shardings).
+    local_save_interval_steps: RAM-tier save interval in steps.
+    persistent_save_interval_steps: Persistent backup interval in steps.
+    orbax_logger: Orbax's logger for the manager, or None.
+
+  Returns:
+    The standalone multi-tier manager.
+
+  Raises:
+    MaxTextConfigError: If a config key is unusable or the replica axis is not a mesh axis.
+    TypeError: If `global_mesh` is not a `jax.sharding.Mesh`.
   """
   settings = _settings({
       "enable_emergency_checkpoint": True, "enable_multi_tier_checkpointing": False,
@@ -234,6 +283,20 @@ def create_orbax_emergency_replicator_checkpoint_manager(
 
   The persistent directory (read when the replicator has nothing) is the config's
   `checkpoint_dir`.
+
+  Args:
+    local_checkpoint_dir: The replicator's volume on this host; created if missing.
+    save_interval_steps: RAM-tier save interval in steps.
+    global_mesh: The mesh the job trains on.
+    colocated_python_checkpointing: Pathways' colocated Python; True is refused.
+
+  Returns:
+    The managed multi-tier manager.
+
+  Raises:
+    MaxTextConfigError: If a config key is unusable (Pathways included) or the replica axis
+      is not a mesh axis.
+    TypeError: If `global_mesh` is not a `jax.sharding.Mesh`.
   """
   settings = _settings({
       "enable_emergency_checkpoint": False, "enable_multi_tier_checkpointing": True,
@@ -260,10 +323,31 @@ def create_orbax_checkpoint_manager(
     todelete_subdir: str | None = None,
     todelete_full_path: str | None = None,
 ) -> mtc.CheckpointManager | None:
-  """A one-tier manager on `checkpoint_dir` (orbax-mtc's parent-style form, which is exactly
-  `ocp.CheckpointManager`), with MaxText's item name and save policies. None when
-  checkpointing is off. The data iterator is not checkpointed here (`dataset_type` is
-  accepted for the signature)."""
+  """A one-tier manager on `checkpoint_dir`, with MaxText's item name and save policies.
+
+  It is orbax-mtc's parent-style form, which is exactly `ocp.CheckpointManager`. The data
+  iterator is not checkpointed here (`dataset_type` is accepted for the signature).
+
+  Args:
+    checkpoint_dir: The checkpoint directory.
+    enable_checkpointing: False returns None.
+    use_async: Save in the background.
+    save_interval_steps: Save every N steps.
+    dataset_type: Accepted and ignored.
+    orbax_logger: Orbax's logger for the manager, or None.
+    use_ocdbt: Passed to `ocp.PyTreeCheckpointHandler`.
+    use_zarr3: Passed to `ocp.PyTreeCheckpointHandler`.
+    enable_continuous_checkpointing: Use Orbax's `ContinuousCheckpointingPolicy` instead of the
+      interval.
+    max_num_checkpoints_to_keep: Steps kept (`LatestN`); 0 or None keeps all.
+    checkpoint_storage_concurrent_gb: The handler's save and restore byte limit in GB.
+    enable_autocheckpoint: Also save at the preemption step.
+    todelete_subdir: Passed to Orbax's `CheckpointManagerOptions`.
+    todelete_full_path: Passed to Orbax's `CheckpointManagerOptions`.
+
+  Returns:
+    The manager, or None when checkpointing is off.
+  """
   del dataset_type  # grain iterators are MaxText's own handler; not part of this loop
   if not enable_checkpointing:
     logging.info("maxtext_patch: checkpointing disabled, no checkpoint manager.")
@@ -302,8 +386,20 @@ def create_checkpoint_manager(config: Any, mesh: jax.sharding.Mesh,
                               init_state_fn: Callable[[], Any]) -> Any:
   """MaxText's `train_utils.create_checkpoint_manager`: the manager the config asks for.
 
-  `init_state_fn()` returns the initial training state (jitted with out_shardings); it is only
-  traced (`jax.eval_shape`) here.
+  Args:
+    config: A MaxText config (HyperParameters or a dict).
+    mesh: The mesh the job trains on.
+    init_state_fn: Returns the initial training state (jitted with out_shardings); it is only
+      traced (`jax.eval_shape`) here.
+
+  Returns:
+    A standalone or managed multi-tier manager when the config enables one, else a one-tier
+    manager (`create_orbax_checkpoint_manager`), or None when checkpointing is off.
+
+  Raises:
+    MaxTextConfigError: If a config key is unusable.
+    ValueError: If a leaf of `init_state_fn`'s output has no sharding.
+    TypeError: If `mesh` is not a `jax.sharding.Mesh` (multi-tier forms).
   """
   mode = mtc_config.enabled_mode(config)
   get = lambda key: mtc_config.value_of(config, key)  # noqa: E731
@@ -330,6 +426,12 @@ def create_checkpoint_manager(config: Any, mesh: jax.sharding.Mesh,
 
 
 def print_save_message(step: int, async_checkpointing: bool) -> None:
+  """Logs MaxText's message for a save.
+
+  Args:
+    step: The step saved.
+    async_checkpointing: Whether the save runs in the background.
+  """
   if async_checkpointing:
     logging.info("Started an asynchronous checkpoint save for step %d", step)
   else:
@@ -337,17 +439,36 @@ def print_save_message(step: int, async_checkpointing: bool) -> None:
 
 
 def latest_step(checkpoint_manager: Any) -> int | None:
-  """Newest step this process sees (no collective; restore uses the agreed step instead)."""
+  """Newest step this process sees (no collective; restore uses the agreed step instead).
+
+  Args:
+    checkpoint_manager: The manager.
+
+  Returns:
+    The newest step, or None if there is none.
+  """
   return checkpoint_manager.latest_step()
 
 
 def wait_until_finished(checkpoint_manager: Any) -> None:
-  """Waits for the RAM write, peer copies and the backup in flight."""
+  """Waits for the RAM write, peer copies and the backup in flight.
+
+  Args:
+    checkpoint_manager: The manager.
+  """
   return checkpoint_manager.wait_until_finished()
 
 
 def reached_preemption(checkpoint_manager: Any, step: int) -> bool:
-  """Whether `step` is the step every process saves on after a SIGTERM (JAX's sync point)."""
+  """Whether `step` is the step every process saves on after a SIGTERM (JAX's sync point).
+
+  Args:
+    checkpoint_manager: The manager.
+    step: The current step.
+
+  Returns:
+    True at the agreed preemption step.
+  """
   return checkpoint_manager.reached_preemption(step)
 
 
@@ -372,12 +493,38 @@ def load_state_if_possible(
     expansion_factor_real_data: int = -1,
     maxtext_config: Any | None = None,
 ) -> tuple[Any, Any]:
-  """(full state, params) as MaxText returns them; at most one is not None.
+  """Restores the training state as MaxText's function of the same name does.
 
   With an orbax-mtc manager: (restored state, None) as for MaxText's emergency managers, the
   state in the structure of `abstract_unboxed_pre_state`; `step=-1` is the newest step every
   process can assemble (RAM, a peer's copy, else persistent). Nothing there: the parameter or
   full-state paths, as MaxText (those need MaxText's loaders, i.e. `install()`).
+
+  Args:
+    checkpoint_manager: The manager, or None.
+    data_iterator: MaxText's data iterator (passed to MaxText's loader only).
+    load_parameters_from_path: Parameters to load when there is no checkpoint.
+    load_full_state_from_path: A full state to load when there is no checkpoint.
+    checkpoint_storage_concurrent_gb: Passed to MaxText's loader.
+    abstract_unboxed_pre_state: The train state's abstract form; the restore target.
+    enable_single_replica_ckpt_restoring: Passed to MaxText's loader.
+    dataset_type: Passed to MaxText's loader.
+    step: The step to restore; -1 (or None) for the newest.
+    use_ocdbt: Passed to MaxText's loader.
+    use_zarr3: Passed to MaxText's loader.
+    enable_orbax_v1: Passed to MaxText's loader.
+    checkpoint_conversion_fn: Passed to MaxText's loader.
+    source_checkpoint_layout: Passed to MaxText's loader.
+    expansion_factor_real_data: Passed to MaxText's loader.
+    maxtext_config: Passed to MaxText's loader.
+
+  Returns:
+    (full state, params) as MaxText returns them; at most one is not None, both None when
+    there is nothing to restore.
+
+  Raises:
+    NotImplementedError: If a parameter or full-state path must be read but `install()` has
+      not given MaxText's loader.
   """
   kwargs = dict(
       checkpoint_manager=checkpoint_manager, data_iterator=data_iterator,
@@ -422,7 +569,19 @@ def load_state_if_possible(
 
 def save_checkpoint(checkpoint_manager: Any, step: int, state: Any, config: Any = None,
                     data_iterator: Any = None, force: bool = False) -> bool:
-  """Saves `state` as step `step` (the manager decides which tiers); True when it saved."""
+  """Saves `state` as step `step` (the manager decides which tiers).
+
+  Args:
+    checkpoint_manager: The manager.
+    step: The step number.
+    state: The training state (a Linen TrainState, an NNX state or module, or a pytree).
+    config: Accepted for MaxText's signature; ignored.
+    data_iterator: Accepted for MaxText's signature; not checkpointed.
+    force: Save even off the save interval.
+
+  Returns:
+    True when the manager saved.
+  """
   del config, data_iterator  # the iterator is not part of an emergency checkpoint (as MaxText)
   if is_multi_tier(checkpoint_manager):
     tree = _checkpoint_tree(_as_pytree(state))
@@ -468,6 +627,19 @@ def maybe_save_checkpoint(checkpoint_manager: Any, state: Any, config: Any, data
   Saves when MaxText would (checkpoint_period, local_checkpoint_period, the agreed preemption
   step with enable_autocheckpoint, or the final step), and raises `StopTraining` after the
   preemption step once its save is durable.
+
+  Args:
+    checkpoint_manager: The manager, or None (then nothing happens).
+    state: The training state.
+    config: The MaxText config.
+    data_iterator: MaxText's data iterator (not checkpointed).
+    step: The step just trained; None at the end (the state's step - 1 is saved if due).
+
+  Raises:
+    StopTraining: At the agreed preemption step, once its save is durable.
+    RuntimeError: If the save failed.
+    ValueError: If `step` is None and the state has no step.
+    MaxTextConfigError: If a config key is unusable.
   """
   if checkpoint_manager is None:
     return

@@ -79,7 +79,29 @@ class MaxTextConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class MtcSettings:
-  """What the MaxText keys ask of orbax-mtc, validated."""
+  """What the MaxText keys ask of orbax-mtc, validated (built by `read_settings`).
+
+  Attributes:
+    mode: STANDALONE or MANAGED.
+    local_directory: This host's RAM disk; may hold {process_index} (see
+      `local_directory_for`).
+    persistent_directory: The persistent tier's directory (`checkpoint_dir`).
+    local_interval: RAM-tier save interval in steps.
+    persistent_interval_steps: Persistent backup interval in steps; None when backups go by
+      minutes.
+    backup_interval_minutes: Persistent backup interval in minutes, or None.
+    persistent_max_to_keep: Persistent steps kept; None keeps all.
+    local_max_to_keep: RAM steps kept per host.
+    peers_per_node: Hosts holding a copy of each host's RAM step; None for the default.
+    replica_axis: The mesh axis along which the model is replicated.
+    job_name: First part of the .restore links.
+    data_parallelism: Managed mode's assume-data-parallelism; None: auto.
+    enable_async: Background RAM writes and backups.
+    autocheckpoint: Save the agreed step after SIGTERM.
+    save_on_start: Save at step 0.
+    checkpoint_period: MaxText's `checkpoint_period`.
+    ondemand_grace_seconds: Budget from SIGTERM to a durable on-demand step.
+  """
 
   mode: str  # STANDALONE or MANAGED
   local_directory: str  # may hold {process_index}; see `local_directory_for`
@@ -101,7 +123,15 @@ class MtcSettings:
 
 
 def value_of(config: Any, key: str) -> Any:
-  """`config.key` (MaxText's HyperParameters), `config[key]` (dicts), else MaxText's default."""
+  """Reads one key of a MaxText config.
+
+  Args:
+    config: MaxText's HyperParameters (read as `config.key`) or a mapping (`config[key]`).
+    key: The key.
+
+  Returns:
+    The key's value, else MaxText's default (or orbax-mtc's for `NEW_KEYS`), else None.
+  """
   if isinstance(config, Mapping):
     return config.get(key, MAXTEXT_DEFAULTS.get(key, NEW_KEYS.get(key)))
   try:
@@ -111,6 +141,18 @@ def value_of(config: Any, key: str) -> Any:
 
 
 def as_bool(key: str, value: Any) -> bool:
+  """Reads a boolean key; strings true/1/yes and false/0/no are accepted.
+
+  Args:
+    key: The key, named in the error.
+    value: Its value.
+
+  Returns:
+    The boolean.
+
+  Raises:
+    MaxTextConfigError: If `value` is neither a bool nor such a string.
+  """
   if isinstance(value, bool):
     return value
   if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
@@ -173,8 +215,17 @@ def _new_key_value(key: str, value: Any) -> Any:
 
 
 def check_new_keys(keys: Mapping[str, Any]) -> dict[str, Any]:
-  """The orbax-mtc keys given outside MaxText's config, typed; unknown names and bad values
-  are errors."""
+  """Types and checks the orbax-mtc keys given outside MaxText's config.
+
+  Args:
+    keys: orbax-mtc key -> value (strings from a command line accepted).
+
+  Returns:
+    Key -> typed value.
+
+  Raises:
+    MaxTextConfigError: If a key is not in `NEW_KEYS` or its value is malformed.
+  """
   unknown = [k for k in keys if k not in NEW_KEYS]
   if unknown:
     hints = []
@@ -191,6 +242,15 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
 
   Our keys are taken out (MaxText would reject them); a key that looks like a misspelt one of
   ours is an error here rather than MaxText's longer one.
+
+  Args:
+    argv: MaxText's command-line arguments (config file and `key=value` overrides).
+
+  Returns:
+    (the arguments for MaxText, orbax-mtc key -> value as text).
+
+  Raises:
+    MaxTextConfigError: If an `mtc_` key unknown to MaxText is close to one of ours.
   """
   rest: list[str] = []
   ours: dict[str, str] = {}
@@ -209,7 +269,18 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
 
 
 def enabled_mode(config: Any) -> str | None:
-  """STANDALONE, MANAGED or None (neither flag is set); both set is an error."""
+  """Which orbax-mtc mode a config enables.
+
+  Args:
+    config: A MaxText config (HyperParameters or a mapping).
+
+  Returns:
+    STANDALONE (enable_emergency_checkpoint), MANAGED (enable_multi_tier_checkpointing), or
+    None when neither flag is set.
+
+  Raises:
+    MaxTextConfigError: If both flags are set or one is not a boolean.
+  """
   emergency = as_bool("enable_emergency_checkpoint",
                       value_of(config, "enable_emergency_checkpoint"))
   managed = as_bool("enable_multi_tier_checkpointing",
@@ -227,11 +298,21 @@ def enabled_mode(config: Any) -> str | None:
 
 def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
                   overrides: Mapping[str, Any] | None = None) -> MtcSettings | None:
-  """Validated settings from a MaxText config (object or dict); None when neither
-  enable_emergency_checkpoint nor enable_multi_tier_checkpointing is set.
+  """Validated settings from a MaxText config.
 
-  extra: orbax-mtc keys given outside the config (they win over the config's).
-  overrides: MaxText keys whose values the caller already has (a factory's arguments).
+  Args:
+    config: A MaxText config (HyperParameters or a mapping).
+    extra: orbax-mtc keys given outside the config (they win over the config's).
+    overrides: MaxText keys whose values the caller already has (a factory's arguments); they
+      win over both.
+
+  Returns:
+    The `MtcSettings`, or None when neither enable_emergency_checkpoint nor
+    enable_multi_tier_checkpointing is set.
+
+  Raises:
+    MaxTextConfigError: If a key is unknown or malformed, a required one (local directory,
+      local period, persistent directory) is missing, Pathways is asked for, or keys conflict.
   """
   extra = check_new_keys(extra or {})
   overrides = dict(overrides or {})
@@ -334,8 +415,18 @@ def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
 
 
 def local_directory_for(template: str, process_index: int, platform: str) -> str:
-  """This process's RAM-tier folder: `{process_index}` filled in; on GPU without the field,
-  `<dir>/<process_index>` (MaxText's layout there: several processes share a host)."""
+  """This process's RAM-tier folder.
+
+  Args:
+    template: `local_checkpoint_directory`, possibly holding `{process_index}`.
+    process_index: This process's index.
+    platform: The devices' platform ("cpu", "gpu", "tpu").
+
+  Returns:
+    `template` with `{process_index}` filled in; on GPU without the field,
+    `<dir>/<process_index>` (MaxText's layout there: several processes share a host); else
+    `template` as it is.
+  """
   if PROCESS_INDEX_FIELD in template:
     return template.replace(PROCESS_INDEX_FIELD, str(process_index))
   if platform == "gpu":
@@ -344,7 +435,15 @@ def local_directory_for(template: str, process_index: int, platform: str) -> str
 
 
 def check_mesh(settings: MtcSettings, axis_names: Sequence[str]) -> None:
-  """mtc_replica_axis must be an axis of the mesh the job trains on."""
+  """Checks that mtc_replica_axis is an axis of the mesh the job trains on.
+
+  Args:
+    settings: The settings.
+    axis_names: The mesh's axis names.
+
+  Raises:
+    MaxTextConfigError: If the replica axis is not among `axis_names`.
+  """
   names = tuple(axis_names)
   if settings.replica_axis not in names:
     raise MaxTextConfigError(
@@ -354,7 +453,18 @@ def check_mesh(settings: MtcSettings, axis_names: Sequence[str]) -> None:
 
 
 def manager_options(settings: MtcSettings) -> Any:
-  """The `orbax_mtc.CheckpointManagerOptions` the settings ask for."""
+  """The `orbax_mtc.CheckpointManagerOptions` the settings ask for.
+
+  Args:
+    settings: The settings.
+
+  Returns:
+    The manager's options.
+
+  Raises:
+    MaxTextConfigError: If managed mode is asked for and this orbax-mtc has no
+      `ManagedOptions`.
+  """
   import orbax_mtc as mtc
 
   persistent = mtc.PersistentCheckpointOptions(

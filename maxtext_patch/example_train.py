@@ -90,7 +90,17 @@ def _parse(key: str, text: str) -> Any:
 
 
 class Config:
-  """Read-only attribute access to the keys, as MaxText's `HyperParameters`."""
+  """Read-only attribute access to the keys, as MaxText's `HyperParameters`.
+
+  `checkpoint_dir` is derived as MaxText does: <base_output_directory>/<run_name>/checkpoints
+  (empty without a base directory).
+
+  Args:
+    keys: Key -> value, over `DEFAULTS`.
+
+  Raises:
+    ValueError: If a key is not in `DEFAULTS`.
+  """
 
   def __init__(self, keys: dict[str, Any]):
     unknown = sorted(set(keys) - set(DEFAULTS))
@@ -105,7 +115,18 @@ class Config:
 
   @classmethod
   def from_argv(cls, argv: Sequence[str]) -> Config:
-    """`[config.yml] key=value ...` as MaxText's command line."""
+    """Builds a config from `[config.yml] key=value ...`, as MaxText's command line.
+
+    Args:
+      argv: An optional YAML file first, then `key=value` overrides.
+
+    Returns:
+      The `Config`.
+
+    Raises:
+      ValueError: If an argument is not `key=value`, a key is unknown, or a value does not
+        parse as the type of its default.
+    """
     keys: dict[str, Any] = {}
     args = list(argv)
     if args and "=" not in args[0]:
@@ -127,9 +148,15 @@ class Config:
       raise AttributeError(key) from None
 
   def __setattr__(self, key: str, value: Any) -> None:
+    """Refuses every assignment.
+
+    Raises:
+      ValueError: Always: the config is read-only.
+    """
     raise ValueError("The config is read-only.")
 
   def get_keys(self) -> dict[str, Any]:
+    """Every key and its value (a copy), as MaxText's `HyperParameters.get_keys`."""
     return dict(self._keys)
 
 
@@ -137,6 +164,14 @@ class Config:
 
 
 class AdamState(NamedTuple):
+  """Adam's optimizer state.
+
+  Attributes:
+    count: Number of updates so far.
+    mu: First moments, shaped like the params.
+    nu: Second moments, shaped like the params.
+  """
+
   count: jax.Array
   mu: dict
   nu: dict
@@ -145,7 +180,13 @@ class AdamState(NamedTuple):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TrainState:
-  """Shaped as Flax's Linen `TrainState` (step, params, opt_state) as MaxText trains it."""
+  """Shaped as Flax's Linen `TrainState` (step, params, opt_state) as MaxText trains it.
+
+  Attributes:
+    step: Number of training steps taken.
+    params: The model's parameters.
+    opt_state: Adam's state.
+  """
 
   step: jax.Array
   params: dict
@@ -153,6 +194,17 @@ class TrainState:
 
 
 def make_mesh(cfg: Config) -> Mesh:
+  """The ("data", "fsdp") mesh of every device, as MaxText's ici_* parallelism keys ask.
+
+  Args:
+    cfg: The config; `ici_data_parallelism` / `ici_fsdp_parallelism` (one may be -1: the rest).
+
+  Returns:
+    The mesh.
+
+  Raises:
+    ValueError: If both are -1 or their product is not the number of devices.
+  """
   devices = np.array(jax.devices())
   data, fsdp = cfg.ici_data_parallelism, cfg.ici_fsdp_parallelism
   if data == -1 and fsdp == -1:
@@ -168,6 +220,14 @@ def make_mesh(cfg: Config) -> Mesh:
 
 
 def param_specs(cfg: Config) -> dict:
+  """The `PartitionSpec` of every parameter: weights sharded over "fsdp", norms replicated.
+
+  Args:
+    cfg: The config.
+
+  Returns:
+    A pytree of specs shaped like the params.
+  """
   weight = P("fsdp", None)
   layer = {"attn_norm": P(), "wq": weight, "wk": weight, "wv": weight, "wo": weight,
            "mlp_norm": P(), "wi": weight, "wo_mlp": weight}
@@ -176,6 +236,15 @@ def param_specs(cfg: Config) -> dict:
 
 
 def state_shardings(cfg: Config, mesh: Mesh) -> TrainState:
+  """The sharding of every leaf of the train state.
+
+  Args:
+    cfg: The config.
+    mesh: The mesh from `make_mesh`.
+
+  Returns:
+    A `TrainState` of `NamedSharding`s.
+  """
   params = jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(cfg),
                         is_leaf=lambda x: isinstance(x, P))
   return TrainState(step=NamedSharding(mesh, P()), params=params,
@@ -183,6 +252,14 @@ def state_shardings(cfg: Config, mesh: Mesh) -> TrainState:
 
 
 def init_state(cfg: Config) -> TrainState:
+  """The initial train state, a pure function of `init_weights_seed`.
+
+  Args:
+    cfg: The config.
+
+  Returns:
+    The state at step 0 with zero Adam moments.
+  """
   emb, mlp, vocab = cfg.base_emb_dim, cfg.base_mlp_dim, cfg.vocab_size
   keys = iter(jax.random.split(jax.random.PRNGKey(cfg.init_weights_seed), 64))
 
@@ -206,6 +283,15 @@ def _rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def loss_fn(params: dict, tokens: jax.Array) -> jax.Array:
+  """Next-token cross-entropy of the decoder-only transformer.
+
+  Args:
+    params: The model's parameters.
+    tokens: int32 tokens shaped (batch, length + 1).
+
+  Returns:
+    The mean loss, a scalar.
+  """
   inputs, targets = tokens[:, :-1], tokens[:, 1:]
   x = params["embed"][inputs]
   length = inputs.shape[1]
@@ -223,6 +309,16 @@ def loss_fn(params: dict, tokens: jax.Array) -> jax.Array:
 
 
 def train_step(state: TrainState, tokens: jax.Array, lr: float) -> tuple[TrainState, jax.Array]:
+  """One Adam step.
+
+  Args:
+    state: The train state.
+    tokens: The batch (see `batch`).
+    lr: The learning rate.
+
+  Returns:
+    (the next state, the loss before the step).
+  """
   loss, grads = jax.value_and_grad(loss_fn)(state.params, tokens)
   count = state.opt_state.count + 1
   mu = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, state.opt_state.mu, grads)
@@ -236,7 +332,16 @@ def train_step(state: TrainState, tokens: jax.Array, lr: float) -> tuple[TrainSt
 
 
 def batch(cfg: Config, mesh: Mesh, step: int) -> jax.Array:
-  """The global batch of `step` (a learnable token recurrence), whichever process builds it."""
+  """The global batch of `step` (a learnable token recurrence), whichever process builds it.
+
+  Args:
+    cfg: The config.
+    mesh: The mesh; the batch is sharded over ("data", "fsdp").
+    step: The step.
+
+  Returns:
+    int32 tokens shaped (per_device_batch_size x devices, max_target_length + 1).
+  """
   size = cfg.per_device_batch_size * mesh.devices.size
   rng = np.random.default_rng([cfg.init_weights_seed, step])
   tokens = np.empty((size, cfg.max_target_length + 1), np.int32)
@@ -248,7 +353,14 @@ def batch(cfg: Config, mesh: Mesh, step: int) -> jax.Array:
 
 
 def digest(state: Any) -> str:
-  """This process's shards of every leaf, bit for bit."""
+  """Hashes this process's shards of every leaf, bit for bit.
+
+  Args:
+    state: A pytree of jax.Arrays.
+
+  Returns:
+    The first 16 hex digits of the SHA-256.
+  """
   h = hashlib.sha256()
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
     for shard in sorted(leaf.addressable_shards, key=lambda s: s.device.id):
@@ -258,7 +370,11 @@ def digest(state: Any) -> str:
 
 
 def emit(line: str) -> None:
-  """One event line in one write(2), so that no other output lands inside it."""
+  """Writes one event line to stdout in one write(2), so that no other output lands inside it.
+
+  Args:
+    line: The event, without the `@@mtc` mark and newline.
+  """
   data = f"{MARK} {line}\n".encode()
   while data:
     data = data[os.write(1, data):]
@@ -277,6 +393,16 @@ def _hold(cfg: Config, manager: Any, me: int, step: int) -> None:
 
 
 def train_loop(cfg: Config) -> int:
+  """Restores or initialises, trains to `cfg.steps` saving as MaxText does, emitting events.
+
+  Stops early, cleanly, at the agreed preemption step (`StopTraining`).
+
+  Args:
+    cfg: The config.
+
+  Returns:
+    0.
+  """
   me = jax.process_index()
   mesh = make_mesh(cfg)
   shardings = state_shardings(cfg, mesh)
@@ -317,6 +443,17 @@ def train_loop(cfg: Config) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """Joins `jax.distributed`, reads the config and runs `train_loop`.
+
+  Args:
+    argv: `[config.yml] key=value ...`; None reads `sys.argv[1:]`.
+
+  Returns:
+    The exit status, 0.
+
+  Raises:
+    ValueError: If the config arguments are malformed.
+  """
   # Before any JAX computation, as MaxText's config does (maybe_initialize_jax_distributed_system).
   mtc.distributed.initialize()
   cfg = Config.from_argv(sys.argv[1:] if argv is None else argv)

@@ -26,15 +26,30 @@ MAXTEXT_TRAIN_MODULE = "maxtext.trainers.pre_train.train"
 
 
 def join_launcher_job() -> None:
-  """Joins `jax.distributed` as `orbax-mtc launch` tells its children to, before MaxText
-  starts: MaxText then finds JAX initialised and skips its own start-up, whose CPU path reads
-  XPK's variables (JOB_INDEX, PROCESSES_IN_JOB, a coordinator on port 1234). Outside our
-  launcher MaxText joins its cluster itself, as always."""
+  """Joins `jax.distributed` as `orbax-mtc launch` tells its children to, before MaxText starts.
+
+  MaxText then finds JAX initialised and skips its own start-up, whose CPU path reads XPK's
+  variables (JOB_INDEX, PROCESSES_IN_JOB, a coordinator on port 1234). Outside our launcher
+  (no ORBAX_MTC_COORDINATOR) this does nothing and MaxText joins its cluster itself, as always.
+
+  Raises:
+    ValueError: If the launcher's variables are malformed (see `distributed.initialize`).
+    RuntimeError: If a JAX backend was started before this call.
+  """
   if os.environ.get(distributed.ORBAX_MTC_COORDINATOR):
     distributed.initialize()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """Installs the patch and runs MaxText's training module with MaxText's arguments.
+
+  Args:
+    argv: MaxText's arguments plus `mtc_*` keys; None reads `sys.argv[1:]`.
+
+  Returns:
+    0 after MaxText's training returns; 2 when MaxText is missing or unsupported or an mtc_*
+    key is bad (the reason goes to stderr).
+  """
   args = list(sys.argv[1:] if argv is None else argv)
   try:
     maxtext_args, ours = mtc_config.split_argv(args)

@@ -150,11 +150,26 @@ def _codecs(record_type: type) -> list[tuple[str, _Codec]]:
 
 
 def row_size(record_type: type) -> int:
+  """Number of int64 values in the row of a record type.
+
+  Args:
+    record_type: A record dataclass of this module.
+
+  Returns:
+    The sum of the sizes of its fields' codecs.
+  """
   return sum(codec.size for _, codec in _codecs(record_type))
 
 
 def encode(record: Any) -> np.ndarray:
-  """The record as one int64 row (the only writer of the layout)."""
+  """Encodes a record as one int64 row (the only writer of the layout).
+
+  Args:
+    record: An instance of a record dataclass of this module.
+
+  Returns:
+    A 1-D int64 array of `row_size(type(record))` values.
+  """
   row: list[int] = []
   for name, codec in _codecs(type(record)):
     slots = codec.encode(getattr(record, name))
@@ -167,7 +182,19 @@ R = TypeVar("R")
 
 
 def decode(record_type: type[R], row: np.ndarray) -> R:
-  """The record `encode` wrote into `row` (the only reader of the layout)."""
+  """Decodes the record `encode` wrote into `row` (the only reader of the layout).
+
+  Args:
+    record_type: The record dataclass that was encoded.
+    row: The int64 values (any shape; flattened).
+
+  Returns:
+    The decoded record.
+
+  Raises:
+    ValueError: If `row` does not have `row_size(record_type)` values (e.g. processes run
+      different orbax-mtc versions).
+  """
   row = np.asarray(row, dtype=np.int64).reshape(-1)
   if row.size != row_size(record_type):
     raise ValueError(f"{record_type.__name__}: a row of {row.size} values, expected "
@@ -180,7 +207,16 @@ def decode(record_type: type[R], row: np.ndarray) -> R:
 
 
 def gather(record: R, allgather: Callable[[np.ndarray], np.ndarray]) -> list[R]:
-  """Every process's record, index = process (one all-gather: a collective)."""
+  """Gathers every process's record (one all-gather: a collective).
+
+  Args:
+    record: This process's record.
+    allgather: Stacks a row of every process (index = process), e.g.
+      `collectives.allgather` bound to its other arguments.
+
+  Returns:
+    The records of every process, index = process.
+  """
   rows = np.asarray(allgather(encode(record)))
   rows = rows.reshape(-1, rows.shape[-1])
   return [decode(type(record), row) for row in rows]
@@ -188,8 +224,16 @@ def gather(record: R, allgather: Callable[[np.ndarray], np.ndarray]) -> list[R]:
 
 def gather_with_sizes(record: R, sizes: np.ndarray, allgather: Callable[[np.ndarray], np.ndarray]
                       ) -> list[tuple[R, np.ndarray]]:
-    """Like `gather`, with a vector of byte counts after the record (one per stream of an
-    exchange, the same length on every process)."""
+    """Like `gather`, with a vector of byte counts after the record.
+
+    Args:
+      record: This process's record.
+      sizes: Byte counts, one per stream of an exchange, the same length on every process.
+      allgather: Stacks a row of every process (index = process).
+
+    Returns:
+      (record, sizes) of every process, index = process.
+    """
     row = np.concatenate([encode(record), np.asarray(sizes, dtype=np.int64).reshape(-1)])
     rows = np.asarray(allgather(row))
     rows = rows.reshape(-1, rows.shape[-1])
@@ -205,7 +249,13 @@ _MESSAGE_BYTES = 1200  # enough for a leaf path, two shardings and a folder
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-  """An error one process hit, carried to every other (rule 9). Empty kind: no fault."""
+  """An error one process hit, carried to every other (rule 9). Empty kind: no fault.
+
+  Attributes:
+    kind: The exception's type name; empty for no fault.
+    message: The exception's message, cut to fit the row.
+    backup_step: >= 0: a failed persistent backup of this step; -1 otherwise.
+  """
 
   kind: str = _field(_Text(48), "")  # the exception's type name
   message: str = _field(_Text(_MESSAGE_BYTES), "")
@@ -213,10 +263,20 @@ class Fault:
 
   @property
   def present(self) -> bool:
+    """True if this records a fault."""
     return bool(self.kind)
 
   @classmethod
   def of(cls, error: BaseException | None, *, backup_step: int = -1) -> Fault:
+    """Builds the fault of an exception.
+
+    Args:
+      error: The exception, or None for no fault.
+      backup_step: The step of a failed persistent backup, or -1.
+
+    Returns:
+      The `Fault`; an empty one when `error` is None.
+    """
     if error is None:
       return cls()
     return cls(kind=type(error).__name__, message=str(error), backup_step=backup_step)
@@ -224,8 +284,14 @@ class Fault:
 
 @dataclasses.dataclass(frozen=True)
 class Inventory:
-  """What one node can serve: own committed RAM steps, peer copies it holds as (source rank,
-  step), and the persistent steps it sees (newest first, `_STEPS_WIDTH` of each)."""
+  """What one node can serve (newest first, at most `_STEPS_WIDTH` of each list).
+
+  Attributes:
+    own_steps: Committed steps in the node's own RAM folder.
+    copies: Peer copies it holds, as (source rank, step).
+    persistent_steps: The persistent steps it sees.
+    persistent_truncated: True if `persistent_steps` was cut to `_STEPS_WIDTH`.
+  """
 
   own_steps: tuple[int, ...] = _field(_Steps(_STEPS_WIDTH), ())
   copies: tuple[tuple[int, int], ...] = _field(_Pairs(_STEPS_WIDTH), ())
@@ -235,6 +301,16 @@ class Inventory:
   @classmethod
   def of(cls, own_steps: Collection[int], copies: Collection[tuple[int, int]],
          persistent_steps: Collection[int]) -> Inventory:
+    """Builds an inventory, keeping the newest `_STEPS_WIDTH` steps of each list.
+
+    Args:
+      own_steps: Committed steps in the node's own RAM folder.
+      copies: Peer copies it holds, as (source rank, step).
+      persistent_steps: The persistent steps it sees.
+
+    Returns:
+      The `Inventory`.
+    """
     return cls(own_steps=tuple(sorted(set(own_steps), reverse=True)[:_STEPS_WIDTH]),
                copies=tuple(copies), persistent_steps=tuple(
                    sorted(set(persistent_steps), reverse=True)[:_STEPS_WIDTH]),
@@ -243,8 +319,12 @@ class Inventory:
 
 @dataclasses.dataclass(frozen=True)
 class StartRecord:
-  """Construction: whether this process could claim and prepare its local directory, and
-  what it holds."""
+  """Construction: whether this process could claim and prepare its local directory.
+
+  Attributes:
+    fault: The error it hit, if any.
+    inventory: What it holds.
+  """
 
   fault: Fault = _field(_Record(Fault), factory=Fault)
   inventory: Inventory = _field(_Record(Inventory), factory=Inventory)
@@ -252,7 +332,19 @@ class StartRecord:
 
 @dataclasses.dataclass(frozen=True)
 class SaveRecord:
-  """One local save (every process saves the same steps, so it is gathered everywhere)."""
+  """One local save (every process saves the same steps, so it is gathered everywhere).
+
+  Attributes:
+    step: The step being saved.
+    fault: The error this process hit, if any.
+    inventory: What this node holds.
+    has_step_in_ram: Whether the step already is in this node's RAM folder.
+    has_step_persistent: Whether the step already is in the persistent tier.
+    wants_backup: Whether this process wants the step backed up to the persistent tier.
+    backup_state: Where the pending backup's read-back is.
+    orbax_busy: Whether Orbax still writes an earlier backup here.
+    clock_ms: This process's clock; process 0's decides backups by minutes.
+  """
 
   step: int = _field(_Int(), -1)
   fault: Fault = _field(_Record(Fault), factory=Fault)
@@ -267,7 +359,13 @@ class SaveRecord:
 
 @dataclasses.dataclass(frozen=True)
 class RestoreRecord:
-  """One restore: the step asked for (-1: the newest) and what this node can serve."""
+  """One restore: the step asked for and what this node can serve.
+
+  Attributes:
+    requested_step: The step asked for; -1 for the newest.
+    fault: The error this process hit, if any.
+    inventory: What this node holds.
+  """
 
   requested_step: int = _field(_Int(), -1)
   fault: Fault = _field(_Record(Fault), factory=Fault)
@@ -276,16 +374,23 @@ class RestoreRecord:
 
 @dataclasses.dataclass(frozen=True)
 class SendRecord:
-  """Peer replication of one step: whether this node committed it (WRITING, COMMITTED or
-  FAILED); its byte count per copy edge follows (`gather_with_sizes`)."""
+  """Peer replication of one step; its byte count per copy edge follows (`gather_with_sizes`).
+
+  Attributes:
+    status: Whether this node committed the step: WRITING, COMMITTED or FAILED.
+  """
 
   status: Status = _field(_Enum(Status), Status.WRITING)
 
 
 @dataclasses.dataclass(frozen=True)
 class ServeRecord:
-  """A restore's transfers: whether this node can serve what it was asked to (its byte
-  count per transfer follows, `gather_with_sizes`) and why not."""
+  """A restore's transfers; its byte count per transfer follows (`gather_with_sizes`).
+
+  Attributes:
+    status: Whether this node can serve what it was asked to.
+    message: Why not, if it cannot.
+  """
 
   status: Status = _field(_Enum(Status), Status.OK)
   message: str = _field(_Text(_MESSAGE_BYTES), "")
@@ -293,7 +398,12 @@ class ServeRecord:
 
 @dataclasses.dataclass(frozen=True)
 class BuildRecord:
-  """One attempt to build the restore target from a chosen source."""
+  """One attempt to build the restore target from a chosen source.
+
+  Attributes:
+    status: OK, UNUSABLE (try another source), MISMATCH or FAILED.
+    message: What went wrong, if anything.
+  """
 
   status: Status = _field(_Enum(Status), Status.OK)
   message: str = _field(_Text(_MESSAGE_BYTES), "")
@@ -301,15 +411,24 @@ class BuildRecord:
 
 @dataclasses.dataclass(frozen=True)
 class ReadBackRecord:
-  """Flushing a pending backup: where this node is with reading it back from RAM."""
+  """Flushing a pending backup.
+
+  Attributes:
+    state: Where this node is with reading it back from RAM.
+  """
 
   state: Status = _field(_Enum(Status), Status.NONE)
 
 
 @dataclasses.dataclass(frozen=True)
 class OnDemandRecord:
-  """The on-demand save after its RAM write: errors, and whether this node wants (and has
-  the time for) the persistent backup. Orbax's save has barriers, so all must agree."""
+  """The on-demand save after its RAM write. Orbax's save has barriers, so all must agree.
+
+  Attributes:
+    fault: The error this process hit, if any.
+    wants_backup: Whether this node wants the persistent backup.
+    in_budget: Whether this node has the time for it.
+  """
 
   fault: Fault = _field(_Record(Fault), factory=Fault)
   wants_backup: bool = _field(_Bool(), False)
@@ -318,8 +437,12 @@ class OnDemandRecord:
 
 @dataclasses.dataclass(frozen=True)
 class EntryRecord:
-  """Managed mode: the step this worker's replicator `.restore` entry names, and whether
-  this node holds it in its own folder."""
+  """Managed mode: the step this worker's replicator `.restore` entry names.
+
+  Attributes:
+    step: That step; -1 for none.
+    readable: Whether this node holds it in its own folder.
+  """
 
   step: int = _field(_Int(), -1)
   readable: bool = _field(_Bool(), False)
@@ -327,7 +450,12 @@ class EntryRecord:
 
 @dataclasses.dataclass(frozen=True)
 class FinishRecord:
-  """`wait_until_finished` / `reload`: errors still to report, and what each node holds."""
+  """`wait_until_finished` / `reload`: errors still to report, and what each node holds.
+
+  Attributes:
+    fault: The error this process still has to report, if any.
+    inventory: What this node holds.
+  """
 
   fault: Fault = _field(_Record(Fault), factory=Fault)
   inventory: Inventory = _field(_Record(Inventory), factory=Inventory)
@@ -339,7 +467,12 @@ class FinishRecord:
 class CheckpointError(RuntimeError):
   """A checkpoint operation failed on one or more processes; raised on every process alike.
 
-  `origins` maps each failing process to its error, as "<type>: <message>".
+  Args:
+    what: The operation that failed, named in the message.
+    origins: Each failing process -> its error, as "<type>: <message>".
+
+  Attributes:
+    origins: A copy of `origins`.
   """
 
   def __init__(self, what: str, origins: dict[int, str]):
@@ -350,12 +483,27 @@ class CheckpointError(RuntimeError):
 
 
 def faults(records: Sequence[Any]) -> dict[int, Fault]:
-  """Process -> its fault, for the processes that report one."""
+  """Collects the faults the processes report.
+
+  Args:
+    records: One gathered record per process, each with a `fault` field.
+
+  Returns:
+    Process -> its fault, for the processes that report one.
+  """
   return {p: r.fault for p, r in enumerate(records) if r.fault.present}
 
 
 def raise_faults(records: Sequence[Any], what: str) -> None:
-  """Raises one CheckpointError, the same on every process, if any process reports a fault."""
+  """Raises one CheckpointError, the same on every process, if any process reports a fault.
+
+  Args:
+    records: One gathered record per process, each with a `fault` field.
+    what: The operation, named in the error.
+
+  Raises:
+    CheckpointError: If any record carries a fault.
+  """
   found = faults(records)
   if found:
     raise CheckpointError(what, {p: f"{f.kind}: {f.message}" for p, f in found.items()})
@@ -367,6 +515,13 @@ def agreed_persistent_steps(inventories: Sequence[Inventory],
 
   Steps older than what a cut inventory carried come from this process's own view: old steps
   are settled, and every process sees the same there.
+
+  Args:
+    inventories: One gathered inventory per process.
+    own_view: The persistent steps this process sees.
+
+  Returns:
+    The agreed persistent steps, oldest first.
   """
   if not inventories:
     return tuple(sorted(own_view))

@@ -32,7 +32,16 @@ _DEFAULT_ITEM = "default"
 
 
 class BackupError(RuntimeError):
-  """The newest persistent backup failed; the RAM tier (and peers) still hold the step."""
+  """The newest persistent backup failed; the RAM tier (and peers) still hold the step.
+
+  Args:
+    step: The step whose backup failed.
+    cause: The error the backup raised.
+
+  Attributes:
+    step: The step whose backup failed.
+    cause: The error the backup raised.
+  """
 
   def __init__(self, step: int, cause: BaseException):
     super().__init__(
@@ -45,13 +54,21 @@ class BackupError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class BackupIntervalPolicy:
-  """Back up when `minutes` have passed since the last backup attempt (the GKE replicator's
-  `backup-interval-minutes`), never while one is still being written.
+  """Backs up when `minutes` have passed since the last backup attempt.
+
+  This is the GKE replicator's `backup-interval-minutes`; it never backs up while an earlier
+  backup is still being written.
 
   An Orbax `SaveDecisionPolicy`: pure, so it composes with Orbax's policies. Unlike Orbax's
   ContinuousCheckpointingPolicy it does not broadcast: the manager evaluates it on process 0
   and shares the answer in the all-gather every local save already makes. `previous_steps`
   are the attempts, failed ones included, so a failure waits for the next interval.
+
+  Attributes:
+    minutes: The interval in minutes.
+
+  Raises:
+    ValueError: If `minutes` is not a positive finite number.
   """
 
   minutes: float
@@ -65,6 +82,17 @@ class BackupIntervalPolicy:
   def should_save(self, step: policies.PolicyCheckpointInfo,
                   previous_steps: Sequence[policies.PolicyCheckpointInfo], *,
                   context: policies.DecisionContext) -> bool:
+    """Decides whether `step` is backed up (Orbax's `SaveDecisionPolicy.should_save`).
+
+    Args:
+      step: The step asked about, with its time.
+      previous_steps: Earlier backup attempts, oldest first.
+      context: Orbax's decision context; a save in progress means no.
+
+    Returns:
+      True if no save is in progress and no attempt was made yet or the last one is at least
+      `minutes` older than `step`.
+    """
     if context.is_saving_in_progress:
       return False
     if not previous_steps:
@@ -83,7 +111,18 @@ class _Attempt:
 
 def interval_due(policy: BackupIntervalPolicy, step: int, now: float,
                  last_attempt: tuple[int, float] | None, saving: bool) -> bool:
-  """`policy` asked with plain numbers (seconds since the epoch)."""
+  """Asks `policy` with plain numbers (seconds since the epoch).
+
+  Args:
+    policy: The interval policy.
+    step: The step asked about.
+    now: The current time, in seconds since the epoch.
+    last_attempt: (step, time in seconds since the epoch) of the last backup attempt, or None.
+    saving: Whether a backup is still being written.
+
+  Returns:
+    Whether the policy backs up `step` now.
+  """
   def at(seconds: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(seconds, tz=dt.UTC)
 
@@ -95,8 +134,17 @@ def interval_due(policy: BackupIntervalPolicy, step: int, now: float,
 
 
 def templates(args: Any) -> tuple[dict[str, Any], bool]:
-  """The save args of each item with the data left out (kept until the backup starts without
-  holding on to the device arrays), and whether it was a single-item save."""
+  """The save args of each item with the data left out.
+
+  They are kept until the backup starts without holding on to the device arrays (`JsonSave`
+  args are small and kept whole).
+
+  Args:
+    args: The Orbax save args of a save: a `Composite` or a single item's args.
+
+  Returns:
+    (item name -> args without data, whether it was a single-item save).
+  """
   if isinstance(args, ocp.args.Composite):
     return {name: _template(item) for name, item in args.items()}, False
   return {_DEFAULT_ITEM: _template(args)}, True
@@ -109,7 +157,15 @@ def _template(item: Any) -> Any:
 
 
 def host_targets(trees: Mapping[str, Any]) -> dict[str, Any]:
-  """Restore targets that rebuild each array leaf with its own sharding (other leaves: as is)."""
+  """Restore targets that rebuild each array leaf with its own sharding.
+
+  Args:
+    trees: Item name -> the pytree that was saved.
+
+  Returns:
+    Item name -> the same pytree with every jax.Array replaced by its `jax.ShapeDtypeStruct`
+    (other leaves as they are).
+  """
   def target(leaf: Any) -> Any:
     if isinstance(leaf, jax.Array):
       return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
@@ -120,7 +176,16 @@ def host_targets(trees: Mapping[str, Any]) -> dict[str, Any]:
 
 def backup_args(item_templates: Mapping[str, Any], single: bool,
                 values: Mapping[str, Any]) -> Any:
-  """Orbax save args of the same kinds as the original save, holding `values`."""
+  """Orbax save args of the same kinds as the original save, holding `values`.
+
+  Args:
+    item_templates: What `templates` returned for the original save.
+    single: Whether it was a single-item save.
+    values: Item name -> the value to save (not needed for `JsonSave` items).
+
+  Returns:
+    The single item's args, or an `ocp.args.Composite` of every item.
+  """
   def filled(name: str) -> Any:
     template = item_templates[name]
     if isinstance(template, ocp.args.JsonSave):
@@ -133,9 +198,17 @@ def backup_args(item_templates: Mapping[str, Any], single: bool,
 
 
 def host_memory_kind(trees: Mapping[str, Any]) -> str | None:
-  """Where rebuilt arrays live: on accelerators, their pinned host memory (no device memory
-  is taken and Orbax's transfer to host is a host copy); on CPU the default memory, which is
-  host memory already."""
+  """Where rebuilt arrays live.
+
+  On accelerators, their pinned host memory (no device memory is taken and Orbax's transfer to
+  host is a host copy); on CPU the default memory, which is host memory already.
+
+  Args:
+    trees: Item name -> a pytree; its first jax.Array decides.
+
+  Returns:
+    "pinned_host" when the first array's device offers it, else None (the default memory).
+  """
   for tree in trees.values():
     for leaf in jax.tree_util.tree_leaves(tree):
       if isinstance(leaf, jax.Array):
@@ -148,12 +221,18 @@ def host_memory_kind(trees: Mapping[str, Any]) -> str | None:
 
 
 def orbax_writes_running(checkpointer: Any) -> bool:
-  """Whether Orbax's checkpointer still works on an earlier save on this process: its commit
-  thread runs, or a step metadata file is still being written.
+  """Whether Orbax's checkpointer still works on an earlier save on this process.
 
+  That is: its commit thread runs, or a step metadata file is still being written.
   `AsyncCheckpointer.save()` first waits for both, the metadata write with no timeout
   (orbax-checkpoint 0.12), and raises what they left behind on this process alone, between
   two of its barriers. Reads Orbax internals; a version without them answers False.
+
+  Args:
+    checkpointer: The persistent tier's Orbax checkpointer.
+
+  Returns:
+    True if an earlier save is still being written on this process.
   """
   commit = getattr(getattr(checkpointer, "_async_manager", None), "_thread", None)
   if commit is not None and commit.is_alive():
@@ -172,9 +251,18 @@ def orbax_writes_running(checkpointer: Any) -> bool:
 
 
 def collect_orbax_errors(checkpointer: Any) -> list[BaseException]:
-  """Waits for Orbax's checkpointer to finish its earlier saves and consumes the errors they
-  left behind (each is raised once), so that the next `save()` raises none of them on one
-  process only. Does not block when `orbax_writes_running` is False."""
+  """Waits for Orbax's checkpointer to finish its earlier saves and consumes their errors.
+
+  Each error is raised once, so that the next `save()` raises none of them on one process
+  only. Does not block when `orbax_writes_running` is False.
+
+  Args:
+    checkpointer: The persistent tier's Orbax checkpointer.
+
+  Returns:
+    The errors the earlier saves left behind (empty if none, or if the checkpointer has no
+    `wait_until_finished`).
+  """
   wait = getattr(checkpointer, "wait_until_finished", None)
   if wait is None:
     return []
@@ -190,13 +278,21 @@ def collect_orbax_errors(checkpointer: Any) -> list[BaseException]:
   return errors
 
 
-# A pending backup's state, as all-gathered (the one set of codes: agreement.Status).
-READING, READY, FAILED, NONE = Status.READING, Status.READY, Status.FAILED, Status.NONE
-
-
 @dataclasses.dataclass
 class PendingBackup:
-  """A step chosen for backup, from the local save until Orbax takes it."""
+  """A step chosen for backup, from the local save until Orbax takes it.
+
+  Attributes:
+    step: The step.
+    templates: Item name -> save args without data (see `templates`).
+    single: Whether it was a single-item save.
+    targets: Item name -> restore target for the read-back (see `host_targets`).
+    memory_kind: Memory the rebuilt arrays live in (see `host_memory_kind`).
+    metrics: The metrics passed to `save`.
+    custom_metadata: The custom metadata passed to `save`, or None.
+    read: A `concurrent.futures.Future` of {item: value} read back from RAM; None until the
+      read-back starts.
+  """
 
   step: int
   templates: dict[str, Any]
@@ -208,16 +304,27 @@ class PendingBackup:
   read: Any = None  # concurrent.futures.Future of {item: value} read back from RAM
 
   def state(self) -> Status:
-    """READING, READY or FAILED (for the all-gather)."""
+    """Where the read-back is, for the all-gather.
+
+    Returns:
+      READING while it has not finished (or not started), FAILED if it raised, else READY.
+    """
     if self.read is None or not self.read.done():
-      return READING
-    return FAILED if self.read.exception() is not None else READY
+      return Status.READING
+    return Status.FAILED if self.read.exception() is not None else Status.READY
 
 
 
 @dataclasses.dataclass(frozen=True)
 class BackupInfo:
-  """The newest backup attempt: `state` is "uploading", "done" or "failed"."""
+  """The newest backup attempt.
+
+  Attributes:
+    step: The step backed up.
+    state: "uploading", "done" or "failed".
+    started_at: When the attempt started, in seconds since the epoch.
+    error: The error of a failed attempt, as text; None otherwise.
+  """
 
   step: int
   state: str

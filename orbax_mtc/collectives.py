@@ -41,7 +41,18 @@ def _missing_processes(error: Exception) -> list[int] | None:
 
 
 def barrier(what: str, process_count: int, timeout_s: float) -> None:
-  """Waits until every process reaches the same agreement, at most `timeout_s`."""
+  """Waits until every process reaches the same agreement, at most `timeout_s`.
+
+  Returns at once for a single process or when there is no coordination service.
+
+  Args:
+    what: What the agreement is for, named in the error.
+    process_count: Number of processes in the job.
+    timeout_s: Longest wait in seconds.
+
+  Raises:
+    AgreementTimeoutError: If not every process reached the barrier within `timeout_s`.
+  """
   if process_count == 1:
     return
   client = _client()
@@ -61,7 +72,22 @@ def barrier(what: str, process_count: int, timeout_s: float) -> None:
 
 
 def allgather(row: np.ndarray, what: str, process_count: int, timeout_s: float) -> np.ndarray:
-  """`row` of every process, stacked (index = process), after a bounded barrier."""
+  """Gathers `row` from every process, after a bounded barrier.
+
+  int64 rows keep all 64 bits even without `jax_enable_x64`.
+
+  Args:
+    row: This process's row; the same shape and dtype on every process.
+    what: What the agreement is for, named in a timeout error.
+    process_count: Number of processes in the job.
+    timeout_s: Longest wait at the barrier in seconds.
+
+  Returns:
+    The rows of every process, stacked (index = process).
+
+  Raises:
+    AgreementTimeoutError: If not every process reached the barrier within `timeout_s`.
+  """
   if process_count == 1:
     return np.asarray(row)[None]
   barrier(what, process_count, timeout_s)

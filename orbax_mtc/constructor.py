@@ -55,7 +55,16 @@ def _is_path(value: Any) -> bool:
 
 
 def choose_form(args: tuple[Any, ...], kwargs: dict[str, Any], mtc_options_type: type) -> str:
-  """MULTI_TIER or PARENT_STYLE for a constructor call."""
+  """Tells which form of the constructor a call uses.
+
+  Args:
+    args: The call's positional arguments.
+    kwargs: The call's keyword arguments.
+    mtc_options_type: The multi-tier options class (`orbax_mtc.CheckpointManagerOptions`).
+
+  Returns:
+    `MULTI_TIER` or `PARENT_STYLE`.
+  """
   if "persistent_directory" in kwargs:
     return MULTI_TIER
   if any(name in kwargs for name in _PARENT_ONLY):
@@ -72,7 +81,19 @@ def choose_form(args: tuple[Any, ...], kwargs: dict[str, Any], mtc_options_type:
 
 def bind(args: tuple[Any, ...], kwargs: dict[str, Any],
          mtc_options_type: type) -> tuple[str, dict[str, Any]]:
-  """(form, every parameter of that form by name), or a TypeError that shows both forms."""
+  """Binds a constructor call to the signature of its form.
+
+  Args:
+    args: The call's positional arguments.
+    kwargs: The call's keyword arguments.
+    mtc_options_type: The multi-tier options class (`orbax_mtc.CheckpointManagerOptions`).
+
+  Returns:
+    (form, every parameter of that form by name, defaults applied).
+
+  Raises:
+    TypeError: If the call does not fit the signature of its form; the message shows both.
+  """
   form = choose_form(args, kwargs, mtc_options_type)
   signature = MULTI_TIER_SIGNATURE if form == MULTI_TIER else PARENT_STYLE_SIGNATURE
   try:
@@ -87,10 +108,17 @@ def bind(args: tuple[Any, ...], kwargs: dict[str, Any],
 
 
 def local_directory_from_env(directory: Any, process_index: int) -> Path | None:
-  """The RAM-tier folder a harness asks for through LOCAL_ROOT_ENV (None when unset).
+  """The RAM-tier folder a harness asks for through LOCAL_ROOT_ENV.
 
   Same persistent `directory` -> same folder, so a manager re-created on a directory finds
   the RAM steps of the previous one; one folder per process, as on separate hosts.
+
+  Args:
+    directory: The manager's persistent directory.
+    process_index: This process's index.
+
+  Returns:
+    The folder, or None when LOCAL_ROOT_ENV is unset or empty.
   """
   root = os.environ.get(LOCAL_ROOT_ENV)
   if not root:

@@ -76,7 +76,13 @@ _exit_hook_registered = False
 class DistributedInfo:
   """Who this process is in the job.
 
-  `coordinator` is None when running single-process (no `jax.distributed`).
+  Attributes:
+    process_id: Rank of this process.
+    num_processes: Number of processes in the job.
+    coordinator: Address of the coordinator; None when running single-process (no
+      `jax.distributed`).
+    local_directory: This process's RAM-disk folder from `ORBAX_MTC_LOCAL_DIR`, or None.
+    worker_index: Index of this process inside its host (see `worker_index`).
   """
 
   process_id: int
@@ -101,7 +107,11 @@ def _env_int(name: str, *, minimum: int) -> int | None:
 
 
 def is_initialized() -> bool:
-  """Whether `jax.distributed` has been initialised in this process."""
+  """Whether `jax.distributed` has been initialised in this process.
+
+  Returns:
+    True if this process has joined `jax.distributed`.
+  """
   fn = getattr(jax.distributed, "is_initialized", None)
   if fn is not None:
     return bool(fn())
@@ -116,6 +126,12 @@ def worker_index() -> int:
 
   ORBAX_MTC_WORKER_INDEX, else TPU_WORKER_ID (Cloud TPU), else LOCAL_RANK (torchrun-style GPU
   launchers), else 0.
+
+  Returns:
+    The index, >= 0.
+
+  Raises:
+    ValueError: If the first of those variables that is set is not an integer >= 0.
   """
   for name in (ORBAX_MTC_WORKER_INDEX, "TPU_WORKER_ID", "LOCAL_RANK"):
     value = _env_int(name, minimum=0)
@@ -125,7 +141,14 @@ def worker_index() -> int:
 
 
 def local_directory(default: str | None = None) -> str | None:
-  """This process's RAM-disk folder as set by the launcher (ORBAX_MTC_LOCAL_DIR), else `default`."""
+  """This process's RAM-disk folder as set by the launcher.
+
+  Args:
+    default: What to return when `ORBAX_MTC_LOCAL_DIR` is unset or empty.
+
+  Returns:
+    The value of `ORBAX_MTC_LOCAL_DIR`, else `default`.
+  """
   return os.environ.get(ORBAX_MTC_LOCAL_DIR) or default
 
 
@@ -135,7 +158,11 @@ def detected_cluster() -> str | None:
   Asks every registered `jax._src.clusters.ClusterEnv` (Cloud TPU on GCE/GKE, SLURM, Open MPI,
   Kubernetes) whether it is present, skipping opt-in-only ones (mpi4py), which is the same
   selection `jax.distributed.initialize()` makes with no arguments. JAX has no public API for
-  this question; the `ClusterEnv` registry has been stable since JAX 0.4.
+  this question; the `ClusterEnv` registry has been stable since JAX 0.4. A probe that raises
+  counts as absent (with a warning).
+
+  Returns:
+    The class name of the first cluster environment present, or None.
   """
   try:
     from jax._src import clusters
@@ -203,11 +230,18 @@ def initialize(*, timeout_s: int = 120) -> DistributedInfo:
 
   Order: already initialised -> no-op; `ORBAX_MTC_*` set -> join that coordinator; a cluster
   environment JAX can detect -> `jax.distributed.initialize()`; else single process, no
-  `jax.distributed`. `timeout_s` bounds the wait for the other processes to join.
+  `jax.distributed`. Also registers the exit hook described in the module docstring.
+
+  Args:
+    timeout_s: Longest wait in seconds for the other processes to join.
+
+  Returns:
+    The `DistributedInfo` of this process.
 
   Raises:
-    ValueError: malformed or inconsistent `ORBAX_MTC_*` variables.
-    RuntimeError: a JAX backend was started before this call, so it cannot join a job.
+    ValueError: If the `ORBAX_MTC_*` variables (or the worker-index variables) are malformed
+      or inconsistent, or `ORBAX_MTC_LOCAL_DIR` is not an absolute path.
+    RuntimeError: If a JAX backend was started before this call, so it cannot join a job.
   """
   params = _launcher_params()  # validate even when already up: a bad env is a bug either way
   local_dir = local_directory()
@@ -253,8 +287,21 @@ def initialize(*, timeout_s: int = 120) -> DistributedInfo:
 
 def join(coordinator: str, process_id: int, *, timeout_s: int = 120,
          shutdown_timeout_s: int = 300) -> None:
-  """Joins `jax.distributed` at a coordinator named elsewhere (GKE's jax-init-info.txt). The
-  process count comes from the launcher's variables when set, else JAX detects it."""
+  """Joins `jax.distributed` at a coordinator named elsewhere (GKE's jax-init-info.txt).
+
+  The process count comes from the launcher's variables when set, else JAX detects it. Also
+  registers the exit hook described in the module docstring.
+
+  Args:
+    coordinator: Address of the coordinator, HOST:PORT.
+    process_id: Rank of this process.
+    timeout_s: Longest wait in seconds for the other processes to join.
+    shutdown_timeout_s: Longest wait in seconds at JAX's shutdown barrier.
+
+  Raises:
+    ValueError: If the `ORBAX_MTC_*` variables are malformed or inconsistent.
+    RuntimeError: If a JAX backend was started before this call, so it cannot join a job.
+  """
   params = _launcher_params()
   _jax_initialize(coordinator, num_processes=params[1] if params is not None else None,
                   process_id=process_id, initialization_timeout=int(timeout_s),
@@ -310,10 +357,16 @@ def finish_collectives(barrier_timeout_s: float = EXIT_BARRIER_TIMEOUT_S) -> boo
   with a single process, or when some process has never started a JAX backend (nothing was
   computed, so nothing can be in flight, and a collective would start a backend just to leave).
 
+  Args:
+    barrier_timeout_s: Longest wait in seconds at the barrier.
+
   Returns:
     True when the collectives were waited for; False when there was nothing to do, or some
     process did not reach the barrier in time (it is still running or failed: then nothing is
     waited for, as before).
+
+  Raises:
+    RuntimeError: If the final collective returns a wrong sum.
   """
   from jax._src import distributed as jax_distributed
   from jax._src import xla_bridge

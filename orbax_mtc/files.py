@@ -57,7 +57,7 @@ def write_private_file(path: Path, data: bytes, mode: int) -> None:
 
 
 def write_atomic(path: Path, data: bytes | str, *, mode: int = 0o644,
-                 sync_dir: bool = True) -> None:
+                 sync_dir: bool = True, tmp_name: str | None = None) -> None:
   """Replaces `path` with `data` in one rename: a reader sees the old file or the new, whole.
 
   Args:
@@ -65,6 +65,8 @@ def write_atomic(path: Path, data: bytes | str, *, mode: int = 0o644,
     data: the contents (str is written as UTF-8).
     mode: permission bits of the new file.
     sync_dir: also flush the folder, so the rename itself survives a crash.
+    tmp_name: the temporary file's name in the same folder, where a protocol fixes it
+      (default: a unique hidden name).
 
   Raises:
     OSError: the write or the rename failed; `path` is then unchanged and no temporary file
@@ -73,7 +75,7 @@ def write_atomic(path: Path, data: bytes | str, *, mode: int = 0o644,
   path = Path(path)
   if isinstance(data, str):
     data = data.encode()
-  tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+  tmp = path.with_name(tmp_name or f".{path.name}.{uuid.uuid4().hex}.tmp")
   try:
     write_private_file(tmp, data, mode)
     os.replace(tmp, path)

@@ -25,7 +25,13 @@ _warned: set[str] = set()
 
 
 def warn_once(key: str, message: str, *args: Any) -> None:
-  """absl warning, once per `key` per process (an option we accept but do not apply)."""
+  """Logs an absl warning once per `key` per process (an option we accept but do not apply).
+
+  Args:
+    key: What the warning is about; later calls with the same key log nothing.
+    message: The %-style format of the warning.
+    *args: Its arguments.
+  """
   if key not in _warned:
     _warned.add(key)
     logging.warning(message, *args)
@@ -37,8 +43,21 @@ def _check_bool(owner: str, name: str, value: Any) -> None:
 
 
 def ram_keep_from_policy(owner: str, policy: Any) -> int:
-  """How many steps the RAM tier keeps for an Orbax `PreservationPolicy`: `LatestN(n)` keeps
-  n; any other policy cannot be applied to RAM steps (warned once) and keeps 1."""
+  """How many steps the RAM tier keeps for an Orbax `PreservationPolicy`.
+
+  `LatestN(n)` keeps n; any other policy cannot be applied to RAM steps (warned once) and
+  keeps 1.
+
+  Args:
+    owner: The options class the policy belongs to, named in messages.
+    policy: The Orbax `PreservationPolicy`.
+
+  Returns:
+    The number of RAM steps to keep, >= 1.
+
+  Raises:
+    ValueError: If the policy is `LatestN` with an `n` that is not an int >= 1.
+  """
   n = policy.n if isinstance(policy, policies.LatestN) else None
   if n is not None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -84,19 +103,29 @@ def _check_max_to_keep(owner: str, value: int | None) -> None:
 class LocalCheckpointOptions:
   """When to save to the RAM-disk tier and how many steps to keep there.
 
-  save_interval_steps: save every N steps (Orbax default: 10).
-  max_to_keep: committed steps kept per node (default 1, as in Orbax's emergency manager); the
-    step being written is extra, so at most `max_to_keep + 1` step folders exist at once.
-  read_only: never save locally (restore still reads the RAM tier).
-  should_save_fn: `fn(step, last_saved_step) -> bool`; overrides `save_interval_steps`.
-  save_decision_policy: an Orbax `SaveDecisionPolicy`; overrides everything above.
-  preservation_policy: as in Orbax, instead of `max_to_keep`: `LatestN(n)` keeps n RAM steps;
-    other policies are not applied to RAM steps (warned once; the newest 1 is kept).
-  debug_use_full_global_mesh: Orbax's debug switch for barriers over all processes; ours
-    always span every process, so it changes nothing.
-  directory_mode / file_mode: permissions of the RAM tier's folders and files (model weights
-    are private: 0o700 and 0o600 by default). Widen them only for a helper that runs as
-    another user, such as a replicator that must read the steps.
+  Attributes:
+    save_interval_steps: Save every N steps (Orbax default: 10).
+    max_to_keep: Committed steps kept per node (default 1, as in Orbax's emergency manager);
+      the step being written is extra, so at most `max_to_keep + 1` step folders exist at
+      once.
+    read_only: Never save locally (restore still reads the RAM tier).
+    should_save_fn: `fn(step, last_saved_step) -> bool`; overrides `save_interval_steps`.
+    save_decision_policy: An Orbax `SaveDecisionPolicy`; overrides everything above.
+    preservation_policy: As in Orbax, instead of `max_to_keep`: `LatestN(n)` keeps n RAM
+      steps; other policies are not applied to RAM steps (warned once; the newest 1 is kept).
+    debug_use_full_global_mesh: Orbax's debug switch for barriers over all processes; ours
+      always span every process, so it changes nothing.
+    directory_mode: Permissions of the RAM tier's folders (model weights are private: 0o700
+      by default). Widen them only for a helper that runs as another user, such as a
+      replicator that must read the steps.
+    file_mode: Permissions of the RAM tier's files (0o600 by default); as `directory_mode`.
+
+  Raises:
+    ValueError: If `save_interval_steps` is not positive, `max_to_keep` is < 1, both
+      `preservation_policy` and a different `max_to_keep` are set, a `LatestN` policy has a
+      bad `n`, or the modes are not permission bits giving the owner rwx / rw.
+    TypeError: If `save_interval_steps` or `max_to_keep` is not an int,
+      `debug_use_full_global_mesh` is not a bool, or `should_save_fn` is not callable.
   """
 
   save_interval_steps: int = 10
@@ -143,17 +172,28 @@ class LocalCheckpointOptions:
 class PersistentCheckpointOptions:
   """When to back up to the persistent tier (a standard Orbax checkpoint) and what to keep.
 
-  save_interval_steps: back up every N steps (default 1000, as Orbax).
-  max_to_keep: persistent steps kept; None keeps all.
-  keep_period: also keep every step that is a multiple of this.
-  should_save_fn / save_decision_policy / preservation_policy: as in Orbax; each overrides the
-    simpler options above.
-  backup_interval_minutes: instead of steps, back up the step being saved to RAM once this many
-    minutes have passed since the last backup attempt (the GKE replicator's
-    `backup-interval-minutes`). `save_interval_steps` must then stay at its default (it is
-    set to None). Backups are of steps committed in RAM and run in the background; a failed
-    one is retried at the next scheduled backup.
-  best_fn / best_mode: rank checkpoints by the `metrics` passed to `save` (Orbax semantics).
+  Attributes:
+    save_interval_steps: Back up every N steps (default 1000, as Orbax).
+    max_to_keep: Persistent steps kept; None keeps all.
+    keep_period: Also keep every step that is a multiple of this.
+    should_save_fn: As in Orbax; overrides the simpler options above.
+    save_decision_policy: As in Orbax; overrides the simpler options above.
+    preservation_policy: As in Orbax; overrides the simpler options above (`max_to_keep` and
+      `keep_period` must then be None).
+    backup_interval_minutes: Instead of steps, back up the step being saved to RAM once this
+      many minutes have passed since the last backup attempt (the GKE replicator's
+      `backup-interval-minutes`). `save_interval_steps` must then stay at its default (it is
+      set to None). Backups are of steps committed in RAM and run in the background; a failed
+      one is retried at the next scheduled backup.
+    best_fn: Ranks checkpoints by the `metrics` passed to `save` (Orbax semantics).
+    best_mode: "max" or "min": which end of `best_fn` is best.
+
+  Raises:
+    ValueError: If `backup_interval_minutes` is combined with a step interval,
+      `should_save_fn` or `save_decision_policy`, or is not a positive finite number; an
+      interval or `max_to_keep` is not positive; `preservation_policy` is combined with
+      `max_to_keep`/`keep_period`; or `best_mode` is not "max" or "min".
+    TypeError: If `save_interval_steps`, `max_to_keep` or `keep_period` is not an int.
   """
 
   save_interval_steps: int | None = _PERSISTENT_DEFAULT_INTERVAL
@@ -210,18 +250,29 @@ class PersistentCheckpointOptions:
 class ReplicationOptions:
   """Where the data-parallel replicas are, and which nodes hold copies of each node's RAM step.
 
-  replica_axis: name of the mesh axis along which the model is replicated (e.g. "data").
-    Named, never guessed: MaxText meshes may put another axis first. None: the axis given by
-    `CheckpointManagerOptions.replica_axis_index`, else the axis called "data".
-  peers_per_node: how many other nodes hold a copy of each node's RAM checkpoint (default 1;
-    0 turns replication off). The first copy goes to the twin in the next replica (or, with
-    one replica, to the next node), spread so that every node holds as many copies as it gives.
-  peer_ranks: the explicit list of holders per node (one list per process), instead of
-    `peers_per_node`; mutually exclusive, as in the GKE replicator's replicator.yaml.
-  chunk_mib / chunks_in_flight: transfers move in chunks of this size with at most this many
-    in flight, so replication holds at most 2 x chunk_mib x chunks_in_flight MiB of extra host
-    or device memory per process (default 32 MiB). On CPU (gloo) 4-16 MiB chunks moved a
-    64 MiB step about 1.2x faster than 64 MiB chunks (benchmarks/transport_chunks.py).
+  Attributes:
+    replica_axis: Name of the mesh axis along which the model is replicated (e.g. "data").
+      Named, never guessed: MaxText meshes may put another axis first. None: the axis given by
+      `CheckpointManagerOptions.replica_axis_index`, else the axis called "data".
+    peers_per_node: How many other nodes hold a copy of each node's RAM checkpoint (default
+      1; 0 turns replication off). The first copy goes to the twin in the next replica (or,
+      with one replica, to the next node), spread so that every node holds as many copies as
+      it gives.
+    peer_ranks: The explicit list of holders per node (one list per process), instead of
+      `peers_per_node`; mutually exclusive, as in the GKE replicator's replicator.yaml.
+      Stored as a tuple of tuples.
+    chunk_mib: Transfers move in chunks of this many MiB, so replication holds at most
+      2 x chunk_mib x chunks_in_flight MiB of extra host or device memory per process
+      (default 32 MiB). On CPU (gloo) 4-16 MiB chunks moved a 64 MiB step about 1.2x faster
+      than 64 MiB chunks (benchmarks/transport_chunks.py).
+    chunks_in_flight: At most this many chunks are in flight at once.
+
+  Raises:
+    ValueError: If `replica_axis` is empty or not a string, both `peers_per_node` and
+      `peer_ranks` are set, `peers_per_node` is not an int >= 0, `peer_ranks` is not one list
+      of int ranks per node or names a node as its own peer, or `chunk_mib` /
+      `chunks_in_flight` is not positive.
+    TypeError: If `chunk_mib` or `chunks_in_flight` is not an int.
   """
 
   replica_axis: str | None = None
@@ -262,6 +313,7 @@ class ReplicationOptions:
 
   @property
   def chunk_bytes(self) -> int:
+    """`chunk_mib` in bytes."""
     return self.chunk_mib << 20
 
 
@@ -272,14 +324,20 @@ MODES = ("standalone", "managed")
 class ManagedOptions:
   """Managed mode (`CheckpointManagerOptions(mode="managed")`): what `replicator.yaml` says.
 
-  peers_per_node: write `peers-per-node: N` (the replicator picks the peers). None: with
-    data-parallel replicas, `peer-ranks:` the twins (same position in every other replica, as
-    Orbax writes); without, `peers-per-node:` ReplicationOptions.peers_per_node.
-  data_parallelism: `assume-data-parallelism`; None: the number of replicas of the mesh.
-  timeout_seconds: how long to wait for the replicator at each handshake stage.
-  poll_seconds: how often to look at the volume's files meanwhile.
   The backup interval is the persistent tier's schedule: `backup_interval_minutes` if set,
   else `save_interval_steps` (GKE's default is `backup_interval_minutes=30`).
+
+  Attributes:
+    peers_per_node: Write `peers-per-node: N` (the replicator picks the peers). None: with
+      data-parallel replicas, `peer-ranks:` the twins (same position in every other replica,
+      as Orbax writes); without, `peers-per-node:` ReplicationOptions.peers_per_node.
+    data_parallelism: `assume-data-parallelism`; None: the number of replicas of the mesh.
+    timeout_seconds: How long to wait for the replicator at each handshake stage.
+    poll_seconds: How often to look at the volume's files meanwhile.
+
+  Raises:
+    ValueError: If `peers_per_node` is not an int >= 0 or None, `data_parallelism` is not an
+      int >= 1 or None, or `timeout_seconds` / `poll_seconds` is not a number > 0.
   """
 
   peers_per_node: int | None = None
@@ -306,8 +364,12 @@ class ManagedOptions:
 class MultiprocessingOptions:
   """Orbax's emergency `MultiprocessingOptions`.
 
-  coordination_timeout_secs: how long processes may be out of step at a save or restore; it
-    becomes `CheckpointManagerOptions.agreement_timeout_seconds`.
+  Attributes:
+    coordination_timeout_secs: How long processes may be out of step at a save or restore; it
+      becomes `CheckpointManagerOptions.agreement_timeout_seconds`.
+
+  Raises:
+    ValueError: If `coordination_timeout_secs` is not a finite number > 0.
   """
 
   coordination_timeout_secs: int = 120
@@ -330,41 +392,50 @@ def _check_timeout(name: str, value: Any) -> None:
 class CheckpointManagerOptions:
   """Options of `orbax_mtc.CheckpointManager`.
 
-  Orbax's fields first, in Orbax's order and with Orbax's defaults (docs/api.md says where a
-  meaning differs):
-  local / persistent: per-tier options (see their classes).
-  replica_axis_index: Orbax's way to say where replicas are (default 0, the first mesh axis);
-    `replication.replica_axis` (a name) wins over it; None: the axis named "data".
-  step_name_format: persistent-tier step folder naming (Orbax `NameFormat`).
-  cleanup_tmp_directories: remove leftovers of interrupted persistent saves when the manager
-    starts (the RAM tier always removes its own).
-  enable_async_checkpointing: local writes and persistent backups run in the background.
-  async_options: Orbax `AsyncOptions` for the persistent tier.
-  multiprocessing_options: `MultiprocessingOptions` (ours or Orbax's emergency one): its
-    `coordination_timeout_secs` is the agreement timeout (see `agreement_timeout_seconds`).
-  single_host_load_and_broadcast: accepted; every process lists the persistent steps and
-    one all-gather agrees them, whatever the value.
-  Ours:
-  replication: `ReplicationOptions` (peers, the named replica axis).
-  job_name: first part of the `<job>-s<step>-n<rank>-w<worker>.restore` LKG links.
-  worker_index: this process's index inside its host; None reads it from the environment.
-  exit_after_ondemand_checkpoint: after the on-demand checkpoint that a preemption notice
-    (SIGTERM) triggers is durable, `save()` waits for everything, closes the manager and ends
-    the process with exit status 0 (as Pax's `--exit_after_ondemand_checkpoint` means; Pax's
-    own executor exits 1 there, which `pax_patch` keeps by leaving the exit to Pax).
-  ondemand_grace_seconds: time budget from the SIGTERM to a durable on-demand checkpoint. The
-    RAM tier and peers come first; the persistent backup starts only while budget is left
-    (default 270 s: a 30 s margin inside the 5 minutes Cloud TPU maintenance gives). 0 never
-    backs up on demand.
-  agreement_timeout_seconds: how long a process waits at an agreement (each local save,
-    restore, start-up, `wait_until_finished`) for the others. When a process failed, hangs or
-    was killed before it, the others raise an error naming the missing processes after this
-    long instead of waiting forever (default 600 s; `multiprocessing_options`, when given,
-    sets it).
-  mode: "standalone" (the manager copies to peers and backs up itself) or "managed" (GKE's
-    multi-tier checkpointing replicator does both: the manager speaks its file protocol, writes
-    RAM steps and restores from the replicator's `.restore` entries; see `managed`).
-  managed: `ManagedOptions` for managed mode.
+  Orbax's fields come first, in Orbax's order and with Orbax's defaults (docs/api.md says
+  where a meaning differs); ours follow, from `replication` on.
+
+  Attributes:
+    local: `LocalCheckpointOptions`, the RAM tier's options.
+    persistent: `PersistentCheckpointOptions`, the persistent tier's options.
+    replica_axis_index: Orbax's way to say where replicas are (default 0, the first mesh
+      axis); `replication.replica_axis` (a name) wins over it; None: the axis named "data".
+    step_name_format: Persistent-tier step folder naming (Orbax `NameFormat`).
+    cleanup_tmp_directories: Remove leftovers of interrupted persistent saves when the manager
+      starts (the RAM tier always removes its own).
+    enable_async_checkpointing: Local writes and persistent backups run in the background.
+    async_options: Orbax `AsyncOptions` for the persistent tier.
+    multiprocessing_options: `MultiprocessingOptions` (ours or Orbax's emergency one): its
+      `coordination_timeout_secs` is the agreement timeout (see `agreement_timeout_seconds`).
+    single_host_load_and_broadcast: Accepted; every process lists the persistent steps and
+      one all-gather agrees them, whatever the value.
+    replication: `ReplicationOptions` (peers, the named replica axis).
+    job_name: First part of the `<job>-s<step>-n<rank>-w<worker>.restore` LKG links.
+    worker_index: This process's index inside its host; None reads it from the environment.
+    exit_after_ondemand_checkpoint: After the on-demand checkpoint that a preemption notice
+      (SIGTERM) triggers is durable, `save()` waits for everything, closes the manager and
+      ends the process with exit status 0 (as Pax's `--exit_after_ondemand_checkpoint` means;
+      Pax's own executor exits 1 there, which `pax_patch` keeps by leaving the exit to Pax).
+    ondemand_grace_seconds: Time budget from the SIGTERM to a durable on-demand checkpoint.
+      The RAM tier and peers come first; the persistent backup starts only while budget is
+      left (default 270 s: a 30 s margin inside the 5 minutes Cloud TPU maintenance gives).
+      0 never backs up on demand.
+    agreement_timeout_seconds: How long a process waits at an agreement (each local save,
+      restore, start-up, `wait_until_finished`) for the others. When a process failed, hangs
+      or was killed before it, the others raise an error naming the missing processes after
+      this long instead of waiting forever (default 600 s; `multiprocessing_options`, when
+      given, sets it).
+    mode: "standalone" (the manager copies to peers and backs up itself) or "managed" (GKE's
+      multi-tier checkpointing replicator does both: the manager speaks its file protocol,
+      writes RAM steps and restores from the replicator's `.restore` entries; see `managed`).
+    managed: `ManagedOptions` for managed mode.
+
+  Raises:
+    ValueError: If `mode`, `job_name`, `replica_axis_index`, `worker_index`,
+      `ondemand_grace_seconds` or a timeout is invalid, or `agreement_timeout_seconds` and
+      `multiprocessing_options.coordination_timeout_secs` are both set and differ.
+    TypeError: If `local`, `persistent`, `replication`, `managed` or
+      `multiprocessing_options` has the wrong type, or a bool field is not a bool.
   """
 
   local: LocalCheckpointOptions = dataclasses.field(default_factory=LocalCheckpointOptions)
@@ -455,7 +526,12 @@ class CheckpointManagerOptions:
           "the same bound; set one of them.")
 
   def persistent_manager_options(self) -> ocp_manager.CheckpointManagerOptions:
-    """The plain Orbax options the persistent tier is run with."""
+    """The plain Orbax options the persistent tier is run with.
+
+    Returns:
+      An `orbax.checkpoint.CheckpointManagerOptions` built from `persistent` and the shared
+      fields (async, clean-up, step naming).
+    """
     persistent = self.persistent
     kwargs: dict[str, Any] = dict(
         # Minutes: the manager decides (BackupIntervalPolicy); the parent only writes.
@@ -485,20 +561,28 @@ class CheckpointManagerOptions:
 class ReplicatorCheckpointManagerOptions:
   """Options of `orbax_mtc.ReplicatorCheckpointManager`: Orbax's fields, defaults and order.
 
-  save_interval_steps: save to the RAM tier every N steps (default 1).
-  step_name_format: names the steps of `persistent_directory` (the non-replicated items);
-    the RAM tier's folders are always `<step>`, the replicator's layout (another format is
-    warned about once).
-  should_save_fn: `fn(step, last_saved_step) -> bool`; overrides `save_interval_steps`.
-  preservation_policy: `LatestN(n)` keeps n RAM steps (other policies: warned once, the newest
-    1 is kept); `persistent_directory` applies any policy as Orbax does. None: the RAM tier
-    keeps the newest 1 (Orbax keeps every local step and leaves the clean-up to the
-    replicator).
-  use_colocated_python: Pathways' colocated Python; not supported (True raises when the
-    manager is built, as Orbax does outside Pathways).
-  enable_async_checkpointing: RAM writes in the background.
-  save_concurrent_gb / restore_concurrent_gb: Orbax's tensorstore byte limits; the RAM tier
-    has none (warned once when set).
+  Attributes:
+    save_interval_steps: Save to the RAM tier every N steps (default 1).
+    step_name_format: Names the steps of `persistent_directory` (the non-replicated items);
+      the RAM tier's folders are always `<step>`, the replicator's layout (another format is
+      warned about once).
+    should_save_fn: `fn(step, last_saved_step) -> bool`; overrides `save_interval_steps`.
+    preservation_policy: `LatestN(n)` keeps n RAM steps (other policies: warned once, the
+      newest 1 is kept); `persistent_directory` applies any policy as Orbax does. None: the
+      RAM tier keeps the newest 1 (Orbax keeps every local step and leaves the clean-up to
+      the replicator).
+    use_colocated_python: Pathways' colocated Python; not supported (True raises when the
+      manager is built, as Orbax does outside Pathways).
+    enable_async_checkpointing: RAM writes in the background.
+    save_concurrent_gb: Orbax's tensorstore byte limit for saves; the RAM tier has none
+      (warned once when set).
+    restore_concurrent_gb: Orbax's tensorstore byte limit for restores; likewise not applied.
+
+  Raises:
+    ValueError: If `save_interval_steps` is not positive, or `save_concurrent_gb` /
+      `restore_concurrent_gb` is not a positive int or None.
+    TypeError: If `save_interval_steps` is not an int, `should_save_fn` is not callable, or
+      `use_colocated_python` / `enable_async_checkpointing` is not a bool.
   """
 
   save_interval_steps: int = 1
@@ -541,6 +625,19 @@ def replica_axis_name(options: CheckpointManagerOptions, mesh_axis_names: Sequen
   None) an axis named "data". In a single process replicas do not matter, so the first axis
   is accepted there. `axis_sizes` (the mesh's shape) lets an index that picks a size-1 axis
   beside a larger "data" axis warn (MaxText puts a "diloco" axis first).
+
+  Args:
+    options: The manager's options.
+    mesh_axis_names: The global mesh's axis names.
+    multi_process: Whether the job has more than one process.
+    axis_sizes: Axis name -> size of the mesh, for the warning above; None skips it.
+
+  Returns:
+    The name of the replica axis.
+
+  Raises:
+    ValueError: If `replication.replica_axis` is not a mesh axis, `replica_axis_index` is out
+      of range, or (index None, multi-process) the mesh has no axis named "data".
   """
   names = tuple(mesh_axis_names)
   axis = options.replication.replica_axis

@@ -25,7 +25,12 @@ OWN, TWIN, PEER = "own", "twin", "peer"
 
 @dataclasses.dataclass(frozen=True)
 class NodeInventory:
-  """What one node can serve: its own committed steps and complete peer copies it holds."""
+  """What one node can serve: its own committed steps and complete peer copies it holds.
+
+  Attributes:
+    own_steps: Steps committed in the node's own folder.
+    copies: (source rank, step) of every complete peer copy the node holds.
+  """
 
   own_steps: frozenset[int] = frozenset()
   copies: frozenset[tuple[int, int]] = frozenset()  # (source rank, step)
@@ -33,13 +38,25 @@ class NodeInventory:
 
 @dataclasses.dataclass(frozen=True)
 class Source:
+  """Where one node's data for a step comes from.
+
+  Attributes:
+    kind: `OWN`, `TWIN` or `PEER`.
+    holder: Rank of the process that reads the bytes.
+  """
+
   kind: str  # OWN, TWIN or PEER
   holder: int  # the process that reads the bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class Assembly:
-  """How the cluster assembles one step: a source for every process (index = rank)."""
+  """How the cluster assembles one step: a source for every process (index = rank).
+
+  Attributes:
+    step: The step being assembled.
+    sources: Per rank, the `Source` of its data.
+  """
 
   step: int
   sources: tuple[Source, ...]
@@ -52,32 +69,53 @@ class Assembly:
 
   @property
   def recovered(self) -> tuple[int, ...]:
+    """Ranks that get their data from another node (twin or peer), ascending."""
     return tuple(dest for dest, s in enumerate(self.sources) if s.kind != OWN)
 
 
 @dataclasses.dataclass(frozen=True)
 class RestorePlan:
-  """Candidates in the order they are tried: RAM assemblies newest first, then persistent."""
+  """Candidates in the order they are tried: RAM assemblies newest first, then persistent.
+
+  Attributes:
+    candidates: RAM assemblies, newest step first.
+    persistent_step: The persistent step to fall back to, or None if there is none.
+  """
 
   candidates: tuple[Assembly, ...]
   persistent_step: int | None
 
   @property
   def local_candidates(self) -> tuple[int, ...]:
+    """Steps of the RAM candidates, newest first."""
     return tuple(a.step for a in self.candidates)
 
   @property
   def empty(self) -> bool:
+    """True if there is neither a RAM candidate nor a persistent step."""
     return not self.candidates and self.persistent_step is None
 
 
 def assemble(step: int, inventories: Sequence[NodeInventory],
              shard_groups: Sequence[int] | None = None,
              excluded: Collection[tuple[int, int, int]] = ()) -> Assembly | None:
-  """A source for every node at `step`, or None if some node has none.
+  """Chooses a source for every node at `step`.
 
   `excluded` holds (holder, destination, step) sources that failed (bad checksum, unreadable):
   they are never chosen again. A node's own folder is excluded as (rank, rank, step).
+
+  Args:
+    step: The step to assemble.
+    inventories: Per rank, what that node holds.
+    shard_groups: Per rank, an id of the set of shards it needs (equal ids: twins); None
+      makes every rank its own group (no twins).
+    excluded: (holder, destination, step) sources never to choose.
+
+  Returns:
+    The `Assembly`, or None if some node has no source.
+
+  Raises:
+    ValueError: If `shard_groups` does not have one entry per inventory.
   """
   n = len(inventories)
   groups = list(shard_groups) if shard_groups is not None else list(range(n))
@@ -112,11 +150,24 @@ def plan_restore(inventories: Sequence[NodeInventory | Collection[int]],
                  persistent_steps: Sequence[int], requested_step: int | None, *,
                  shard_groups: Sequence[int] | None = None,
                  excluded: Collection[tuple[int, int, int]] = ()) -> RestorePlan:
-  """RAM assemblies (newest first) and the persistent fallback.
+  """Plans a restore: RAM assemblies (newest first) and the persistent fallback.
 
   With `requested_step`, only that step is a candidate in either tier. A RAM step older than the
   newest persistent step would lose work, so it is not a candidate. Plain step sets are accepted
   as inventories (own steps, no copies).
+
+  Args:
+    inventories: Per rank, a `NodeInventory` or a plain collection of its own steps.
+    persistent_steps: Steps committed to the persistent tier.
+    requested_step: The only step to consider, or None for the newest available.
+    shard_groups: Per rank, an id of the set of shards it needs (see `assemble`).
+    excluded: (holder, destination, step) sources that failed (see `assemble`).
+
+  Returns:
+    The `RestorePlan`.
+
+  Raises:
+    ValueError: If `shard_groups` does not have one entry per inventory (from `assemble`).
   """
   invs = [inv if isinstance(inv, NodeInventory) else NodeInventory(frozenset(inv))
           for inv in inventories]
@@ -141,7 +192,14 @@ def plan_restore(inventories: Sequence[NodeInventory | Collection[int]],
 
 
 def common_steps(inventories: Sequence[Collection[int]]) -> list[int]:
-  """Steps that every process holds in its own folder, newest first."""
+  """Steps that every process holds in its own folder.
+
+  Args:
+    inventories: Per rank, the steps in its own folder.
+
+  Returns:
+    The steps common to all inventories, newest first; empty if there are no inventories.
+  """
   if not inventories:
     return []
   shared = set.intersection(*(set(inv) for inv in inventories))
@@ -150,8 +208,18 @@ def common_steps(inventories: Sequence[Collection[int]]) -> list[int]:
 
 def restorable_steps(inventories: Sequence[NodeInventory],
                      shard_groups: Sequence[int] | None = None) -> list[int]:
-  """RAM steps the whole cluster can assemble (own folder, twin or peer copy), oldest first:
-  what `all_steps()` lists besides the persistent steps."""
+  """RAM steps the whole cluster can assemble (own folder, twin or peer copy).
+
+  This is what `all_steps()` lists besides the persistent steps.
+
+  Args:
+    inventories: Per rank, what that node holds.
+    shard_groups: Per rank, an id of the set of shards it needs (see `assemble`); None makes
+      every rank its own group.
+
+  Returns:
+    The assemblable steps, oldest first.
+  """
   n = len(inventories)
   groups = list(shard_groups) if shard_groups is not None else list(range(n))
   holders: dict[int, set[int]] = {}  # step -> nodes holding it in their own folder
@@ -175,8 +243,17 @@ def restorable_steps(inventories: Sequence[NodeInventory],
 
 def retained_steps(steps: Collection[int], max_to_keep: int | None,
                    keep_floor: int | None) -> list[int]:
-  """What RAM retention leaves of `steps`: the newest `max_to_keep`, plus the floor every
-  node held at the last save (see LocalTier.keep_floor); oldest first."""
+  """What RAM retention leaves of `steps`.
+
+  Args:
+    steps: The steps held now.
+    max_to_keep: How many of the newest steps to keep; None keeps all.
+    keep_floor: The floor every node held at the last save (see LocalTier.keep_floor), kept
+      as well if it is among `steps`; None for no floor.
+
+  Returns:
+    The kept steps, oldest first.
+  """
   ordered = sorted(set(steps))
   if max_to_keep is None:
     return ordered

@@ -21,8 +21,13 @@ _UTC = dt.UTC
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
-  """One step of a checkpoint directory: its number, commit time (UTC) and whether it is
-  complete (finalized) or still being written."""
+  """One step of a checkpoint directory.
+
+  Attributes:
+    step: The step number.
+    time: Its commit time; must carry a time zone (compared in UTC).
+    complete: True if finalized, False if still being written.
+  """
 
   step: int
   time: dt.datetime
@@ -38,7 +43,18 @@ def _check_count(name: str, value: int | None) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class RetentionPolicy:
-  """Which persistent steps to keep (see the module docstring for the rules)."""
+  """Which persistent steps to keep (see the module docstring for the rules).
+
+  Attributes:
+    keep_latest: Keep the N newest complete steps; None for no such rule.
+    keep_every: Keep every complete step that is a multiple of K; None for no such rule.
+    hourly: Keep the newest complete step of each of the last H UTC hours (0: off).
+    daily: Keep the newest complete step of each of the last D UTC days (0: off).
+    weekly: Keep the newest complete step of each of the last W ISO weeks (0: off).
+
+  Raises:
+    ValueError: If a count is not an int >= 0, or `keep_every` is not an int >= 1.
+  """
 
   keep_latest: int | None = None
   keep_every: int | None = None
@@ -64,8 +80,12 @@ class RetentionPolicy:
 
 @dataclasses.dataclass(frozen=True)
 class RetentionDecision:
-  """keep: step -> the rules that keep it (sorted by step); delete: steps to remove, oldest
-  first."""
+  """What a `RetentionPolicy` keeps and deletes.
+
+  Attributes:
+    keep: Step -> the rules that keep it (sorted by step).
+    delete: Steps to remove, oldest first.
+  """
 
   keep: dict[int, tuple[str, ...]]
   delete: tuple[int, ...]
@@ -95,7 +115,20 @@ def _utc(t: dt.datetime) -> dt.datetime:
 
 def decide(records: Iterable[StepRecord], policy: RetentionPolicy,
            now: dt.datetime) -> RetentionDecision:
-  """What `policy` keeps and deletes among `records`, at time `now`."""
+  """Applies `policy` to `records` at time `now`.
+
+  Args:
+    records: The steps of the checkpoint directory.
+    policy: The rules to apply.
+    now: The current time; must carry a time zone.
+
+  Returns:
+    The `RetentionDecision`.
+
+  Raises:
+    ValueError: If two records have the same step, or `now` or a bucketed record's time is
+      naive (has no time zone).
+  """
   records = sorted(records, key=lambda r: r.step)
   steps = [r.step for r in records]
   if len(set(steps)) != len(steps):
@@ -135,7 +168,18 @@ def decide(records: Iterable[StepRecord], policy: RetentionPolicy,
 
 
 def describe(decision: RetentionDecision, records: Sequence[StepRecord]) -> list[str]:
-  """One line per step, newest first: 'keep'/'delete', step, time, reasons."""
+  """Renders a decision as text, one line per step, newest first.
+
+  Args:
+    decision: What `decide` returned for `records`.
+    records: The steps the decision was made on.
+
+  Returns:
+    Lines of 'keep'/'delete', step, UTC time and, for kept steps, the reasons.
+
+  Raises:
+    ValueError: If a record's time is naive (has no time zone).
+  """
   by_step = {r.step: r for r in records}
   lines = []
   for step in sorted(by_step, reverse=True):

@@ -27,7 +27,19 @@ class TopologyError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-  """Who is in which replica, and who holds copies of whose checkpoint."""
+  """Who is in which replica, and who holds copies of whose checkpoint.
+
+  Built by `build_topology`; every per-rank tuple is indexed by process rank.
+
+  Attributes:
+    num_processes: Number of JAX processes (nodes) in the job.
+    replica_axis: Name of the mesh axis whose indices are the replicas.
+    replicas: `replicas[r]` is the ranks of replica r, ordered by position.
+    replica_of: Per rank, the index of its replica.
+    position_of: Per rank, its index inside its replica.
+    twins: Per rank, the ranks at the same position in every other replica.
+    peers: Per rank, the ranks that hold copies of its checkpoint, in preference order.
+  """
 
   num_processes: int
   replica_axis: str
@@ -38,7 +50,17 @@ class Topology:
   peers: tuple[tuple[int, ...], ...]  # per rank: holders of its checkpoint, in preference order
 
   def held_by(self, rank: int) -> tuple[int, ...]:
-    """Ranks whose copies `rank` holds (sorted)."""
+    """Ranks whose copies `rank` holds.
+
+    Args:
+      rank: A process rank in `0..num_processes - 1`.
+
+    Returns:
+      The sorted ranks that list `rank` among their peers.
+
+    Raises:
+      TopologyError: If `rank` is not a valid process rank.
+    """
     _check_rank(rank, self.num_processes, "held_by")
     return tuple(src for src, holders in enumerate(self.peers) if rank in holders)
 
@@ -49,7 +71,15 @@ class Topology:
 
 
 def process_grid(mesh: Any) -> np.ndarray:
-  """int array shaped like mesh.devices: the process_index of each device."""
+  """Maps each device of a mesh to the process that owns it.
+
+  Args:
+    mesh: A `jax.sharding.Mesh` (anything with a `.devices` array of objects that have a
+      `.process_index`).
+
+  Returns:
+    An int64 array shaped like `mesh.devices`: the `process_index` of each device.
+  """
   devices = np.asarray(mesh.devices, dtype=object)
   grid = np.empty(devices.shape, dtype=np.int64)
   for idx, device in np.ndenumerate(devices):
@@ -65,6 +95,23 @@ def build_topology(grid: np.ndarray, axis_names: Sequence[str], replica_axis: st
   `grid[idx]` is the rank of the process that owns the mesh device at `idx`. Peers are either
   `peers_per_node` (default 1; 0 for a single process) chosen by `default_peers`, or explicit
   `peer_ranks` (one list per rank, used as given); never both.
+
+  Args:
+    grid: Integer array of process ranks, one per mesh device (see `process_grid`).
+    axis_names: The mesh's axis names, one per axis of `grid` (`mesh.axis_names`).
+    replica_axis: Name of the axis whose indices are the replicas.
+    num_processes: Number of processes in the job (`jax.process_count()`).
+    peers_per_node: How many peers hold a copy of each node's checkpoint; None for the
+      default (1, or 0 for a single process).
+    peer_ranks: Explicit peers, one sequence of ranks per rank.
+
+  Returns:
+    The `Topology` of the job.
+
+  Raises:
+    TopologyError: If `num_processes`, `grid` or `axis_names` are invalid; `replica_axis` is
+      not a mesh axis; a replica would split a process's devices; a process owns no device;
+      replicas hold different numbers of processes; both or invalid peer arguments are given.
   """
   if not _is_int(num_processes) or num_processes < 1:
     raise TopologyError(
@@ -147,13 +194,25 @@ def build_topology(grid: np.ndarray, axis_names: Sequence[str], replica_axis: st
 
 def default_peers(replicas: Sequence[Sequence[int]],
                   peers_per_node: int) -> tuple[tuple[int, ...], ...]:
-  """peers per rank (index = rank)
+  """Chooses the peers of every rank by fixed offsets in (replica, position).
 
   With R replicas of n nodes, peer j of the node at (replica r, position i) is the node at
   ((r + dr) % R, (i + di) % n) for the j-th offset (dr, di): first other replicas, twin first
   (di = 0: for replicated arrays the twin already holds the same shards, and the copy survives
   the loss of a whole replica), then the same replica. Every offset is a bijection on nodes, so
   each node holds exactly as many copies as it gives.
+
+  Args:
+    replicas: Ranks of each replica, ordered by position; together every rank exactly once.
+    peers_per_node: How many peers hold a copy of each node's checkpoint.
+
+  Returns:
+    Peers per rank (index = rank), in preference order.
+
+  Raises:
+    TopologyError: If the replicas are empty, of unequal size or do not hold every rank
+      exactly once, or `peers_per_node` is negative, not an int, or more than the number of
+      other nodes.
   """
   reps = [tuple(int(x) for x in ranks) for ranks in replicas]
   if not reps or any(len(ranks) != len(reps[0]) for ranks in reps) or not reps[0]:
@@ -185,13 +244,22 @@ def default_peers(replicas: Sequence[Sequence[int]],
 
 
 def transfer_rounds(edges: Sequence[tuple[int, int]]) -> list[tuple[tuple[int, int], ...]]:
-  """Splits (src, dst) edges into rounds in which every rank sends at most once and receives
-  at most once.
+  """Splits (src, dst) edges into rounds in which every rank sends and receives at most once.
 
   Deterministic (edges are sorted first), every edge exactly once, each round sorted. Uses the
   fewest rounds possible: the largest number of edges any rank sends or receives (Konig's
   theorem; colours are fixed by swapping alternating paths, as in greedy bipartite edge
   colouring). Self-edges and duplicates raise.
+
+  Args:
+    edges: (source rank, destination rank) pairs, e.g. `Topology.edges`.
+
+  Returns:
+    The rounds, each a sorted tuple of edges.
+
+  Raises:
+    TopologyError: If an edge is not a pair of ints >= 0, is a self-edge, or appears more
+      than once.
   """
   clean: list[tuple[int, int]] = []
   for edge in edges:

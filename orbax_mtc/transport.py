@@ -38,6 +38,14 @@ Sink = Callable[[int, np.ndarray], None]
 
 @dataclasses.dataclass(frozen=True)
 class Stream:
+  """One stream of bytes from one process to another.
+
+  Attributes:
+    source: Rank of the sending process.
+    destination: Rank of the receiving process.
+    nbytes: Length of the stream in bytes.
+  """
+
   source: int
   destination: int
   nbytes: int
@@ -81,7 +89,21 @@ class _Chunk:
 
 
 class Transfer:
-  """One planned exchange of streams; identical plan on every process, local readers/sinks."""
+  """One planned exchange of streams; identical plan on every process, local readers/sinks.
+
+  Args:
+    streams: Every stream of the exchange, identical on every process; empty streams are
+      dropped.
+    me: Rank of this process.
+    reader_for: Returns the `Reader` of a stream this process sends.
+    sink_for: Returns the `Sink` of a stream this process receives.
+    chunk_limit: Largest chunk in bytes (chunks are powers of two, at least 4 KiB).
+    window: Most chunks in flight at once (at least 1).
+
+  Raises:
+    ValueError: If two streams share the same (source, destination).
+    topology.TopologyError: If a stream sends a process to itself or has a negative rank.
+  """
 
   def __init__(self, streams: Sequence[Stream], *, me: int, reader_for: Callable[[Stream], Reader],
                sink_for: Callable[[Stream], Sink], chunk_limit: int, window: int = 2):
@@ -115,6 +137,7 @@ class Transfer:
 
   @property
   def done(self) -> bool:
+    """True once every chunk has been issued and handed to its sink."""
     return not self._chunks and not self._in_flight
 
   def _send_buffer(self, length: int) -> np.ndarray:
@@ -148,9 +171,13 @@ class Transfer:
     self._free.append(local)
 
   def advance(self, max_chunks: int | None = None) -> None:
-    """Issues up to `max_chunks` more chunks (all when None), keeping `window` in flight.
+    """Issues up to `max_chunks` more chunks, keeping at most `window` in flight.
 
     Every process must call this with the same arguments at the same point of its program.
+    Chunks that must complete to make room are handed to their sinks first.
+
+    Args:
+      max_chunks: How many chunks to issue at most; None issues all that remain.
     """
     issued = 0
     while self._chunks and (max_chunks is None or issued < max_chunks):
@@ -160,8 +187,10 @@ class Transfer:
       issued += 1
 
   def retire_ready(self) -> None:
-    """Hands the chunks that have already arrived to their sinks, in order, without waiting
-    (on CPU a chunk is complete when its dispatch returns; elsewhere this frees the window)."""
+    """Hands the chunks that have already arrived to their sinks, in order, without waiting.
+
+    On CPU a chunk is complete when its dispatch returns; elsewhere this frees the window.
+    """
     while self._in_flight and self._in_flight[0][1].is_ready():
       self._retire()
 
@@ -171,5 +200,9 @@ class Transfer:
       self._retire()
 
   def run(self) -> None:
+    """Issues every remaining chunk and waits until all are handed to their sinks.
+
+    Every process must call this at the same point of its program.
+    """
     self.advance(None)
     self.retire_finished()

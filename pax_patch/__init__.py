@@ -117,8 +117,14 @@ def _external_restore_fn(creators: Any, task_p: Any) -> Any:
 def install(config: MtcConfig | None = None) -> None:
   """Makes Pax's trainer build `PaxTrainingCheckpointer` (orbax-mtc) instead of its own.
 
-  Raises `PaxmlUnavailableError` (naming the supported versions) when paxml is missing, fails
-  to import or is too old. Calling it again replaces the config.
+  Calling it again replaces the config.
+
+  Args:
+    config: orbax-mtc's settings for the checkpointers Pax creates; None for `MtcConfig()`.
+
+  Raises:
+    PaxmlUnavailableError: If paxml is missing, fails to import, or is outside the supported
+      versions (the message names them).
   """
   config = config or MtcConfig()
   creators, train = _pax_modules()
@@ -142,7 +148,7 @@ def install(config: MtcConfig | None = None) -> None:
 
 
 def uninstall() -> None:
-  """Puts Pax's own checkpointer creation back."""
+  """Puts Pax's own checkpointer creation back (does nothing when not installed)."""
   with _LOCK:
     for key, original in list(_ORIGINALS.items()):
       module_name, _, attr = key.rpartition(".")
@@ -152,5 +158,6 @@ def uninstall() -> None:
 
 
 def installed() -> bool:
+  """Whether `install()` is in effect (and not undone by `uninstall()`)."""
   with _LOCK:
     return bool(_ORIGINALS)

@@ -48,7 +48,11 @@ PAX_CHECKPOINT_VERSION = 1.2
 
 
 def step_name_format() -> ocp.path.step.NameFormat:
-  """Orbax naming that gives Pax's `checkpoint_00001234` step folders."""
+  """Orbax naming that gives Pax's `checkpoint_00001234` step folders.
+
+  Returns:
+    The Orbax `NameFormat`.
+  """
   return ocp.path.step.standard_name_format(step_prefix=CHECKPOINT_PREFIX,
                                             step_format_fixed_length=STEP_FORMAT_FIXED_LENGTH)
 
@@ -64,6 +68,13 @@ def pax_metadata(train_state: Any, unpadded: Any = None) -> dict[str, Any]:
 
   Without paxml: the same JSON layout, `{"version": 1.2, "train_state_metadata": {"mdl_vars":
   ...}}` with, per leaf, its unpadded shape and dtype.
+
+  Args:
+    train_state: The train state (arrays or `jax.ShapeDtypeStruct`s).
+    unpadded: The train state's unpadded shapes and dtypes, or None to use `train_state`'s.
+
+  Returns:
+    The metadata as a JSON-serialisable dict.
   """
   try:
     from paxml import checkpoint_metadata  # type: ignore[import-not-found]
@@ -119,17 +130,29 @@ def _with_shardings(train_state: Any, specs: Any, mesh: jax.sharding.Mesh | None
 class PaxCheckpointManager:
   """Pax's `OrbaxCheckpointManager` interface backed by `orbax_mtc.CheckpointManager`.
 
-  directory: Pax's checkpoint folder (`<job_log_dir>/checkpoints`): the persistent tier.
-  local_directory: this process's RAM-disk folder (the RAM tier and peer copies).
-  options: the persistent schedule and retention as Pax gives them (`save_interval_steps`,
-    `max_to_keep`, `keep_time_interval`); None saves every step and keeps all.
-  local_save_interval_steps / local_max_to_keep: the RAM tier's schedule and retention.
-  peers_per_node: nodes holding a copy of each node's RAM step (0: no copies).
-  replica_axis: the data-parallel mesh axis (None: the axis named "data").
-  enable_async_checkpointing: Pax's `--jax_fully_async_checkpoint`.
-  async_timeout_secs: bound on one persistent write (Pax's `--async_timeout_secs`).
-  ondemand_grace_seconds: time from SIGTERM within which the on-demand persistent backup may
-    still start (Cloud TPU gives 300 s).
+  The orbax-mtc manager itself is built at the first `save` or `restore` (see the module
+  docstring).
+
+  Args:
+    directory: Pax's checkpoint folder (`<job_log_dir>/checkpoints`): the persistent tier.
+    local_directory: This process's RAM-disk folder (the RAM tier and peer copies); an
+      absolute path.
+    options: The persistent schedule and retention as Pax gives them (`save_interval_steps`,
+      `max_to_keep`, `keep_time_interval`); None saves every step and keeps all.
+    local_save_interval_steps: The RAM tier's save interval in steps.
+    local_max_to_keep: RAM steps kept per node.
+    peers_per_node: Nodes holding a copy of each node's RAM step (0: no copies).
+    replica_axis: The data-parallel mesh axis (None: the axis named "data").
+    enable_async_checkpointing: Pax's `--jax_fully_async_checkpoint`.
+    async_timeout_secs: Bound on one persistent write (Pax's `--async_timeout_secs`).
+    ondemand_grace_seconds: Time from SIGTERM within which the on-demand persistent backup
+      may still start (Cloud TPU gives 300 s).
+    job_name: First part of the `.restore` LKG links.
+
+  Raises:
+    ValueError: If `local_directory` is not absolute or is the persistent folder, or an
+      option is invalid (from orbax-mtc's options classes).
+    TypeError: If an option has the wrong type (from orbax-mtc's options classes).
   """
 
   def __init__(self, directory: epath.PathLike, *, local_directory: str | os.PathLike[str],
@@ -175,11 +198,20 @@ class PaxCheckpointManager:
 
   @property
   def mtc_options(self) -> orbax_mtc.CheckpointManagerOptions:
+    """The options the orbax-mtc manager is (or will be) built with."""
     return self._mtc_options
 
   def build(self, global_mesh: jax.sharding.Mesh, abstract_state: Any
             ) -> orbax_mtc.CheckpointManager:
-    """Builds the orbax-mtc manager now (collective: every process, same point)."""
+    """Builds the orbax-mtc manager now (collective: every process, same point).
+
+    Args:
+      global_mesh: The training mesh.
+      abstract_state: The manager's abstract state (shapes, dtypes, shardings).
+
+    Returns:
+      The manager; the one already built if there is one.
+    """
     if self._manager is None:
       self._manager = orbax_mtc.CheckpointManager(
           self._local_directory, self._directory, global_mesh, abstract_state,
@@ -188,7 +220,18 @@ class PaxCheckpointManager:
 
   def build_for(self, tree: Any, mesh: jax.sharding.Mesh | None = None
                 ) -> orbax_mtc.CheckpointManager:
-    """The orbax-mtc manager, built from a train state's shardings if not yet built."""
+    """The orbax-mtc manager, built from a train state's shardings if not yet built.
+
+    Args:
+      tree: A train state (or restore target) whose leaves carry the shardings.
+      mesh: The training mesh; None takes the mesh of the first leaf with a NamedSharding.
+
+    Returns:
+      The manager.
+
+    Raises:
+      ValueError: If the manager is not built yet and no mesh is given or found.
+    """
     if self._manager is not None:
       return self._manager
     mesh = mesh or _first_mesh(tree)
@@ -202,18 +245,25 @@ class PaxCheckpointManager:
 
   @property
   def version(self) -> float:
+    """Pax's checkpoint version of what is written (1.2: OCDBT)."""
     return PAX_CHECKPOINT_VERSION
 
   @property
   def directory(self) -> epath.Path:
+    """The persistent tier's folder."""
     return self._directory
 
   @property
   def local_directory(self) -> Path:
+    """This process's RAM-disk folder."""
     return self._local_directory
 
   def all_steps(self) -> list[int]:
-    """Steps in either tier as this process sees them (no collective)."""
+    """Steps in either tier as this process sees them (no collective).
+
+    Returns:
+      The steps, oldest first.
+    """
     if self._manager is not None:
       return list(self._manager.all_steps())
     steps = set(local_store.committed_steps(self._local_directory)) \
@@ -223,19 +273,29 @@ class PaxCheckpointManager:
     return sorted(steps)
 
   def latest_step(self) -> int | None:
+    """The newest of `all_steps()`, or None if there is none."""
     steps = self.all_steps()
     return steps[-1] if steps else None
 
   def check_for_errors(self) -> None:
+    """Raises the errors of background saves, as the orbax-mtc manager's `check_for_errors`."""
     if self._manager is not None:
       self._manager.check_for_errors()
 
   def wait_until_finished(self) -> None:
+    """Waits for the saves in flight (nothing before the manager is built)."""
     if self._manager is not None:
       self._manager.wait_until_finished()
 
   def reached_preemption(self, step: int) -> bool:
-    """True at the step every process saves on demand after any of them got SIGTERM."""
+    """Whether `step` is the one every process saves on demand after any of them got SIGTERM.
+
+    Args:
+      step: The current step.
+
+    Returns:
+      True at that step; always False before the manager is built.
+    """
     if self._manager is None:
       return False  # nothing built yet, so nothing could be saved on demand
     return self._manager.reached_preemption(step)
@@ -245,6 +305,12 @@ class PaxCheckpointManager:
 
     As Pax's manager: never for a step already saved (e.g. the step training resumed from),
     except on demand.
+
+    Args:
+      step: The current step.
+
+    Returns:
+      Whether `save` would write `step`.
     """
     if self._manager is None:
       latest = self.latest_step()
@@ -277,7 +343,26 @@ class PaxCheckpointManager:
            train_state_unpadded_shape_dtype_struct: Any = None,
            train_input_pipeline: Any = None, force: bool | None = False,
            aux_items: dict[str, Any] | None = None) -> bool:
-    """Saves `step` to the tiers that are due (all with `force`, or on demand)."""
+    """Saves `step` to the tiers that are due (all with `force`, or on demand).
+
+    Builds the orbax-mtc manager from `train_state`'s shardings on the first call.
+
+    Args:
+      step: The step.
+      train_state: The train state (jax.Arrays sharded over the training mesh).
+      train_state_unpadded_shape_dtype_struct: Unpadded shapes and dtypes for the metadata
+        item, or None.
+      train_input_pipeline: Must be None: the input pipeline is not checkpointed.
+      force: Save to every tier regardless of the schedules.
+      aux_items: Extra PyTree items, by name.
+
+    Returns:
+      True when the manager saved.
+
+    Raises:
+      ValueError: If `train_input_pipeline` is given, an aux item uses Pax's own item names,
+        or the manager cannot be built (no mesh found).
+    """
     if train_input_pipeline is not None:
       raise ValueError(
           "pax_patch does not checkpoint the input pipeline (the RAM tier holds arrays and "
@@ -293,9 +378,24 @@ class PaxCheckpointManager:
               aux_restore_kwargs: dict[str, Any] | None = None) -> Any:
     """Restores `step` (None: the newest step the whole job can assemble, RAM first).
 
-    `train_state` is the target (abstract or concrete arrays); `restore_kwargs` may carry
-    Pax's `specs` and `mesh` for targets without shardings. Returns the train state (a dict
-    of items when `aux_items` are given), or None when `step` is None and nothing is saved.
+    Args:
+      step: The step; None for the newest step the whole job can assemble.
+      train_state: The target (abstract or concrete arrays).
+      train_state_unpadded_shape_dtype_struct: Unpadded shapes and dtypes to check the saved
+        metadata against, or None.
+      train_input_pipeline: Must be None: the input pipeline is not checkpointed.
+      restore_kwargs: May carry Pax's `specs` and `mesh` for targets without shardings;
+        `transforms` must be None.
+      aux_items: Extra PyTree items to restore, by name (their targets).
+      aux_restore_kwargs: Accepted and ignored (the targets say it all).
+
+    Returns:
+      The train state (a dict of items when `aux_items` are given), or None when `step` is
+      None and nothing is saved.
+
+    Raises:
+      ValueError: If `train_input_pipeline` or restore transforms are given, `specs` come
+        without `mesh`, no mesh is known, or the saved Pax metadata does not match the model.
     """
     del aux_restore_kwargs  # per-item options of Pax's legacy handlers; targets say it all
     if train_input_pipeline is not None:
@@ -336,13 +436,16 @@ class PaxCheckpointManager:
 
   @property
   def last_restore(self) -> orbax_mtc.RestoreInfo | None:
+    """The orbax-mtc manager's `last_restore`; None before the manager is built."""
     return None if self._manager is None else self._manager.last_restore
 
   @property
   def last_ondemand(self) -> orbax_mtc.OnDemandSave | None:
+    """The orbax-mtc manager's `last_ondemand`; None before the manager is built."""
     return None if self._manager is None else self._manager.last_ondemand
 
   def close(self) -> None:
+    """Closes the orbax-mtc manager, if built."""
     if self._manager is not None:
       self._manager.close()
 
@@ -370,6 +473,11 @@ def _persistent_options(options: ocp.CheckpointManagerOptions | None
 
 
 def log_layout(manager: PaxCheckpointManager) -> None:
+  """Logs where and how often each tier of `manager` saves.
+
+  Args:
+    manager: The manager.
+  """
   logging.info("pax_patch: RAM tier %s (every %d steps), persistent %s (every %s steps, Pax "
                "layout checkpoint_%%08d)", manager.local_directory,
                manager.mtc_options.local.save_interval_steps, manager.directory,

@@ -48,12 +48,18 @@ PAX_ASYNC_TIMEOUT_SECS = 6 * 60 * 60
 class MtcConfig:
   """The orbax-mtc side of a Pax run (the `--mtc_*` flags of `python -m pax_patch.main`).
 
-  local_directory: this host's RAM-disk folder; None reads ORBAX_MTC_LOCAL_DIR (set by
-    `orbax-mtc launch`).
-  local_save_interval_steps: save to RAM every N steps.
-  peers_per_node: nodes holding a copy of each node's RAM step (0: none).
-  replica_axis: the data-parallel mesh axis (None: "data").
-  ondemand_grace_seconds: SIGTERM-to-durable budget for the on-demand persistent backup.
+  Attributes:
+    local_directory: This host's RAM-disk folder, an absolute path; None reads
+      ORBAX_MTC_LOCAL_DIR (set by `orbax-mtc launch`).
+    local_save_interval_steps: Save to RAM every N steps.
+    peers_per_node: Nodes holding a copy of each node's RAM step (0: none).
+    replica_axis: The data-parallel mesh axis (None: "data").
+    local_max_to_keep: RAM steps kept per node.
+    ondemand_grace_seconds: SIGTERM-to-durable budget for the on-demand persistent backup.
+
+  Raises:
+    ValueError: If an interval or count is not an int of its minimum or more,
+      `local_directory` is not absolute, or `replica_axis` is empty.
   """
 
   local_directory: str | None = None
@@ -76,6 +82,14 @@ class MtcConfig:
       raise ValueError("MtcConfig.replica_axis must be a mesh axis name or None.")
 
   def resolved_local_directory(self) -> str:
+    """The RAM-disk folder to use.
+
+    Returns:
+      `local_directory`, else the value of ORBAX_MTC_LOCAL_DIR.
+
+    Raises:
+      ValueError: If neither is set.
+    """
     directory = self.local_directory or os.environ.get("ORBAX_MTC_LOCAL_DIR")
     if not directory:
       raise ValueError("No RAM-disk folder for the local tier: pass "
@@ -92,8 +106,18 @@ def _total_num_params(train_state: Any) -> int:
 class PaxTrainingCheckpointer:
   """Pax's pjit training checkpointer interface, backed by `PaxCheckpointManager`.
 
-  external_restore_fn: `fn(metadata, partitioner, train_input_pipeline) -> train_state`, used
-    when neither tier has a step (Pax's `task.train.external_checkpoint_path`).
+  Building it agrees the step to restore with every process (one all-gather), so every
+  process constructs it at the same point.
+
+  Args:
+    checkpoint_manager: The manager it drives.
+    checkpoint_type: Pax's checkpoint type, handed back to Pax's partitioner.
+    enable_checkpoint_saving: False makes every save a no-op.
+    external_restore_fn: `fn(metadata, partitioner, train_input_pipeline) -> train_state`,
+      used when neither tier has a step (Pax's `task.train.external_checkpoint_path`).
+
+  Attributes:
+    checkpoint_manager: The manager it drives.
   """
 
   def __init__(self, checkpoint_manager: PaxCheckpointManager, checkpoint_type: Any = None,
@@ -126,24 +150,37 @@ class PaxTrainingCheckpointer:
 
   @property
   def step_to_restore(self) -> int | None:
+    """The step restored (after `get_model_states`), else the newest step all processes see."""
     return self._step_to_restore
 
   @property
   def checkpoint_type(self) -> Any:
+    """Pax's checkpoint type, as given."""
     return self._checkpoint_type
 
   @property
   def last_restore(self):
+    """The manager's `last_restore` (None before the orbax-mtc manager is built)."""
     return self.checkpoint_manager.last_restore
 
   @property
   def last_ondemand(self):
+    """The manager's `last_ondemand` (None before the orbax-mtc manager is built)."""
     return self.checkpoint_manager.last_ondemand
 
   def wait_until_finished(self) -> None:
+    """Waits for the saves in flight."""
     self.checkpoint_manager.wait_until_finished()
 
   def reached_preemption(self, step: int) -> bool:
+    """Whether `step` is the agreed on-demand step after a SIGTERM (Pax then exits).
+
+    Args:
+      step: The current step.
+
+    Returns:
+      True at that step.
+    """
     return self.checkpoint_manager.reached_preemption(step)
 
   def _save(self, step_i: int, train_state: Any, unpadded: Any, train_input_pipeline: Any,
@@ -156,8 +193,21 @@ class PaxTrainingCheckpointer:
   def save_if_needed(self, step_i: int, partitioned_train_state: Any,
                      train_state_unpadded_shape_dtype_struct: Any = None,
                      train_state_pspecs: Any = None, train_input_pipeline: Any = None) -> None:
-    """Saves `step_i` if a tier's schedule or a preemption asks for it (every process calls
-    this at the top of every step)."""
+    """Saves `step_i` if a tier's schedule or a preemption asks for it.
+
+    Every process calls this at the top of every step. A failed persistent backup is logged
+    and training goes on (`close()` reports it).
+
+    Args:
+      step_i: The current step.
+      partitioned_train_state: The train state.
+      train_state_unpadded_shape_dtype_struct: Unpadded shapes and dtypes for the metadata.
+      train_state_pspecs: Accepted and ignored.
+      train_input_pipeline: Must be None: the input pipeline is not checkpointed.
+
+    Raises:
+      ValueError: If `train_input_pipeline` is given, or the manager cannot be built.
+    """
     del train_state_pspecs
     if self.checkpoint_manager.mtc_manager is None:
       # Pax always calls get_model_states first; a loop that did not still needs the
@@ -177,7 +227,18 @@ class PaxTrainingCheckpointer:
   def save_final(self, step_i: int, *, partitioned_train_state: Any,
                  train_state_unpadded_shape_dtype_struct: Any = None,
                  train_state_pspecs: Any = None, train_input_pipeline: Any = None) -> None:
-    """Saves the last step to every tier unless it is already saved."""
+    """Saves the last step to every tier unless it is already saved.
+
+    Args:
+      step_i: The last step.
+      partitioned_train_state: The train state.
+      train_state_unpadded_shape_dtype_struct: Unpadded shapes and dtypes for the metadata.
+      train_state_pspecs: Accepted and ignored.
+      train_input_pipeline: Must be None: the input pipeline is not checkpointed.
+
+    Raises:
+      ValueError: If `train_input_pipeline` is given, or the manager cannot be built.
+    """
     del train_state_pspecs
     latest = self.checkpoint_manager.latest_step()
     if latest is None or latest < step_i:
@@ -187,9 +248,25 @@ class PaxTrainingCheckpointer:
 
   def get_model_states(self, partitioner: Any, metadata: Any, root_prng_key: Any,
                        train_input_pipeline: Any = None) -> tuple[Any, Any, int, Any]:
-    """Restores the newest step the whole job can assemble (RAM first, then persistent), or
-    initialises through the partitioner; returns Pax's (train_state, provenance, number of
-    parameters, root_prng_key)."""
+    """Restores the newest step the whole job can assemble, or initialises.
+
+    RAM first, then persistent, then `external_restore_fn`; the partitioner initialises
+    whatever is not restored. Builds the orbax-mtc manager (collective).
+
+    Args:
+      partitioner: Pax's partitioner (its `global_mesh` and
+        `initialize_prng_key_and_train_state`).
+      metadata: Pax's train state metadata (padded and unpadded shapes, partition specs).
+      root_prng_key: The root PRNG key.
+      train_input_pipeline: Must be None: the input pipeline is not checkpointed.
+
+    Returns:
+      Pax's (train_state, provenance, number of parameters, root_prng_key).
+
+    Raises:
+      ValueError: If `train_input_pipeline` is given, or the saved Pax metadata does not
+        match the model.
+    """
     global_mesh = partitioner.global_mesh
     target = checkpoint_manager._with_shardings(metadata.padded_global_shapes,
                                                 metadata.partition_specs, global_mesh)
@@ -205,6 +282,7 @@ class PaxTrainingCheckpointer:
     return train_state, provenance, _total_num_params(train_state), root_prng_key
 
   def close(self) -> None:
+    """Waits for the saves in flight and closes the manager (reporting a failed backup)."""
     self.checkpoint_manager.wait_until_finished()
     self.checkpoint_manager.close()
 
@@ -214,7 +292,17 @@ _UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def parse_duration(text: str | None) -> datetime.timedelta | None:
-  """Pax's `save_keep_interval_duration`: '90', '30s', '15m', '2h' or '1d'."""
+  """Parses Pax's `save_keep_interval_duration`: '90', '30s', '15m', '2h' or '1d'.
+
+  Args:
+    text: The duration; None or empty for none.
+
+  Returns:
+    The duration, or None.
+
+  Raises:
+    ValueError: If `text` is not seconds or a number with s, m, h or d.
+  """
   if not text:
     return None
   match = _DURATION.match(str(text).strip())
@@ -239,7 +327,31 @@ def create_checkpointer(task_p: Any, job_log_dir: epath.PathLike, checkpoint_typ
                         config: MtcConfig | None = None,
                         external_restore_fn: Callable[[Any, Any, Any], Any] | None = None
                         ) -> PaxTrainingCheckpointer:
-  """Pax's `_create_checkpointer`, on orbax-mtc (see the module docstring)."""
+  """Pax's `_create_checkpointer`, on orbax-mtc (see the module docstring).
+
+  Args:
+    task_p: Pax's task config; `task_p.train` gives the persistent schedule and retention.
+    job_log_dir: Pax's job folder; checkpoints go to `<job_log_dir>/checkpoints`.
+    checkpoint_type: Pax's checkpoint type; only GDA is supported.
+    todelete_subdir: Accepted and ignored (deletion is orbax-mtc's).
+    train_input_p: Accepted and ignored (no input checkpointing).
+    enable_async_checkpointing: Write in the background.
+    enable_checkpoint_saving: False makes every save a no-op.
+    enforce_restore_shape_check: Does not apply (warned).
+    maybe_use_persistence_checkpointing: Does not apply (warned).
+    tensorstore_use_ocdbt: Accepted; the persistent checkpoints are OCDBT either way.
+    async_timeout_secs: Bound on one persistent write; None for Pax's default (6 h).
+    config: The orbax-mtc side (RAM tier, peers); None for `MtcConfig()`.
+    external_restore_fn: Restores Pax's external checkpoint when neither tier has a step.
+
+  Returns:
+    The `PaxTrainingCheckpointer`.
+
+  Raises:
+    ValueError: If the model is not pjit (no `ici_mesh_shape`), the checkpoint type is not
+      GDA, input checkpointing or restore transformations are set, no RAM-disk folder is
+      given, or an option is invalid.
+  """
   del todelete_subdir, train_input_p  # deletion is orbax-mtc's; no input checkpointing
   config = config or MtcConfig()
   train_p = task_p.train

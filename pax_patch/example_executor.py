@@ -78,7 +78,20 @@ def _get(tree: Any, path: str) -> Any:
 
 
 def leaf_numpy(path: str, shape: tuple[int, ...], step: int, seed: int = 0) -> np.ndarray:
-  """The whole leaf at `step`: what `train_step` computes, in closed form and exact."""
+  """The whole leaf at `step`: what `train_step` computes, in closed form and exact.
+
+  Args:
+    path: The leaf's path, a key of `LEAVES`.
+    shape: The leaf's global shape.
+    step: The step.
+    seed: Varies the initial values.
+
+  Returns:
+    The leaf as a numpy array of its dtype.
+
+  Raises:
+    AssertionError: If `path` is not a leaf of `LEAVES`.
+  """
   import ml_dtypes
 
   if path in ("step", "opt_states/count"):
@@ -97,7 +110,17 @@ def leaf_numpy(path: str, shape: tuple[int, ...], step: int, seed: int = 0) -> n
 
 
 def global_state_numpy(step: int, data: int, model: int = 1, seed: int = 0) -> dict:
-  """The train state at `step` as nested dicts of numpy arrays (any reader's expectation)."""
+  """The train state at `step` as nested dicts of numpy arrays (any reader's expectation).
+
+  Args:
+    step: The step.
+    data: Size of the mesh's "data" axis.
+    model: Size of the mesh's "model" axis.
+    seed: Varies the initial values.
+
+  Returns:
+    Nested dicts keyed by the parts of the `LEAVES` paths.
+  """
   out: dict[str, Any] = {}
   for path, (_, _, shape_fn) in LEAVES.items():
     _set(out, path, leaf_numpy(path, shape_fn(data, model), step, seed))
@@ -106,7 +129,13 @@ def global_state_numpy(step: int, data: int, model: int = 1, seed: int = 0) -> d
 
 @dataclasses.dataclass
 class TrainStateMetadata:
-  """What Pax's partitioner reports about the train state (trainer_lib.TrainStateMetadata)."""
+  """What Pax's partitioner reports about the train state (trainer_lib.TrainStateMetadata).
+
+  Attributes:
+    padded_global_shapes: `jax.ShapeDtypeStruct` of every leaf, as stored.
+    unpadded_global_shapes: `jax.ShapeDtypeStruct` of every leaf, unpadded (here the same).
+    partition_specs: `PartitionSpec` of every leaf.
+  """
 
   padded_global_shapes: Any
   unpadded_global_shapes: Any
@@ -114,7 +143,16 @@ class TrainStateMetadata:
 
 
 class ExamplePartitioner:
-  """The parts of Pax's partitioner the checkpointer and the loop use."""
+  """The parts of Pax's partitioner the checkpointer and the loop use.
+
+  Args:
+    global_mesh: The ("data", "model") mesh.
+    seed: Varies the initial values.
+
+  Attributes:
+    global_mesh: The ("data", "model") mesh.
+    seed: Varies the initial values.
+  """
 
   def __init__(self, global_mesh, seed: int = 0):
     self.global_mesh = global_mesh
@@ -124,6 +162,7 @@ class ExamplePartitioner:
     return self.global_mesh.shape["data"], self.global_mesh.shape["model"]
 
   def get_train_state_metadata(self) -> TrainStateMetadata:
+    """The shapes, dtypes and partition specs of every leaf of `LEAVES` on this mesh."""
     import jax
     from jax.sharding import PartitionSpec
 
@@ -136,6 +175,7 @@ class ExamplePartitioner:
     return TrainStateMetadata(shapes, shapes, specs)
 
   def shardings(self) -> Any:
+    """The `NamedSharding` of every leaf, as nested dicts."""
     import jax
 
     metadata = self.get_train_state_metadata()
@@ -144,7 +184,14 @@ class ExamplePartitioner:
         metadata.partition_specs)
 
   def state_at(self, step: int) -> dict:
-    """The train state at `step`, sharded, built from the closed form."""
+    """The train state at `step`, sharded, built from the closed form.
+
+    Args:
+      step: The step.
+
+    Returns:
+      Nested dicts of jax.Arrays sharded as `shardings()`.
+    """
     import jax
 
     data, model = self._dims()
@@ -158,7 +205,16 @@ class ExamplePartitioner:
     return out
 
   def initialize_prng_key_and_train_state(self, root_prng_key, train_state, checkpoint_type):
-    """As Pax: split the key; initialise the state when nothing was restored."""
+    """As Pax: split the key; initialise the state when nothing was restored.
+
+    Args:
+      root_prng_key: The root PRNG key.
+      train_state: The restored state, or None.
+      checkpoint_type: Accepted and ignored.
+
+    Returns:
+      (the new root key, the train state, "initialized" if it was initialised else None).
+    """
     import jax
 
     del checkpoint_type
@@ -171,7 +227,14 @@ class ExamplePartitioner:
 
 
 def make_train_step(partitioner: ExamplePartitioner):
-  """One jitted step; exactly `global_state_numpy(step + 1)` from `global_state_numpy(step)`."""
+  """One jitted step; exactly `global_state_numpy(step + 1)` from `global_state_numpy(step)`.
+
+  Args:
+    partitioner: Gives the state's shardings.
+
+  Returns:
+    The jitted function from one state to the next.
+  """
   import jax
   import jax.numpy as jnp
 
@@ -189,7 +252,14 @@ def make_train_step(partitioner: ExamplePartitioner):
 
 
 def digest(state: Any) -> str:
-  """sha256 (16 hex digits) of this process's shards: leaf, index and bytes."""
+  """Hashes this process's shards: leaf, index and bytes.
+
+  Args:
+    state: A pytree of jax.Arrays.
+
+  Returns:
+    The first 16 hex digits of the SHA-256.
+  """
   import jax
 
   h = hashlib.sha256()
@@ -203,7 +273,15 @@ def digest(state: Any) -> str:
 
 
 def matches(state: Any, expected: Any) -> bool:
-  """Bit-exact equality of this process's shards (same dtype, shape, sharding)."""
+  """Bit-exact equality of this process's shards (same dtype, shape, sharding).
+
+  Args:
+    state: The state to check (nested dicts with the `LEAVES` paths).
+    expected: The state it should equal.
+
+  Returns:
+    True if every leaf of `LEAVES` has the same dtype, shape, sharding and shard bytes.
+  """
   for path in LEAVES:
     got, want = _get(state, path), _get(expected, path)
     if (got.dtype, got.shape, got.sharding) != (want.dtype, want.shape, want.sharding):
@@ -232,6 +310,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """Runs the executor: set-up and restore, the training loop, the final save.
+
+  Args:
+    argv: Pax's flags, `--mtc_*` flags and this example's (`--job_log_dir`,
+      `--num_train_steps`, ...), without the program name; None reads `sys.argv[1:]`.
+
+  Returns:
+    0 when training finished; `PAX_ONDEMAND_EXIT_STATUS` (1) after an on-demand save with
+    `--exit_after_ondemand_checkpoint`; `USAGE_EXIT_STATUS` (2) for a bad `--mtc_*` flag.
+
+  Raises:
+    AssertionError: If the restored state's step is not the checkpointer's `step_to_restore`.
+  """
   from pax_patch import main as pax_main
 
   argv = list(sys.argv[1:] if argv is None else argv)

@@ -41,7 +41,18 @@ class FlagError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ParsedFlags:
-  """The orbax-mtc settings, the Pax flags we read, and the argv Pax gets."""
+  """The orbax-mtc settings, the Pax flags we read, and the argv Pax gets.
+
+  Attributes:
+    local_checkpoint_dir: This host's RAM-disk folder (absolute).
+    local_save_interval_steps: Save to RAM every N steps.
+    peers_per_node: Nodes holding a copy of each node's RAM step.
+    replica_axis: The data-parallel mesh axis, or None for "data".
+    exit_after_ondemand_checkpoint: Pax's flag of that name.
+    jax_fully_async_checkpoint: Pax's flag of that name.
+    job_log_dir: Pax's `--job_log_dir`, or None if not given.
+    pax_argv: The arguments for Pax: every Pax flag, no `--mtc_*` one.
+  """
 
   local_checkpoint_dir: str | None
   local_save_interval_steps: int
@@ -53,6 +64,14 @@ class ParsedFlags:
   pax_argv: list[str]
 
   def config(self):
+    """The `MtcConfig` these flags ask for.
+
+    Returns:
+      The `pax_patch.MtcConfig`.
+
+    Raises:
+      ValueError: If a value is invalid for `MtcConfig`.
+    """
     from pax_patch.checkpointer import MtcConfig
 
     return MtcConfig(local_directory=self.local_checkpoint_dir,
@@ -94,8 +113,19 @@ def _inside(path: str, folder: str) -> bool:
 
 
 def parse_flags(argv: Sequence[str], environ: dict[str, str] | None = None) -> ParsedFlags:
-  """Reads the `--mtc_*` flags (and the Pax flags they depend on) from `argv` (no program
-  name); returns them with the argv for Pax, which keeps every Pax flag. Raises FlagError."""
+  """Reads the `--mtc_*` flags (and the Pax flags they depend on) from `argv`.
+
+  Args:
+    argv: The command line without the program name.
+    environ: The environment to read ORBAX_MTC_LOCAL_DIR from; None for `os.environ`.
+
+  Returns:
+    The `ParsedFlags`, with the argv for Pax, which keeps every Pax flag.
+
+  Raises:
+    FlagError: If an `--mtc_*` flag is unknown, lacks a value or is malformed, no RAM-disk
+      folder is given, or it is not absolute or lies inside Pax's checkpoint folder.
+  """
   environ = dict(os.environ if environ is None else environ)
   raw: dict[str, str] = {}
   pax_bools = dict.fromkeys(PAX_BOOL_FLAGS, False)
@@ -171,7 +201,14 @@ def parse_flags(argv: Sequence[str], environ: dict[str, str] | None = None) -> P
 
 
 def run_pax(program: str, pax_argv: list[str]) -> None:
-  """Runs paxml's main as its `__main__` block does (flags, required job_log_dir, app.run)."""
+  """Runs paxml's main as its `__main__` block does (flags, required job_log_dir, app.run).
+
+  `app.run` ends the process with Pax's exit status.
+
+  Args:
+    program: The program name for Pax's argv.
+    pax_argv: Pax's arguments.
+  """
   import jax
   from absl import app, flags
   from paxml import main as pax_main  # type: ignore[import-not-found]
@@ -188,6 +225,15 @@ def run_pax(program: str, pax_argv: list[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """Parses the `--mtc_*` flags, installs `pax_patch` and runs Pax's main.
+
+  Args:
+    argv: The full command line, program name first; None for `sys.argv`.
+
+  Returns:
+    `USAGE_EXIT_STATUS` (2) when a flag is invalid or paxml is unavailable (the reason goes
+    to stderr); otherwise Pax's `app.run` ends the process itself.
+  """
   argv = list(sys.argv if argv is None else argv)
   program = argv[0] if argv else "pax_patch.main"
   try:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from absl import logging
 
-from orbax_mtc.files import check_owner, fsync_dir, make_private_dir, write_private_file
+from orbax_mtc.files import check_owner, fsync_dir, make_private_dir, write_atomic
 from orbax_mtc.local import checksum
 from orbax_mtc.local.format import (
     DATA,
@@ -399,10 +399,8 @@ class LocalTier:
       manifest = StepManifest(step=staged.step, process_index=process_index,
                               process_count=process_count, items=items, data_size=staged.size,
                               created_at=time.time(), default_item=staged.default_item)
-      manifest_tmp = tmp / (MANIFEST + ".tmp")
-      write_private_file(manifest_tmp, manifest.to_json().encode(), self.file_mode)
-      os.rename(manifest_tmp, tmp / MANIFEST)
-      fsync_dir(tmp)
+      write_atomic(tmp / MANIFEST, manifest.to_json(), mode=self.file_mode,
+                   tmp_name=MANIFEST + ".tmp")
       with self._lock:
         if final.exists() or final.is_symlink():
           raise FileExistsError(f"local step {final} already exists")

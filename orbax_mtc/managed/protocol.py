@@ -38,7 +38,7 @@ from typing import Any
 import yaml
 from absl import logging
 
-from orbax_mtc import lkg
+from orbax_mtc import files, lkg
 
 REPLICATOR_FILE = "replicator.yaml"
 REPLICATOR_TMP_FILE = REPLICATOR_FILE + ".tmp"
@@ -235,9 +235,7 @@ def handshake(local_directory: Path, config: ReplicatorConfig, *, timeout_s: flo
     if stale.exists():  # the answer to an earlier replicator.yaml, not to ours
       logging.warning("orbax-mtc: removing %s left from an earlier run:\n%s", stale,
                       _read_and_remove(stale))
-  tmp = local_directory / REPLICATOR_TMP_FILE
-  tmp.write_text(config.to_yaml())
-  os.replace(tmp, path)
+  files.write_atomic(path, config.to_yaml(), tmp_name=REPLICATOR_TMP_FILE)
   logging.info("orbax-mtc: wrote %s:\n%s", path, config.to_yaml())
 
   def taken() -> bool:

@@ -42,9 +42,6 @@ ShardKey = tuple[str, str, local_format.Index]  # (item, leaf path, global index
 # Bytes a non-blocking `progress()` issues per call (the replication share of one training step).
 _BYTES_PER_CALL = 128 << 20
 
-# Status a process reports for the step being replicated (the one set of codes).
-WRITING, COMMITTED, FAILED = Status.WRITING, Status.COMMITTED, Status.FAILED
-
 
 def shard_sets(trees: dict[str, Any], process_count: int) -> list[frozenset[ShardKey]]:
   """Per process, the (item, path, index) of every array shard it holds under these shardings.
@@ -195,7 +192,7 @@ class Replicator:
     """One stream exchange: once every process has committed the step, its copies' sizes
     are agreed and their transfer is planned. Returns whether it was."""
     outgoing: dict[int, peer_store.OutgoingStream] = {}
-    if status == COMMITTED:
+    if status == Status.COMMITTED:
       try:
         step_dir = self._local.directory / str(job.step)
         manifest = self._local.manifest(job.step)
@@ -206,17 +203,17 @@ class Replicator:
       except Exception as e:  # noqa: BLE001 - agreed below: every process drops the step
         logging.warning("orbax-mtc: cannot send step %d to peers: %s: %s", job.step,
                         type(e).__name__, e)
-        status = FAILED
+        status = Status.FAILED
 
     def proceed(records: list[agreement.SendRecord], _: np.ndarray) -> bool:
       statuses = [record.status for record in records]
-      failed = [p for p, s in enumerate(statuses) if s == FAILED]
+      failed = [p for p, s in enumerate(statuses) if s == Status.FAILED]
       if failed:
         logging.warning("orbax-mtc: step %d is not replicated: process(es) %s did not commit "
                         "it", job.step, failed)
         self._job = None
         return False
-      return WRITING not in statuses
+      return Status.WRITING not in statuses
 
     def sink_for(stream: transport.Stream) -> transport.Sink:
       incoming = self._store.begin(stream.source, job.step, stream.nbytes)
