@@ -109,7 +109,7 @@ def _train_loop(mode: str, state, mesh, steps: int, bucket: str, tag: str) -> di
   def in_flight() -> bool:
     if mode == "backup":
       return mgr.last_backup is not None and mgr.last_backup.state == "uploading" \
-          or mgr._backup_pending is not None  # noqa: SLF001 - read-back running
+          or mgr.pending_backup is not None  # its read-back from RAM is running
     if mode == "plain":
       return mgr.is_saving_in_progress()
     return False
@@ -125,7 +125,7 @@ def _train_loop(mode: str, state, mesh, steps: int, bucket: str, tag: str) -> di
       times.append(time.perf_counter() - t)
       busy.append(flight)
       if mode == "backup" and mgr.last_backup is not None:
-        mgr._poll_backup()  # noqa: SLF001 - learn of the end without waiting for a save
+        mgr.check_for_errors()  # learns of the end without waiting for a save
     if mgr is not None:
       mgr.wait_until_finished()
       mgr.close()

@@ -22,6 +22,7 @@ from orbax_mtc.local.format import (
 )
 from orbax_mtc.local.lock import LocalDirectoryInUseError
 from orbax_mtc.managed.manager import ReplicatorCheckpointManager
+from orbax_mtc.managed.options import ReplicatorCheckpointManagerOptions
 from orbax_mtc.managed.protocol import ReplicatorError
 from orbax_mtc.managed.setup import initialize_multi_tier_checkpointing
 from orbax_mtc.manager import CheckpointManager, RestoreInfo
@@ -33,7 +34,6 @@ from orbax_mtc.options import (
     MultiprocessingOptions,
     PersistentCheckpointOptions,
     ReplicationOptions,
-    ReplicatorCheckpointManagerOptions,
 )
 
 __version__ = "0.1.0"

@@ -23,7 +23,6 @@ wiring.py (docs/design.md, "Where the code lives", lists them and the path of a 
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -49,29 +48,10 @@ from orbax_mtc.local import specs as local_specs
 from orbax_mtc.managed import hookup
 from orbax_mtc.ondemand import ONDEMAND_METADATA_KEY, OnDemandSave, read_record
 from orbax_mtc.options import CheckpointManagerOptions
-from orbax_mtc.persistent import PersistentTier
+from orbax_mtc.persistent import PersistentTier, persistent_view_when_nested
 from orbax_mtc.restore_tiers import RestoreInfo
 
 __all__ = ["CheckpointManager", "OnDemandSave", "RestoreInfo"]
-
-
-def persistent_view_when_nested(method):
-  """Runs the parent's method instead while the parent is running inside one of ours.
-
-  The parent's `save`/`restore`/`__init__` call `self.all_steps()`, `self.wait_until_finished()`
-  and friends; inside those calls they must see the persistent tier alone.
-  """
-  name = method.__name__
-
-  @functools.wraps(method)
-  def wrapper(self, *args, **kwargs):
-    # Before our __init__ completes (the parent's __init__ runs first, partly on worker
-    # threads) there is only the parent.
-    if not self.__dict__.get("_mtc_ready") or getattr(self._view, "persistent", False):
-      return getattr(super(CheckpointManager, self), name)(*args, **kwargs)
-    return method(self, *args, **kwargs)
-
-  return wrapper
 
 
 class CheckpointManager(ocp.CheckpointManager):

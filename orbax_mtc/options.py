@@ -9,7 +9,7 @@ add (naming the replica axis, peers, the job name for LKG links, managed mode) c
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from absl import logging
@@ -37,7 +37,7 @@ def warn_once(key: str, message: str, *args: Any) -> None:
     logging.warning(message, *args)
 
 
-def _check_bool(owner: str, name: str, value: Any) -> None:
+def check_bool(owner: str, name: str, value: Any) -> None:
   if not isinstance(value, bool):
     raise TypeError(f"{owner}.{name} must be a bool, got {value!r}.")
 
@@ -71,7 +71,7 @@ def ram_keep_from_policy(owner: str, policy: Any) -> int:
   return 1
 
 
-def _check_interval(owner: str, name: str, value: int | None, *, allow_none: bool) -> None:
+def check_interval(owner: str, name: str, value: int | None, *, allow_none: bool) -> None:
   if value is None:
     if allow_none:
       return
@@ -139,10 +139,10 @@ class LocalCheckpointOptions:
   file_mode: int = 0o600
 
   def __post_init__(self):
-    _check_interval("LocalCheckpointOptions", "save_interval_steps", self.save_interval_steps,
+    check_interval("LocalCheckpointOptions", "save_interval_steps", self.save_interval_steps,
                     allow_none=False)
     _check_max_to_keep("LocalCheckpointOptions", self.max_to_keep)
-    _check_bool("LocalCheckpointOptions", "debug_use_full_global_mesh",
+    check_bool("LocalCheckpointOptions", "debug_use_full_global_mesh",
                 self.debug_use_full_global_mesh)
     if self.preservation_policy is not None:
       keep = ram_keep_from_policy("LocalCheckpointOptions", self.preservation_policy)
@@ -230,10 +230,10 @@ class PersistentCheckpointOptions:
     else:
       if self.save_interval_steps is None:
         self.save_interval_steps = _PERSISTENT_DEFAULT_INTERVAL
-      _check_interval("PersistentCheckpointOptions", "save_interval_steps",
+      check_interval("PersistentCheckpointOptions", "save_interval_steps",
                       self.save_interval_steps, allow_none=False)
     _check_max_to_keep("PersistentCheckpointOptions", self.max_to_keep)
-    _check_interval("PersistentCheckpointOptions", "keep_period", self.keep_period,
+    check_interval("PersistentCheckpointOptions", "keep_period", self.keep_period,
                     allow_none=True)
     if self.preservation_policy is not None and (
         self.max_to_keep is not None or self.keep_period is not None):
@@ -309,7 +309,7 @@ class ReplicationOptions:
                            "peer: a copy on the same node dies with it. Choose other nodes.")
       self.peer_ranks = tuple(tuple(r) for r in self.peer_ranks)
     for name in ("chunk_mib", "chunks_in_flight"):
-      _check_interval("ReplicationOptions", name, getattr(self, name), allow_none=False)
+      check_interval("ReplicationOptions", name, getattr(self, name), allow_none=False)
 
   @property
   def chunk_bytes(self) -> int:
@@ -492,7 +492,7 @@ class CheckpointManagerOptions:
       raise TypeError("CheckpointManagerOptions.exit_after_ondemand_checkpoint must be a bool, "
                       f"got {self.exit_after_ondemand_checkpoint!r}.")
     for name in ("cleanup_tmp_directories", "single_host_load_and_broadcast"):
-      _check_bool("CheckpointManagerOptions", name, getattr(self, name))
+      check_bool("CheckpointManagerOptions", name, getattr(self, name))
     grace = self.ondemand_grace_seconds
     if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0 \
         or grace == float("inf"):
@@ -555,118 +555,3 @@ class CheckpointManagerOptions:
     if self.step_name_format is not None:
       kwargs["step_name_format"] = self.step_name_format
     return ocp_manager.CheckpointManagerOptions(**kwargs)
-
-
-@dataclasses.dataclass
-class ReplicatorCheckpointManagerOptions:
-  """Options of `orbax_mtc.ReplicatorCheckpointManager`: Orbax's fields, defaults and order.
-
-  Attributes:
-    save_interval_steps: Save to the RAM tier every N steps (default 1).
-    step_name_format: Names the steps of `persistent_directory` (the non-replicated items);
-      the RAM tier's folders are always `<step>`, the replicator's layout (another format is
-      warned about once).
-    should_save_fn: `fn(step, last_saved_step) -> bool`; overrides `save_interval_steps`.
-    preservation_policy: `LatestN(n)` keeps n RAM steps (other policies: warned once, the
-      newest 1 is kept); `persistent_directory` applies any policy as Orbax does. None: the
-      RAM tier keeps the newest 1 (Orbax keeps every local step and leaves the clean-up to
-      the replicator).
-    use_colocated_python: Pathways' colocated Python; not supported (True raises when the
-      manager is built, as Orbax does outside Pathways).
-    enable_async_checkpointing: RAM writes in the background.
-    save_concurrent_gb: Orbax's tensorstore byte limit for saves; the RAM tier has none
-      (warned once when set).
-    restore_concurrent_gb: Orbax's tensorstore byte limit for restores; likewise not applied.
-
-  Raises:
-    ValueError: If `save_interval_steps` is not positive, or `save_concurrent_gb` /
-      `restore_concurrent_gb` is not a positive int or None.
-    TypeError: If `save_interval_steps` is not an int, `should_save_fn` is not callable, or
-      `use_colocated_python` / `enable_async_checkpointing` is not a bool.
-  """
-
-  save_interval_steps: int = 1
-  step_name_format: ocp_path.step.NameFormat | None = None
-  should_save_fn: Callable[[int, int | None], bool] | None = None
-  preservation_policy: policies.PreservationPolicy | None = None
-  use_colocated_python: bool = False
-  enable_async_checkpointing: bool = True
-  save_concurrent_gb: int | None = None
-  restore_concurrent_gb: int | None = None
-
-  def __post_init__(self):
-    owner = "ReplicatorCheckpointManagerOptions"
-    _check_interval(owner, "save_interval_steps", self.save_interval_steps, allow_none=False)
-    if self.should_save_fn is not None and not callable(self.should_save_fn):
-      raise TypeError(f"{owner}.should_save_fn must be callable.")
-    for name in ("use_colocated_python", "enable_async_checkpointing"):
-      _check_bool(owner, name, getattr(self, name))
-    if self.step_name_format is not None and self.step_name_format.build_name(7) != "7":
-      warn_once(f"{owner}.step_name_format",
-                "orbax-mtc: %s.step_name_format names the steps of persistent_directory only; "
-                "RAM-tier step folders stay <step>, as the replicator reads them.", owner)
-    for name in ("save_concurrent_gb", "restore_concurrent_gb"):
-      value = getattr(self, name)
-      if value is None:
-        continue
-      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{owner}.{name} must be a positive int or None, got {value!r}.")
-      warn_once(f"{owner}.{name}",
-                "orbax-mtc: %s.%s=%d is not applied: the RAM tier writes and reads without a "
-                "byte limit.", owner, name, value)
-
-
-def replica_axis_name(options: CheckpointManagerOptions, mesh_axis_names: Sequence[str], *,
-                      multi_process: bool = True,
-                      axis_sizes: Mapping[str, int] | None = None) -> str:
-  """The mesh axis that indexes data-parallel replicas, with a clear error when unknown.
-
-  Order: `replication.replica_axis`, then `replica_axis_index` (Orbax's default 0), then (index
-  None) an axis named "data". In a single process replicas do not matter, so the first axis
-  is accepted there. `axis_sizes` (the mesh's shape) lets an index that picks a size-1 axis
-  beside a larger "data" axis warn (MaxText puts a "diloco" axis first).
-
-  Args:
-    options: The manager's options.
-    mesh_axis_names: The global mesh's axis names.
-    multi_process: Whether the job has more than one process.
-    axis_sizes: Axis name -> size of the mesh, for the warning above; None skips it.
-
-  Returns:
-    The name of the replica axis.
-
-  Raises:
-    ValueError: If `replication.replica_axis` is not a mesh axis, `replica_axis_index` is out
-      of range, or (index None, multi-process) the mesh has no axis named "data".
-  """
-  names = tuple(mesh_axis_names)
-  axis = options.replication.replica_axis
-  if axis is not None:
-    if axis not in names:
-      raise ValueError(
-          f"ReplicationOptions.replica_axis={axis!r} is not an axis of the global mesh "
-          f"(axes: {names}). Name the data-parallel axis of your mesh, e.g. "
-          f"ReplicationOptions(replica_axis={names[0]!r}).")
-    return axis
-  if options.replica_axis_index is not None:
-    index = options.replica_axis_index
-    if index >= len(names):
-      raise ValueError(
-          f"CheckpointManagerOptions.replica_axis_index={index} is out of range for a mesh "
-          f"with axes {names}. Prefer naming the axis: ReplicationOptions(replica_axis=...).")
-    sizes = dict(axis_sizes or {})
-    if multi_process and names[index] != "data" and sizes.get(names[index]) == 1 and \
-        sizes.get("data", 1) > 1:
-      warn_once("replica_axis_index",
-                "orbax-mtc: replica_axis_index=%d picks mesh axis %r of size 1 (one replica), "
-                "while axis 'data' has %d: data-parallel twins are not used. Name the axis: "
-                "CheckpointManagerOptions(replication=ReplicationOptions(replica_axis='data')).",
-                index, names[index], sizes["data"])
-    return names[index]
-  if "data" in names or not multi_process:
-    return "data" if "data" in names else names[0]
-  raise ValueError(
-      f"The global mesh has no axis named 'data' (axes: {names}) and no replica axis was "
-      "given. Name the data-parallel axis: CheckpointManagerOptions(replication="
-      f"ReplicationOptions(replica_axis={names[0]!r})); with no data parallelism, name any "
-      "axis of size 1 or the outermost axis.")

@@ -27,8 +27,9 @@ from etils import epath
 from orbax_mtc import constructor, item_args
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import read as local_read
-from orbax_mtc.manager import CheckpointManager, persistent_view_when_nested
+from orbax_mtc.manager import CheckpointManager
 from orbax_mtc.options import CheckpointManagerOptions, LocalCheckpointOptions, ReplicationOptions
+from orbax_mtc.persistent import persistent_view_when_nested
 
 _RESTORE_FOR_SAVE = {ocp.args.PyTreeSave: ocp.args.PyTreeRestore,
                      ocp.args.StandardSave: ocp.args.StandardRestore,

@@ -12,6 +12,7 @@ another Orbax version without them falls back to the public flags.
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,25 @@ from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
 from orbax_mtc import backup
+
+
+def persistent_view_when_nested(method):
+  """Runs the parent class's method instead while the parent runs inside one of ours.
+
+  The parent's `save`/`restore`/`__init__` call `self.all_steps()`, `self.wait_until_finished()`
+  and friends; inside those calls they must see the persistent tier alone. Before our
+  `__init__` completes (the parent's runs first, partly on worker threads) there is only the
+  parent too.
+  """
+  name = method.__name__
+
+  @functools.wraps(method)
+  def wrapper(self, *args, **kwargs):
+    if not self.__dict__.get("_mtc_ready") or getattr(self._view, "persistent", False):
+      return getattr(ocp.CheckpointManager, name)(self, *args, **kwargs)
+    return method(self, *args, **kwargs)
+
+  return wrapper
 
 
 class PersistentTier:

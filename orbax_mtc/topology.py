@@ -15,10 +15,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from orbax_mtc.options import CheckpointManagerOptions, warn_once
 
 
 class TopologyError(ValueError):
@@ -408,3 +410,59 @@ def _check_peer_ranks(peer_ranks: Sequence[Sequence[int]],
       seen.append(int(peer))
     out.append(tuple(seen))
   return tuple(out)
+
+
+def replica_axis_name(options: CheckpointManagerOptions, mesh_axis_names: Sequence[str], *,
+                      multi_process: bool = True,
+                      axis_sizes: Mapping[str, int] | None = None) -> str:
+  """The mesh axis that indexes data-parallel replicas, with a clear error when unknown.
+
+  Order: `replication.replica_axis`, then `replica_axis_index` (Orbax's default 0), then (index
+  None) an axis named "data". In a single process replicas do not matter, so the first axis
+  is accepted there. `axis_sizes` (the mesh's shape) lets an index that picks a size-1 axis
+  beside a larger "data" axis warn (MaxText puts a "diloco" axis first).
+
+  Args:
+    options: The manager's options.
+    mesh_axis_names: The global mesh's axis names.
+    multi_process: Whether the job has more than one process.
+    axis_sizes: Axis name -> size of the mesh, for the warning above; None skips it.
+
+  Returns:
+    The name of the replica axis.
+
+  Raises:
+    ValueError: If `replication.replica_axis` is not a mesh axis, `replica_axis_index` is out
+      of range, or (index None, multi-process) the mesh has no axis named "data".
+  """
+  names = tuple(mesh_axis_names)
+  axis = options.replication.replica_axis
+  if axis is not None:
+    if axis not in names:
+      raise ValueError(
+          f"ReplicationOptions.replica_axis={axis!r} is not an axis of the global mesh "
+          f"(axes: {names}). Name the data-parallel axis of your mesh, e.g. "
+          f"ReplicationOptions(replica_axis={names[0]!r}).")
+    return axis
+  if options.replica_axis_index is not None:
+    index = options.replica_axis_index
+    if index >= len(names):
+      raise ValueError(
+          f"CheckpointManagerOptions.replica_axis_index={index} is out of range for a mesh "
+          f"with axes {names}. Prefer naming the axis: ReplicationOptions(replica_axis=...).")
+    sizes = dict(axis_sizes or {})
+    if multi_process and names[index] != "data" and sizes.get(names[index]) == 1 and \
+        sizes.get("data", 1) > 1:
+      warn_once("replica_axis_index",
+                "orbax-mtc: replica_axis_index=%d picks mesh axis %r of size 1 (one replica), "
+                "while axis 'data' has %d: data-parallel twins are not used. Name the axis: "
+                "CheckpointManagerOptions(replication=ReplicationOptions(replica_axis='data')).",
+                index, names[index], sizes["data"])
+    return names[index]
+  if "data" in names or not multi_process:
+    return "data" if "data" in names else names[0]
+  raise ValueError(
+      f"The global mesh has no axis named 'data' (axes: {names}) and no replica axis was "
+      "given. Name the data-parallel axis: CheckpointManagerOptions(replication="
+      f"ReplicationOptions(replica_axis={names[0]!r})); with no data parallelism, name any "
+      "axis of size 1 or the outermost axis.")

@@ -312,7 +312,7 @@ def test_bool_fields_are_checked():
 
 def test_replica_axis_index_default_and_the_size_one_warning(warnings_reset):
   import orbax_mtc as mtc
-  from orbax_mtc.options import replica_axis_name
+  from orbax_mtc.topology import replica_axis_name
 
   default = mtc.CheckpointManagerOptions()
   sizes = {"diloco": 1, "data": 2, "fsdp": 4}

@@ -28,13 +28,13 @@ from etils import epath, epy
 from orbax.checkpoint import abstract_checkpoint_manager
 
 from orbax_mtc.local import read as local_read
+from orbax_mtc.managed.options import ReplicatorCheckpointManagerOptions
 from orbax_mtc.manager import CheckpointManager
 from orbax_mtc.options import (
   CheckpointManagerOptions,
   LocalCheckpointOptions,
   PersistentCheckpointOptions,
   ReplicationOptions,
-  ReplicatorCheckpointManagerOptions,
   ram_keep_from_policy,
   warn_once,
 )

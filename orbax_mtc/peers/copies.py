@@ -18,7 +18,7 @@ from absl import logging
 
 from orbax_mtc import topology
 from orbax_mtc.local import store as local_store
-from orbax_mtc.options import CheckpointManagerOptions, replica_axis_name
+from orbax_mtc.options import CheckpointManagerOptions
 from orbax_mtc.peers import replication
 from orbax_mtc.peers import store as peer_store
 from orbax_mtc.ram_writer import RamWriter
@@ -69,7 +69,7 @@ class PeerCopies:
     options = self._options
     self.mesh = mesh
     try:
-      self.replica_axis = replica_axis_name(options, mesh.axis_names,
+      self.replica_axis = topology.replica_axis_name(options, mesh.axis_names,
                                             multi_process=self._process_count > 1,
                                             axis_sizes=dict(mesh.shape))
     except ValueError as e:
