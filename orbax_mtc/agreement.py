@@ -4,8 +4,9 @@ Rule 8 of the design: every answer that steers the training loop is the same on 
 and every branch taken before a collective depends only on agreed data. Per-process facts (the
 steps in this node's RAM folder, its view of the persistent tier, an error on its writer
 thread) therefore enter decisions only through one record per call, all-gathered once. Each
-record is a frozen dataclass whose fields carry their codec; `encode`/`decode` here are the only
-place that knows the layout of the int64 row, so no caller reads a column by index.
+record is a frozen dataclass whose fields carry their codec; `encode`/`decode` (row_codec.py,
+re-exported here) are the only place that knows the layout of the int64 row, so no caller
+reads a column by index.
 
 Pure: numpy only, no I/O and no JAX, so every record round-trips in unit tests.
 """
@@ -14,10 +15,26 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable, Collection, Sequence
-from typing import Any, TypeVar
+from collections.abc import Collection, Sequence
+from typing import Any
 
-import numpy as np
+from orbax_mtc.row_codec import (
+  Bool,
+  EnumCodec,
+  Int,
+  Pairs,
+  Record,
+  Steps,
+  Text,
+  field,
+)
+
+# The codec's entry points, used as agreement.gather(...) and friends.
+from orbax_mtc.row_codec import decode as decode
+from orbax_mtc.row_codec import encode as encode
+from orbax_mtc.row_codec import gather as gather
+from orbax_mtc.row_codec import gather_with_sizes as gather_with_sizes
+from orbax_mtc.row_codec import row_size as row_size
 
 
 class Status(enum.IntEnum):
@@ -32,213 +49,6 @@ class Status(enum.IntEnum):
   FAILED = 6  # this process failed (write, read-back, transfer)
   UNUSABLE = 7  # this source is corrupt or incomplete: try another
   MISMATCH = 8  # the restore target does not match what was saved (caller's error)
-
-
-# ----------------------------------------------------------------------------- codecs
-
-
-class _Codec:
-  size: int
-
-  def encode(self, value: Any) -> list[int]:
-    raise NotImplementedError
-
-  def decode(self, slots: np.ndarray) -> Any:
-    raise NotImplementedError
-
-
-class _Int(_Codec):
-  size = 1
-
-  def encode(self, value: Any) -> list[int]:
-    return [int(value)]
-
-  def decode(self, slots: np.ndarray) -> int:
-    return int(slots[0])
-
-
-class _Bool(_Int):
-  def decode(self, slots: np.ndarray) -> bool:  # type: ignore[override]
-    return bool(slots[0])
-
-
-class _Enum(_Int):
-  def __init__(self, enum_type: type[enum.IntEnum]):
-    self.enum_type = enum_type
-
-  def decode(self, slots: np.ndarray) -> enum.IntEnum:  # type: ignore[override]
-    return self.enum_type(int(slots[0]))
-
-
-class _Steps(_Codec):
-  """Up to `width` non-negative ints, newest first; a count says how many were sent and
-  whether the list was cut."""
-
-  def __init__(self, width: int):
-    self.width = width
-    self.size = 2 + width
-
-  def encode(self, value: Collection[int]) -> list[int]:
-    values = sorted({int(v) for v in value}, reverse=True)
-    kept = values[:self.width]
-    return [len(kept), int(len(values) > self.width)] + kept + [-1] * (self.width - len(kept))
-
-  def decode(self, slots: np.ndarray) -> tuple[int, ...]:
-    return tuple(int(v) for v in slots[2:2 + int(slots[0])])
-
-  @staticmethod
-  def truncated(slots: np.ndarray) -> bool:
-    return bool(slots[1])
-
-
-class _Pairs(_Codec):
-  """Up to `width` (a, b) pairs of non-negative ints, newest b first."""
-
-  def __init__(self, width: int):
-    self.width = width
-    self.size = 1 + 2 * width
-
-  def encode(self, value: Collection[tuple[int, int]]) -> list[int]:
-    pairs = sorted({(int(a), int(b)) for a, b in value}, key=lambda p: (-p[1], p[0]))
-    kept = pairs[:self.width]
-    flat = [x for pair in kept for x in pair]
-    return [len(kept)] + flat + [-1] * (2 * (self.width - len(kept)))
-
-  def decode(self, slots: np.ndarray) -> tuple[tuple[int, int], ...]:
-    n = int(slots[0])
-    flat = slots[1:1 + 2 * n]
-    return tuple((int(flat[2 * i]), int(flat[2 * i + 1])) for i in range(n))
-
-
-class _Text(_Codec):
-  """UTF-8 text cut to `nbytes` (on a character boundary), packed eight bytes a slot."""
-
-  def __init__(self, nbytes: int):
-    self.nbytes = -(-nbytes // 8) * 8
-    self.size = 1 + self.nbytes // 8
-
-  def encode(self, value: str) -> list[int]:
-    raw = value.encode("utf-8")[:self.nbytes].decode("utf-8", "ignore").encode("utf-8")
-    padded = raw + b"\0" * (self.nbytes - len(raw))
-    return [len(raw)] + np.frombuffer(padded, dtype=np.int64).tolist()
-
-  def decode(self, slots: np.ndarray) -> str:
-    raw = np.asarray(slots[1:], dtype=np.int64).tobytes()[:int(slots[0])]
-    return raw.decode("utf-8", "replace")
-
-
-class _Record(_Codec):
-  def __init__(self, record_type: type):
-    self.record_type = record_type
-    self.size = row_size(record_type)
-
-  def encode(self, value: Any) -> list[int]:
-    return encode(value).tolist()
-
-  def decode(self, slots: np.ndarray) -> Any:
-    return decode(self.record_type, slots)
-
-
-def _field(codec: _Codec, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING):
-  if factory is not dataclasses.MISSING:
-    return dataclasses.field(default_factory=factory, metadata={"codec": codec})
-  return dataclasses.field(default=default, metadata={"codec": codec})
-
-
-def _codecs(record_type: type) -> list[tuple[str, _Codec]]:
-  return [(f.name, f.metadata["codec"]) for f in dataclasses.fields(record_type)]
-
-
-def row_size(record_type: type) -> int:
-  """Number of int64 values in the row of a record type.
-
-  Args:
-    record_type: A record dataclass of this module.
-
-  Returns:
-    The sum of the sizes of its fields' codecs.
-  """
-  return sum(codec.size for _, codec in _codecs(record_type))
-
-
-def encode(record: Any) -> np.ndarray:
-  """Encodes a record as one int64 row (the only writer of the layout).
-
-  Args:
-    record: An instance of a record dataclass of this module.
-
-  Returns:
-    A 1-D int64 array of `row_size(type(record))` values.
-  """
-  row: list[int] = []
-  for name, codec in _codecs(type(record)):
-    slots = codec.encode(getattr(record, name))
-    assert len(slots) == codec.size, (name, len(slots), codec.size)
-    row += slots
-  return np.asarray(row, dtype=np.int64)
-
-
-R = TypeVar("R")
-
-
-def decode(record_type: type[R], row: np.ndarray) -> R:
-  """Decodes the record `encode` wrote into `row` (the only reader of the layout).
-
-  Args:
-    record_type: The record dataclass that was encoded.
-    row: The int64 values (any shape; flattened).
-
-  Returns:
-    The decoded record.
-
-  Raises:
-    ValueError: If `row` does not have `row_size(record_type)` values (e.g. processes run
-      different orbax-mtc versions).
-  """
-  row = np.asarray(row, dtype=np.int64).reshape(-1)
-  if row.size != row_size(record_type):
-    raise ValueError(f"{record_type.__name__}: a row of {row.size} values, expected "
-                     f"{row_size(record_type)} (processes run different orbax-mtc versions?)")
-  values, at = {}, 0
-  for name, codec in _codecs(record_type):
-    values[name] = codec.decode(row[at:at + codec.size])
-    at += codec.size
-  return record_type(**values)
-
-
-def gather(record: R, allgather: Callable[[np.ndarray], np.ndarray]) -> list[R]:
-  """Gathers every process's record (one all-gather: a collective).
-
-  Args:
-    record: This process's record.
-    allgather: Stacks a row of every process (index = process), e.g.
-      `collectives.allgather` bound to its other arguments.
-
-  Returns:
-    The records of every process, index = process.
-  """
-  rows = np.asarray(allgather(encode(record)))
-  rows = rows.reshape(-1, rows.shape[-1])
-  return [decode(type(record), row) for row in rows]
-
-
-def gather_with_sizes(record: R, sizes: np.ndarray, allgather: Callable[[np.ndarray], np.ndarray]
-                      ) -> list[tuple[R, np.ndarray]]:
-    """Like `gather`, with a vector of byte counts after the record.
-
-    Args:
-      record: This process's record.
-      sizes: Byte counts, one per stream of an exchange, the same length on every process.
-      allgather: Stacks a row of every process (index = process).
-
-    Returns:
-      (record, sizes) of every process, index = process.
-    """
-    row = np.concatenate([encode(record), np.asarray(sizes, dtype=np.int64).reshape(-1)])
-    rows = np.asarray(allgather(row))
-    rows = rows.reshape(-1, rows.shape[-1])
-    width = row_size(type(record))
-    return [(decode(type(record), r[:width]), r[width:].copy()) for r in rows]
 
 
 # ----------------------------------------------------------------------------- records
@@ -257,9 +67,9 @@ class Fault:
     backup_step: >= 0: a failed persistent backup of this step; -1 otherwise.
   """
 
-  kind: str = _field(_Text(48), "")  # the exception's type name
-  message: str = _field(_Text(_MESSAGE_BYTES), "")
-  backup_step: int = _field(_Int(), -1)  # >= 0: a failed persistent backup of this step
+  kind: str = field(Text(48), "")  # the exception's type name
+  message: str = field(Text(_MESSAGE_BYTES), "")
+  backup_step: int = field(Int(), -1)  # >= 0: a failed persistent backup of this step
 
   @property
   def present(self) -> bool:
@@ -293,10 +103,10 @@ class Inventory:
     persistent_truncated: True if `persistent_steps` was cut to `_STEPS_WIDTH`.
   """
 
-  own_steps: tuple[int, ...] = _field(_Steps(_STEPS_WIDTH), ())
-  copies: tuple[tuple[int, int], ...] = _field(_Pairs(_STEPS_WIDTH), ())
-  persistent_steps: tuple[int, ...] = _field(_Steps(_STEPS_WIDTH), ())
-  persistent_truncated: bool = _field(_Bool(), False)
+  own_steps: tuple[int, ...] = field(Steps(_STEPS_WIDTH), ())
+  copies: tuple[tuple[int, int], ...] = field(Pairs(_STEPS_WIDTH), ())
+  persistent_steps: tuple[int, ...] = field(Steps(_STEPS_WIDTH), ())
+  persistent_truncated: bool = field(Bool(), False)
 
   @classmethod
   def of(cls, own_steps: Collection[int], copies: Collection[tuple[int, int]],
@@ -326,8 +136,8 @@ class StartRecord:
     inventory: What it holds.
   """
 
-  fault: Fault = _field(_Record(Fault), factory=Fault)
-  inventory: Inventory = _field(_Record(Inventory), factory=Inventory)
+  fault: Fault = field(Record(Fault), factory=Fault)
+  inventory: Inventory = field(Record(Inventory), factory=Inventory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,15 +156,15 @@ class SaveRecord:
     clock_ms: This process's clock; process 0's decides backups by minutes.
   """
 
-  step: int = _field(_Int(), -1)
-  fault: Fault = _field(_Record(Fault), factory=Fault)
-  inventory: Inventory = _field(_Record(Inventory), factory=Inventory)
-  has_step_in_ram: bool = _field(_Bool(), False)
-  has_step_persistent: bool = _field(_Bool(), False)
-  wants_backup: bool = _field(_Bool(), False)
-  backup_state: Status = _field(_Enum(Status), Status.NONE)  # the pending backup's read-back
-  orbax_busy: bool = _field(_Bool(), False)  # Orbax still writes an earlier backup here
-  clock_ms: int = _field(_Int(), 0)  # process 0's clock decides backups by minutes
+  step: int = field(Int(), -1)
+  fault: Fault = field(Record(Fault), factory=Fault)
+  inventory: Inventory = field(Record(Inventory), factory=Inventory)
+  has_step_in_ram: bool = field(Bool(), False)
+  has_step_persistent: bool = field(Bool(), False)
+  wants_backup: bool = field(Bool(), False)
+  backup_state: Status = field(EnumCodec(Status), Status.NONE)  # the pending backup's read-back
+  orbax_busy: bool = field(Bool(), False)  # Orbax still writes an earlier backup here
+  clock_ms: int = field(Int(), 0)  # process 0's clock decides backups by minutes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,9 +177,9 @@ class RestoreRecord:
     inventory: What this node holds.
   """
 
-  requested_step: int = _field(_Int(), -1)
-  fault: Fault = _field(_Record(Fault), factory=Fault)
-  inventory: Inventory = _field(_Record(Inventory), factory=Inventory)
+  requested_step: int = field(Int(), -1)
+  fault: Fault = field(Record(Fault), factory=Fault)
+  inventory: Inventory = field(Record(Inventory), factory=Inventory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,7 +190,7 @@ class SendRecord:
     status: Whether this node committed the step: WRITING, COMMITTED or FAILED.
   """
 
-  status: Status = _field(_Enum(Status), Status.WRITING)
+  status: Status = field(EnumCodec(Status), Status.WRITING)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,8 +202,8 @@ class ServeRecord:
     message: Why not, if it cannot.
   """
 
-  status: Status = _field(_Enum(Status), Status.OK)
-  message: str = _field(_Text(_MESSAGE_BYTES), "")
+  status: Status = field(EnumCodec(Status), Status.OK)
+  message: str = field(Text(_MESSAGE_BYTES), "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,8 +215,8 @@ class BuildRecord:
     message: What went wrong, if anything.
   """
 
-  status: Status = _field(_Enum(Status), Status.OK)
-  message: str = _field(_Text(_MESSAGE_BYTES), "")
+  status: Status = field(EnumCodec(Status), Status.OK)
+  message: str = field(Text(_MESSAGE_BYTES), "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,7 +227,7 @@ class ReadBackRecord:
     state: Where this node is with reading it back from RAM.
   """
 
-  state: Status = _field(_Enum(Status), Status.NONE)
+  state: Status = field(EnumCodec(Status), Status.NONE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,9 +240,9 @@ class OnDemandRecord:
     in_budget: Whether this node has the time for it.
   """
 
-  fault: Fault = _field(_Record(Fault), factory=Fault)
-  wants_backup: bool = _field(_Bool(), False)
-  in_budget: bool = _field(_Bool(), False)
+  fault: Fault = field(Record(Fault), factory=Fault)
+  wants_backup: bool = field(Bool(), False)
+  in_budget: bool = field(Bool(), False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,8 +254,8 @@ class EntryRecord:
     readable: Whether this node holds it in its own folder.
   """
 
-  step: int = _field(_Int(), -1)
-  readable: bool = _field(_Bool(), False)
+  step: int = field(Int(), -1)
+  readable: bool = field(Bool(), False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -457,8 +267,8 @@ class FinishRecord:
     inventory: What this node holds.
   """
 
-  fault: Fault = _field(_Record(Fault), factory=Fault)
-  inventory: Inventory = _field(_Record(Inventory), factory=Inventory)
+  fault: Fault = field(Record(Fault), factory=Fault)
+  inventory: Inventory = field(Record(Inventory), factory=Inventory)
 
 
 # ----------------------------------------------------------------------------- decisions

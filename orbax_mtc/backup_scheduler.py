@@ -63,6 +63,11 @@ class BackupScheduler:
     """The step chosen for backup and not yet handed to Orbax."""
     return self._pending
 
+  @property
+  def pending_step(self) -> int | None:
+    """The step of `pending`, if any."""
+    return None if self._pending is None else self._pending.step
+
   def start_clock(self) -> None:
     """By minutes: count from the newest persistent step's commit time."""
     if self.policy is None:

@@ -125,3 +125,38 @@ def local_directory_from_env(directory: Any, process_index: int) -> Path | None:
     return None
   key = hashlib.sha1(os.path.abspath(str(directory)).encode()).hexdigest()[:16]
   return Path(root) / key / f"p{process_index}"
+
+
+def check_multi_tier(local_directory: Any, persistent_directory: Any, global_mesh: Any,
+                     options: Any, mtc_options_type: type) -> Any:
+  """Checks the multi-tier form's arguments.
+
+  Args:
+    local_directory: the RAM-disk folder.
+    persistent_directory: the persistent folder.
+    global_mesh: the training mesh.
+    options: orbax_mtc options, or None for the defaults.
+    mtc_options_type: `orbax_mtc.CheckpointManagerOptions`.
+
+  Returns:
+    The options (defaults when None).
+
+  Raises:
+    TypeError: options or mesh of another type.
+    ValueError: a directory is missing.
+  """
+  import jax
+
+  options = mtc_options_type() if options is None else options
+  if not isinstance(options, mtc_options_type):
+    raise TypeError(
+        "options must be an orbax_mtc.CheckpointManagerOptions, got "
+        f"{type(options).__module__}.{type(options).__name__}. Build it with "
+        "orbax_mtc.CheckpointManagerOptions(local=..., persistent=...), or use the "
+        "parent-style form CheckpointManager(directory, options=ocp.CheckpointManagerOptions"
+        "(...), local_directory=...).")
+  if not isinstance(global_mesh, jax.sharding.Mesh):
+    raise TypeError(f"global_mesh must be a jax.sharding.Mesh, got {type(global_mesh)}.")
+  if local_directory is None or persistent_directory is None:
+    raise ValueError("Both local_directory (RAM disk) and persistent_directory are required.")
+  return options

@@ -41,15 +41,15 @@ from orbax_mtc import (
   item_args,
   preemption,
   save_policy,
-  topology,
   wiring,
 )
 from orbax_mtc.local import specs as local_specs
 from orbax_mtc.managed import hookup
-from orbax_mtc.ondemand import ONDEMAND_METADATA_KEY, OnDemandSave, read_record
+from orbax_mtc.ondemand import OnDemandSave, ram_step_metadata
 from orbax_mtc.options import CheckpointManagerOptions
 from orbax_mtc.persistent import PersistentTier, persistent_view_when_nested
 from orbax_mtc.restore_tiers import RestoreInfo
+from orbax_mtc.wiring import Reported
 
 __all__ = ["CheckpointManager", "OnDemandSave", "RestoreInfo"]
 
@@ -104,18 +104,8 @@ class CheckpointManager(ocp.CheckpointManager):
 
   def _init_multi_tier(self, local_directory, persistent_directory, global_mesh, abstract_state,
                        options, metadata, logger, item_handlers, handler_registry) -> None:
-    options = CheckpointManagerOptions() if options is None else options
-    if not isinstance(options, CheckpointManagerOptions):
-      raise TypeError(
-          "options must be an orbax_mtc.CheckpointManagerOptions, got "
-          f"{type(options).__module__}.{type(options).__name__}. Build it with "
-          "orbax_mtc.CheckpointManagerOptions(local=..., persistent=...), or use the "
-          "parent-style form CheckpointManager(directory, options=ocp.CheckpointManagerOptions"
-          "(...), local_directory=...).")
-    if not isinstance(global_mesh, jax.sharding.Mesh):
-      raise TypeError(f"global_mesh must be a jax.sharding.Mesh, got {type(global_mesh)}.")
-    if local_directory is None or persistent_directory is None:
-      raise ValueError("Both local_directory (RAM disk) and persistent_directory are required.")
+    options = constructor.check_multi_tier(local_directory, persistent_directory, global_mesh,
+                                           options, CheckpointManagerOptions)
     minutes = options.persistent.backup_interval_minutes
     self._open(local_directory, persistent_directory, options, abstract_state,
                backup_policy=backup.BackupIntervalPolicy(minutes)
@@ -205,74 +195,34 @@ class CheckpointManager(ocp.CheckpointManager):
 
   # ------------------------------------------------------------------ public state
 
-  @property
-  def local_directory(self) -> Path | None:
-    """This node's RAM-tier folder (None for a parent-style manager without one)."""
-    local = self.__dict__.get("_local")
-    return None if local is None else local.directory
-
-  @property
-  def global_mesh(self) -> jax.sharding.Mesh | None:
-    peers = self.__dict__.get("_peers")
-    return None if peers is None else peers.mesh
-
-  @property
-  def replica_axis(self) -> str | None:
-    peers = self.__dict__.get("_peers")
-    return None if peers is None else peers.replica_axis
+  local_directory = Reported("_local", "directory",
+                             "This node's RAM-tier folder (None for a parent-style manager "
+                             "without one).")
+  global_mesh = Reported("_peers", "mesh", "The job's global mesh.")
+  replica_axis = Reported("_peers", "replica_axis", "The mesh axis that indexes replicas.")
+  topology = Reported("_peers", "topology",
+                      "Replicas, twins and peers of this job (None in a single process).")
+  last_restore = Reported("_tiers", "last", "Where the last `restore` came from.",
+                          settable=True)
+  last_ondemand = Reported("_ondemand", "last",
+                           "The newest on-demand save and where its time went.")
+  last_save_blocking_seconds = Reported(
+      "_ram", "last_blocking_seconds",
+      "How long the newest RAM save blocked the caller (device to host).")
+  last_backup = Reported("_backups", "last_backup", "The newest persistent backup attempt.")
+  pending_backup = Reported(
+      "_backups", "pending_step", "The step chosen for backup and not yet handed to Orbax "
+      "(its read-back from RAM, or an earlier backup still being written, holds it).")
+  backup_history = Reported("_backups", "history", "Finished backup attempts, newest last "
+                            "(\"done\" or \"failed\"), for monitoring.", default=())
+  last_replication_bytes = Reported(
+      "_peers", "last_bytes_sent",
+      "Bytes this process sent to its peers for the newest replicated step.", default=0)
 
   @property
   def options(self) -> CheckpointManagerOptions | ocp.CheckpointManagerOptions:
     """The options the manager was built with."""
     return self._mtc_options
-
-  @property
-  def topology(self) -> topology.Topology | None:
-    """Replicas, twins and peers of this job (None in a single process)."""
-    peers = self.__dict__.get("_peers")
-    return None if peers is None else peers.topology
-
-  @property
-  def last_restore(self) -> RestoreInfo | None:
-    """Where the last `restore` came from."""
-    tiers = self.__dict__.get("_tiers")
-    return None if tiers is None else tiers.last
-
-  @last_restore.setter
-  def last_restore(self, info: RestoreInfo | None) -> None:
-    self._tiers.last = info
-
-  @property
-  def last_ondemand(self) -> OnDemandSave | None:
-    """The newest on-demand save and where its time went."""
-    ondemand = self.__dict__.get("_ondemand")
-    return None if ondemand is None else ondemand.last
-
-  @property
-  def last_save_blocking_seconds(self) -> float | None:
-    """How long the newest RAM save blocked the caller (device to host)."""
-    ram = self.__dict__.get("_ram")
-    return None if ram is None else ram.last_blocking_seconds
-
-  @property
-  def last_backup(self) -> backup.BackupInfo | None:
-    """The newest persistent backup attempt."""
-    backups = self.__dict__.get("_backups")
-    return None if backups is None else backups.last_backup
-
-  @property
-  def pending_backup(self) -> int | None:
-    """The step chosen for backup and not yet handed to Orbax: its read-back from RAM, or an
-    earlier backup still being written, holds it."""
-    backups = self.__dict__.get("_backups")
-    pending = None if backups is None else backups.pending
-    return None if pending is None else pending.step
-
-  @property
-  def backup_history(self):
-    """Finished backup attempts, newest last ("done" or "failed"), for monitoring."""
-    backups = self.__dict__.get("_backups")
-    return () if backups is None else backups.history
 
   # ------------------------------------------------------------------ decisions
 
@@ -367,12 +317,6 @@ class CheckpointManager(ocp.CheckpointManager):
     self._writer.wait()
     self._backups.poll(block=True)
 
-  @property
-  def last_replication_bytes(self) -> int:
-    """Bytes this process sent to its peers for the newest replicated step."""
-    replicator = self._peers.replicator
-    return 0 if replicator is None else replicator.last_bytes_sent
-
   @persistent_view_when_nested
   def replicate_pending(self) -> None:
     """Sends the newest local step to its peers now, blocking until the bytes are out.
@@ -451,14 +395,7 @@ class CheckpointManager(ocp.CheckpointManager):
     with self._persistent_view():
       if step is None or step in self._persistent.steps():
         return super().metadata(step)
-    manifest = self._local.manifest(step)
-    custom: dict[str, Any] = {}
-    record = read_record(self._local.directory / str(step))
-    if record is not None:
-      custom[ONDEMAND_METADATA_KEY] = record
-    return ocp.metadata.StepMetadata(
-        item_metadata=local_specs.item_metadata(manifest),
-        commit_timestamp_nsecs=int(manifest.created_at * 1e9), custom_metadata=custom)
+    return ram_step_metadata(self._local, step)
 
   @persistent_view_when_nested
   def is_saving_in_progress(self) -> bool:

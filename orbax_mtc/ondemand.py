@@ -14,11 +14,13 @@ import json
 import time
 from typing import Any
 
+import orbax.checkpoint as ocp
 from absl import logging
 
 from orbax_mtc import agreement, files, preemption
 from orbax_mtc.backup_scheduler import BackupScheduler
 from orbax_mtc.ledger import StepLedger
+from orbax_mtc.local import specs as local_specs
 from orbax_mtc.local import store as local_store
 from orbax_mtc.peers.copies import PeerCopies
 from orbax_mtc.persistent import PersistentTier
@@ -171,3 +173,16 @@ def read_record(step_dir: Any) -> dict[str, Any] | None:
     return json.loads(record.read_text())
   except (OSError, ValueError):
     return None
+
+
+def ram_step_metadata(local: local_store.LocalTier, step: int) -> Any:
+  """Orbax's `StepMetadata` of a step in this node's RAM tier, with its on-demand breakdown
+  (if it was an on-demand save) in `custom_metadata`."""
+  manifest = local.manifest(step)
+  custom: dict[str, Any] = {}
+  record = read_record(local.directory / str(step))
+  if record is not None:
+    custom[ONDEMAND_METADATA_KEY] = record
+  return ocp.metadata.StepMetadata(
+      item_metadata=local_specs.item_metadata(manifest),
+      commit_timestamp_nsecs=int(manifest.created_at * 1e9), custom_metadata=custom)

@@ -12,91 +12,22 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from absl import logging
 from orbax.checkpoint import checkpoint_manager as ocp_manager
 from orbax.checkpoint import checkpoint_managers as policies
 from orbax.checkpoint import options as ocp_options
 from orbax.checkpoint import path as ocp_path
 
+from orbax_mtc.option_checks import (
+  check_bool,
+  check_interval,
+  check_max_to_keep,
+  check_timeout,
+  ram_keep_from_policy,
+)
+
 _JOB_NAME_FORBIDDEN = ("/", "\0")
 _DEFAULT_AGREEMENT_TIMEOUT_SECONDS = 600.0
 _PERSISTENT_DEFAULT_INTERVAL = 1000  # Orbax's PersistentCheckpointOptions.save_interval_steps
-_warned: set[str] = set()
-
-
-def warn_once(key: str, message: str, *args: Any) -> None:
-  """Logs an absl warning once per `key` per process (an option we accept but do not apply).
-
-  Args:
-    key: What the warning is about; later calls with the same key log nothing.
-    message: The %-style format of the warning.
-    *args: Its arguments.
-  """
-  if key not in _warned:
-    _warned.add(key)
-    logging.warning(message, *args)
-
-
-def check_bool(owner: str, name: str, value: Any) -> None:
-  if not isinstance(value, bool):
-    raise TypeError(f"{owner}.{name} must be a bool, got {value!r}.")
-
-
-def ram_keep_from_policy(owner: str, policy: Any) -> int:
-  """How many steps the RAM tier keeps for an Orbax `PreservationPolicy`.
-
-  `LatestN(n)` keeps n; any other policy cannot be applied to RAM steps (warned once) and
-  keeps 1.
-
-  Args:
-    owner: The options class the policy belongs to, named in messages.
-    policy: The Orbax `PreservationPolicy`.
-
-  Returns:
-    The number of RAM steps to keep, >= 1.
-
-  Raises:
-    ValueError: If the policy is `LatestN` with an `n` that is not an int >= 1.
-  """
-  n = policy.n if isinstance(policy, policies.LatestN) else None
-  if n is not None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-      raise ValueError(f"{owner}.preservation_policy=LatestN(n={n!r}): the RAM tier keeps "
-                       "n >= 1 steps (the newest committed step is always kept).")
-    return n
-  warn_once(f"{owner}.preservation_policy",
-            "orbax-mtc: %s.preservation_policy=%r is not applied to the RAM tier, which keeps "
-            "the newest N steps (only LatestN(n) maps onto that); keeping the newest 1.",
-            owner, policy)
-  return 1
-
-
-def check_interval(owner: str, name: str, value: int | None, *, allow_none: bool) -> None:
-  if value is None:
-    if allow_none:
-      return
-    raise ValueError(f"{owner}.{name} must be a positive integer, got None.")
-  if isinstance(value, bool) or not isinstance(value, int):
-    raise TypeError(
-        f"{owner}.{name} must be an int, got {type(value).__name__} ({value!r})."
-    )
-  if value <= 0:
-    raise ValueError(
-        f"{owner}.{name} must be a positive number of steps, got {value}. "
-        "Use a value >= 1 (1 saves every step)."
-    )
-
-
-def _check_max_to_keep(owner: str, value: int | None) -> None:
-  if value is None:
-    return
-  if isinstance(value, bool) or not isinstance(value, int):
-    raise TypeError(f"{owner}.max_to_keep must be an int or None, got {value!r}.")
-  if value < 1:
-    raise ValueError(
-        f"{owner}.max_to_keep must be >= 1 (or None to keep every step), got {value}: "
-        "the newest committed step is always kept."
-    )
 
 
 @dataclasses.dataclass
@@ -141,7 +72,7 @@ class LocalCheckpointOptions:
   def __post_init__(self):
     check_interval("LocalCheckpointOptions", "save_interval_steps", self.save_interval_steps,
                     allow_none=False)
-    _check_max_to_keep("LocalCheckpointOptions", self.max_to_keep)
+    check_max_to_keep("LocalCheckpointOptions", self.max_to_keep)
     check_bool("LocalCheckpointOptions", "debug_use_full_global_mesh",
                 self.debug_use_full_global_mesh)
     if self.preservation_policy is not None:
@@ -232,7 +163,7 @@ class PersistentCheckpointOptions:
         self.save_interval_steps = _PERSISTENT_DEFAULT_INTERVAL
       check_interval("PersistentCheckpointOptions", "save_interval_steps",
                       self.save_interval_steps, allow_none=False)
-    _check_max_to_keep("PersistentCheckpointOptions", self.max_to_keep)
+    check_max_to_keep("PersistentCheckpointOptions", self.max_to_keep)
     check_interval("PersistentCheckpointOptions", "keep_period", self.keep_period,
                     allow_none=True)
     if self.preservation_policy is not None and (
@@ -375,17 +306,8 @@ class MultiprocessingOptions:
   coordination_timeout_secs: int = 120
 
   def __post_init__(self):
-    _check_timeout("MultiprocessingOptions.coordination_timeout_secs",
+    check_timeout("MultiprocessingOptions.coordination_timeout_secs",
                    self.coordination_timeout_secs)
-
-
-def _check_timeout(name: str, value: Any) -> None:
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-      not 0 < value < float("inf"):
-    raise ValueError(
-        f"{name} must be a finite number of seconds > 0, got {value!r}. It bounds how long "
-        "processes wait for each other at each save and restore; use at least the longest gap "
-        "between processes reaching a save (e.g. 600).")
 
 
 @dataclasses.dataclass
@@ -500,7 +422,7 @@ class CheckpointManagerOptions:
           "CheckpointManagerOptions.ondemand_grace_seconds must be a finite number of seconds "
           f">= 0, got {grace!r}. Use the grace period your platform gives after SIGTERM minus "
           "a margin (Cloud TPU maintenance: 300 s, so e.g. 270).")
-    _check_timeout("CheckpointManagerOptions.agreement_timeout_seconds",
+    check_timeout("CheckpointManagerOptions.agreement_timeout_seconds",
                    self.agreement_timeout_seconds)
     self._apply_multiprocessing_options()
 
@@ -515,7 +437,7 @@ class CheckpointManagerOptions:
           "CheckpointManagerOptions.multiprocessing_options must be an orbax_mtc."
           "MultiprocessingOptions (or Orbax's emergency MultiprocessingOptions) with "
           f"coordination_timeout_secs, got {type(mp).__module__}.{type(mp).__name__}.")
-    _check_timeout("CheckpointManagerOptions.multiprocessing_options.coordination_timeout_secs",
+    check_timeout("CheckpointManagerOptions.multiprocessing_options.coordination_timeout_secs",
                    timeout)
     if self.agreement_timeout_seconds == _DEFAULT_AGREEMENT_TIMEOUT_SECONDS:
       self.agreement_timeout_seconds = float(timeout)

@@ -35,6 +35,7 @@ from orbax_mtc.local import staging as local_staging
 from orbax_mtc.local import store as local_store
 from orbax_mtc.peers import exchange, replication
 from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers import stream as peer_stream
 from orbax_mtc.peers.copies import PeerCopies
 from orbax_mtc.ram_writer import RamWriter
 
@@ -236,7 +237,7 @@ class RamRestore:
     transfers = assembly.transfers
     edges = [(holder, dest) for holder, dest, _ in transfers]
     own_read: replication.OwnStep | None = None
-    outgoing: dict[int, peer_store.OutgoingStream] = {}
+    outgoing: dict[int, peer_stream.OutgoingStream] = {}
     sizes = np.zeros((len(transfers),), dtype=np.int64)
     problems: list[str] = []
     for j, (holder, dest, kind) in enumerate(transfers):
@@ -270,7 +271,7 @@ class RamRestore:
     if mine.kind == restore_plan.OWN:
       return None, own_read, set()
     try:
-      manifest, data = peer_store.received_step(buffers[mine.holder])
+      manifest, data = peer_stream.received_step(buffers[mine.holder])
       # A step stream's header names no step of its own: check the manifest's.
       local_format.validate_for(manifest, where=f"step {step} from process {mine.holder}",
                               step=step)

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from orbax_mtc.options import CheckpointManagerOptions, warn_once
+from orbax_mtc.option_checks import warn_once
+from orbax_mtc.options import CheckpointManagerOptions
 
 
 class TopologyError(ValueError):

@@ -164,3 +164,35 @@ def agree_with(allgather: Callable[[np.ndarray, str], np.ndarray]
   def agree(record: Any, what: str) -> list[Any]:
     return agreement.gather(record, lambda row: allgather(row, what))
   return agree
+
+
+class Reported:
+  """A manager attribute read from one of its parts: `Reported("_backups", "last_backup")`.
+
+  It is `default` while the part does not exist (before the parts are built, or in the
+  parent-style form without a RAM tier).
+
+  Args:
+    part: the manager's attribute holding the part.
+    attribute: the part's attribute.
+    doc: the docstring.
+    default: the value without the part.
+    settable: assignments go to the part's attribute (else AttributeError).
+  """
+
+  def __init__(self, part: str, attribute: str, doc: str, *, default: Any = None,
+               settable: bool = False):
+    self._part, self._attribute, self._default = part, attribute, default
+    self._settable = settable
+    self.__doc__ = doc
+
+  def __get__(self, manager: Any, owner: Any = None) -> Any:
+    if manager is None:
+      return self
+    part = manager.__dict__.get(self._part)
+    return self._default if part is None else getattr(part, self._attribute)
+
+  def __set__(self, manager: Any, value: Any) -> None:
+    if not self._settable:
+      raise AttributeError(f"{self._attribute} is read-only")
+    setattr(manager.__dict__[self._part], self._attribute, value)

@@ -18,6 +18,7 @@ from orbax_mtc.local.read import aligned_empty, read_data, verify_step
 from orbax_mtc.local.staging import stage
 from orbax_mtc.local.store import LocalTier, committed_steps, read_manifest
 from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers import stream as peer_stream
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,7 +45,7 @@ def write(tier: LocalTier, mesh, step: int) -> Path:
 def copy_into(store: peer_store.PeerStore, step_dir: Path, source: int = 0) -> Path:
   """Delivers a copy of a committed step to `store`, as a peer's stream would."""
   manifest = read_manifest(step_dir)
-  stream = peer_store.copy_stream(step_dir, manifest, source, set())
+  stream = peer_stream.copy_stream(step_dir, manifest, source, set())
   buffer = aligned_empty(stream.nbytes)
   buffer[:] = 0
   stream.read(0, buffer)

@@ -42,6 +42,7 @@ from orbax_mtc.local.specs import item_metadata
 from orbax_mtc.local.staging import stage
 from orbax_mtc.local.store import LocalTier, committed_steps, is_step_name, read_manifest
 from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers import stream as peer_stream
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -514,7 +515,7 @@ def test_conflicting_key_paths_are_a_manifest_error_in_item_metadata(saved):
 # ----------------------------------------------------------------------------- peer streams
 
 
-def stream_bytes(stream: peer_store.OutgoingStream) -> np.ndarray:
+def stream_bytes(stream: peer_stream.OutgoingStream) -> np.ndarray:
   buffer = aligned_empty(stream.nbytes)
   buffer[:] = 0
   stream.read(0, buffer)
@@ -530,7 +531,7 @@ def framed(header: Any, body: bytes = b"") -> np.ndarray:
 
 HEADER_VALUES = st.one_of(JSON_VALUES, st.dictionaries(
     st.sampled_from(["format", "kind", "manifest", "source", "step", "layout"]),
-    JSON_VALUES | st.just(peer_store.STREAM_FORMAT) | st.sampled_from(["step", "copy"]),
+    JSON_VALUES | st.just(peer_stream.STREAM_FORMAT) | st.sampled_from(["step", "copy"]),
     max_size=6))
 
 
@@ -538,9 +539,9 @@ HEADER_VALUES = st.one_of(JSON_VALUES, st.dictionaries(
 @given(header=HEADER_VALUES)
 def test_received_step_refuses_malformed_headers_with_local_tier_errors(header):
   if isinstance(header, dict) and header.get("format") is None:
-    header = dict(header, format=peer_store.STREAM_FORMAT)
+    header = dict(header, format=peer_stream.STREAM_FORMAT)
   with pytest.raises(LocalTierError):
-    peer_store.received_step(framed(header, b"\0" * 256))
+    peer_stream.received_step(framed(header, b"\0" * 256))
 
 
 def test_received_step_round_trip_and_named_header_faults(saved):
@@ -548,22 +549,22 @@ def test_received_step_round_trip_and_named_header_faults(saved):
   put(step_dir, pristine, raw)
   manifest = read_manifest(step_dir)
   data = read_data(step_dir, manifest)
-  buffer = stream_bytes(peer_store.step_stream(manifest, data))
-  got, got_data = peer_store.received_step(buffer)
+  buffer = stream_bytes(peer_stream.step_stream(manifest, data))
+  got, got_data = peer_stream.received_step(buffer)
   assert got == manifest and got_data.tobytes() == data.tobytes()
-  fmt = peer_store.STREAM_FORMAT
+  fmt = peer_stream.STREAM_FORMAT
   for header in ([1, 2], None, {"format": fmt}, {"format": fmt, "kind": "step"},
                  {"format": fmt, "kind": "step", "manifest": 5},
                  {"format": fmt, "kind": "step", "manifest": {"step": 1}},
                  {"format": fmt, "kind": "step", "manifest": "null"},
                  {"format": fmt, "kind": "step", "manifest": json.dumps(raw)[:-5]}):
     with pytest.raises(LocalTierError):
-      peer_store.received_step(framed(header, data.tobytes()))
+      peer_stream.received_step(framed(header, data.tobytes()))
   with pytest.raises(LocalTierError, match="shorter"):  # the data is cut short
-    peer_store.received_step(buffer[:buffer.nbytes - 64])
+    peer_stream.received_step(buffer[:buffer.nbytes - 64])
   for cut in (0, 4, 9):
     with pytest.raises(LocalTierError):
-      peer_store.received_step(buffer[:cut])
+      peer_stream.received_step(buffer[:cut])
 
 
 def _copy_store(tmp: Path) -> peer_store.PeerStore:
@@ -575,7 +576,7 @@ def test_peer_copy_round_trip_and_malformed_copy_headers(saved, tmp_path):
   tier, step_dir, pristine, raw = saved
   put(step_dir, pristine, raw)
   manifest = read_manifest(step_dir)
-  good = stream_bytes(peer_store.copy_stream(step_dir, manifest, 0, set()))
+  good = stream_bytes(peer_stream.copy_stream(step_dir, manifest, 0, set()))
   store = _copy_store(tmp_path)
 
   def deliver(buffer: np.ndarray, step: int = STEP) -> Path | None:
@@ -588,11 +589,11 @@ def test_peer_copy_round_trip_and_malformed_copy_headers(saved, tmp_path):
   got, data = store.read(0, STEP, tmp_path / "holder" / str(STEP))
   assert got == manifest and data.tobytes() == read_data(step_dir, manifest).tobytes()
 
-  header, start = peer_store.parse_stream_header(good)
+  header, start = peer_stream.parse_stream_header(good)
   body = good[start:].tobytes()
   entries = len(manifest_entries(manifest))
   faults = [
-      [1], None, {"format": peer_store.STREAM_FORMAT},
+      [1], None, {"format": peer_stream.STREAM_FORMAT},
       dict(header, source=True), dict(header, source="0"), dict(header, step=str(STEP)),
       dict(header, kind=None), dict(header, manifest=None), dict(header, manifest=["x"]),
       dict(header, layout=None), dict(header, layout=[0] * (entries - 1)),
@@ -627,7 +628,7 @@ def test_malformed_copy_records_are_local_tier_errors(saved, tmp_path, content):
   put(step_dir, pristine, raw)
   manifest = read_manifest(step_dir)
   store = _copy_store(tmp_path)
-  buffer = stream_bytes(peer_store.copy_stream(step_dir, manifest, 0, set()))
+  buffer = stream_bytes(peer_stream.copy_stream(step_dir, manifest, 0, set()))
   incoming = store.begin(0, STEP, buffer.nbytes)
   incoming.write(0, buffer)
   folder = incoming.commit(None)
@@ -648,7 +649,7 @@ def test_peer_copy_with_a_resigned_bad_manifest_is_refused(saved, tmp_path):
   put(step_dir, pristine, raw)
   manifest = read_manifest(step_dir)
   store = _copy_store(tmp_path)
-  buffer = stream_bytes(peer_store.copy_stream(step_dir, manifest, 0, set()))
+  buffer = stream_bytes(peer_stream.copy_stream(step_dir, manifest, 0, set()))
   incoming = store.begin(0, STEP, buffer.nbytes)
   incoming.write(0, buffer)
   folder = incoming.commit(None)

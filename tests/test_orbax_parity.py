@@ -197,9 +197,9 @@ def test_every_difference_is_documented():
 @pytest.fixture
 def warnings_reset(monkeypatch, caplog):
   """A process that has warned about nothing yet; absl's warnings captured."""
-  from orbax_mtc import options
+  from orbax_mtc import option_checks
 
-  monkeypatch.setattr(options, "_warned", set())
+  monkeypatch.setattr(option_checks, "_warned", set())
   caplog.set_level("WARNING")
   return caplog
 

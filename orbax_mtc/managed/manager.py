@@ -30,13 +30,12 @@ from orbax.checkpoint import abstract_checkpoint_manager
 from orbax_mtc.local import read as local_read
 from orbax_mtc.managed.options import ReplicatorCheckpointManagerOptions
 from orbax_mtc.manager import CheckpointManager
+from orbax_mtc.option_checks import ram_keep_from_policy, warn_once
 from orbax_mtc.options import (
   CheckpointManagerOptions,
   LocalCheckpointOptions,
   PersistentCheckpointOptions,
   ReplicationOptions,
-  ram_keep_from_policy,
-  warn_once,
 )
 
 STATE_ITEM = "state"

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from orbax.checkpoint import checkpoint_managers as policies
 from orbax.checkpoint import path as ocp_path
 
-from orbax_mtc.options import check_bool, check_interval, warn_once
+from orbax_mtc.option_checks import check_bool, check_interval, warn_once
 
 
 @dataclasses.dataclass

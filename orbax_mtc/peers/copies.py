@@ -98,6 +98,11 @@ class PeerCopies:
     return self.replicator is not None
 
   @property
+  def last_bytes_sent(self) -> int:
+    """Bytes this process sent for the newest replicated step."""
+    return 0 if self.replicator is None else self.replicator.last_bytes_sent
+
+  @property
   def pending_step(self) -> int | None:
     """The step whose copies are still going out."""
     return self.replicator.pending_step if self.replicator is not None else None

@@ -16,7 +16,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from orbax_mtc import agreement, transport
-from orbax_mtc.peers.store import OutgoingStream
+from orbax_mtc.peers.stream import OutgoingStream
 
 R = TypeVar("R")
 Edge = tuple[int, int]  # (source process, destination process)

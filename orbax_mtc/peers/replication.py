@@ -35,6 +35,7 @@ from orbax_mtc.local import specs as local_specs
 from orbax_mtc.local import store as local_store
 from orbax_mtc.peers import exchange
 from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers import stream as peer_stream
 from orbax_mtc.topology import Topology
 
 ShardKey = tuple[str, str, local_format.Index]  # (item, leaf path, global index)
@@ -93,7 +94,7 @@ def read_own(local: local_store.LocalTier, step: int) -> OwnStep:
 
 
 def outgoing_step(kind: str, destination: int, step: int, local: local_store.LocalTier,
-                  store: peer_store.PeerStore, own: OwnStep | None) -> peer_store.OutgoingStream:
+                  store: peer_store.PeerStore, own: OwnStep | None) -> peer_stream.OutgoingStream:
   """A whole step for `destination`: this node's own step `own` (as a twin, read with
   `read_own`) or a copy it holds.
 
@@ -105,7 +106,7 @@ def outgoing_step(kind: str, destination: int, step: int, local: local_store.Loc
     manifest = dataclasses.replace(manifest, process_index=destination)
   else:
     manifest, data = store.read(destination, step, local.directory / str(step))
-  return peer_store.step_stream(manifest, data)
+  return peer_stream.step_stream(manifest, data)
 
 
 @dataclasses.dataclass
@@ -191,7 +192,7 @@ class Replicator:
   def _start(self, job: _StepCopies, status: int) -> bool:
     """One stream exchange: once every process has committed the step, its copies' sizes
     are agreed and their transfer is planned. Returns whether it was."""
-    outgoing: dict[int, peer_store.OutgoingStream] = {}
+    outgoing: dict[int, peer_stream.OutgoingStream] = {}
     if status == Status.COMMITTED:
       try:
         step_dir = self._local.directory / str(job.step)
@@ -199,7 +200,7 @@ class Replicator:
         for src, dst in job.edges:
           if src == self.me:
             skip = skip_ordinals(manifest, job.receivers[dst])
-            outgoing[dst] = peer_store.copy_stream(step_dir, manifest, self.me, skip)
+            outgoing[dst] = peer_stream.copy_stream(step_dir, manifest, self.me, skip)
       except Exception as e:  # noqa: BLE001 - agreed below: every process drops the step
         logging.warning("orbax-mtc: cannot send step %d to peers: %s: %s", job.step,
                         type(e).__name__, e)

@@ -1,4 +1,4 @@
-"""Copies of other nodes' RAM checkpoints held on this node, and the byte streams that carry them.
+"""Copies of other nodes' RAM checkpoints held on this node.
 
 Layout under this node's local directory::
 
@@ -12,8 +12,7 @@ index: a data-parallel twin's identical shard) is not sent; `copy.json` marks it
 the copy reads it from the own folder. Checksums are the source's: whoever reads a copy checks
 every shard before trusting it.
 
-A stream is `[8-byte header length][JSON header][zero padding to 64][shards, each 64-aligned]`.
-The same framing carries a whole step from a twin or a peer to a node that lost its folder.
+A copy arrives as a stream (peers/stream.py) and is kept as received.
 
 File I/O only: no collectives, safe on the writer thread.
 """
@@ -26,7 +25,6 @@ import os
 import reprlib
 import shutil
 import stat
-import struct
 import uuid
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -39,170 +37,11 @@ from orbax_mtc import files
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import read as local_read
 from orbax_mtc.local import store as local_store
+from orbax_mtc.peers.stream import LEN_PREFIX, check_layout, header_text, parse_stream_header
 
 PEERS = "peers"
 COPY_META = local_format.PEER_COPY_META
 COPY_FORMAT = "orbax-mtc/peer-copy/1"
-STREAM_FORMAT = "orbax-mtc/stream/1"
-_ALIGN = 64
-_LEN = struct.Struct("<Q")
-
-
-def _align(n: int) -> int:
-  return -(-n // _ALIGN) * _ALIGN
-
-
-# ----------------------------------------------------------------------------- streams
-
-
-@dataclasses.dataclass
-class Segment:
-  """`nbytes` of a stream at `offset`, taken from an in-memory buffer or from a file."""
-
-  offset: int
-  nbytes: int
-  buffer: np.ndarray | None = None  # uint8
-  path: Path | None = None
-  file_offset: int = 0
-
-
-@dataclasses.dataclass
-class OutgoingStream:
-  """A stream assembled on demand from segments (header, then shards)."""
-
-  nbytes: int
-  segments: list[Segment]
-
-  def read(self, offset: int, out: np.ndarray) -> None:
-    """Fills `out` with stream bytes [offset, offset + out.nbytes); gaps stay as they are."""
-    stop = offset + out.nbytes
-    fds: dict[Path, int] = {}
-    try:
-      for seg in self.segments:
-        lo, hi = max(offset, seg.offset), min(stop, seg.offset + seg.nbytes)
-        if lo >= hi:
-          continue
-        target = out[lo - offset:hi - offset]
-        if seg.buffer is not None:
-          target[:] = seg.buffer[lo - seg.offset:hi - seg.offset]
-        else:
-          assert seg.path is not None
-          if seg.path not in fds:
-            fds[seg.path] = os.open(seg.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-          got = os.preadv(fds[seg.path], [memoryview(target)], seg.file_offset + lo - seg.offset)
-          if got != hi - lo:
-            raise local_format.CorruptStepError(f"{seg.path}: short read while sending a copy")
-    finally:
-      for fd in fds.values():
-        os.close(fd)
-
-
-def stream_header(header: dict[str, Any]) -> tuple[np.ndarray, int]:
-  """(framed header bytes, offset of the first shard)."""
-  text = json.dumps(dict(header, format=STREAM_FORMAT)).encode()
-  framed = np.frombuffer(_LEN.pack(len(text)) + text, dtype=np.uint8)
-  return framed, _align(framed.nbytes)
-
-
-def parse_stream_header(data: np.ndarray | bytes) -> tuple[dict[str, Any], int]:
-  """(header, offset of the first shard); CorruptStepError for anything malformed."""
-  raw = memoryview(np.asarray(data, dtype=np.uint8)) if not isinstance(data, bytes) else data
-  if len(raw) < _LEN.size:
-    raise local_format.CorruptStepError("stream shorter than its header")
-  (length,) = _LEN.unpack(bytes(raw[:_LEN.size]))
-  if length > len(raw) - _LEN.size:
-    raise local_format.CorruptStepError("stream header length is out of range")
-  try:
-    header = json.loads(bytes(raw[_LEN.size:_LEN.size + length]))
-  except (ValueError, RecursionError) as e:
-    raise local_format.CorruptStepError(f"stream header is unreadable: {e}") from e
-  if not isinstance(header, dict):
-    raise local_format.CorruptStepError(f"stream header is {type(header).__name__}, not an object")
-  if header.get("format") != STREAM_FORMAT:
-    raise local_format.CorruptStepError(
-        f"unknown stream format {reprlib.repr(header.get('format'))}")
-  return header, _align(_LEN.size + length)
-
-
-def _header_text(header: dict[str, Any], key: str) -> str:
-  """A string field of a stream header; CorruptStepError when missing or not a string."""
-  value = header.get(key)
-  if not isinstance(value, str):
-    raise local_format.CorruptStepError(
-        f"stream header field {key!r} holds {reprlib.repr(value)}, expected a string")
-  return value
-
-
-def _check_layout(layout: Any, manifest: local_format.StepManifest, data_start: int,
-                  stream_size: int, where: str) -> list[int]:
-  """The layout of a copy as absolute offsets in its data file (-1: in the holder's own
-  folder), each shard sent lying within the `stream_size` bytes; CorruptStepError if not."""
-  entries = local_read.manifest_entries(manifest)
-  if not isinstance(layout, list) or len(layout) != len(entries):
-    raise local_format.CorruptStepError(f"{where}: copy layout does not match its manifest")
-  out = []
-  for at, (name, leaf, shard) in zip(layout, entries, strict=True):
-    if type(at) is not int or at < -1:
-      raise local_format.CorruptStepError(
-          f"{where}: layout entry of {name}{leaf.path} holds {reprlib.repr(at)}, expected -1 "
-          "or an offset")
-    if at >= 0:
-      at += data_start
-      if at + shard.nbytes > stream_size:
-        raise local_format.CorruptStepError(
-            f"{where}: shard {name}{leaf.path} {shard.index} lies beyond the {stream_size} "
-            "bytes received")
-    out.append(at)
-  return out
-
-
-def copy_stream(step_dir: Path, manifest: local_format.StepManifest, source: int,
-                skip: Collection[int]) -> OutgoingStream:
-  """The stream that gives a peer a copy of this node's committed step, minus `skip` ordinals
-  (shards the peer already holds in its own folder of that step)."""
-  entries = local_read.manifest_entries(manifest)
-  layout: list[int] = []
-  pending = []
-  offset = 0
-  for ordinal, (_, _, shard) in enumerate(entries):
-    if ordinal in skip:
-      layout.append(-1)
-      continue
-    layout.append(offset)  # relative to the data start; made absolute below
-    pending.append((offset, shard))
-    offset = _align(offset + shard.nbytes)
-  framed, data_start = stream_header({
-      "kind": "copy", "source": source, "step": manifest.step,
-      "manifest": manifest.to_json(), "layout": layout})
-  # Offsets in the header are relative to the data start, so the header need not know its size.
-  segments = [Segment(0, framed.nbytes, buffer=framed)]
-  data_path = step_dir / local_format.DATA
-  for rel, shard in pending:
-    segments.append(Segment(data_start + rel, shard.nbytes, path=data_path,
-                            file_offset=shard.offset))
-  return OutgoingStream(nbytes=data_start + offset, segments=segments)
-
-
-def step_stream(manifest: local_format.StepManifest, data: np.ndarray) -> OutgoingStream:
-  """The stream that gives a node a whole step (manifest + data in manifest layout)."""
-  framed, data_start = stream_header({"kind": "step", "manifest": manifest.to_json()})
-  return OutgoingStream(nbytes=data_start + manifest.data_size, segments=[
-      Segment(0, framed.nbytes, buffer=framed),
-      Segment(data_start, manifest.data_size, buffer=data[:manifest.data_size])])
-
-
-def received_step(buffer: np.ndarray) -> tuple[local_format.StepManifest, np.ndarray]:
-  """(manifest, data view) of a whole-step stream received into an aligned buffer."""
-  header, data_start = parse_stream_header(buffer)
-  if header.get("kind") != "step":
-    raise local_format.CorruptStepError(
-        f"expected a step stream, got {reprlib.repr(header.get('kind'))}")
-  manifest = local_format.StepManifest.from_json(_header_text(header, "manifest"),
-                                               where="manifest of a received step stream")
-  data = buffer[data_start:data_start + manifest.data_size]
-  if data.nbytes != manifest.data_size:
-    raise local_format.CorruptStepError("step stream is shorter than its manifest says")
-  return manifest, data
 
 
 # ----------------------------------------------------------------------------- the store
@@ -284,13 +123,13 @@ class IncomingCopy:
     copy; CorruptStepError / ManifestError for anything malformed."""
     where = f"copy of step {self.step} from process {self.source}"
     head = os.pread(self._fd, 1 << 16, 0)
-    if len(head) < _LEN.size:
+    if len(head) < LEN_PREFIX.size:
       raise local_format.CorruptStepError(f"{where}: stream shorter than its header")
-    (length,) = _LEN.unpack(head[:_LEN.size])
-    if _LEN.size + length > self.nbytes:
+    (length,) = LEN_PREFIX.unpack(head[:LEN_PREFIX.size])
+    if LEN_PREFIX.size + length > self.nbytes:
       raise local_format.CorruptStepError(f"{where}: stream header length is out of range")
-    if _LEN.size + length > len(head):
-      head = os.pread(self._fd, _LEN.size + length, 0)
+    if LEN_PREFIX.size + length > len(head):
+      head = os.pread(self._fd, LEN_PREFIX.size + length, 0)
     header, data_start = parse_stream_header(head)
     kind = header.get("kind")
     source = header.get("source")
@@ -300,11 +139,11 @@ class IncomingCopy:
       raise local_format.CorruptStepError(
           f"stream for copy ({self.source}, {self.step}) carries {reprlib.repr(kind)} "
           f"({reprlib.repr(source)}, {reprlib.repr(step)})")
-    manifest = local_format.StepManifest.from_json(_header_text(header, "manifest"),
+    manifest = local_format.StepManifest.from_json(header_text(header, "manifest"),
                                                  where=f"manifest of the {where}")
     local_format.validate_for(manifest, where=f"manifest of the {where}", step=self.step,
                             process_index=self.source)
-    layout = _check_layout(header.get("layout"), manifest, data_start, self.nbytes, where)
+    layout = check_layout(header.get("layout"), manifest, data_start, self.nbytes, where)
     return manifest, layout
 
   def abort(self) -> None:

@@ -14,10 +14,11 @@ uses the manager's public API:
                         module orbax_mtc.peers.replication: _BYTES_PER_CALL
   install_write_hook    LocalTier.write (wrapped)
   install_restore_hook  RamRestore.build (wrapped)
-  install_fault         by --phase: kill, write, writeback: LocalTier.write (replaced);
+  install_fault         by --phase: kill: RamWriter.write (replaced); write, writeback:
+                        LocalTier.write (replaced);
                         commit: LinkKeeper.committed (replaced); readback:
                         BackupScheduler.read_back (replaced); send: the module function
-                        orbax_mtc.peers.store.copy_stream (replaced); restore-read: the module
+                        orbax_mtc.peers.stream.copy_stream (replaced); restore-read: the module
                         function orbax_mtc.local.read.read_data (replaced until the returned
                         undo is called)
 """
@@ -190,7 +191,7 @@ def install_fault(args, mgr, me: int) -> Callable[[], None]:
   from orbax_mtc.backup_scheduler import BackupScheduler
   from orbax_mtc.lkg import LinkKeeper
   from orbax_mtc.local.format import CorruptStepError
-  from orbax_mtc.peers import store as peer_store
+  from orbax_mtc.peers import stream as peer_stream
 
   def nothing() -> None:
     pass
@@ -199,14 +200,21 @@ def install_fault(args, mgr, me: int) -> Callable[[], None]:
     return nothing
   phase, at = args.phase, args.fault_step
   if phase == "kill":
-    write = LocalTier.write
+    from orbax_mtc.ram_writer import RamWriter
 
-    def dying_write(tier, staged, *rest, **kwargs):
-      if staged.step == at:  # killed mid-save: the step is never committed here
+    issue = RamWriter.write
+
+    def dying_write(writer, staged, *rest, **kwargs):
+      # Killed mid-save, on the main thread as the write is issued (after the save's
+      # agreement): the step is never committed here, and this process enters no further
+      # collective, so the others meet a barrier nobody else reaches. (Killed from the
+      # writer thread instead, a loaded machine can let the main thread into the next
+      # all-gather first, and the others then see gloo's connection reset.)
+      if staged.step == at:
         emit(f"DYING process={me} step={at}")
         os.kill(os.getpid(), signal.SIGKILL)
-      return write(tier, staged, *rest, **kwargs)
-    LocalTier.write = dying_write
+      return issue(writer, staged, *rest, **kwargs)
+    RamWriter.write = dying_write
   elif phase in ("write", "writeback"):
     write = LocalTier.write
     first = {"done": False}
@@ -236,13 +244,13 @@ def install_fault(args, mgr, me: int) -> Callable[[], None]:
       return read_back(scheduler, pending)
     BackupScheduler.read_back = failing_read
   elif phase == "send":
-    copy_stream = peer_store.copy_stream
+    copy_stream = peer_stream.copy_stream
 
     def failing_stream(step_dir, manifest, *rest, **kwargs):
       if manifest.step == at:
         raise RuntimeError("peer copy read failed (injected)")
       return copy_stream(step_dir, manifest, *rest, **kwargs)
-    peer_store.copy_stream = failing_stream
+    peer_stream.copy_stream = failing_stream
   elif phase == "restore-read":
     def failing_read_data(*a, **k):
       raise RuntimeError("restore read failed (injected)")

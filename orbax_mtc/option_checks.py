@@ -1,0 +1,98 @@
+"""Checks shared by the option dataclasses: clear errors naming the option and the fix.
+
+Also `warn_once` (an option that is accepted but not applied is said once per process) and
+`ram_keep_from_policy` (an Orbax preservation policy read as the RAM tier's retention).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from absl import logging
+from orbax.checkpoint import checkpoint_managers as policies
+
+_warned: set[str] = set()  # keys warned about in this process
+
+
+def warn_once(key: str, message: str, *args: Any) -> None:
+  """Logs an absl warning once per `key` per process (an option we accept but do not apply).
+
+  Args:
+    key: What the warning is about; later calls with the same key log nothing.
+    message: The %-style format of the warning.
+    *args: Its arguments.
+  """
+  if key not in _warned:
+    _warned.add(key)
+    logging.warning(message, *args)
+
+
+def check_bool(owner: str, name: str, value: Any) -> None:
+  if not isinstance(value, bool):
+    raise TypeError(f"{owner}.{name} must be a bool, got {value!r}.")
+
+
+def ram_keep_from_policy(owner: str, policy: Any) -> int:
+  """How many steps the RAM tier keeps for an Orbax `PreservationPolicy`.
+
+  `LatestN(n)` keeps n; any other policy cannot be applied to RAM steps (warned once) and
+  keeps 1.
+
+  Args:
+    owner: The options class the policy belongs to, named in messages.
+    policy: The Orbax `PreservationPolicy`.
+
+  Returns:
+    The number of RAM steps to keep, >= 1.
+
+  Raises:
+    ValueError: If the policy is `LatestN` with an `n` that is not an int >= 1.
+  """
+  n = policy.n if isinstance(policy, policies.LatestN) else None
+  if n is not None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      raise ValueError(f"{owner}.preservation_policy=LatestN(n={n!r}): the RAM tier keeps "
+                       "n >= 1 steps (the newest committed step is always kept).")
+    return n
+  warn_once(f"{owner}.preservation_policy",
+            "orbax-mtc: %s.preservation_policy=%r is not applied to the RAM tier, which keeps "
+            "the newest N steps (only LatestN(n) maps onto that); keeping the newest 1.",
+            owner, policy)
+  return 1
+
+
+def check_interval(owner: str, name: str, value: int | None, *, allow_none: bool) -> None:
+  if value is None:
+    if allow_none:
+      return
+    raise ValueError(f"{owner}.{name} must be a positive integer, got None.")
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError(
+        f"{owner}.{name} must be an int, got {type(value).__name__} ({value!r})."
+    )
+  if value <= 0:
+    raise ValueError(
+        f"{owner}.{name} must be a positive number of steps, got {value}. "
+        "Use a value >= 1 (1 saves every step)."
+    )
+
+
+def check_max_to_keep(owner: str, value: int | None) -> None:
+  if value is None:
+    return
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError(f"{owner}.max_to_keep must be an int or None, got {value!r}.")
+  if value < 1:
+    raise ValueError(
+        f"{owner}.max_to_keep must be >= 1 (or None to keep every step), got {value}: "
+        "the newest committed step is always kept."
+    )
+
+
+def check_timeout(name: str, value: Any) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+      not 0 < value < float("inf"):
+    raise ValueError(
+        f"{name} must be a finite number of seconds > 0, got {value!r}. It bounds how long "
+        "processes wait for each other at each save and restore; use at least the longest gap "
+        "between processes reaching a save (e.g. 600).")

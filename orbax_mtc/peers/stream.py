@@ -1,0 +1,186 @@
+"""The byte streams that carry a RAM step between nodes.
+
+A stream is `[8-byte header length][JSON header][zero padding to 64][shards, each 64-aligned]`.
+The header names the source, the step's manifest and where each shard lies. A peer copy is
+such a stream of the shards the receiver does not hold itself (peers/store.py keeps it as
+received); the same framing carries a whole step from a twin or a peer to a node that lost
+its folder (restore_exec.py).
+
+File I/O only: no collectives, safe on the writer thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import reprlib
+import struct
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from orbax_mtc.local import format as local_format
+from orbax_mtc.local import read as local_read
+
+STREAM_FORMAT = "orbax-mtc/stream/1"
+_ALIGN = 64
+LEN_PREFIX = struct.Struct("<Q")
+
+
+def _align(n: int) -> int:
+  return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclasses.dataclass
+class Segment:
+  """`nbytes` of a stream at `offset`, taken from an in-memory buffer or from a file."""
+
+  offset: int
+  nbytes: int
+  buffer: np.ndarray | None = None  # uint8
+  path: Path | None = None
+  file_offset: int = 0
+
+
+@dataclasses.dataclass
+class OutgoingStream:
+  """A stream assembled on demand from segments (header, then shards)."""
+
+  nbytes: int
+  segments: list[Segment]
+
+  def read(self, offset: int, out: np.ndarray) -> None:
+    """Fills `out` with stream bytes [offset, offset + out.nbytes); gaps stay as they are."""
+    stop = offset + out.nbytes
+    fds: dict[Path, int] = {}
+    try:
+      for seg in self.segments:
+        lo, hi = max(offset, seg.offset), min(stop, seg.offset + seg.nbytes)
+        if lo >= hi:
+          continue
+        target = out[lo - offset:hi - offset]
+        if seg.buffer is not None:
+          target[:] = seg.buffer[lo - seg.offset:hi - seg.offset]
+        else:
+          assert seg.path is not None
+          if seg.path not in fds:
+            fds[seg.path] = os.open(seg.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+          got = os.preadv(fds[seg.path], [memoryview(target)], seg.file_offset + lo - seg.offset)
+          if got != hi - lo:
+            raise local_format.CorruptStepError(f"{seg.path}: short read while sending a copy")
+    finally:
+      for fd in fds.values():
+        os.close(fd)
+
+
+def stream_header(header: dict[str, Any]) -> tuple[np.ndarray, int]:
+  """(framed header bytes, offset of the first shard)."""
+  text = json.dumps(dict(header, format=STREAM_FORMAT)).encode()
+  framed = np.frombuffer(LEN_PREFIX.pack(len(text)) + text, dtype=np.uint8)
+  return framed, _align(framed.nbytes)
+
+
+def parse_stream_header(data: np.ndarray | bytes) -> tuple[dict[str, Any], int]:
+  """(header, offset of the first shard); CorruptStepError for anything malformed."""
+  raw = memoryview(np.asarray(data, dtype=np.uint8)) if not isinstance(data, bytes) else data
+  if len(raw) < LEN_PREFIX.size:
+    raise local_format.CorruptStepError("stream shorter than its header")
+  (length,) = LEN_PREFIX.unpack(bytes(raw[:LEN_PREFIX.size]))
+  if length > len(raw) - LEN_PREFIX.size:
+    raise local_format.CorruptStepError("stream header length is out of range")
+  try:
+    header = json.loads(bytes(raw[LEN_PREFIX.size:LEN_PREFIX.size + length]))
+  except (ValueError, RecursionError) as e:
+    raise local_format.CorruptStepError(f"stream header is unreadable: {e}") from e
+  if not isinstance(header, dict):
+    raise local_format.CorruptStepError(f"stream header is {type(header).__name__}, not an object")
+  if header.get("format") != STREAM_FORMAT:
+    raise local_format.CorruptStepError(
+        f"unknown stream format {reprlib.repr(header.get('format'))}")
+  return header, _align(LEN_PREFIX.size + length)
+
+
+def header_text(header: dict[str, Any], key: str) -> str:
+  """A string field of a stream header; CorruptStepError when missing or not a string."""
+  value = header.get(key)
+  if not isinstance(value, str):
+    raise local_format.CorruptStepError(
+        f"stream header field {key!r} holds {reprlib.repr(value)}, expected a string")
+  return value
+
+
+def check_layout(layout: Any, manifest: local_format.StepManifest, data_start: int,
+                  stream_size: int, where: str) -> list[int]:
+  """The layout of a copy as absolute offsets in its data file (-1: in the holder's own
+  folder), each shard sent lying within the `stream_size` bytes; CorruptStepError if not."""
+  entries = local_read.manifest_entries(manifest)
+  if not isinstance(layout, list) or len(layout) != len(entries):
+    raise local_format.CorruptStepError(f"{where}: copy layout does not match its manifest")
+  out = []
+  for at, (name, leaf, shard) in zip(layout, entries, strict=True):
+    if type(at) is not int or at < -1:
+      raise local_format.CorruptStepError(
+          f"{where}: layout entry of {name}{leaf.path} holds {reprlib.repr(at)}, expected -1 "
+          "or an offset")
+    if at >= 0:
+      at += data_start
+      if at + shard.nbytes > stream_size:
+        raise local_format.CorruptStepError(
+            f"{where}: shard {name}{leaf.path} {shard.index} lies beyond the {stream_size} "
+            "bytes received")
+    out.append(at)
+  return out
+
+
+def copy_stream(step_dir: Path, manifest: local_format.StepManifest, source: int,
+                skip: Collection[int]) -> OutgoingStream:
+  """The stream that gives a peer a copy of this node's committed step, minus `skip` ordinals
+  (shards the peer already holds in its own folder of that step)."""
+  entries = local_read.manifest_entries(manifest)
+  layout: list[int] = []
+  pending = []
+  offset = 0
+  for ordinal, (_, _, shard) in enumerate(entries):
+    if ordinal in skip:
+      layout.append(-1)
+      continue
+    layout.append(offset)  # relative to the data start; made absolute below
+    pending.append((offset, shard))
+    offset = _align(offset + shard.nbytes)
+  framed, data_start = stream_header({
+      "kind": "copy", "source": source, "step": manifest.step,
+      "manifest": manifest.to_json(), "layout": layout})
+  # Offsets in the header are relative to the data start, so the header need not know its size.
+  segments = [Segment(0, framed.nbytes, buffer=framed)]
+  data_path = step_dir / local_format.DATA
+  for rel, shard in pending:
+    segments.append(Segment(data_start + rel, shard.nbytes, path=data_path,
+                            file_offset=shard.offset))
+  return OutgoingStream(nbytes=data_start + offset, segments=segments)
+
+
+def step_stream(manifest: local_format.StepManifest, data: np.ndarray) -> OutgoingStream:
+  """The stream that gives a node a whole step (manifest + data in manifest layout)."""
+  framed, data_start = stream_header({"kind": "step", "manifest": manifest.to_json()})
+  return OutgoingStream(nbytes=data_start + manifest.data_size, segments=[
+      Segment(0, framed.nbytes, buffer=framed),
+      Segment(data_start, manifest.data_size, buffer=data[:manifest.data_size])])
+
+
+def received_step(buffer: np.ndarray) -> tuple[local_format.StepManifest, np.ndarray]:
+  """(manifest, data view) of a whole-step stream received into an aligned buffer."""
+  header, data_start = parse_stream_header(buffer)
+  if header.get("kind") != "step":
+    raise local_format.CorruptStepError(
+        f"expected a step stream, got {reprlib.repr(header.get('kind'))}")
+  manifest = local_format.StepManifest.from_json(header_text(header, "manifest"),
+                                               where="manifest of a received step stream")
+  data = buffer[data_start:data_start + manifest.data_size]
+  if data.nbytes != manifest.data_size:
+    raise local_format.CorruptStepError("step stream is shorter than its manifest says")
+  return manifest, data
+
+
