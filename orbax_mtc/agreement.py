@@ -19,6 +19,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from orbax_mtc.row_codec import (
+  Blob,
   Bool,
   EnumCodec,
   Int,
@@ -49,12 +50,14 @@ class Status(enum.IntEnum):
   FAILED = 6  # this process failed (write, read-back, transfer)
   UNUSABLE = 7  # this source is corrupt or incomplete: try another
   MISMATCH = 8  # the restore target does not match what was saved (caller's error)
+  RESHARD = 9  # the target's shards lie elsewhere than saved: an elastic restore rebuilds it
 
 
 # ----------------------------------------------------------------------------- records
 
 _STEPS_WIDTH = 32  # retention keeps far fewer RAM steps; older ones are simply not listed
 _MESSAGE_BYTES = 1200  # enough for a leaf path, two shardings and a folder
+ELASTIC_REPORT_BYTES = 1024  # one host's elastic report (elastic_plan.HostReport)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,11 +178,14 @@ class RestoreRecord:
     requested_step: The step asked for; -1 for the newest.
     fault: The error this process hit, if any.
     inventory: What this node holds.
+    elastic: Every folder it holds by saved rank, count and layout
+      (`elastic_plan.HostReport.encode`), for a restore on another layout.
   """
 
   requested_step: int = field(Int(), -1)
   fault: Fault = field(Record(Fault), factory=Fault)
   inventory: Inventory = field(Record(Inventory), factory=Inventory)
+  elastic: bytes = field(Blob(ELASTIC_REPORT_BYTES), b"")
 
 
 @dataclasses.dataclass(frozen=True)

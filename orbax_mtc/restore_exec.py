@@ -26,8 +26,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from orbax_mtc import agreement, item_args, restore_plan
+from orbax_mtc import agreement, elastic_exec, item_args, restore_plan
 from orbax_mtc.agreement import Status
+from orbax_mtc.elastic_plan import HostReport
 from orbax_mtc.ledger import StepLedger
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import read as local_read
@@ -41,6 +42,18 @@ from orbax_mtc.ram_writer import RamWriter
 
 # A step's bytes as received or read: its manifest and data buffer.
 StepBytes = tuple[local_format.StepManifest, np.ndarray]
+
+
+class _Reshard(Exception):
+  """Some process's target shards lie elsewhere than saved (agreed): restore elastically."""
+
+
+def _decode_report(raw: bytes) -> HostReport:
+  try:
+    return HostReport.decode(raw)
+  except ValueError:
+    logging.warning("orbax-mtc: an unreadable elastic report was ignored")
+    return HostReport()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,12 +87,14 @@ class RamRestore:
     peers: the peer copies (twin groups; copies sent again after a recovery).
     chunk_bytes: largest transfer chunk.
     window: transfer chunks in flight.
+    elastic: the restore of steps saved on another layout.
   """
 
   def __init__(self, *, me: int, local: local_store.LocalTier, store: peer_store.PeerStore,
                writer: RamWriter, ledger: StepLedger, peers: PeerCopies, chunk_bytes: int,
-               window: int):
+               window: int, elastic: elastic_exec.ElasticRestore):
     self._me = me
+    self._elastic = elastic
     self._local = local
     self._store = store
     self._writer = writer
@@ -108,9 +123,15 @@ class RamRestore:
     # Copies still in flight would race with the folders this restore reads and rewrites.
     self._peers.progress(block=True)
     ledger = self._ledger
+    try:
+      report = self._elastic.report()
+    except Exception:  # noqa: BLE001 - an unreadable folder only loses the elastic choices
+      logging.exception("orbax-mtc: cannot list this node's folders for an elastic restore")
+      report = HostReport()
     records = ledger.agree(agreement.RestoreRecord(
         requested_step=-1 if step is None else int(step), fault=ledger.take_fault(),
-        inventory=ledger.inventory()), "restore")
+        inventory=self._native(ledger.inventory(), report), elastic=report.encode()),
+        "restore")
     asked = [r.requested_step for r in records]
     if len(set(asked)) > 1:
       raise ValueError(
@@ -123,6 +144,7 @@ class RamRestore:
       logging.warning("orbax-mtc: process %d: an earlier local write failed (%s: %s); "
                       "restoring from what the cluster holds.", p, fault.kind, fault.message)
     ledger.forgive()
+    reports = [_decode_report(r.elastic) for r in records]
     inventories = ledger.adopt([r.inventory for r in records])
     groups = sets = None
     # Targets that take their shape from the checkpoint (SavedLeaf) cannot say which shards
@@ -138,11 +160,18 @@ class RamRestore:
       plan = restore_plan.plan_restore(inventories, ledger.persistent, step,
                                        shard_groups=groups, excluded=excluded)
       candidates = [a for a in plan.candidates if a.step not in failed_steps]
+      newest = candidates[0].step if candidates else None
+      if self._elastic_first(reports, step, newest, ledger.persistent):
+        return self._restore_elastic(step, targets, single, reports, plan, finish,
+                                     bool(failed_steps or excluded))
       if not candidates:
         tried = bool(plan.local_candidates or failed_steps or excluded)
         return RamRestoreResult(False, None, plan, tried)
       assembly = candidates[0]
-      built, received, exclusions = self.execute(assembly, targets, single)
+      try:
+        built, received, exclusions = self.execute(assembly, targets, single)
+      except _Reshard:
+        return self._restore_elastic(step, targets, single, reports, plan, finish, False)
       if built is not None:
         restored, default_item = built
         # Per process: "peer" when this node's bytes came from a twin or a peer's copy.
@@ -157,6 +186,39 @@ class RamRestore:
       if not new:
         failed_steps.add(assembly.step)
       excluded |= new
+
+  def _native(self, inventory: agreement.Inventory, report: HostReport) -> agreement.Inventory:
+    """The inventory less the folders saved on another layout of processes (another count,
+    or another rank's folder here): the ordinary plan assumes rank = folder."""
+    count = self._elastic.count
+    foreign_own = {r.step for r in report.own if r.count != count or r.rank != self._me}
+    foreign_copies = {(r.rank, r.step) for r in report.copies if r.count != count}
+    return dataclasses.replace(
+        inventory, own_steps=tuple(s for s in inventory.own_steps if s not in foreign_own),
+        copies=tuple(c for c in inventory.copies if tuple(c) not in foreign_copies))
+
+  def _elastic_first(self, reports: list[HostReport], step: int | None, newest: int | None,
+                     persistent: tuple[int, ...]) -> bool:
+    """Whether a folder saved on another layout of processes holds a step the ordinary plan
+    cannot offer and that is newer than what it offers (and than the persistent tier)."""
+    floor = max([s for s in (newest, persistent[-1] if persistent else None) if s is not None],
+                default=None)
+    count = self._elastic.count
+    for report in reports:
+      for ref in report.own + report.copies:
+        if ref.count == count or (step is not None and ref.step != step):
+          continue
+        if floor is None or ref.step > floor or (ref.step == floor and newest is None):
+          return True
+    return False
+
+  def _restore_elastic(self, step: int | None, targets: dict[str, Any], single: bool | None,
+                       reports: list[HostReport], plan: restore_plan.RestorePlan,
+                       finish: Callable[[int, str], None], tried: bool) -> RamRestoreResult:
+    persistent = self._ledger.persistent
+    result = self._elastic.restore(step, targets, single, reports,
+                                   persistent[-1] if persistent else None, finish)
+    return RamRestoreResult(result.found, result.value, plan, tried or result.tried)
 
   def build(self, step: int, targets: dict[str, Any], single: bool | None,
             source: StepBytes | None = None,
@@ -179,6 +241,8 @@ class RamRestore:
         targets = item_args.as_saved(targets, manifest.default_item)
       restored = local_read.arrays_from_buffer(data, manifest, targets, where, crcs=crcs)
       return Built(Status.OK, (restored, manifest.default_item))
+    except local_read.ReshardNeeded as e:
+      return Built(Status.RESHARD, message=str(e))
     except local_format.AbstractStateMismatchError as e:
       return Built(Status.MISMATCH, message=str(e))
     except Exception as e:  # noqa: BLE001 - any failure makes this source unusable
@@ -216,6 +280,8 @@ class RamRestore:
     if all(b.status == Status.OK for b in outcomes):
       return built.value, received, set()
     mismatched = [p for p, b in enumerate(outcomes) if b.status == Status.MISMATCH]
+    if not mismatched and any(b.status == Status.RESHARD for b in outcomes):
+      raise _Reshard()  # the same on every process: rebuild on the targets' layout
     if mismatched:
       # The caller's error, not a bad copy: the same error everywhere, and nothing deleted.
       culprit = mismatched[0]

@@ -108,6 +108,23 @@ class Text(Codec):
     return raw.decode("utf-8", "replace")
 
 
+class Blob(Codec):
+  """Up to `nbytes` raw bytes, packed eight bytes a slot; longer values are refused."""
+
+  def __init__(self, nbytes: int):
+    self.nbytes = -(-nbytes // 8) * 8
+    self.size = 1 + self.nbytes // 8
+
+  def encode(self, value: bytes) -> list[int]:
+    if len(value) > self.nbytes:
+      raise ValueError(f"{len(value)} bytes do not fit a {self.nbytes}-byte field")
+    padded = bytes(value) + b"\0" * (self.nbytes - len(value))
+    return [len(value)] + np.frombuffer(padded, dtype=np.int64).tolist()
+
+  def decode(self, slots: np.ndarray) -> bytes:
+    return np.asarray(slots[1:], dtype=np.int64).tobytes()[:int(slots[0])]
+
+
 class Record(Codec):
   def __init__(self, record_type: type):
     self.record_type = record_type

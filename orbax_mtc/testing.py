@@ -227,7 +227,7 @@ def process_mesh(replicas: int | None = None):
 
 
 def abstract_sharded_state(mesh, rows: int, *, layout: str = "mixed",
-                           keys: bool = False) -> dict:
+                           keys: bool = False, shape_axes: tuple[int, int] | None = None) -> dict:
   """The abstract form of `sharded_state` (the same as `abstract_of` of it), without values.
 
   Args:
@@ -236,6 +236,8 @@ def abstract_sharded_state(mesh, rows: int, *, layout: str = "mixed",
     layout: "mixed" (leaves sharded along "data", "model", both or neither) or "dp" (every
       leaf replicated across "data": pure data parallelism).
     keys: add the PRNG key leaves `KEY_LEAVES`.
+    shape_axes: (data, model) sizes the shapes follow instead of the mesh's own: the same
+      state on another mesh (an elastic restore's target).
 
   Returns:
     Nested dicts of `jax.ShapeDtypeStruct` with `NamedSharding`s on `mesh`.
@@ -245,7 +247,7 @@ def abstract_sharded_state(mesh, rows: int, *, layout: str = "mixed",
 
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
-  data, model = mesh.shape["data"], mesh.shape["model"]
+  data, model = shape_axes or (mesh.shape["data"], mesh.shape["model"])
   out: dict[str, Any] = {}
   for leaf, (dtype, axes, shape_fn) in _LEAVES.items():
     if layout == "dp":
@@ -280,7 +282,7 @@ def _key_array(leaf: str, spec, seed: int, step: int):
 
 
 def sharded_state(mesh, rows: int, seed: int, step: int, *, layout: str = "mixed",
-                  keys: bool = False) -> dict:
+                  keys: bool = False, shape_axes: tuple[int, int] | None = None) -> dict:
   """The state at `step`, each process building only its own shards.
 
   Every value is a pure function of (leaf, global position, seed, step) and the shapes depend
@@ -293,6 +295,7 @@ def sharded_state(mesh, rows: int, seed: int, step: int, *, layout: str = "mixed
     step: the step.
     layout: "mixed" or "dp", as in `abstract_sharded_state`.
     keys: add the PRNG key leaves `KEY_LEAVES`.
+    shape_axes: as in `abstract_sharded_state`.
 
   Returns:
     Nested dicts of jax.Arrays, shaped and sharded as `abstract_sharded_state`.
@@ -300,7 +303,7 @@ def sharded_state(mesh, rows: int, seed: int, step: int, *, layout: str = "mixed
   import jax
 
   out: dict[str, Any] = {}
-  abstract = abstract_sharded_state(mesh, rows, layout=layout, keys=keys)
+  abstract = abstract_sharded_state(mesh, rows, layout=layout, keys=keys, shape_axes=shape_axes)
   for leaf in _LEAVES:
     spec = _get(abstract, leaf)
     array = jax.make_array_from_callback(

@@ -34,6 +34,7 @@ from orbax_mtc import (
   save_policy,
 )
 from orbax_mtc.backup_scheduler import BackupScheduler
+from orbax_mtc.elastic_exec import ElasticRestore
 from orbax_mtc.ledger import StepLedger
 from orbax_mtc.local import claim
 from orbax_mtc.local import lock as local_lock
@@ -129,9 +130,12 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
   ledger.before_local_raise = lambda: backups.poll(block=True)
   ram = RamSaver(local=local, writer=writer, ledger=ledger, backups=backups, peers=peers,
                  persistent=persistent, asynchronous=asynchronous)
+  chunks = dict(chunk_bytes=options.replication.chunk_bytes,
+                window=options.replication.chunks_in_flight)
+  elastic = ElasticRestore(me=process_index, count=process_count, local=local, store=store,
+                           writer=writer, ledger=ledger, peers=peers, **chunks)
   restorer = RamRestore(me=process_index, local=local, store=store, writer=writer,
-                        ledger=ledger, peers=peers, chunk_bytes=options.replication.chunk_bytes,
-                        window=options.replication.chunks_in_flight)
+                        ledger=ledger, peers=peers, elastic=elastic, **chunks)
   ondemand = OnDemandSaver(
       grace_seconds=options.ondemand_grace_seconds, read_only=options.local.read_only,
       managed=managed, local=local, writer=writer, ram=ram, peers=peers, backups=backups,

@@ -435,20 +435,26 @@ def test_restore_onto_another_sharding_is_an_abstract_state_mismatch(tier, mesh,
   verify_step(step_dir)
 
 
-def test_missing_shard_under_the_saved_sharding_is_a_local_tier_error(tier, mesh):
+@pytest.mark.parametrize("with_layout", [False, True], ids=["no-layout", "layout"])
+def test_missing_shard_under_the_saved_sharding_is_a_local_tier_error(tier, mesh, with_layout):
   """The saved sharding, but a shard this node does not hold (its devices changed since the
-  save): the copy is unusable here, and restore may try another source."""
+  save): without the step's layout the copy is unusable here, and restore may try another
+  source; with it (`tiles`), ReshardNeeded: an elastic restore rebuilds the step."""
   import dataclasses
+
+  from orbax_mtc.local.read import ReshardNeeded
 
   state, step_dir = _write(tier, mesh, 2)
   manifest = read_manifest(step_dir)
   item = manifest.items["state"]
-  leaves = tuple(dataclasses.replace(leaf, shards=leaf.shards[1:])
+  leaves = tuple(dataclasses.replace(leaf, shards=leaf.shards[1:],
+                                     tiles=leaf.tiles if with_layout else None)
                  if leaf.path == "['params']['w']" else leaf for leaf in item.leaves)
   partial = dataclasses.replace(
       manifest, items={**manifest.items, "state": dataclasses.replace(item, leaves=leaves)})
   data = read_data(step_dir, manifest)
-  with pytest.raises(LocalTierError, match="devices differ"):
+  error = ReshardNeeded if with_layout else LocalTierError
+  with pytest.raises(error, match="devices differ"):
     arrays_from_buffer(data, partial, {"state": abstract_of(state)}, str(step_dir))
 
 

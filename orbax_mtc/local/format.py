@@ -107,6 +107,10 @@ class LeafRecord:
   # A typed PRNG key leaf: its implementation ("threefry2x32", "unsafe_rbg"...); `shape` and
   # `dtype` are then those of its key data (the key array's shape + the key shape, uint32).
   key_impl: str | None = None
+  # The step's global layout of an array leaf: every distinct shard index of the saved
+  # sharding and the saved ranks (process indices) holding it. What an elastic restore reads
+  # instead of the old mesh; None in manifests of leaves saved without it.
+  tiles: tuple[tuple[Index, tuple[int, ...]], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +156,8 @@ class StepManifest:
                         for s in r.shards]}
       if r.key_impl is not None:  # only then: manifests of other leaves read as before
         out["key_impl"] = r.key_impl
+      if r.tiles is not None:
+        out["tiles"] = [[[list(d) for d in index], list(holders)] for index, holders in r.tiles]
       return out
     items = {name: {"kind": it.kind, "leaves": [leaf(x) for x in it.leaves], "value": it.value}
              for name, it in self.items.items()}
@@ -279,6 +285,11 @@ class _ManifestParser:
       raise self.fail("'items'", items_raw, "an object of item name -> item")
     items = {name: self.item(name, it, data_size) for name, it in items_raw.items()}
     self.check_layout(items, data_size)
+    for name, it in items.items():
+      for leaf in it.leaves:
+        if leaf.tiles is not None and any(h >= count for _, hs in leaf.tiles for h in hs):
+          raise ManifestError(f"{self.where}: item {name!r} leaf {leaf.path!r}: a tile's holder "
+                              f"is not a process index below 'process_count' {count}")
     return StepManifest(step=step, process_index=index, process_count=count, items=items,
                         data_size=data_size, created_at=float(created_at),
                         default_item=default_item)
@@ -345,20 +356,43 @@ class _ManifestParser:
     if kind == "host" and [s.index for s in shards] != [tuple((0, n) for n in shape)]:
       raise ManifestError(f"{self.where}: {what} is a host value but its shards are not the "
                           "whole array")
+    tiles = None
+    if "tiles" in d:
+      if kind != "array":
+        raise self.fail(f"{what} 'tiles'", d["tiles"], "absent for a host value")
+      tiles = tuple(self.tile(f"{what} tile {i}", t, shape)
+                    for i, t in enumerate(self.sequence(d["tiles"], f"{what} 'tiles'")))
+      if len({index for index, _ in tiles}) != len(tiles):
+        raise ManifestError(f"{self.where}: {what} lists a tile twice")
+      missing = {s.index for s in shards} - {index for index, _ in tiles}
+      if missing:
+        raise ManifestError(f"{self.where}: {what} holds shard {sorted(missing)[0]}, which its "
+                            "'tiles' do not list")
     return LeafRecord(path=path, kind=kind, shape=shape, dtype=dtype_name, shards=shards,
                       python_type=python_type, keys=tuple(keys), sharding=sharding,
-                      key_impl=key_impl)
+                      key_impl=key_impl, tiles=tiles)
 
-  def shard(self, what: str, s: Any, shape: tuple[int, ...], dtype: np.dtype,
-            data_size: int) -> ShardRecord:
-    index_raw, offset, nbytes, crc = self.sequence(s, what, 4)
+  def index(self, what: str, raw: Any, shape: tuple[int, ...]) -> Index:
     index = []
-    for dim, bounds in zip(shape, self.sequence(index_raw, f"{what} index", len(shape)),
-                           strict=True):
+    for dim, bounds in zip(shape, self.sequence(raw, f"{what} index", len(shape)), strict=True):
       start, stop = self.sequence(bounds, f"{what} index", 2)
       start = self.integer(start, f"{what} index start", 0, dim)
       stop = self.integer(stop, f"{what} index stop", start, dim)
       index.append((start, stop))
+    return tuple(index)
+
+  def tile(self, what: str, t: Any, shape: tuple[int, ...]) -> tuple[Index, tuple[int, ...]]:
+    index_raw, holders_raw = self.sequence(t, what, 2)
+    holders = tuple(self.integer(h, f"{what} holder", 0, _MAX_PROCESSES - 1)
+                    for h in self.sequence(holders_raw, f"{what} holders"))
+    if not holders or list(holders) != sorted(set(holders)):
+      raise self.fail(f"{what} holders", holders_raw, "ascending distinct process indices")
+    return self.index(what, index_raw, shape), holders
+
+  def shard(self, what: str, s: Any, shape: tuple[int, ...], dtype: np.dtype,
+            data_size: int) -> ShardRecord:
+    index_raw, offset, nbytes, crc = self.sequence(s, what, 4)
+    index = self.index(what, index_raw, shape)
     offset = self.integer(offset, f"{what} offset", 0, data_size)
     want = math.prod(b - a for a, b in index) * dtype.itemsize
     if type(nbytes) is not int or nbytes != want:

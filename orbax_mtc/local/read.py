@@ -47,7 +47,7 @@ from orbax_mtc.local.store import open_regular_file, read_manifest
 _PIPELINE_PIECE = 4 << 20  # read, then checksum, this much at a time: it stays in cache
 
 
-def _check_leaf(item: str, path: str, record: LeafRecord, shape: tuple[int, ...],
+def check_leaf(item: str, path: str, record: LeafRecord, shape: tuple[int, ...],
                 dtype: Any) -> tuple[int, ...]:
   """AbstractStateMismatchError unless a target of `shape` and `dtype` (numpy's or a PRNG key
   dtype) is what `record` holds; returns the dims a key leaf's data adds (() for others)."""
@@ -71,6 +71,11 @@ def _check_leaf(item: str, path: str, record: LeafRecord, shape: tuple[int, ...]
   return key_dims
 
 
+class ReshardNeeded(AbstractStateMismatchError):
+  """The target's shapes and dtypes are the saved ones but its shards lie elsewhere (another
+  mesh, process count or device count): the step can be rebuilt by an elastic restore."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SavedLeaf:
   """A restore target leaf: the saved shape and dtype, placed with `sharding` (what Orbax's
@@ -80,7 +85,7 @@ class SavedLeaf:
   sharding: jax.sharding.Sharding
 
 
-def _target_spec(leaf: Any, saved: LeafRecord) -> tuple[tuple[int, ...], Any, Any]:
+def target_spec(leaf: Any, saved: LeafRecord) -> tuple[tuple[int, ...], Any, Any]:
   """(shape, dtype, sharding) a target leaf asks for; the dtype may be a PRNG key dtype."""
   if isinstance(leaf, SavedLeaf):
     try:
@@ -241,19 +246,26 @@ def _sharding_mismatch(where: str, rec: LeafRecord, sharding: Any, index: Index,
                        device: Any) -> Exception:
   """The error for a target shard this node did not save.
 
-  A target sharding other than the saved one is the caller's mistake: AbstractStateMismatchError,
-  which no other copy of the step fixes. The same sharding with other shards here means this
-  process's devices changed since the save: LocalTierError, so restore tries another source.
+  When the manifest records the step's global layout (`tiles`), ReshardNeeded: an elastic
+  restore rebuilds the step on the target's layout. Without it, a target sharding other than
+  the saved one is the caller's mistake (AbstractStateMismatchError, which no other copy of
+  the step fixes), and the same sharding with other shards here means this process's devices
+  changed since the save (LocalTierError, so restore tries another source).
   """
   target = describe_sharding(sharding)
-  if rec.sharding is not None and rec.sharding == target:
-    return LocalTierError(
-        f"{where}: this node holds no shard {index} for {device}, although the target sharding "
-        f"{target} is the saved one: this process's devices differ from those at save time")
-  return AbstractStateMismatchError(
-      f"{where}: the target sharding differs from the saved one: target {target}, saved "
-      f"{rec.sharding or 'unknown (the manifest does not record it)'}; this node holds no "
-      f"shard {index} for {device}. Restore with the sharding the step was saved with.")
+  same = rec.sharding is not None and rec.sharding == target
+  if same:
+    message = (f"{where}: this node holds no shard {index} for {device}, although the target "
+               f"sharding {target} is the saved one: this process's devices differ from those "
+               "at save time")
+  else:
+    message = (f"{where}: the target sharding differs from the saved one: target {target}, "
+               f"saved {rec.sharding or 'unknown (the manifest does not record it)'}; this node "
+               f"holds no shard {index} for {device}. Restore with the sharding the step was "
+               "saved with.")
+  if rec.tiles is not None:
+    return ReshardNeeded(message)
+  return LocalTierError(message) if same else AbstractStateMismatchError(message)
 
 
 def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[str, Any],
@@ -306,8 +318,8 @@ def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[s
     leaf_plans = []
     for (_, leaf), path in zip(flat, want_paths, strict=True):
       rec = by_path[path]
-      shape, dtype, sharding = _target_spec(leaf, rec)
-      key_dims = _check_leaf(item_name, path, rec, shape, dtype)
+      shape, dtype, sharding = target_spec(leaf, rec)
+      key_dims = check_leaf(item_name, path, rec, shape, dtype)
       if rec.key_impl is not None:
         dtype = np_dtype(rec.dtype)  # the shards hold key data
       where = f"{where_prefix}: leaf {item_name}{path}"

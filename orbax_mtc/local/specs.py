@@ -123,6 +123,28 @@ def normalize_index(index: Sequence[slice], shape: Sequence[int]) -> Index:
   return tuple(out)
 
 
+@functools.lru_cache(maxsize=4096)
+def global_tiles(sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+                 ) -> tuple[tuple[Index, tuple[int, ...]], ...]:
+  """Every distinct shard index of `sharding` over `shape` and the processes holding it.
+
+  The step's global layout, written to each manifest so that an elastic restore can find
+  every shard without the old mesh. Cached: leaves share a few shardings, and a save must not
+  walk every device of every leaf each time.
+
+  Args:
+    sharding: the saved array's sharding (hashable, as JAX's shardings are).
+    shape: the saved array's shape (for a PRNG key leaf, its key data's).
+
+  Returns:
+    (index, ascending process indices), in the order of first appearance.
+  """
+  holders: dict[Index, set[int]] = {}
+  for device, index in sharding.devices_indices_map(shape).items():
+    holders.setdefault(normalize_index(index, shape), set()).add(int(device.process_index))
+  return tuple((index, tuple(sorted(ps))) for index, ps in holders.items())
+
+
 def describe_sharding(sharding: Any) -> str:
   """A readable description of a sharding, for the manifest and for error messages."""
   if isinstance(sharding, jax.sharding.NamedSharding):

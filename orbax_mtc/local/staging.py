@@ -22,6 +22,7 @@ from orbax_mtc.local.format import KEY_IMPL_NAME, Index, ItemRecord, LeafRecord,
 from orbax_mtc.local.specs import (
     describe_sharding,
     encode_key_path,
+    global_tiles,
     is_key_dtype,
     key_spec,
     normalize_index,
@@ -159,6 +160,10 @@ def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any], *
         if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
           key_impl = _key_impl_of(path, leaf)
           leaf = jax.random.key_data(leaf)  # its shards: uint32, indexed over the data's dims
+        try:
+          tiles = global_tiles(leaf.sharding, tuple(leaf.shape))
+        except TypeError:  # an unhashable custom sharding: no layout, no elastic restore
+          tiles = None
         chosen: dict[Index, Any] = {}
         for shard in sorted(leaf.addressable_shards, key=lambda s: (s.replica_id, s.device.id)):
           index = normalize_index(shard.index, leaf.shape)
@@ -170,7 +175,7 @@ def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any], *
         host, python_type = _host_value(path, leaf)
         dtype, kind, shape = host.dtype, "host", tuple(host.shape)
         sources = [(tuple((0, d) for d in host.shape), host)]
-        sharding = None
+        sharding = tiles = None
       shards = []
       for index, source in sources:
         shard_shape = tuple(b - a for a, b in index)
@@ -181,7 +186,7 @@ def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any], *
       records.append(LeafRecord(path=path, kind=kind, shape=shape, dtype=dtype.name,
                                 shards=tuple(shards), python_type=python_type,
                                 keys=encode_key_path(key_path), sharding=sharding,
-                                key_impl=key_impl))
+                                key_impl=key_impl, tiles=tiles))
     items[item_name] = ItemRecord(kind="pytree", leaves=tuple(records))
   for item_name, value in json_items.items():
     try:

@@ -58,6 +58,7 @@ class PeerCopies:
     self.replicator: replication.Replicator | None = None
     self._sets_cache: tuple[Any, list] | None = None
     self._listing_cache: dict[int, list[int] | None] = {}
+    self._stale_sources = False  # copies of nodes no longer held: dropped at the first copy
 
   def set_mesh(self, mesh: jax.sharding.Mesh) -> None:
     """Replica axis, topology and replicator from the job's global mesh.
@@ -90,7 +91,9 @@ class PeerCopies:
         self.topology, self._process_index, self._local, self._store, self._writer.executor,
         self._allgather, chunk_bytes=options.replication.chunk_bytes,
         window=options.replication.chunks_in_flight)
-    self._store.drop_sources(self.topology.held_by(self._process_index))
+    # Copies of nodes this node no longer holds copies for are dropped at the first copy
+    # sent, not now: after a change of mesh or process count, an elastic restore reads them.
+    self._stale_sources = True
 
   @property
   def enabled(self) -> bool:
@@ -136,15 +139,22 @@ class PeerCopies:
       self._listing_cache = {key: groups}
     return self._listing_cache[key]
 
+  def _drop_stale_sources(self) -> None:
+    if self._stale_sources and self.topology is not None:
+      self._stale_sources = False
+      self._store.drop_sources(self.topology.held_by(self._process_index))
+
   def schedule(self, step: int, trees: dict[str, Any]) -> None:
     """Queues the copies of a step just saved (sent by the next `progress` calls)."""
     if self.replicator is not None:
+      self._drop_stale_sources()
       self.replicator.schedule(step, self.shard_sets(trees))
 
   def schedule_recovery(self, step: int, sets: list, recovered: Sequence[int]) -> None:
     """Queues the copies that involve nodes which got `step` back from elsewhere."""
     if self.replicator is None or self.topology is None:
       return
+    self._drop_stale_sources()
     recovered = set(recovered)
     edges = [e for e in self.topology.edges if e[0] in recovered or e[1] in recovered]
     self.replicator.schedule(step, sets, edges)

@@ -362,6 +362,23 @@ class PeerStore:
       if local_store.is_step_name(source.name) and int(source.name) not in set(keep):
         _remove(source)
 
+  def drop_other_counts(self, process_count: int) -> None:
+    """Removes every copy saved by a job of another process count."""
+    for source, step in self.copies():
+      folder = self.source_dir(source) / str(step)
+      if self.saved_count(folder) != process_count:
+        _remove(folder)
+
+  @staticmethod
+  def saved_count(folder: Path) -> int | None:
+    """The process count a copy was saved with; None when it is no readable copy."""
+    if not local_store.is_step_name(folder.name):
+      return None
+    try:
+      return local_store.read_manifest(folder).process_count
+    except local_format.LocalTierError:
+      return None
+
 
 def _is_regular(path: Path) -> bool:
   try:

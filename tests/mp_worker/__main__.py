@@ -62,7 +62,7 @@ def _common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                  help="restore with Composite(state=PyTreeRestore(item=abstract))")
   p.add_argument("--expect-step", default=None, help="a step number, or 'None'")
   p.add_argument("--expect-tier", default=None,
-                 choices=("local", "peer", "persistent", "none", "replicator"))
+                 choices=("local", "peer", "persistent", "none", "replicator", "elastic"))
   p.add_argument("--mode", choices=("standalone", "managed"), default="standalone",
                  help="managed: GKE's replicator protocol (tests run a simulator)")
   p.add_argument("--managed-peers-per-node", type=int, default=None)
@@ -72,6 +72,9 @@ def _common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                  help="size of the mesh's data axis (default: one row per process)")
   p.add_argument("--layout", choices=("mixed", "dp"), default="mixed",
                  help="dp: every leaf replicated across the data axis")
+  p.add_argument("--shape-axes", default=None,
+                 help="D,M: the state's shapes follow a (data=D, model=M) mesh whatever the "
+                      "job's mesh (restore on another mesh or process count)")
   p.add_argument("--keys", action="store_true",
                  help="typed PRNG key leaves in the state too (rngs/...)")
   p.add_argument("--peers-per-node", type=int, default=None)

@@ -24,14 +24,17 @@ EXIT_RAISED = 7  # fault, open: the manager raised (reported as RAISED)
 
 # Set from the command line: data-axis size (None: one row per process), how leaves use the
 # "data" axis ("mixed"; "dp": replicated across it, pure data parallelism) and key leaves.
-CONFIG: dict[str, Any] = {"replicas": None, "layout": "mixed", "keys": False}
+CONFIG: dict[str, Any] = {"replicas": None, "layout": "mixed", "keys": False,
+                          "shape_axes": None}
 
 LEAVES = len(testing.ARRAY_LEAVES)  # the leaves= field of RESULT lines
 
 
 def configure(args) -> None:
+  axes = getattr(args, "shape_axes", None)
   CONFIG.update(keys=getattr(args, "keys", False), replicas=getattr(args, "replicas", None),
-                layout=getattr(args, "layout", "mixed"))
+                layout=getattr(args, "layout", "mixed"),
+                shape_axes=tuple(int(x) for x in axes.split(",")) if axes else None)
 
 
 def make_mesh():
@@ -41,12 +44,12 @@ def make_mesh():
 
 def abstract_state(mesh, rows: int) -> dict:
   return testing.abstract_sharded_state(mesh, rows, layout=CONFIG["layout"],
-                                        keys=CONFIG["keys"])
+                                        keys=CONFIG["keys"], shape_axes=CONFIG["shape_axes"])
 
 
 def make_state(mesh, rows: int, seed: int, step: int) -> dict:
   return testing.sharded_state(mesh, rows, seed, step, layout=CONFIG["layout"],
-                               keys=CONFIG["keys"])
+                               keys=CONFIG["keys"], shape_axes=CONFIG["shape_axes"])
 
 
 def compare_state(restored: Any, expected: Any) -> list[str]:

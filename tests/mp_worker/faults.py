@@ -12,8 +12,10 @@ from . import hooks
 from .common import (
     EXIT_MISMATCH,
     EXIT_RAISED,
+    LEAVES,
     abstract_state,
     committed,
+    compare_state,
     make_mesh,
     make_state,
     manager,
@@ -58,7 +60,8 @@ def cmd_fault(args) -> int:
 
 def cmd_mismatch(args) -> int:
   """restore(None) with the shardings of another mesh layout (same shapes and dtypes: the
-  device order of the mesh reversed); prints what it raised, then the folders."""
+  device order of the mesh reversed); prints the RESULT (compared bit for bit on the new
+  layout) or what it raised, then the folders."""
   import jax
   import numpy as np
   import orbax.checkpoint as ocp
@@ -72,9 +75,14 @@ def cmd_mismatch(args) -> int:
                             mesh.axis_names)
   with manager(args, mesh) as mgr:
     try:
-      mgr.restore(None, args=ocp.args.Composite(
+      restored = mgr.restore(None, args=ocp.args.Composite(
           state=ocp.args.PyTreeRestore(item=abstract_state(other, args.rows))))
-      emit(f"RESTORED process={jax.process_index()} step={mgr.last_restore.step}")
+      info = mgr.last_restore
+      problems = compare_state(restored.state, make_state(other, args.rows, args.seed,
+                                                          info.step))
+      detail = "; ".join(problems)[:500].replace("\n", " ") or "-"
+      emit(f"RESULT process={jax.process_index()} step={info.step} tier={info.tier} "
+           f"ok={int(not problems)} leaves={LEAVES} detail={detail}")
     except Exception as e:  # noqa: BLE001 - reported to the test
       raised(e)
     committed(args, mgr)

@@ -1,0 +1,387 @@
+"""Pure planning of an elastic restore: a RAM step saved on another mesh or process count.
+
+A step saved by C processes is C folders, one per saved rank, each holding that rank's shards
+("tiles") and, in its manifest, the step's global layout: per leaf, every tile and the saved
+ranks holding it. After a restart on another layout, a folder of saved rank r may sit in some
+process's own RAM folder or in a peer copy; a tile may be held by several ranks (data-parallel
+replicas). This module decides, without I/O or JAX:
+
+* what each process reports (`HostReport`, a compact byte string: a few dozen bytes per
+  folder it holds, well under 1 KiB for a host);
+* which step is restored: the newest whose folders, from one save (same process count and
+  layout digest), cover every tile (`plan`), or None;
+* which process serves each saved rank's folder (own folder first, then the least loaded copy
+  holder), so the plan is O(saved ranks), not O(shards);
+* per target shard, which tiles give its bytes (`pieces`) and which saved rank provides a
+  tile the receiver lacks (`provider`): every process computes the same answer, so senders
+  and receivers agree without another message.
+
+A plan never mixes steps or saves: every folder it uses has the chosen step, process count
+and layout digest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Collection, Iterable, Sequence
+
+Box = tuple[tuple[int, int], ...]  # a global index: ((start, stop), ...) per dimension
+
+OWN, COPY = 0, 1  # where a host holds a folder: its own RAM folder, or a peer copy
+_KIND_NAMES = {OWN: "own", COPY: "copy"}
+
+
+# ----------------------------------------------------------------------------- reports
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class FolderRef:
+  """A saved rank's folder of one step, as a host holds it.
+
+  Attributes:
+    step: The step.
+    count: The process count the step was saved with.
+    rank: The saved rank whose shards the folder holds.
+    digest: 32-bit digest of the step's global layout (equal: same layout; see
+      `elastic_layout.digest`).
+  """
+
+  step: int
+  count: int
+  rank: int
+  digest: int
+
+
+@dataclasses.dataclass(frozen=True)
+class HostReport:
+  """What one host can serve for an elastic restore: its own folders and its peer copies.
+
+  Attributes:
+    own: Folders in the host's own RAM folder.
+    copies: Peer copies the host holds (complete, servable).
+  """
+
+  own: tuple[FolderRef, ...] = ()
+  copies: tuple[FolderRef, ...] = ()
+
+  def encode(self) -> bytes:
+    """The report as compact bytes: per (kind, step, count, digest) group, the ranks as
+    varint deltas. A host with a few steps and a peer copy of each takes ~50 bytes."""
+    groups: dict[tuple[int, int, int, int], list[int]] = {}
+    for kind, refs in ((OWN, self.own), (COPY, self.copies)):
+      for ref in refs:
+        groups.setdefault((kind, ref.step, ref.count, ref.digest), []).append(ref.rank)
+    out = bytearray()
+    _put(out, len(groups))
+    for (kind, step, count, digest), ranks in sorted(groups.items()):
+      _put(out, kind)
+      _put(out, step)
+      _put(out, count)
+      out += int(digest & 0xFFFFFFFF).to_bytes(4, "little")
+      ranks = sorted(set(ranks))
+      _put(out, len(ranks))
+      previous = 0
+      for rank in ranks:
+        _put(out, rank - previous)
+        previous = rank
+    return bytes(out)
+
+  @classmethod
+  def decode(cls, data: bytes) -> HostReport:
+    """Reads `encode`'s bytes back.
+
+    Raises:
+      ValueError: the bytes are not a report.
+    """
+    pos = 0
+
+    def get() -> int:
+      nonlocal pos
+      value, shift = 0, 0
+      while True:
+        if pos >= len(data) or shift > 63:
+          raise ValueError("truncated or malformed elastic host report")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+          return value
+        shift += 7
+
+    own: list[FolderRef] = []
+    copies: list[FolderRef] = []
+    for _ in range(get()):
+      kind, step, count = get(), get(), get()
+      if kind not in _KIND_NAMES or pos + 4 > len(data):
+        raise ValueError("malformed elastic host report")
+      digest = int.from_bytes(data[pos:pos + 4], "little")
+      pos += 4
+      rank = 0
+      for _ in range(get()):
+        rank += get()
+        (own if kind == OWN else copies).append(FolderRef(step, count, rank, digest))
+    if pos != len(data):
+      raise ValueError("trailing bytes after an elastic host report")
+    return cls(own=tuple(own), copies=tuple(copies))
+
+
+def _put(out: bytearray, value: int) -> None:
+  if value < 0:
+    raise ValueError(f"a report holds non-negative numbers only, got {value}")
+  while True:
+    byte = value & 0x7F
+    value >>= 7
+    if value:
+      out.append(byte | 0x80)
+    else:
+      out.append(byte)
+      return
+
+
+# ----------------------------------------------------------------------------- the plan
+
+Save = tuple[int, int, int]  # (step, count, digest): one save of one step
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One save of one step and where each of its saved ranks' folders is held.
+
+  Attributes:
+    step: The step.
+    count: The process count it was saved with.
+    digest: Its layout digest.
+    holders: Per saved rank held anywhere, the (process, OWN or COPY) pairs holding it.
+  """
+
+  step: int
+  count: int
+  digest: int
+  holders: dict[int, tuple[tuple[int, int], ...]]
+
+  @property
+  def available(self) -> frozenset[int]:
+    """The saved ranks some process can serve."""
+    return frozenset(self.holders)
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticPlan:
+  """The save to restore and who serves each of its available saved ranks.
+
+  Attributes:
+    step: The step.
+    count: The process count it was saved with.
+    digest: Its layout digest.
+    servers: (saved rank, serving process, OWN or COPY), ascending by rank, one per saved
+      rank some process holds.
+  """
+
+  step: int
+  count: int
+  digest: int
+  servers: tuple[tuple[int, int, int], ...]
+
+  def server_of(self) -> dict[int, int]:
+    """Saved rank -> the process serving its folder."""
+    return {rank: process for rank, process, _ in self.servers}
+
+  def served_by(self, process: int) -> dict[int, int]:
+    """Saved rank -> OWN or COPY, for the folders `process` serves."""
+    return {rank: kind for rank, p, kind in self.servers if p == process}
+
+
+def candidates(reports: Sequence[HostReport], *, requested_step: int | None = None,
+               min_step: int | None = None,
+               excluded: Collection[tuple[int, int, int]] = ()) -> list[Candidate]:
+  """Every save some host holds a folder of, newest step first.
+
+  Args:
+    reports: Per current process, its report.
+    requested_step: Only this step, or None for any.
+    min_step: Only steps at or above it (the newest persistent step: older RAM steps lose
+      work), or None.
+    excluded: (process, saved rank, step) folders that failed: never used again.
+
+  Returns:
+    The candidates, newest step first; for one step, the save held by most ranks first.
+  """
+  bad = set(excluded)
+  saves: dict[Save, dict[int, list[tuple[int, int]]]] = {}
+  for process, report in enumerate(reports):
+    for kind, refs in ((OWN, report.own), (COPY, report.copies)):
+      for ref in refs:
+        if requested_step is not None and ref.step != requested_step:
+          continue
+        if min_step is not None and ref.step < min_step:
+          continue
+        if not 0 <= ref.rank < ref.count or (process, ref.rank, ref.step) in bad:
+          continue
+        ranks = saves.setdefault((ref.step, ref.count, ref.digest), {})
+        ranks.setdefault(ref.rank, []).append((process, kind))
+  out = [Candidate(step, count, digest, {r: tuple(sorted(h, key=lambda x: (x[1], x[0])))
+                                         for r, h in ranks.items()})
+         for (step, count, digest), ranks in saves.items()]
+  out.sort(key=lambda c: (-c.step, -len(c.holders), c.count, c.digest))
+  return out
+
+
+def choose_servers(candidate: Candidate) -> tuple[tuple[int, int, int], ...]:
+  """One serving process per available saved rank.
+
+  A rank's own folder wins over copies (no second read path); among copies, the holder with
+  the fewest folders already assigned, then the lowest process, so copies spread the load.
+
+  Args:
+    candidate: The save.
+
+  Returns:
+    (saved rank, process, OWN or COPY), ascending by rank.
+  """
+  load: dict[int, int] = {}
+  servers: list[tuple[int, int, int]] = []
+  copy_only: list[int] = []
+  for rank in sorted(candidate.holders):
+    own = [p for p, kind in candidate.holders[rank] if kind == OWN]
+    if own:
+      process = min(own, key=lambda p: (load.get(p, 0), p))
+      load[process] = load.get(process, 0) + 1
+      servers.append((rank, process, OWN))
+    else:
+      copy_only.append(rank)
+  for rank in copy_only:
+    process = min((p for p, _ in candidate.holders[rank]), key=lambda p: (load.get(p, 0), p))
+    load[process] = load.get(process, 0) + 1
+    servers.append((rank, process, COPY))
+  return tuple(sorted(servers))
+
+
+def plan(reports: Sequence[HostReport], covers: Callable[[Candidate], bool], *,
+         requested_step: int | None = None, min_step: int | None = None,
+         excluded: Collection[tuple[int, int, int]] = ()) -> ElasticPlan | None:
+  """The newest save whose available folders cover every tile, and its servers.
+
+  Args:
+    reports: Per current process, its report.
+    covers: Whether a candidate's available ranks hold every tile of its layout (from the
+      layout: `covered`; in a live job, agreed among the processes that read the layout).
+    requested_step: Only this step, or None for the newest.
+    min_step: Only steps at or above it, or None.
+    excluded: (process, saved rank, step) folders that failed.
+
+  Returns:
+    The plan, or None when no save can be assembled.
+  """
+  for candidate in candidates(reports, requested_step=requested_step, min_step=min_step,
+                              excluded=excluded):
+    if covers(candidate):
+      return ElasticPlan(candidate.step, candidate.count, candidate.digest,
+                         choose_servers(candidate))
+  return None
+
+
+# ----------------------------------------------------------------------------- tiles
+
+
+def holder_sets(layouts: Iterable[Sequence[tuple[Box, Sequence[int]]]]) -> set[tuple[int, ...]]:
+  """The distinct sets of saved ranks holding a tile, over leaves' layouts.
+
+  A save is covered when every one of these sets meets the available ranks; there are far
+  fewer of them than tiles (typically one per replica group), so coverage is cheap to test.
+
+  Args:
+    layouts: Per leaf, its (tile, holder ranks) pairs.
+  """
+  return {tuple(sorted(holders)) for layout in layouts for _, holders in layout}
+
+
+def covered(sets: Iterable[Sequence[int]], available: Collection[int]) -> bool:
+  """Whether every holder set has an available rank."""
+  return all(any(rank in available for rank in holders) for holders in sets)
+
+
+def provider(holders: Sequence[int], receiver_ranks: Collection[int],
+             available: Collection[int], receiver: int) -> int | None:
+  """The saved rank whose folder gives a tile to `receiver`.
+
+  Args:
+    holders: The saved ranks holding the tile.
+    receiver_ranks: The saved ranks the receiver serves itself.
+    available: The saved ranks some process serves.
+    receiver: The receiving process (spreads receivers over a tile's replicas).
+
+  Returns:
+    None when the receiver serves a holder itself (no transfer); else the chosen rank.
+
+  Raises:
+    ValueError: no holder is available (the plan was not covered).
+  """
+  if any(rank in receiver_ranks for rank in holders):
+    return None
+  ready = sorted(rank for rank in holders if rank in available)
+  if not ready:
+    raise ValueError(f"no available saved rank holds a tile (holders {sorted(holders)})")
+  return ready[receiver % len(ready)]
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+  """The overlap of two boxes, or None."""
+  out = []
+  for (a0, a1), (b0, b1) in zip(a, b, strict=True):
+    lo, hi = max(a0, b0), min(a1, b1)
+    if lo >= hi:
+      return None
+    out.append((lo, hi))
+  return tuple(out)
+
+
+def volume(box: Box) -> int:
+  """Elements in a box."""
+  return math.prod(hi - lo for lo, hi in box)
+
+
+def pieces(target: Box, tiles: Sequence[Box]) -> list[tuple[int, Box]]:
+  """Which tiles give a target shard's bytes: (tile index, overlap), each element once.
+
+  Tiles of one leaf are the distinct shard indices of its saved sharding: disjoint, covering
+  the array. Identical tiles count once.
+
+  Args:
+    target: The target shard's global index.
+    tiles: The leaf's tiles.
+
+  Returns:
+    (index into `tiles`, the overlap's global box), in tile order.
+
+  Raises:
+    ValueError: the tiles overlap each other inside the target, or leave part of it uncovered.
+  """
+  out: list[tuple[int, Box]] = []
+  seen: set[Box] = set()
+  for i, tile in enumerate(tiles):
+    if tile in seen:
+      continue
+    seen.add(tile)
+    overlap = intersect(target, tile)
+    if overlap is not None:
+      out.append((i, overlap))
+  total = sum(volume(box) for _, box in out)
+  if total != volume(target):
+    raise ValueError(f"the saved tiles cover {total} of the {volume(target)} elements of "
+                     f"target shard {target}: they overlap or leave a gap")
+  for (_, a), (_, b) in _pairs(out):
+    if intersect(a, b) is not None:
+      raise ValueError(f"saved tiles overlap inside target shard {target}")
+  return out
+
+
+def _pairs(items: list) -> Iterable[tuple]:
+  for i, a in enumerate(items):
+    for b in items[i + 1:]:
+      yield a, b
+
+
+def relative(box: Box, origin: Box) -> tuple[slice, ...]:
+  """`box` as slices into an array whose global index is `origin`."""
+  return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin, strict=True))
