@@ -109,6 +109,22 @@ def target_boxes(key_dims: tuple[int, ...], shape: tuple[int, ...], sharding: An
 
 
 @dataclasses.dataclass(frozen=True)
+class ReportRecord:
+  """This node's elastic report, alone (the listing at start-up)."""
+
+  report: bytes = agreement.field(agreement.Blob(agreement.ELASTIC_REPORT_BYTES), b"")
+
+
+def decode_report(raw: bytes) -> HostReport:
+  """A gathered report; an unreadable one counts as holding nothing."""
+  try:
+    return HostReport.decode(raw)
+  except ValueError:
+    logging.warning("orbax-mtc: an unreadable elastic report was ignored")
+    return HostReport()
+
+
+@dataclasses.dataclass(frozen=True)
 class CoverRecord:
   """Per candidate (bit i), whether this process holds its layout and finds it covered."""
 
@@ -234,6 +250,31 @@ class ElasticRestore:
     if value is None or manifest.step != step:
       return None
     return FolderRef(step, manifest.process_count, manifest.process_index, value)
+
+  def safe_report(self) -> HostReport:
+    """`report`, or an empty one when this node's folders cannot be listed."""
+    try:
+      return self.report()
+    except Exception:  # noqa: BLE001 - an unreadable folder only loses the elastic choices
+      logging.exception("orbax-mtc: cannot list this node's folders for an elastic restore")
+      return HostReport()
+
+  def listable_steps(self) -> list[int]:
+    """Steps saved by a job of another process count that the cluster can rebuild here.
+
+    Collective (one all-gather, and one more only when such folders exist): what
+    `all_steps()` lists besides the steps of this job's own layout, so that
+    `restore(latest_step())` finds them as `restore(None)` does.
+    """
+    records = self._ledger.agree(ReportRecord(report=self.safe_report().encode()),
+                                 "listing RAM steps saved on another layout")
+    reports = [decode_report(r.report) for r in records]
+    foreign = [c for c in elastic_plan.candidates(reports)
+               if c.count != self.count][:_MAX_CANDIDATES]
+    if not foreign:
+      return []
+    covered = self._agree_coverage(foreign, set())
+    return sorted({c.step for c, ok in zip(foreign, covered, strict=True) if ok})
 
   # --------------------------------------------------------------------- restore
 

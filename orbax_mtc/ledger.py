@@ -90,6 +90,11 @@ class StepLedger:
     self.persistent = agreement.agreed_persistent_steps(inventories, self._persistent_steps())
     return nodes
 
+  def add_ram(self, steps: Sequence[int]) -> None:
+    """Lists RAM steps found outside the inventories (saved on another layout, rebuilt by
+    an elastic restore)."""
+    self.ram = tuple(sorted(set(self.ram) | {int(s) for s in steps}))
+
   def forget(self, step: int) -> None:
     """`step` was deleted from both tiers."""
     self.ram = tuple(s for s in self.ram if s != step)

@@ -127,6 +127,7 @@ class CheckpointManager(ocp.CheckpointManager):
     # One answer on every process from the start (rule 8): after a node loss the replaced
     # node's own folder is empty, but the cluster can still restore from twins and peers.
     self._ledger.agree_steps("starting the checkpoint manager")
+    self._tiers.list_elastic_steps()  # steps saved on another process count, rebuilt from RAM
 
   # ------------------------------------------------------------------ construction
 
@@ -369,6 +370,7 @@ class CheckpointManager(ocp.CheckpointManager):
     with self._persistent_view():
       super().reload()
     self._ledger.agree_steps("reload")
+    self._tiers.list_elastic_steps()
 
   @persistent_view_when_nested
   def delete(self, step: int):

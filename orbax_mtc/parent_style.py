@@ -197,6 +197,7 @@ class ParentStyleCheckpointManager(CheckpointManager):
       ocp.CheckpointManager.__init__(self, *parent_args)
     self._ready()
     self._ledger.agree_steps("starting the checkpoint manager")
+    self._tiers.list_elastic_steps()  # steps saved on another process count, rebuilt from RAM
 
   @property
   def options(self) -> ocp.CheckpointManagerOptions:

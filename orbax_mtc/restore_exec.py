@@ -48,14 +48,6 @@ class _Reshard(Exception):
   """Some process's target shards lie elsewhere than saved (agreed): restore elastically."""
 
 
-def _decode_report(raw: bytes) -> HostReport:
-  try:
-    return HostReport.decode(raw)
-  except ValueError:
-    logging.warning("orbax-mtc: an unreadable elastic report was ignored")
-    return HostReport()
-
-
 @dataclasses.dataclass(frozen=True)
 class Built:
   """One node's attempt to build the restore targets from one source."""
@@ -123,11 +115,7 @@ class RamRestore:
     # Copies still in flight would race with the folders this restore reads and rewrites.
     self._peers.progress(block=True)
     ledger = self._ledger
-    try:
-      report = self._elastic.report()
-    except Exception:  # noqa: BLE001 - an unreadable folder only loses the elastic choices
-      logging.exception("orbax-mtc: cannot list this node's folders for an elastic restore")
-      report = HostReport()
+    report = self._elastic.safe_report()
     records = ledger.agree(agreement.RestoreRecord(
         requested_step=-1 if step is None else int(step), fault=ledger.take_fault(),
         inventory=self._native(ledger.inventory(), report), elastic=report.encode()),
@@ -144,7 +132,7 @@ class RamRestore:
       logging.warning("orbax-mtc: process %d: an earlier local write failed (%s: %s); "
                       "restoring from what the cluster holds.", p, fault.kind, fault.message)
     ledger.forgive()
-    reports = [_decode_report(r.elastic) for r in records]
+    reports = [elastic_exec.decode_report(r.elastic) for r in records]
     inventories = ledger.adopt([r.inventory for r in records])
     groups = sets = None
     # Targets that take their shape from the checkpoint (SavedLeaf) cannot say which shards
@@ -219,6 +207,10 @@ class RamRestore:
     result = self._elastic.restore(step, targets, single, reports,
                                    persistent[-1] if persistent else None, finish)
     return RamRestoreResult(result.found, result.value, plan, tried or result.tried)
+
+  def elastic_steps(self) -> list[int]:
+    """Steps saved on another process count the cluster can rebuild (collective)."""
+    return self._elastic.listable_steps()
 
   def build(self, step: int, targets: dict[str, Any], single: bool | None,
             source: StepBytes | None = None,

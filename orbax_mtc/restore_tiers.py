@@ -154,6 +154,11 @@ class TieredRestore:
         s, tier, started, drop_newer=step is None))
     return result.found, result.value
 
+  def list_elastic_steps(self) -> None:
+    """Adds to the agreed RAM steps those saved on another process count that an elastic
+    restore can rebuild (collective)."""
+    self._ledger.add_ram(self._ram.elastic_steps())
+
   def _finish(self, step: int, tier: str, started: float, *, drop_newer: bool) -> None:
     # After restore(None), local steps newer than the agreed one exist on some nodes only and
     # belong to a timeline the job abandons: drop them so that they can neither be restored

@@ -16,7 +16,7 @@ import shutil
 
 import mp_helpers
 import pytest
-from mp_helpers import assert_ok, assert_results, new_root, tail
+from mp_helpers import assert_ok, assert_results, mp_events, new_root, tail
 
 from orbax_mtc.local.format import DATA, MANIFEST
 
@@ -155,3 +155,19 @@ def test_a_target_of_another_shape_is_an_error_everywhere_and_keeps_every_step(
   assert result.returncode != 0, tail(out)
   assert "AbstractStateMismatchError" in out.text() and "shape" in out.text(), tail(out)
   assert sorted(p.name for p in (root / "node0").iterdir()) == before
+
+
+def test_latest_step_lists_the_step_an_elastic_restore_rebuilds(saved, root, tmp_path):
+  """`restore(latest_step())`, Orbax's and MaxText's resume idiom, finds the same step as
+  `restore(None)`: two new hosts with empty RAM do not hide step 10 behind the persistent
+  step 0."""
+  persistent = _clone(saved((2, 1, 2)), root, tmp_path, 2)
+  result, out = _job(["steps", "--restore-steps", "latest", "--explicit-args",
+                      "--persistent-dir", str(persistent), "--replicas", "2", *SAVE_ARGS],
+                     4, 1, root)
+  assert_ok(result, out)
+  listed = mp_events.events(out.lines, "STEPS")
+  assert sorted(node for node, _ in listed) == [0, 1, 2, 3], tail(out)
+  for _, fields in listed:
+    assert fields["latest"] == "10" and fields["all"] == "0,8,10", fields
+  assert_results(out, 4, step=10, tier="elastic")

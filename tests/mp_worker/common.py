@@ -125,8 +125,9 @@ def restore_and_check(args, mgr, mesh) -> tuple[int | None, bool]:
   if args.expect_tier is not None and tier != args.expect_tier:
     expect_ok = False
   detail = "; ".join(problems)[:2000].replace("\n", " ") or "-"
+  seconds = f"{info.seconds:.6f}" if info is not None else "-"
   emit(f"RESULT process={jax.process_index()} step={step} tier={tier} ok={int(ok)} "
-       f"leaves={LEAVES} detail={detail}")
+       f"leaves={LEAVES} seconds={seconds} detail={detail}")
   return step, ok and expect_ok
 
 
