@@ -501,10 +501,17 @@ class ElasticRestore:
         layout, targets, single):
       tiles = leaf_tiles(rec, plan.count) or ()
       boxes = [index for index, _ in tiles]
+      wanted: dict[int, list[Box]] = {}  # process -> boxes of its new shards
+      if sharding is None:  # a host value: every process gets the whole array
+        wanted = {p: [box] for p in range(self.count)
+                  for _, box in target_boxes(key_dims, shape, None, None)}
+      else:
+        for device, box in target_boxes(key_dims, shape, sharding, None):
+          wanted.setdefault(device.process_index, []).append(box)
       for dest in range(self.count):
         if dest == me:
           continue
-        for _, box in target_boxes(key_dims, shape, sharding, dest):
+        for box in dict.fromkeys(wanted.get(dest, ())):
           for i, _ in elastic_plan.pieces(box, boxes):
             index, holders = tiles[i]
             rank = elastic_plan.provider(holders, served[dest], available, dest)

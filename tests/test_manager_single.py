@@ -282,6 +282,26 @@ def test_restart_restores_newest_local_step(open_manager, dirs, mesh):
   assert_trees_equal(restored.state, states[6])
 
 
+@pytest.mark.parametrize("shape,devices", [((4, 1), 4), ((1, 2), 2)],
+                         ids=["mesh-4x1", "two-devices"])
+def test_restart_on_another_mesh_rebuilds_the_ram_step(open_manager, dirs, mesh, shape, devices):
+  """Saved on a (data=2, model=2) mesh; restored on another mesh, or on half the devices: the
+  newest RAM step (not in the persistent tier) is rebuilt from RAM, bit for bit, and written
+  back in the new layout, where the next restart finds it as an ordinary RAM step."""
+  mgr = open_manager()
+  _save_range(mgr, mesh, range(0, 7))
+  mgr.close()
+  other = jax.make_mesh(shape, ("data", "model"), devices=jax.devices()[:devices])
+  want = make_state(other, 6)
+  for tier in ("elastic", "local"):
+    with mtc.CheckpointManager(dirs[0], dirs[1], other, abstract_of(want),
+                               options=_options()) as again:
+      assert again.latest_step() == 6
+      restored = again.restore(None)
+      assert (again.last_restore.step, again.last_restore.tier) == (6, tier)
+      assert_trees_equal(restored.state, want)
+
+
 @pytest.mark.parametrize("single", [False, True], ids=["composite", "single"])
 def test_restart_without_local_restores_persistent(open_manager, dirs, mesh, single):
   mgr = open_manager()
