@@ -32,8 +32,9 @@ class RestoreInfo:
   """Where the last `restore` came from (for logs, the demo and `status`)."""
 
   step: int | None
-  # "local" (own folder), "peer" (a twin or a peer's copy), "replicator" (managed mode's
-  # entry), "persistent" or "none"
+  # "local" (own folder), "peer" (a twin or a peer's copy), "elastic" (rebuilt on another
+  # mesh or process count, docs/elastic.md), "replicator" (managed mode's entry),
+  # "persistent" or "none"
   tier: str
   seconds: float
 
