@@ -19,6 +19,8 @@ import pytest
 from mp_helpers import assert_ok, assert_results, mp_events, new_root, tail
 
 from orbax_mtc.local.format import DATA, MANIFEST
+from orbax_mtc.local.store import read_manifest
+from orbax_mtc.peers import store as peer_store
 
 pytestmark = pytest.mark.timeout(400)
 TIMEOUT_S = 150
@@ -105,10 +107,18 @@ def _restore(case: str, saved, root, tmp_path, *, corrupt=None, expect_step=10):
 
 
 def _new_layout_step(root: pathlib.Path, procs: int, step: int) -> None:
-  """Every node holds `step` in its own folder, saved by this job's layout."""
+  """Every node holds `step` in its own folder, saved by this job's layout, and a peer holds
+  a committed copy of it (the node is protected again)."""
+  copies: dict[int, list[int]] = {}
   for node in range(procs):
     manifest = json.loads((root / f"node{node}" / str(step) / MANIFEST).read_text())
     assert (manifest["process_count"], manifest["process_index"]) == (procs, node)
+    store = peer_store.PeerStore(root / f"node{node}", max_to_keep=None)
+    for source, copied in store.copies():
+      folder = store.source_dir(source) / str(copied)
+      if copied == step and read_manifest(folder).process_count == procs:
+        copies.setdefault(source, []).append(node)
+  assert sorted(copies) == list(range(procs)), copies
 
 
 @pytest.mark.parametrize("case", list(CASES))
