@@ -500,7 +500,7 @@ class ElasticRestore:
     for item_name, path, rec, _, shape, sharding, key_dims in self._target_leaves(
         layout, targets, single):
       tiles = leaf_tiles(rec, plan.count) or ()
-      boxes = [index for index, _ in tiles]
+      boxes = elastic_plan.TileIndex(index for index, _ in tiles)  # many targets
       wanted: dict[int, list[Box]] = {}  # process -> boxes of its new shards
       if sharding is None:  # a host value: every process gets the whole array
         wanted = {p: [box] for p in range(self.count)

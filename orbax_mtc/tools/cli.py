@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
   )
   verbs.add_parser(
       "bench", add_help=False,
-      help="benchmarks: suite, goodput, ondemand (orbax-mtc bench --help)")
+      help="benchmarks: suite, goodput, ondemand, elastic-scale (orbax-mtc bench --help)")
   verbs.add_parser(
       "gc", add_help=False,
       help="apply a retention policy to a persistent directory (orbax-mtc gc --help)")
@@ -110,6 +110,7 @@ _BENCHMARKS = {
     "suite": "orbax-mtc beside the machine's limits and Orbax, every size and process count",
     "goodput": "one training job under seeded failures: orbax-mtc vs plain Orbax",
     "ondemand": "time from SIGTERM to a durable on-demand checkpoint",
+    "elastic-scale": "elastic restore planning against host count (1k to 100k hosts)",
 }
 
 
@@ -130,6 +131,8 @@ def _bench(argv: list[str]) -> int:
     from orbax_mtc.tools.bench import suite as module
   elif argv[0] == "goodput":
     from orbax_mtc.tools.bench import goodput as module
+  elif argv[0] == "elastic-scale":
+    from orbax_mtc.tools.bench import elastic_scale as module
   else:
     from orbax_mtc.tools.bench import ondemand as module
   return int(module.main(argv[1:]) or 0)

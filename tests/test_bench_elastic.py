@@ -1,0 +1,72 @@
+"""`orbax-mtc bench elastic-scale`: the simulated inventory plans the newest step, and a small
+run through the real command writes its table, JSON and plot. Nothing here asserts a speed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from orbax_mtc import agreement, elastic_plan
+from orbax_mtc.tools.bench import elastic_scale
+
+
+def test_the_simulated_layout_is_one_saved_sharding_per_kind():
+  hosts = 8
+  layouts = elastic_scale._layouts(hosts)
+  fsdp = hosts * elastic_scale.DEVICES_PER_HOST // elastic_scale.REPLICAS
+  for layout in layouts:
+    index = elastic_plan.TileIndex(box for box, _ in layout.tiles)
+    whole = tuple((0, n) for n in layout.shape)
+    # The tiles cover the array exactly once, and every tile has one holder per replica
+    # (a replicated leaf: every host).
+    assert sum(elastic_plan.volume(box) for _, box in elastic_plan.pieces(whole, index)) == \
+        elastic_plan.volume(whole)
+    for _, holders in layout.tiles:
+      assert list(holders) == sorted(set(holders))
+      assert len(holders) == (hosts if layout.sharded_dim is None else elastic_scale.REPLICAS)
+    # The survivors' new cuts cover the array exactly once too.
+    if layout.sharded_dim is not None:
+      cuts = [layout.targets(fsdp - 4, p) for p in range(fsdp - 4)]
+      assert sum(elastic_plan.volume(b) for b in cuts) == elastic_plan.volume(whole)
+
+
+@pytest.mark.parametrize("hosts", [4, 40, 200])
+def test_measure_plans_the_newest_step_from_own_folders_and_copies(hosts):
+  row = elastic_scale.measure(hosts, leaves=40, reps=1, seed=3)
+  assert row["survivors"] == hosts - row["lost"] and row["lost"] == max(1, hosts // 100)
+  # Every saved rank is served: the lost hosts' folders from their successors' peer copies
+  # (unless the successor was lost too, which one lost host in 200 cannot be).
+  assert row["servers"] == hosts and row["copies_serving"] == row["lost"]
+  assert row["report_bytes_max"] <= agreement.ELASTIC_REPORT_BYTES
+  assert row["pieces_per_process"] >= 40
+
+
+def test_measure_refuses_an_odd_host_count():
+  with pytest.raises(ValueError, match="even"):
+    elastic_scale.measure(7, leaves=4, reps=1)
+
+
+def test_the_command_writes_its_table_json_and_plot(tmp_path):
+  out = tmp_path / "out"
+  result = subprocess.run(
+      [sys.executable, "-m", "orbax_mtc", "bench", "elastic-scale", "--hosts", "8", "64",
+       "--leaves", "30", "--reps", "2", "--out", str(out)],
+      capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr
+  table = (out / "elastic-scale.md").read_text()
+  assert "| 8 | 1 |" in table and "| 64 | 1 |" in table
+  document = json.loads((out / "elastic-scale.json").read_text())
+  assert [r["hosts"] for r in document["rows"]] == [8, 64]
+  assert all(len(r["plan_s_all"]) == 2 for r in document["rows"])
+  png = out / "elastic-scale.png"
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_command_refuses_bad_arguments():
+  result = subprocess.run(
+      [sys.executable, "-m", "orbax_mtc", "bench", "elastic-scale", "--hosts", "7"],
+      capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode != 0 and "even" in result.stderr
