@@ -8,6 +8,9 @@ Public API::
   # Orbax's replicator manager (GKE multi-tier checkpointing), Orbax's signature:
   mgr = mtc.ReplicatorCheckpointManager(
       local_directory, options=mtc.ReplicatorCheckpointManagerOptions(...), global_mesh=mesh)
+  # Per-process items (a data iterator's position) beside the arrays, in every tier:
+  mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                         iter=mtc.ProcessJsonSave(position)))
 """
 
 from orbax_mtc import distributed
@@ -35,6 +38,7 @@ from orbax_mtc.options import (
     PersistentCheckpointOptions,
     ReplicationOptions,
 )
+from orbax_mtc.process_state import ProcessJsonHandler, ProcessJsonRestore, ProcessJsonSave
 
 __version__ = "0.1.0"
 
@@ -56,6 +60,9 @@ __all__ = [
     "MultiprocessingOptions",
     "OnDemandSave",
     "PersistentCheckpointOptions",
+    "ProcessJsonHandler",
+    "ProcessJsonRestore",
+    "ProcessJsonSave",
     "ReplicationOptions",
     "ReplicatorCheckpointManager",
     "ReplicatorCheckpointManagerOptions",

@@ -26,6 +26,7 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
+from orbax_mtc import process_state
 from orbax_mtc.agreement import Status
 
 _DEFAULT_ITEM = "default"
@@ -150,6 +151,16 @@ def templates(args: Any) -> tuple[dict[str, Any], bool]:
   return {_DEFAULT_ITEM: _template(args)}, True
 
 
+def process_targets(item_templates: Mapping[str, Any]) -> dict[str, Any]:
+  """Read-back targets of the per-process items: their saved bytes, as they are."""
+  out = {}
+  for name, template in item_templates.items():
+    fmt = process_state.save_format(template)
+    if fmt is not None:
+      out[name] = process_state.ProcessTarget(fmt, raw=True)
+  return out
+
+
 def _template(item: Any) -> Any:
   if isinstance(item, ocp.args.JsonSave):
     return item  # small: kept whole
@@ -181,7 +192,8 @@ def backup_args(item_templates: Mapping[str, Any], single: bool,
   Args:
     item_templates: What `templates` returned for the original save.
     single: Whether it was a single-item save.
-    values: Item name -> the value to save (not needed for `JsonSave` items).
+    values: Item name -> the value to save (not needed for `JsonSave` items; a per-process
+      item's saved bytes).
 
   Returns:
     The single item's args, or an `ocp.args.Composite` of every item.
@@ -190,6 +202,9 @@ def backup_args(item_templates: Mapping[str, Any], single: bool,
     template = item_templates[name]
     if isinstance(template, ocp.args.JsonSave):
       return template
+    fmt = process_state.save_format(template)
+    if fmt is not None:  # the state as the RAM step holds it, not the live iterator's
+      return process_state.backup_args(fmt, values[name])
     return dataclasses.replace(template, item=values[name])
 
   if single:

@@ -100,6 +100,7 @@ class BackupScheduler:
     templates, single = backup.templates(args)
     targets = backup.host_targets(trees)
     targets.update({name: None for name in jsons})
+    targets.update(backup.process_targets(templates))
     pending = backup.PendingBackup(
         step=step, templates=templates, single=single, targets=targets,
         memory_kind=backup.host_memory_kind(trees), metrics=metrics,

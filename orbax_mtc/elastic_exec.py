@@ -72,6 +72,8 @@ def digest(manifest: StepManifest) -> int | None:
   for name in sorted(manifest.items):
     item = manifest.items[name]
     parts.append([name, item.kind])
+    if item.kind == "process":
+      continue  # each rank's own value: its size differs between ranks of one save
     for leaf in item.leaves:
       tiles = leaf_tiles(leaf, manifest.process_count)
       if tiles is None:
@@ -85,6 +87,8 @@ def holder_sets(manifest: StepManifest) -> set[tuple[int, ...]]:
   """The distinct holder sets of a step's tiles (see `elastic_plan.holder_sets`)."""
   layouts = []
   for item in manifest.items.values():
+    if item.kind == "process":
+      continue  # held by its rank alone, and never rebuilt on another layout
     for leaf in item.leaves:
       tiles = leaf_tiles(leaf, manifest.process_count)
       if tiles is not None:
@@ -302,6 +306,7 @@ class ElasticRestore:
       tried = True
       plan = elastic_plan.ElasticPlan(chosen.step, chosen.count, chosen.digest,
                                       elastic_plan.choose_servers(chosen))
+      _refuse_process_items(targets, plan, self.count)  # the same answer on every process
       value, bad = self._execute(plan, chosen, targets, single)
       if bad:
         excluded |= bad
@@ -637,6 +642,22 @@ class ElasticRestore:
     self._writer.write(staged, background=True)
     if self._peers.topology is not None:
       self._peers.schedule(step, pytree_items)
+
+
+def _refuse_process_items(targets: dict[str, Any], plan: elastic_plan.ElasticPlan,
+                         count: int) -> None:
+  """Per-process state (a data iterator's position) belongs to the process that saved it:
+  an elastic restore has no such state for the new layout's processes."""
+  names = sorted(item_args.process_targets(targets))
+  if not names:
+    return
+  saved = f"{plan.count} processes" if plan.count != count else "another mesh"
+  raise local_format.AbstractStateMismatchError(
+      f"Step {plan.step} can only be restored here by rebuilding it from RAM on a new layout "
+      f"(saved by {saved}; this job has {count} processes), and item(s) {names} hold "
+      "per-process state (a data iterator's position), which belongs to the process that saved "
+      "it. Restore without these items (leave them out of the restore args) and position the "
+      f"iterators yourself, or restart with the layout that saved step {plan.step}.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 A save is `args=ocp.args.Composite(name=PyTreeSave(tree), other=JsonSave(obj))` or a single
 `PyTreeSave`/`StandardSave`, which Orbax stores as its default item. The RAM tier holds pytree
-items (arrays, numpy, scalars) and JSON items; restore targets name each item's abstract tree
-(or None for JSON).
+items (arrays, numpy, scalars), JSON items and per-process items (`process_state`: a data
+iterator's position); restore targets name each item's abstract tree (None for JSON, a
+`ProcessTarget` for a per-process item).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from orbax_mtc import process_state
 
 PYTREE_SAVE = (ocp.args.PyTreeSave, ocp.args.StandardSave)
 PYTREE_RESTORE = (ocp.args.PyTreeRestore, ocp.args.StandardRestore)
@@ -24,34 +27,46 @@ def named_items(args: Any) -> dict[str, Any]:
   return dict(args.items()) if isinstance(args, ocp.args.Composite) else {DEFAULT_ITEM: args}
 
 
-def split_save_args(args: Any) -> tuple[dict[str, Any], dict[str, Any], bool]:
+def split_save_args(args: Any
+                    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, tuple[str, bytes]], bool]:
   """Splits Orbax save args into what the RAM tier writes.
 
+  A per-process item's state is taken now, when `save` is called (a data iterator moves on
+  as soon as it returns).
+
   Args:
-    args: `ocp.args.Composite` of PyTreeSave/StandardSave/JsonSave items, or one
-      PyTreeSave/StandardSave.
+    args: `ocp.args.Composite` of PyTreeSave/StandardSave/JsonSave items and per-process
+      items (ProcessJsonSave, Grain's CheckpointSave), or one PyTreeSave/StandardSave.
 
   Returns:
-    (pytree items, JSON items, whether it was a single default item).
+    (pytree items, JSON items, per-process items as (format, this process's bytes), whether
+    it was a single default item).
 
   Raises:
     TypeError: an item kind the RAM tier cannot hold, or args of another kind.
   """
   if isinstance(args, PYTREE_SAVE):
-    return {DEFAULT_ITEM: args.item}, {}, True
+    return {DEFAULT_ITEM: args.item}, {}, {}, True
   if isinstance(args, ocp.args.Composite):
-    trees, jsons = {}, {}
+    trees, jsons, processes = {}, {}, {}
     for name, item in args.items():
+      fmt = process_state.save_format(item)
       if isinstance(item, PYTREE_SAVE):
         trees[name] = item.item
       elif isinstance(item, ocp.args.JsonSave):
         jsons[name] = item.item
+      elif fmt is not None:
+        try:
+          processes[name] = (fmt, process_state.encode(fmt, item.item))
+        except TypeError as e:
+          raise TypeError(f"Item {name!r}: {e}") from e
       else:
         raise TypeError(
             f"Item {name!r}: {type(item).__name__} cannot be saved to the RAM tier, which "
-            "holds PyTreeSave/StandardSave and JsonSave items. Save it with a plain "
-            "ocp.CheckpointManager, or convert it to a pytree of arrays.")
-    return trees, jsons, False
+            "holds PyTreeSave/StandardSave, JsonSave and per-process items (ProcessJsonSave, "
+            "Grain's CheckpointSave). Save it with a plain ocp.CheckpointManager, or convert "
+            "it to a pytree of arrays.")
+    return trees, jsons, processes, False
   raise TypeError(
       f"save() needs args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)) or "
       f"ocp.args.PyTreeSave(state) / StandardSave(state); got {type(args).__name__}.")
@@ -65,7 +80,8 @@ def restore_targets(args: Any, abstract_state: Any) -> tuple[dict[str, Any], boo
     abstract_state: the manager's abstract state (may be None).
 
   Returns:
-    (item name -> target pytree, or None for a JSON item; True for a single-item restore,
+    (item name -> target pytree, None for a JSON item or a `process_state.ProcessTarget`
+    for a per-process item; True for a single-item restore,
     False for Composite, None when args were omitted and the saved layout decides).
 
   Raises:
@@ -85,9 +101,16 @@ def restore_targets(args: Any, abstract_state: Any) -> tuple[dict[str, Any], boo
         targets[name] = item.item if item.item is not None else abstract_state
       elif isinstance(item, ocp.args.JsonRestore):
         targets[name] = None
+      elif (fmt := process_state.restore_format(item)) is not None:
+        if fmt == process_state.GRAIN and item.item is None:
+          raise ValueError(f"Item {name!r}: Grain's CheckpointRestore needs the iterator to "
+                           "restore into: CheckpointRestore(iterator).")
+        targets[name] = process_state.ProcessTarget(
+            fmt, item.item if fmt == process_state.GRAIN else None)
       else:
         raise TypeError(f"Item {name!r}: {type(item).__name__} is not supported by the "
-                        "RAM tier restore (PyTreeRestore/StandardRestore/JsonRestore).")
+                        "RAM tier restore (PyTreeRestore/StandardRestore/JsonRestore, "
+                        "ProcessJsonRestore, Grain's CheckpointRestore).")
       if targets[name] is None and not isinstance(item, ocp.args.JsonRestore):
         raise ValueError(f"Item {name!r}: give PyTreeRestore(item=abstract_tree) or an "
                          "abstract_state to the manager.")
@@ -101,6 +124,12 @@ def as_saved(targets: dict[str, Any], default_item: bool) -> dict[str, Any]:
   if default_item and STATE_ITEM in targets and len(targets) == 1:
     return {DEFAULT_ITEM: targets[STATE_ITEM]}
   return targets
+
+
+def process_targets(targets: dict[str, Any]) -> dict[str, process_state.ProcessTarget]:
+  """The per-process items among restore targets."""
+  return {name: t for name, t in targets.items()
+          if isinstance(t, process_state.ProcessTarget)}
 
 
 def is_array_target(leaf: Any) -> bool:

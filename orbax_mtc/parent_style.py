@@ -258,7 +258,7 @@ class ParentStyleCheckpointManager(CheckpointManager):
       return parent_saved
     try:
       check_ram_savable(args)
-      trees, _, _ = item_args.split_save_args(args)
+      trees = item_args.split_save_args(args)[0]
     except TypeError as e:
       self._warn_once("ram-args", "orbax-mtc: the RAM tier keeps PyTreeSave/StandardSave/JsonSave "
                       "items only; step %d and others like it go to %s alone (%s).", step,

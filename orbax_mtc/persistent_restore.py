@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_mtc import item_args
+from orbax_mtc import item_args, process_state
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import specs as local_specs
 from orbax_mtc.persistent import PersistentTier
@@ -43,12 +43,16 @@ def restore(persistent: PersistentTier, step: int, targets: dict[str, Any],
     single = saved_items == [item_args.DEFAULT_ITEM]
     targets = item_args.as_saved(targets, single)
   for name, target in targets.items():
-    if target is not None:
+    if isinstance(target, process_state.ProcessTarget):
+      check_process_item(step_dir / name, name)
+    elif target is not None:
       check_item(step_dir / name, name, target)
 
   def restore_arg(target):
     if target is None:
       return ocp.args.JsonRestore()
+    if isinstance(target, process_state.ProcessTarget):
+      return process_state.restore_args(target)
     return ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
 
@@ -56,6 +60,19 @@ def restore(persistent: PersistentTier, step: int, targets: dict[str, Any],
     return persistent.call("restore", step, args=restore_arg(targets[item_args.DEFAULT_ITEM]))
   return persistent.call("restore", step, args=ocp.args.Composite(
       **{name: restore_arg(t) for name, t in targets.items()}))
+
+
+def check_process_item(item_dir: epath.Path, name: str) -> None:
+  """Raises a clear error when this process's file of a per-process item is missing (saved
+  by another process count), before Orbax's handler would fail on one process only.
+
+  Raises:
+    local_format.AbstractStateMismatchError: the file is not there.
+  """
+  index, count = jax.process_index(), jax.process_count()
+  if not (item_dir / process_state.file_name(index, count)).exists():
+    raise local_format.AbstractStateMismatchError(
+        f"Item {name!r}: " + process_state.missing_message(item_dir, index, count))
 
 
 def check_item(item_dir: epath.Path, name: str, target: Any) -> None:

@@ -72,7 +72,7 @@ class RamSaver:
       ocp.checkpoint_manager.StepAlreadyExistsError: the step is in a tier already.
       agreement.CheckpointError: an earlier local write failed on some process.
     """
-    trees, jsons, default_item = item_args.split_save_args(args)
+    trees, jsons, processes, default_item = item_args.split_save_args(args)
     self._writer.wait()  # one write in flight (as Orbax): steps commit in order
     # The previous step's copies must be out before retention may retire its folder.
     self._peers.progress(block=True)
@@ -143,7 +143,8 @@ class RamSaver:
     if not backup_wanted:
       backup_wanted = self._backups.interval_due(step, now, saving_anywhere)
     started = time.perf_counter()
-    staged = local_staging.stage(step, trees, jsons, default_item=default_item)
+    staged = local_staging.stage(step, trees, jsons, default_item=default_item,
+                                 process_items=processes)
     self.last_blocking_seconds = time.perf_counter() - started
     self._writer.write(staged)
     if backup_wanted:

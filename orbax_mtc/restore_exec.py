@@ -141,7 +141,10 @@ class RamRestore:
         isinstance(leaf, local_read.SavedLeaf)
         for tree in targets.values() for leaf in jax.tree_util.tree_leaves(tree)):
       sets = self._peers.shard_sets(targets)
-      groups = replication.shard_groups(sets)
+      # A twin holds the same shards but not the same per-process state (a data iterator's
+      # position): with such an item, a node's step comes from its own folder or a copy of it.
+      if not item_args.process_targets(targets):
+        groups = replication.shard_groups(sets)
     excluded: set[tuple[int, int, int]] = set()
     failed_steps: set[int] = set()
     while True:

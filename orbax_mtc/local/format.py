@@ -117,7 +117,9 @@ class LeafRecord:
 class ItemRecord:
   """One item of a step: a pytree of leaves, or a JSON value."""
 
-  kind: str  # "pytree" or "json"
+  # "pytree"; "json"; "process": one value per process (`process_state`), its bytes one
+  # checksummed host leaf (path "", uint8) and `value` {"format": "json" or "grain"}
+  kind: str
   leaves: tuple[LeafRecord, ...] = ()
   value: Any = None  # the JSON value of a "json" item
 
@@ -299,8 +301,8 @@ class _ManifestParser:
     if not isinstance(it, dict):
       raise self.fail(what, it, "an object")
     kind = self.field(it, "kind", what)
-    if kind not in ("pytree", "json"):
-      raise self.fail(f"{what} 'kind'", kind, "'pytree' or 'json'")
+    if kind not in ("pytree", "json", "process"):
+      raise self.fail(f"{what} 'kind'", kind, "'pytree', 'json' or 'process'")
     leaves_raw = self.sequence(self.field(it, "leaves", what), f"{what} 'leaves'")
     if kind == "json" and leaves_raw:
       raise self.fail(f"{what} 'leaves'", leaves_raw, "no leaves in a JSON item")
@@ -308,7 +310,14 @@ class _ManifestParser:
     paths = [leaf.path for leaf in leaves]
     if len(set(paths)) != len(paths):
       raise ManifestError(f"{self.where}: {what} lists a leaf path twice")
-    return ItemRecord(kind=kind, leaves=leaves, value=it.get("value"))
+    value = it.get("value")
+    if kind == "process":
+      if len(leaves) != 1 or leaves[0].kind != "host" or leaves[0].dtype != "uint8" \
+          or len(leaves[0].shape) != 1:
+        raise self.fail(f"{what} 'leaves'", leaves_raw, "one host leaf of uint8 bytes")
+      if not isinstance(value, dict) or value.get("format") not in ("json", "grain"):
+        raise self.fail(f"{what} 'value'", value, '{"format": "json"} or {"format": "grain"}')
+    return ItemRecord(kind=kind, leaves=leaves, value=value)
 
   def leaf(self, item: str, i: int, d: Any, data_size: int) -> LeafRecord:
     what = f"{item} leaf {i}"

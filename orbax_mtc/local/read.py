@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from orbax_mtc import process_state
 from orbax_mtc.local import checksum
 from orbax_mtc.local.format import (
     ALIGN,
@@ -29,6 +30,7 @@ from orbax_mtc.local.format import (
     AbstractStateMismatchError,
     CorruptStepError,
     Index,
+    ItemRecord,
     LeafRecord,
     LocalTierError,
     ShardRecord,
@@ -303,6 +305,12 @@ def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[s
       raise AbstractStateMismatchError(
           f"Item {item_name!r} is not in local step {manifest.step} (it holds "
           f"{sorted(manifest.items)}).")
+    if isinstance(target, process_state.ProcessTarget) or record.kind == "process":
+      shard = _process_shard(item_name, record, target, manifest.step)
+      slot = [None]
+      jobs.append((slot, shard, np.dtype(np.uint8), f"{where_prefix}: item {item_name}"))
+      plans[item_name] = ("process", target, slot)
+      continue
     if record.kind == "json":
       plans[item_name] = ("json", record.value)
       continue
@@ -361,6 +369,9 @@ def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[s
     if plan[0] == "json":
       restored[item_name] = plan[1]
       continue
+    if plan[0] == "process":
+      restored[item_name] = process_state.decode(plan[1], plan[2][0])
+      continue
     _, treedef, leaf_plans = plan
     leaves = []
     for leaf_plan in leaf_plans:
@@ -388,6 +399,26 @@ def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[s
         leaves.append(jax.make_array_from_single_device_arrays(shape, sharding, arrays))
     restored[item_name] = jax.tree_util.tree_unflatten(treedef, leaves)
   return restored
+
+
+def _process_shard(item_name: str, record: ItemRecord, target: Any, step: int) -> ShardRecord:
+  """The one shard of a per-process item, once the target asks for what was saved."""
+  asked = target.format if isinstance(target, process_state.ProcessTarget) else None
+  saved = record.value.get("format") if record.kind == "process" else None
+  if asked is None:
+    raise AbstractStateMismatchError(
+        f"Item {item_name!r} of step {step} holds per-process state ({saved}): restore it with "
+        f"{_RESTORE_ARGS[saved]}, or leave it out of the restore args.")
+  if saved != asked:
+    what = f"per-process state ({saved})" if saved else f"a {record.kind} item"
+    raise AbstractStateMismatchError(
+        f"Item {item_name!r} of step {step} holds {what}, but the restore asks for "
+        f"{_RESTORE_ARGS[asked]}. Restore it with the args its kind needs.")
+  return record.leaves[0].shards[0]
+
+
+_RESTORE_ARGS = {process_state.JSON: "orbax_mtc.ProcessJsonRestore()",
+                 process_state.GRAIN: "grain.checkpoint.CheckpointRestore(iterator)"}
 
 
 def manifest_entries(manifest: StepManifest) -> list[tuple[str, LeafRecord, ShardRecord]]:

@@ -196,6 +196,9 @@ def item_metadata(manifest: StepManifest) -> Any:
     if item.kind == "json":
       result[name] = item.value
       continue
+    if item.kind == "process":  # as Orbax's metadata of Grain's items: none
+      result[name] = None
+      continue
     root: Any = None
     for leaf in item.leaves:
       try:

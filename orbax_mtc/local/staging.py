@@ -123,7 +123,8 @@ def _host_value(path: str, leaf: Any) -> tuple[np.ndarray, str | None]:
 
 
 def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any], *,
-          default_item: bool) -> StagedStep:
+          default_item: bool,
+          process_items: dict[str, tuple[str, bytes]] | None = None) -> StagedStep:
   """This node's unique shards in host memory (the blocking part of a save).
 
   A jax array's shard is its host value: on accelerators a device-to-host copy; on CPU a
@@ -139,6 +140,8 @@ def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any], *
     pytree_items: item name -> pytree of jax arrays, numpy arrays and Python scalars.
     json_items: item name -> JSON-serialisable value.
     default_item: whether the step was saved from a single (non-Composite) argument.
+    process_items: item name -> (format, this process's bytes) of per-process items
+      (`process_state`): one checksummed entry each, like a host leaf.
 
   Returns:
     The staged step, its shards' checksums still 0 (the writer computes them).
@@ -194,6 +197,14 @@ def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any], *
     except TypeError as e:
       raise TypeError(f"Item {item_name!r} is not JSON-serialisable: {e}") from e
     items[item_name] = ItemRecord(kind="json", value=value)
+  for item_name, (fmt, data) in (process_items or {}).items():
+    host = np.frombuffer(data, dtype=np.uint8)
+    index = ((0, host.size),)
+    pending.append(_PendingShard(host, offset, host.size, index, host.dtype, host.shape))
+    leaf = LeafRecord(path="", kind="host", shape=host.shape, dtype="uint8", shards=(
+        ShardRecord(index=index, offset=offset, nbytes=host.size, crc32c=0),))
+    items[item_name] = ItemRecord(kind="process", leaves=(leaf,), value={"format": fmt})
+    offset += align(host.size)
 
   # Start every device->host transfer before waiting on any (no-op on CPU).
   for p in pending:

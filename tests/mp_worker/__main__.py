@@ -16,6 +16,10 @@ Sub-commands:
                  step, the parent-style form with a RAM tier (`save_restore`).
   plain-restore  one process, no jax.distributed: read the persistent tier with a plain
                  `ocp.CheckpointManager` (numpy and single-device targets) and compare.
+  iterate, plain-iterate
+                 training on real Grain data: the data iterator's position and a per-process
+                 JSON item saved beside the state, restored with it (`iterators`); the
+                 persistent step read back by a plain `ocp.CheckpointManager`.
   transport, managed-init
                  the chunked streams between processes, the GKE-style start (`plain`).
   fault, mismatch, outage
@@ -44,7 +48,7 @@ if not __package__:  # run as `python tests/mp_worker`: import the package from 
   sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _here]
   sys.path.insert(0, str(_here.parent))
 
-from mp_worker import common, faults, plain, preempt, save_restore  # noqa: E402
+from mp_worker import common, faults, iterators, plain, preempt, save_restore  # noqa: E402
 from mp_worker.hooks import FAULT_PHASES  # noqa: E402
 
 
@@ -168,6 +172,19 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--control", required=True, help="file holding the phase the test sets")
   p.add_argument("--max-steps", type=int, default=20_000)
   p.set_defaults(fn=faults.cmd_outage)
+
+  p = _common(sub.add_parser("iterate"))
+  p.add_argument("--steps", type=int, required=True, help="train steps up to this one")
+  p.add_argument("--hold-at", type=int, default=None,
+                 help="after saving this step, wait until it is committed; CHECKPOINTED")
+  p.add_argument("--ready-at", type=int, default=None, help="print READY after this step")
+  p.add_argument("--preempt", action="store_true",
+                 help="exit_after_ondemand_checkpoint=True, reached_preemption each step")
+  p.set_defaults(fn=iterators.cmd_iterate)
+
+  p = _common(sub.add_parser("plain-iterate"))
+  p.add_argument("--step", type=int, required=True)
+  p.set_defaults(fn=iterators.cmd_plain_iterate)
 
   p = _common(sub.add_parser("preempt"))
   p.add_argument("--stride", type=int, default=1, help="steps 0, K, 2K, ... after the restore")
