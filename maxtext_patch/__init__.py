@@ -9,7 +9,9 @@
 (RAM tier, peer copies, persistent backups), with `enable_multi_tier_checkpointing=true` a
 managed one (GKE's replicator). MaxText's own save and restore functions then drive it as
 they drive Orbax's emergency managers (MaxText >= 0.2.4; older ones get
-`maxtext_patch.checkpointing`'s). Other configs keep MaxText's own checkpointing.
+`maxtext_patch.checkpointing`'s). With `dataset_type=grain` each process's data iterator
+position is saved and restored with the state, as item `iter` (MaxText's name for it), in every
+tier. Other configs keep MaxText's own checkpointing.
 """
 
 from __future__ import annotations
@@ -109,6 +111,56 @@ def _dispatching(original: Callable[..., Any], ours: Callable[..., Any],
     if checkpointing.is_multi_tier(bound.arguments.get(manager_arg)):
       return ours(**{k: v for k, v in bound.arguments.items() if k in accepted})
     return original(*args, **kwargs)
+
+  setattr(wrapper, _PATCHED, True)
+  return wrapper
+
+
+def _carrying_iterator(original: Callable[..., Any],
+                       iterator_of: Callable[[dict[str, Any]], Any]) -> Callable[..., Any]:
+  """`original` (MaxText's save_checkpoint or load_state_if_possible) with, for an orbax-mtc
+  manager, the grain iterator `iterator_of(arguments)` carried to MaxText's emergency module
+  (see `_emergency_with_iterator`), which MaxText calls without it."""
+  signature = inspect.signature(original)
+
+  @functools.wraps(original)
+  def wrapper(*args: Any, **kwargs: Any) -> Any:
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    if not checkpointing.is_multi_tier(bound.arguments.get("checkpoint_manager")):
+      return original(*args, **kwargs)
+    with checkpointing.carrying_iterator(iterator_of(bound.arguments)):
+      return original(*args, **kwargs)
+
+  setattr(wrapper, _PATCHED, True)
+  return wrapper
+
+
+def _saved_iterator(arguments: dict[str, Any]) -> Any:
+  """The iterator MaxText's `save_checkpoint(checkpoint_manager, step, state, config,
+  data_iterator, force)` saves with the step (its config's dataset_type), or None."""
+  config = arguments.get("config")
+  if config is None:
+    return None
+  return checkpointing.checkpointed_iterator(
+      mtc_config.value_of(config, "dataset_type"), arguments.get("data_iterator"),
+      mtc_config.value_of(config, "expansion_factor_real_data"))
+
+
+def _restored_iterator(arguments: dict[str, Any]) -> Any:
+  """The iterator MaxText's `load_state_if_possible(...)` restores, or None."""
+  return checkpointing.checkpointed_iterator(
+      arguments.get("dataset_type"), arguments.get("data_iterator"),
+      arguments.get("expansion_factor_real_data", -1))
+
+
+def _emergency_with_iterator(original: Callable[..., Any]) -> Callable[..., Any]:
+  """MaxText's emergency `save(checkpoint_manager, ...)` / `restore(checkpoint_manager, ...)`
+  with the carried grain iterator added to the manager's Composite as item `iter`."""
+
+  @functools.wraps(original)
+  def wrapper(checkpoint_manager: Any, *args: Any, **kwargs: Any) -> Any:
+    return original(checkpointing.with_carried_iterator(checkpoint_manager), *args, **kwargs)
 
   setattr(wrapper, _PATCHED, True)
   return wrapper
@@ -239,7 +291,8 @@ def install(*, check_version: bool = True, **mtc_keys: Any) -> str | None:
   checkpointing.set_extra_keys(keys)
   # MaxText >= 0.2.4 saves and restores through its emergency module for any manager that is
   # an Orbax emergency manager (ours is registered as one below): its own layout (Linen
-  # params/opt_state/step plus nnx_aux), its own error handling. Only the factories change.
+  # params/opt_state/step plus nnx_aux), its own error handling. The factories change, and
+  # a grain iterator is carried to its emergency save and restore.
   drives_emergency = emergency is not None and all(
       hasattr(emergency, n) for n in ("save", "restore"))
   checkpointing.set_state_layout(_maxtext_layout() if drives_emergency else None)
@@ -270,6 +323,12 @@ def install(*, check_version: bool = True, **mtc_keys: Any) -> str | None:
       original = getattr(ckpt, name)
       if not getattr(original, _PATCHED, False):
         setattr(ckpt, name, _dispatching(original, getattr(checkpointing, name)))
+  else:  # MaxText's emergency save and restore leave the grain iterator out: carry it there
+    for name, iterator_of in (("save_checkpoint", _saved_iterator),
+                              ("load_state_if_possible", _restored_iterator)):
+      _set(ckpt, name, _carrying_iterator(getattr(ckpt, name), iterator_of))
+    for name in ("save", "restore"):
+      _set(emergency, name, _emergency_with_iterator(getattr(emergency, name)))
   _set(train_utils, factory_holder, _with_config(getattr(train_utils, factory_holder)))
   if hasattr(max_utils, "initialize_multi_tier_checkpointing"):
     _set(max_utils, "initialize_multi_tier_checkpointing",

@@ -18,6 +18,10 @@ How these functions differ from MaxText's:
   node has no step of its own and still takes part in the same restore.
 - `maybe_save_checkpoint` asks `reached_preemption` at every step on every process, also where
   MaxText would return early: JAX's preemption sync point counts those calls.
+- With `dataset_type=grain` a multi-tier step also holds each process's grain iterator
+  position as item `iter` (MaxText's standard manager does that, its emergency managers do
+  not); `install()` carries it to MaxText >= 0.2.4's own emergency save and restore
+  (`carrying_iterator`, `with_carried_iterator`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from maxtext_patch import config as mtc_config
 
 _STATE_ITEM = "state"  # MaxText's item name for the emergency managers
 _ITEMS = "items"  # MaxText's item name for its standard manager
+_ITER = "iter"  # MaxText's item name for the grain data iterator (0.2.0 to 0.2.5 alike)
+_GRAIN = "grain"  # the dataset_type whose iterator MaxText checkpoints
 
 
 class StopTraining(Exception):
@@ -196,11 +202,238 @@ def _state_step(state: Any) -> int:
                    "state.optimizer.step); pass step= to maybe_save_checkpoint.")
 
 
+# ------------------------------------------------------------------ data iterator
+
+# The iterator a MaxText save or restore in progress carries to MaxText's emergency module
+# (MaxText >= 0.2.4 drives orbax-mtc through it; `install()` sets this, see `carrying_iterator`).
+_carried_iterator: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "maxtext_patch_iterator", default=None)
+
+
+def _scaled_loading(factor: Any) -> bool:
+  """Whether `expansion_factor_real_data` asks for MaxText's scaled data loading: > 1 (some hosts
+  load for others) or in (0, 1) (each host restores several hosts' iterators)."""
+  try:
+    value = float(factor if factor is not None else -1)
+  except (TypeError, ValueError):
+    return False  # MaxText's own config check reports it
+  return value > 0 and value != 1
+
+
+def check_iterator_keys(config: Any) -> None:
+  """Refuses data-loading keys whose grain iterator orbax-mtc cannot checkpoint.
+
+  With `dataset_type=grain` a multi-tier save holds each process's iterator position as item
+  `iter`. MaxText's scaled loading (`expansion_factor_real_data` other than -1 or 1: hosts
+  without data, or several iterators per host) and Pathways' remote iterator
+  (`colocated_python_data_input`) have no one position per process.
+
+  Args:
+    config: A MaxText config (HyperParameters or a dict).
+
+  Raises:
+    MaxTextConfigError: For those keys with `dataset_type=grain`.
+  """
+  if mtc_config.value_of(config, "dataset_type") != _GRAIN:
+    return
+  factor = mtc_config.value_of(config, "expansion_factor_real_data")
+  if _scaled_loading(factor):
+    raise mtc_config.MaxTextConfigError(
+        f"expansion_factor_real_data={factor} with dataset_type=grain: orbax-mtc checkpoints "
+        "each process's own grain iterator position (item 'iter'), and MaxText's scaled "
+        "loading has hosts without one (> 1) or with several (< 1). Set "
+        "expansion_factor_real_data=-1, or use MaxText's own checkpointing (without "
+        "enable_emergency_checkpoint / enable_multi_tier_checkpointing).")
+  if mtc_config.as_bool("colocated_python_data_input",
+                        mtc_config.value_of(config, "colocated_python_data_input") or False):
+    raise mtc_config.MaxTextConfigError(
+        "colocated_python_data_input=true with dataset_type=grain: the iterator runs in "
+        "Pathways' colocated Python, which orbax-mtc does not support. Turn it off or use "
+        "MaxText's own checkpointing.")
+
+
+def checkpointed_iterator(dataset_type: str | None, data_iterator: Any,
+                          expansion_factor_real_data: Any = -1) -> Any:
+  """The per-process iterator MaxText checkpoints as item `iter`, or None.
+
+  As MaxText's `grain_utility.for_save` (0.2.5) and `save_checkpoint` (0.2.0): only for
+  `dataset_type="grain"`, the `local_iterator` of MaxText's `MultiHostDataLoadIterator` (the
+  grain iterator that host reads), or the iterator itself when it has none.
+
+  Args:
+    dataset_type: MaxText's `dataset_type`.
+    data_iterator: MaxText's train data iterator, or None.
+    expansion_factor_real_data: MaxText's key of that name.
+
+  Returns:
+    The iterator to save and restore; None for other dataset types, no iterator, or MaxText's
+    `PlaceHolderDataIterator` (a host that loads no real data).
+
+  Raises:
+    MaxTextConfigError: Scaled loading (`check_iterator_keys`), a list of iterators, or
+      Pathways' remote iterator.
+    TypeError: If the iterator has no `get_state`/`set_state`.
+  """
+  if dataset_type != _GRAIN:
+    return None
+  kind = type(data_iterator).__name__
+  # The keys first: they are the same on every process, whatever iterator this one has.
+  check_iterator_keys({"dataset_type": _GRAIN,
+                       "expansion_factor_real_data": expansion_factor_real_data,
+                       "colocated_python_data_input": kind == "RemoteIteratorWrapper"})
+  if data_iterator is None or kind == "PlaceHolderDataIterator":
+    return None
+  if isinstance(data_iterator, (list, tuple)):
+    raise mtc_config.MaxTextConfigError(
+        f"A list of {len(data_iterator)} data iterators (MaxText's scaled loading) cannot be "
+        "checkpointed by orbax-mtc: one grain iterator per process is; set "
+        "expansion_factor_real_data=-1.")
+  local = getattr(data_iterator, "local_iterator", data_iterator)
+  if not (callable(getattr(local, "get_state", None)) and
+          callable(getattr(local, "set_state", None))):
+    raise TypeError(
+        f"dataset_type=grain, but the data iterator ({type(local).__name__}) has no "
+        "get_state/set_state: orbax-mtc checkpoints grain iterators only.")
+  return local
+
+
+def _grain_native(iterator: Any) -> bool:
+  """Whether Grain's own checkpoint args take `iterator` (a DatasetIterator or a
+  DataLoaderIterator); others (grain's ElasticIterator) are saved as their JSON state."""
+  import grain
+
+  return isinstance(iterator, (grain.DatasetIterator, grain.DataLoaderIterator))
+
+
+def iterator_save_args(iterator: Any) -> Any:
+  """Save args of item `iter`: Grain's `CheckpointSave`, or the state as JSON.
+
+  Args:
+    iterator: The iterator `checkpointed_iterator` returned.
+  """
+  if _grain_native(iterator):
+    import grain.checkpoint
+
+    return grain.checkpoint.CheckpointSave(iterator)
+  return mtc.ProcessJsonSave(iterator.get_state())
+
+
+def iterator_restore_args(iterator: Any) -> Any:
+  """Restore args of item `iter` (see `iterator_save_args`).
+
+  Args:
+    iterator: The iterator to restore into.
+  """
+  if _grain_native(iterator):
+    import grain.checkpoint
+
+    return grain.checkpoint.CheckpointRestore(iterator)
+  return mtc.ProcessJsonRestore()
+
+
+def _lacks_item(error: Exception, name: str) -> bool:
+  """Whether a restore failed only because the step holds no item `name` at all (saved
+  without it), in any tier; another process count is not that."""
+  return isinstance(error, mtc.MissingItemError) and error.item == name
+
+
+def restore_with_iterator(checkpoint_manager: Any, step: int | None, args: Any,
+                          iterator: Any) -> Any:
+  """`checkpoint_manager.restore(step, args=args)`, with item `iter` restored into `iterator`.
+
+  A step saved without the iterator (by MaxText's own emergency manager, or before
+  `dataset_type=grain`) restores `args` alone; the iterator keeps its start, with a warning.
+
+  Args:
+    checkpoint_manager: A multi-tier orbax-mtc manager.
+    step: The step, or None for the newest every process can assemble.
+    args: `ocp.args.Composite` of the other items.
+    iterator: The iterator (`checkpointed_iterator`), set to the saved position in place.
+
+  Returns:
+    The restored Composite, or None when there is nothing to restore (`step=None`).
+
+  Raises:
+    AbstractStateMismatchError: As `restore`; for `iter` too when the step was saved by
+      another process count (a position belongs to the process that saved it).
+  """
+  with_iter = ocp.args.Composite(**dict(args.items()), **{_ITER: iterator_restore_args(iterator)})
+  try:
+    restored = checkpoint_manager.restore(step, args=with_iter)
+  except mtc.AbstractStateMismatchError as e:
+    if not _lacks_item(e, _ITER):
+      raise
+    logging.warning("maxtext_patch: %s holds no data iterator position (it was saved "
+                    "without item %r); the iterator starts from its beginning.",
+                    "the newest step" if step is None else f"step {step}", _ITER)
+    return checkpoint_manager.restore(step, args=args)
+  if restored is not None and not _grain_native(iterator):
+    iterator.set_state(restored[_ITER])
+  return restored
+
+
+class _IteratorManager:
+  """A multi-tier manager as MaxText's emergency `save` and `restore` see it during a grain
+  run: their `Composite(state=...)` gets item `iter` added (everything else is the manager)."""
+
+  def __init__(self, manager: Any, iterator: Any):
+    self._manager = manager
+    self._iterator = iterator
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._manager, name)
+
+  def save(self, step: int, *args: Any, **kwargs: Any) -> bool:
+    items = kwargs.get("args")
+    if isinstance(items, ocp.args.Composite) and _ITER not in items:
+      kwargs["args"] = ocp.args.Composite(**dict(items.items()),
+                                          **{_ITER: iterator_save_args(self._iterator)})
+    return self._manager.save(step, *args, **kwargs)
+
+  def restore(self, step: int | None = None, *args: Any, **kwargs: Any) -> Any:
+    items = kwargs.get("args")
+    if args or set(kwargs) != {"args"} or not isinstance(items, ocp.args.Composite) or \
+        _ITER in items:
+      return self._manager.restore(step, *args, **kwargs)
+    return restore_with_iterator(self._manager, step, items, self._iterator)
+
+
+@contextlib.contextmanager
+def carrying_iterator(iterator: Any) -> Iterator[None]:
+  """Makes `iterator` the one `with_carried_iterator` adds to saves and restores in the block
+  (MaxText's save_checkpoint / load_state_if_possible, which do not pass it on to MaxText's
+  emergency module).
+
+  Args:
+    iterator: The iterator (`checkpointed_iterator`), or None for none.
+  """
+  token = _carried_iterator.set(iterator)
+  try:
+    yield
+  finally:
+    _carried_iterator.reset(token)
+
+
+def with_carried_iterator(checkpoint_manager: Any) -> Any:
+  """The manager MaxText's emergency `save`/`restore` should use: a multi-tier manager with
+  the carried iterator added to its saves and restores, else `checkpoint_manager` itself.
+
+  Args:
+    checkpoint_manager: The manager MaxText passes.
+  """
+  iterator = _carried_iterator.get()
+  if iterator is None or not is_multi_tier(checkpoint_manager):
+    return checkpoint_manager
+  return _IteratorManager(checkpoint_manager, iterator)
+
+
 # ------------------------------------------------------------------ managers
 
 
 def _settings(overrides: Mapping[str, Any]) -> mtc_config.MtcSettings:
   config = _current_config.get()
+  if config is not None:
+    check_iterator_keys(config)  # before training starts, not at its first save
   settings = mtc_config.read_settings(config if config is not None else {}, _extra_keys,
                                       overrides)
   assert settings is not None  # the overrides set one of the two flags
@@ -497,25 +730,29 @@ def load_state_if_possible(
 
   With an orbax-mtc manager: (restored state, None) as for MaxText's emergency managers, the
   state in the structure of `abstract_unboxed_pre_state`; `step=-1` is the newest step every
-  process can assemble (RAM, a peer's copy, else persistent). Nothing there: the parameter or
-  full-state paths, as MaxText (those need MaxText's loaders, i.e. `install()`).
+  process can assemble (RAM, a peer's copy, else persistent). With `dataset_type="grain"` the
+  data iterator is set in place to the position saved with the step (item `iter`), as
+  MaxText's standard manager does; a step saved without one leaves it at its start. Nothing
+  there: the parameter or full-state paths, as MaxText (those need MaxText's loaders, i.e.
+  `install()`).
 
   Args:
     checkpoint_manager: The manager, or None.
-    data_iterator: MaxText's data iterator (passed to MaxText's loader only).
+    data_iterator: MaxText's data iterator: restored in place for `dataset_type="grain"`.
     load_parameters_from_path: Parameters to load when there is no checkpoint.
     load_full_state_from_path: A full state to load when there is no checkpoint.
     checkpoint_storage_concurrent_gb: Passed to MaxText's loader.
     abstract_unboxed_pre_state: The train state's abstract form; the restore target.
     enable_single_replica_ckpt_restoring: Passed to MaxText's loader.
-    dataset_type: Passed to MaxText's loader.
+    dataset_type: "grain" restores the data iterator; also passed to MaxText's loader.
     step: The step to restore; -1 (or None) for the newest.
     use_ocdbt: Passed to MaxText's loader.
     use_zarr3: Passed to MaxText's loader.
     enable_orbax_v1: Passed to MaxText's loader.
     checkpoint_conversion_fn: Passed to MaxText's loader.
     source_checkpoint_layout: Passed to MaxText's loader.
-    expansion_factor_real_data: Passed to MaxText's loader.
+    expansion_factor_real_data: Scaled loading (other than -1 or 1) is refused with
+      `dataset_type="grain"`; also passed to MaxText's loader.
     maxtext_config: Passed to MaxText's loader.
 
   Returns:
@@ -525,6 +762,9 @@ def load_state_if_possible(
   Raises:
     NotImplementedError: If a parameter or full-state path must be read but `install()` has
       not given MaxText's loader.
+    MaxTextConfigError: If a grain iterator cannot be checkpointed (`checkpointed_iterator`).
+    AbstractStateMismatchError: If the step does not match the state, or its iterator
+      positions were saved by another process count.
   """
   kwargs = dict(
       checkpoint_manager=checkpoint_manager, data_iterator=data_iterator,
@@ -539,10 +779,14 @@ def load_state_if_possible(
       expansion_factor_real_data=expansion_factor_real_data, maxtext_config=maxtext_config)
   if checkpoint_manager is not None:
     if is_multi_tier(checkpoint_manager):
-      restored = checkpoint_manager.restore(
-          None if step is None or step < 0 else step,
-          args=ocp.args.Composite(**{_STATE_ITEM: ocp.args.PyTreeRestore(
-              item=_checkpoint_tree(abstract_unboxed_pre_state))}))
+      wanted = None if step is None or step < 0 else step
+      args = ocp.args.Composite(**{_STATE_ITEM: ocp.args.PyTreeRestore(
+          item=_checkpoint_tree(abstract_unboxed_pre_state))})
+      iterator = checkpointed_iterator(dataset_type, data_iterator, expansion_factor_real_data)
+      if iterator is None:
+        restored = checkpoint_manager.restore(wanted, args=args)
+      else:
+        restored = restore_with_iterator(checkpoint_manager, wanted, args, iterator)
       if restored is not None:
         info = checkpoint_manager.last_restore
         logging.info("maxtext_patch: restored step %s from the %s tier", info.step, info.tier)
@@ -571,21 +815,33 @@ def save_checkpoint(checkpoint_manager: Any, step: int, state: Any, config: Any 
                     data_iterator: Any = None, force: bool = False) -> bool:
   """Saves `state` as step `step` (the manager decides which tiers).
 
+  With a multi-tier manager and `dataset_type=grain` in `config`, the step also holds this
+  process's data iterator position as item `iter` (as MaxText's standard manager saves it), in
+  every tier. The one-tier manager saves the state alone.
+
   Args:
     checkpoint_manager: The manager.
     step: The step number.
     state: The training state (a Linen TrainState, an NNX state or module, or a pytree).
-    config: Accepted for MaxText's signature; ignored.
-    data_iterator: Accepted for MaxText's signature; not checkpointed.
+    config: The MaxText config (its `dataset_type` and `expansion_factor_real_data`), or None.
+    data_iterator: MaxText's data iterator: saved for `dataset_type=grain`.
     force: Save even off the save interval.
 
   Returns:
     True when the manager saved.
+
+  Raises:
+    MaxTextConfigError: If a grain iterator cannot be checkpointed (`checkpointed_iterator`).
   """
-  del config, data_iterator  # the iterator is not part of an emergency checkpoint (as MaxText)
   if is_multi_tier(checkpoint_manager):
     tree = _checkpoint_tree(_as_pytree(state))
-    args = ocp.args.Composite(**{_STATE_ITEM: ocp.args.PyTreeSave(tree)})
+    items = {_STATE_ITEM: ocp.args.PyTreeSave(tree)}
+    iterator = None if config is None else checkpointed_iterator(
+        mtc_config.value_of(config, "dataset_type"), data_iterator,
+        mtc_config.value_of(config, "expansion_factor_real_data"))
+    if iterator is not None:
+      items[_ITER] = iterator_save_args(iterator)
+    args = ocp.args.Composite(**items)
   else:
     args = ocp.args.Composite(**{_ITEMS: ocp.args.PyTreeSave(state)})
   return bool(checkpoint_manager.save(step, args=args, force=force))
@@ -632,7 +888,7 @@ def maybe_save_checkpoint(checkpoint_manager: Any, state: Any, config: Any, data
     checkpoint_manager: The manager, or None (then nothing happens).
     state: The training state.
     config: The MaxText config.
-    data_iterator: MaxText's data iterator (not checkpointed).
+    data_iterator: MaxText's data iterator (saved with the step for `dataset_type=grain`).
     step: The step just trained; None at the end (the state's step - 1 is saved if due).
 
   Raises:

@@ -22,6 +22,7 @@ from orbax_mtc.local.format import (
     CorruptStepError,
     LocalTierError,
     ManifestError,
+    MissingItemError,
 )
 from orbax_mtc.local.lock import LocalDirectoryInUseError
 from orbax_mtc.managed.manager import ReplicatorCheckpointManager
@@ -57,6 +58,7 @@ __all__ = [
     "LocalTierError",
     "ManifestError",
     "ManagedOptions",
+    "MissingItemError",
     "MultiprocessingOptions",
     "OnDemandSave",
     "PersistentCheckpointOptions",

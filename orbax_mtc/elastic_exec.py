@@ -454,9 +454,7 @@ class ElasticRestore:
   @staticmethod
   def _raise_mismatch(mismatched: list[tuple[int, str]], step: int) -> None:
     if mismatched:
-      culprit, message = mismatched[0]
-      raise local_format.AbstractStateMismatchError(
-          f"process {culprit}: {message} (step {step} is kept in every tier).")
+      raise local_format.agreed_mismatch(*mismatched[0], step)
 
   # --------------------------------------------------------------------- the streams
 
@@ -470,8 +468,9 @@ class ElasticRestore:
     for item_name, target in targets.items():
       record = layout.items.get(item_name)
       if record is None:
-        raise local_format.AbstractStateMismatchError(
-            f"Item {item_name!r} is not in step {layout.step} (it holds {sorted(layout.items)}).")
+        raise local_format.MissingItemError(
+            f"Item {item_name!r} is not in step {layout.step} (it holds {sorted(layout.items)}).",
+            item_name)
       if record.kind == "json":
         continue
       by_path = {leaf.path: leaf for leaf in record.leaves}

@@ -34,6 +34,7 @@ def restore(persistent: PersistentTier, step: int, targets: dict[str, Any],
     The restored item, or an `ocp.args.Composite` of items.
 
   Raises:
+    local_format.MissingItemError: the step holds no such item.
     local_format.AbstractStateMismatchError: the targets do not match what was saved.
   """
   step_dir = persistent.step_directory(step)
@@ -43,6 +44,9 @@ def restore(persistent: PersistentTier, step: int, targets: dict[str, Any],
     single = saved_items == [item_args.DEFAULT_ITEM]
     targets = item_args.as_saved(targets, single)
   for name, target in targets.items():
+    if name not in saved_items:
+      raise local_format.MissingItemError(
+          f"Item {name!r} is not in persistent step {step} (it holds {saved_items}).", name)
     if isinstance(target, process_state.ProcessTarget):
       check_process_item(step_dir / name, name)
     elif target is not None:

@@ -280,9 +280,7 @@ class RamRestore:
     if mismatched:
       # The caller's error, not a bad copy: the same error everywhere, and nothing deleted.
       culprit = mismatched[0]
-      raise local_format.AbstractStateMismatchError(
-          f"process {culprit}: {outcomes[culprit].message} (step {step} is kept in every "
-          "tier).")
+      raise local_format.agreed_mismatch(culprit, outcomes[culprit].message, step)
     bad = [p for p, b in enumerate(outcomes) if b.status != Status.OK]
     logging.warning("orbax-mtc: step %d unusable on process(es) %s (%s); trying another source, "
                     "an older step or the persistent tier.", step, bad,

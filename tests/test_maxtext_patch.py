@@ -17,6 +17,7 @@ like MaxText's modules). Wall time here: about 60 s.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 import shutil
@@ -33,7 +34,7 @@ import maxtext_patch
 from maxtext_patch import checkpointing
 from maxtext_patch import config as mtc_config
 from orbax_mtc.local.read import verify_step
-from orbax_mtc.local.store import committed_steps
+from orbax_mtc.local.store import committed_steps, read_manifest
 from orbax_mtc.tools import launch
 
 pytestmark = pytest.mark.timeout(240)
@@ -169,6 +170,195 @@ def test_example_loop_reports_config_errors():
       result.stderr, result.stderr[-2000:]
 
 
+# ----------------------------------------------------------------------------- grain iterator
+
+
+class _HostIterator:
+  """MaxText's MultiHostDataLoadIterator as checkpointing sees it: the grain iterator this host
+  reads is `local_iterator`."""
+
+  def __init__(self, dataset):
+    self.local_iterator = iter(dataset)
+
+  def batch(self) -> list[int]:
+    return [int(x) for x in next(self.local_iterator)]
+
+
+def _grain_dataset():
+  import grain
+
+  return grain.MapDataset.range(64).shuffle(seed=0).to_iter_dataset().batch(2)
+
+
+def _batches(count: int) -> list[list[int]]:
+  reader = _HostIterator(_grain_dataset())
+  return [reader.batch() for _ in range(count)]
+
+
+def _grain_keys(shm_dir, tmp_path, **overrides):
+  return _keys(local_checkpoint_directory=str(shm_dir), checkpoint_dir=str(tmp_path / "out"),
+               local_checkpoint_period=2, checkpoint_period=4, dataset_type="grain",
+               **overrides)
+
+
+def _small_state(mesh):
+  from conftest import make_state
+
+  full = make_state(mesh)
+  return {"params": full["params"], "ids": full["ids"], "layers": full["layers"]}
+
+
+def _grain_manager(keys, mesh, state):
+  from conftest import abstract_of
+
+  with checkpointing.using_config(keys):
+    return checkpointing.create_orbax_emergency_checkpoint_manager(
+        keys["local_checkpoint_directory"], keys["checkpoint_dir"], mesh, abstract_of(state),
+        keys["local_checkpoint_period"], keys["checkpoint_period"])
+
+
+def _resume(keys, mesh, state, *, dataset_type="grain"):
+  """A restart: a new manager and a fresh iterator restored by load_state_if_possible."""
+  from conftest import abstract_of, assert_trees_equal
+
+  host = _HostIterator(_grain_dataset())
+  manager = _grain_manager(keys, mesh, state)
+  try:
+    restored, params = checkpointing.load_state_if_possible(
+        manager, host, "", "", 96, abstract_of(state), dataset_type=dataset_type)
+    assert params is None
+    assert_trees_equal(restored, state)
+    return host, manager.last_restore.step, manager.last_restore.tier
+  finally:
+    manager.close()
+
+
+def test_grain_iterator_round_trips_through_ram_and_persistent(mesh, shm_dir, tmp_path):
+  """MaxText 0.2.0-0.2.3 (and a loop of one's own): maybe_save_checkpoint saves the host's
+  grain iterator as item `iter`; load_state_if_possible puts a fresh one where it was."""
+  state = _small_state(mesh)
+  keys = _grain_keys(shm_dir, tmp_path)
+  want = _batches(8)
+  host = _HostIterator(_grain_dataset())
+  manager = _grain_manager(keys, mesh, state)
+  try:
+    for step in range(5):  # step s reads batch s, then saves (RAM 0, 2, 4; persistent 0, 4)
+      assert host.batch() == want[step]
+      checkpointing.maybe_save_checkpoint(manager, state, keys, host, step)
+    manager.wait_until_finished()
+  finally:
+    manager.close()
+  assert committed_steps(shm_dir) == [4]
+  saved = tmp_path / "out" / "4" / "iter" / "process_0-of-1.json"  # Grain's own file
+  assert json.loads(saved.read_text()) == host.local_iterator.get_state()
+
+  resumed, step, tier = _resume(keys, mesh, state)
+  assert (step, tier) == (4, "local")
+  assert [resumed.batch(), resumed.batch()] == want[5:7]
+  for entry in shm_dir.iterdir():  # a new VM: the RAM disk is empty
+    shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+  resumed, step, tier = _resume(keys, mesh, state)
+  assert (step, tier) == (4, "persistent")
+  assert resumed.batch() == want[5]
+  # Other dataset types keep MaxText's emergency behaviour: the iterator is left alone.
+  untouched, _, _ = _resume(keys, mesh, state, dataset_type="synthetic")
+  assert untouched.batch() == want[0]
+
+
+def test_a_step_saved_without_the_iterator_restores_the_state_alone(mesh, shm_dir, tmp_path,
+                                                                     caplog):
+  """A step from before dataset_type=grain (or from MaxText's own emergency manager) holds
+  no item `iter`: the state comes back and the iterator starts at its beginning."""
+  state = _small_state(mesh)
+  keys = _grain_keys(shm_dir, tmp_path)
+  manager = _grain_manager(keys, mesh, state)
+  try:
+    for step in range(5):
+      checkpointing.maybe_save_checkpoint(manager, state, dict(keys, dataset_type="synthetic"),
+                                          _HostIterator(_grain_dataset()), step)
+    manager.wait_until_finished()
+  finally:
+    manager.close()
+  first = _batches(1)[0]
+  for tier in ("local", "persistent"):
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+      host, step, restored_tier = _resume(keys, mesh, state)
+    assert (step, restored_tier) == (4, tier)
+    assert host.batch() == first
+    assert "holds no data iterator position" in caplog.text
+    if tier == "local":
+      shutil.rmtree(shm_dir / "4")  # next: from the backup
+
+
+def test_grain_elastic_iterator_is_saved_as_its_json_state(mesh, shm_dir, tmp_path):
+  """grain's ElasticIterator (MaxText's grain_use_elastic_iterator) is no DatasetIterator:
+  its state dict is the process's JSON item `iter`, set back with set_state."""
+  import grain
+  from conftest import abstract_of
+  from grain import experimental as grain_experimental
+
+  def elastic():
+    return grain_experimental.ElasticIterator(
+        grain.MapDataset.range(64).shuffle(seed=0), global_batch_size=2,
+        shard_options=grain.sharding.ShardOptions(0, 1))
+
+  state = _small_state(mesh)
+  keys = _grain_keys(shm_dir, tmp_path)
+  host = _HostIterator([])
+  host.local_iterator = elastic()
+  for _ in range(3):
+    next(host.local_iterator)
+  manager = _grain_manager(keys, mesh, state)
+  try:
+    assert checkpointing.save_checkpoint(manager, 2, state, keys, host, force=True)
+    manager.wait_until_finished()
+    following = [int(x) for x in next(host.local_iterator)]
+    fresh = _HostIterator([])
+    fresh.local_iterator = elastic()
+    checkpointing.load_state_if_possible(manager, fresh, "", "", 96, abstract_of(state),
+                                         dataset_type="grain", step=2)
+    assert fresh.local_iterator.get_state() == {"global_next_index": 6}
+    assert [int(x) for x in next(fresh.local_iterator)] == following
+  finally:
+    manager.close()
+
+
+@pytest.mark.parametrize("factor, ok", [(-1, True), (-1.0, True), (1, True), (2, False),
+                                        (0.5, False)])
+def test_scaled_grain_loading_is_refused_before_training(mesh, shm_dir, tmp_path, factor, ok):
+  state = _small_state(mesh)
+  keys = _grain_keys(shm_dir, tmp_path, expansion_factor_real_data=factor)
+  if ok:
+    _grain_manager(keys, mesh, state).close()
+    return
+  with pytest.raises(mtc_config.MaxTextConfigError, match="expansion_factor_real_data"):
+    _grain_manager(keys, mesh, state)
+  # Other dataset types keep MaxText's behaviour (the iterator is not checkpointed there).
+  _grain_manager(dict(keys, dataset_type="tfds"), mesh, state).close()
+
+
+def test_which_iterator_is_checkpointed():
+  host = _HostIterator(_grain_dataset())
+  assert checkpointing.checkpointed_iterator("grain", host) is host.local_iterator
+  assert checkpointing.checkpointed_iterator("grain", host.local_iterator) is \
+      host.local_iterator
+  for dataset_type in ("synthetic", "tfds", "hf", None):
+    assert checkpointing.checkpointed_iterator(dataset_type, host) is None
+  assert checkpointing.checkpointed_iterator("grain", None) is None
+  placeholder = type("PlaceHolderDataIterator", (), {})()  # a host loading no real data
+  assert checkpointing.checkpointed_iterator("grain", placeholder) is None
+  with pytest.raises(mtc_config.MaxTextConfigError, match="list of 2 data iterators"):
+    checkpointing.checkpointed_iterator("grain", [host, host])
+  with pytest.raises(mtc_config.MaxTextConfigError, match="expansion_factor_real_data=4"):
+    checkpointing.checkpointed_iterator("grain", host, 4)
+  remote = type("RemoteIteratorWrapper", (), {"local_iterator": host.local_iterator})()
+  with pytest.raises(mtc_config.MaxTextConfigError, match="colocated_python_data_input"):
+    checkpointing.checkpointed_iterator("grain", remote)
+  with pytest.raises(TypeError, match="no get_state/set_state"):
+    checkpointing.checkpointed_iterator("grain", iter([1, 2]))
+
+
 # ----------------------------------------------------------------------------- install()
 
 
@@ -240,21 +430,67 @@ _FAKE = {
 }
 
 
+# MaxText 0.2.5's shape (an emergency module with `save` and `restore`, which its functions
+# call for emergency managers without the data iterator), over _FAKE.
+_FAKE_EMERGENCY_MODULE = {
+    "maxtext/common/train_state_nnx.py": """
+        def to_checkpoint_dict(state):
+          return state
+        """,
+    "maxtext/common/emergency_checkpointing.py": """
+        import orbax.checkpoint as ocp
+        def create_emergency_checkpoint_manager(*args):
+          return "maxtext-emergency"
+        def create_replicator_checkpoint_manager(*args):
+          return "maxtext-replicator"
+        def save(checkpoint_manager, step, state, config, force):
+          return checkpoint_manager.save(
+              step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)), force=force)
+        def restore(checkpoint_manager, step, abstract_unboxed_pre_state):
+          return checkpoint_manager.restore(step, args=ocp.args.Composite(
+              state=ocp.args.PyTreeRestore(item=abstract_unboxed_pre_state))).state
+        """,
+    "maxtext/common/checkpointing.py": """
+        from maxtext.common import emergency_checkpointing
+        create_orbax_emergency_checkpoint_manager = (
+            emergency_checkpointing.create_emergency_checkpoint_manager)
+        create_orbax_emergency_replicator_checkpoint_manager = (
+            emergency_checkpointing.create_replicator_checkpoint_manager)
+        def load_state_if_possible(checkpoint_manager, data_iterator, load_parameters_from_path,
+                                   load_full_state_from_path, checkpoint_storage_concurrent_gb,
+                                   abstract_unboxed_pre_state,
+                                   enable_single_replica_ckpt_restoring=False,
+                                   dataset_type="synthetic", step=-1,
+                                   expansion_factor_real_data=-1):
+          step = checkpoint_manager.latest_step() if step < 0 else step
+          return emergency_checkpointing.restore(checkpoint_manager, step,
+                                                 abstract_unboxed_pre_state), None
+        def maybe_save_checkpoint(checkpoint_manager, state, config, data_iterator, step=None):
+          save_checkpoint(checkpoint_manager, step, state, config, data_iterator)
+        def save_checkpoint(checkpoint_manager, step, state, config=None, data_iterator=None,
+                            force=False):
+          return emergency_checkpointing.save(checkpoint_manager, step, state, config, force)
+        """,
+}
+
+
 @pytest.fixture
 def fake_maxtext(tmp_path, monkeypatch):
-  def make(version: str):
-    for name, text in _FAKE.items():
+  def make(version: str, overrides: dict[str, str] | None = None):
+    for name, text in {**_FAKE, **(overrides or {})}.items():
       path = tmp_path / version / name
       path.parent.mkdir(parents=True, exist_ok=True)
       path.write_text(textwrap.dedent(text).format(version=version))
     monkeypatch.syspath_prepend(str(tmp_path / version))
 
-  saved = (checkpointing._stop_class, checkpointing.extra_keys(), checkpointing._fallback_loader)
+  saved = (checkpointing._stop_class, checkpointing.extra_keys(), checkpointing._fallback_loader,
+           checkpointing._state_layout)
   yield make
   for name in [n for n in sys.modules if n == "maxtext" or n.startswith("maxtext.")]:
     del sys.modules[name]
-  checkpointing._stop_class, keys, checkpointing._fallback_loader = saved
+  checkpointing._stop_class, keys, checkpointing._fallback_loader, layout = saved
   checkpointing.set_extra_keys(keys)
+  checkpointing.set_state_layout(layout)
   maxtext_patch._installed = None
 
 
@@ -324,6 +560,53 @@ def test_install_rebinds_maxtext_to_orbax_mtc(fake_maxtext, mesh, shm_dir, tmp_p
     assert committed_steps(shm_dir) == [0, 2]
   finally:
     manager.close()
+
+
+def test_install_carries_the_grain_iterator_to_maxtexts_emergency_save_and_restore(
+    fake_maxtext, mesh, shm_dir, tmp_path, monkeypatch):
+  """MaxText >= 0.2.4 saves and restores through its emergency module, which it calls without
+  the data iterator: with dataset_type=grain, install() adds it there as item `iter`."""
+  import importlib
+
+  from conftest import abstract_of, assert_trees_equal
+
+  fake_maxtext("0.2.5", _FAKE_EMERGENCY_MODULE)
+  # MaxText's layout of a train state needs flax; this stand-in's is the state as it is.
+  monkeypatch.setattr(maxtext_patch, "_maxtext_layout", lambda: lambda state: state)
+  assert maxtext_patch.install(mtc_peers_per_node=0) == "0.2.5"
+  ckpt = importlib.import_module("maxtext.common.checkpointing")
+  train_utils = importlib.import_module("maxtext.utils.train_utils")
+  state = _small_state(mesh)
+  config = type("Config", (), _grain_keys(shm_dir, tmp_path))
+  want = _batches(4)
+  host = _HostIterator(_grain_dataset())
+  manager = train_utils.create_checkpoint_manager(config, mesh, lambda: abstract_of(state))
+  try:
+    for step in range(3):
+      assert host.batch() == want[step]
+      ckpt.maybe_save_checkpoint(manager, state, config, host, step)
+    manager.wait_until_finished()
+    manifest = read_manifest(shm_dir / "2")
+    assert set(manifest.items) == {"state", "iter"}
+    fresh = _HostIterator(_grain_dataset())
+    restored, _ = ckpt.load_state_if_possible(manager, fresh, "", "", 96, abstract_of(state),
+                                              False, "grain")
+    assert_trees_equal(restored, state)
+    assert fresh.batch() == want[3]
+    # Other dataset types: MaxText's emergency save and restore, unchanged.
+    plain = dict(_grain_keys(shm_dir, tmp_path), dataset_type="synthetic")
+    assert ckpt.save_checkpoint(manager, 4, state, type("Plain", (), plain), host)
+    manager.wait_until_finished()
+    assert set(read_manifest(shm_dir / "4").items) == {"state"}
+    untouched = _HostIterator(_grain_dataset())
+    ckpt.load_state_if_possible(manager, untouched, "", "", 96, abstract_of(state), False,
+                                "synthetic")
+    assert manager.last_restore.step == 4 and untouched.batch() == want[0]
+  finally:
+    manager.close()
+  bad = type("Scaled", (), _grain_keys(shm_dir, tmp_path, expansion_factor_real_data=2))
+  with pytest.raises(mtc_config.MaxTextConfigError, match="expansion_factor_real_data=2"):
+    train_utils.create_checkpoint_manager(bad, mesh, lambda: abstract_of(state))
 
 
 # ----------------------------------------------------------------------------- jobs

@@ -6,7 +6,8 @@ MaxText needs Python >= 3.12: it runs in the venv `maxtext_env.py` builds once a
 width 128, vocabulary 256, sequence 128), on synthetic data, one CPU device per process;
 every assertion reads MaxText's own log lines ("completed step: N ... loss: X", "restoring from
 this run's directory step N") and the files it leaves. Losses are compared as MaxText prints
-them against one run with MaxText's own checkpointing, step for step.
+them against one run with MaxText's own checkpointing, step for step. The grain case trains on
+an ArrayRecord file of pre-tokenized records the module writes, against a grain run of its own.
 """
 
 from __future__ import annotations
@@ -178,17 +179,19 @@ def dirs(tmp_path):
     local.unlink(missing_ok=True)
 
 
-def _args(base_yml: str, out: pathlib.Path, *extra: str) -> list[str]:
+def _args(base_yml: str, out: pathlib.Path, *extra: str, model=MODEL) -> list[str]:
   return [base_yml, f"base_output_directory={out}", "skip_jax_distributed_system=true",
-          *MODEL, *extra]
+          *model, *extra]
 
 
 def _emergency(local: pathlib.Path, *extra: str) -> list[str]:
   return ["enable_emergency_checkpoint=true", f"local_checkpoint_directory={local}", *extra]
 
 
-def train(start, venv_python, base_yml, out, *extra, module=PATCHED_TRAIN, env=None) -> Run:
-  return start([venv_python, "-m", module, *_args(base_yml, out, *extra)], env or _env())
+def train(start, venv_python, base_yml, out, *extra, module=PATCHED_TRAIN, env=None,
+          model=MODEL) -> Run:
+  return start([venv_python, "-m", module, *_args(base_yml, out, *extra, model=model)],
+               env or _env())
 
 
 def _finished(run: Run) -> Run:
@@ -412,3 +415,103 @@ def test_two_processes_under_orbax_mtc_launch_node_restores_from_its_peer(
   assert sorted(tiers) == [("4", "local"), ("4", "peer")], second.tail()
   assert second.wait_for(r"\[node 1\].*restoring from this run's directory step 4")
   assert _committed_ram_steps(local / "node1")[-1] == 6
+
+
+# ----------------------------------------------------------------------------- grain data
+
+GRAIN_BASELINE_STEPS = 10
+GRAIN_RECORDS = 64  # one record per step (batch 1); an epoch outlasts every run here
+# Written in the 3.12 venv: ArrayRecord records of MaxText's tf.train.Example proto, each a
+# pre-tokenized "text" feature (ids 1..255 < vocab_size), as MaxText's pretraining pipeline
+# reads them with grain_file_type=arrayrecord and tokenize_train_data=false.
+_WRITE_RECORDS = """
+import sys
+import numpy as np
+from array_record.python import array_record_module
+from maxtext.input_pipeline.protos import example_pb2
+path, count, length = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rng = np.random.default_rng(0)
+writer = array_record_module.ArrayRecordWriter(path, "group_size:1")
+for _ in range(count):
+  example = example_pb2.Example()
+  example.features.feature["text"].int64_list.value.extend(
+      rng.integers(1, 256, size=length).tolist())
+  writer.write(example.SerializeToString())
+writer.close()
+"""
+
+
+@pytest.fixture(scope="module")
+def grain_model(venv_python, base_yml, tmp_path_factory) -> list[str]:
+  """MODEL on a generated ArrayRecord file through MaxText's grain pipeline (no worker
+  processes, no packing, MaxText's own default SentencePiece tokenizer, only for its ids)."""
+  data = tmp_path_factory.mktemp("grain") / "train.array_record"
+  subprocess.run([venv_python, "-c", _WRITE_RECORDS, str(data), str(GRAIN_RECORDS), "100"],
+                 check=True, env=_env(), timeout=RUN_TIMEOUT_S)
+  tokenizer = pathlib.Path(base_yml).parents[1] / "assets" / "tokenizers" / "tokenizer.default"
+  assert tokenizer.is_file(), tokenizer
+  return [*(key for key in MODEL if not key.startswith("dataset_type=")),
+          "dataset_type=grain", f"grain_train_files={data}", "grain_file_type=arrayrecord",
+          "tokenize_train_data=false", f"tokenizer_path={tokenizer}", "grain_worker_count=0",
+          "packing=false"]
+
+
+@pytest.fixture(scope="module")
+def grain_baseline(venv_python, base_yml, grain_model, tmp_path_factory) -> dict[int, str]:
+  """Losses of an uninterrupted grain run with MaxText's own checkpointing: step s trains on
+  record s of the shuffled file, so a resumed run that repeats or skips batches differs."""
+  out = tmp_path_factory.mktemp("grain-baseline")
+  metrics = out / "metrics.jsonl"
+  run = Run([venv_python, "-m", MAXTEXT_TRAIN,
+             *_args(base_yml, out, f"steps={GRAIN_BASELINE_STEPS}", "checkpoint_period=1000",
+                    f"metrics_file={metrics}", model=grain_model)], _env(), metrics)
+  try:
+    losses = _finished(run).losses()
+  finally:
+    run.kill()
+  assert sorted(losses) == list(range(GRAIN_BASELINE_STEPS)), run.tail()
+  assert len(set(losses.values())) == GRAIN_BASELINE_STEPS, losses  # distinct batches
+  return losses
+
+
+def _iterator_file(out: pathlib.Path, step: int) -> dict:
+  """Grain's own file of this (single) process's iterator in a persistent step."""
+  folder = out / "t" / "checkpoints" / str(step) / "iter"
+  assert sorted(p.name for p in folder.glob("process_*")) == ["process_0-of-1.json"]
+  return json.loads((folder / "process_0-of-1.json").read_text())
+
+
+def test_grain_iterator_resumes_where_it_was_from_ram_and_persistent(
+    runs, venv_python, base_yml, grain_model, grain_baseline, dirs):
+  """dataset_type=grain: every step holds the iterator as MaxText's item `iter` (RAM entry,
+  Grain's file in the backup); a restart from RAM, then from the persistent tier with the RAM
+  disk wiped, trains on the batches an uninterrupted run reads next, not the first ones."""
+  from orbax_mtc.local.store import read_manifest
+
+  out, local = dirs
+  schedule = _emergency(local, "local_checkpoint_period=2", "checkpoint_period=3")
+  first = _finished(train(runs, venv_python, base_yml, out, "steps=5", *schedule,
+                          model=grain_model))
+  assert first.restored_step() is None
+  _same_losses(first, grain_baseline, range(5))
+  assert _committed_ram_steps(local) == [4]
+  manifest = read_manifest(local / "4")
+  assert set(manifest.items) == {"state", "iter"}, sorted(manifest.items)
+  assert manifest.items["iter"].kind == "process"
+  assert _persistent_steps(out) == [0, 3]
+  # Batches 0..3 read at step 3: Grain's own state, as its Orbax handler writes it.
+  assert _iterator_file(out, 3) == {"next_index": 4}
+
+  resumed = _finished(train(runs, venv_python, base_yml, out, "steps=8", *schedule,
+                            model=grain_model))
+  assert resumed.restored_step() == 4 and resumed.tiers() == {4: "local"}, resumed.tail()
+  _same_losses(resumed, grain_baseline, range(5, 8))  # batches 5, 6, 7: not 0, 1, 2
+  assert _persistent_steps(out) == [0, 3, 6, 7]
+
+  shutil.rmtree(local)  # a new VM: the iterator comes back from Grain's file of step 7
+  wiped = _finished(train(runs, venv_python, base_yml, out, "steps=10", *schedule,
+                          model=grain_model))
+  assert wiped.restored_step() == 7 and wiped.tiers() == {7: "persistent"}, wiped.tail()
+  _same_losses(wiped, grain_baseline, range(8, 10))
+  assert "holds no data iterator position" not in wiped.text()
+  assert _tmp_leftovers(out) == []

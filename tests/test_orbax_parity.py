@@ -53,8 +53,8 @@ DIFFERENCES: dict[tuple[str, str], tuple[str, str]] = {
     ("CheckpointManagerOptions", "mode"): ("extra", "standalone or managed (GKE replicator)"),
     ("CheckpointManagerOptions", "managed"): ("extra", "managed mode's handshake options"),
     ("CheckpointManager.__init__", "persistent_non_replicated_directory"): (
-        "absent", "not yet: save a data iterator with a plain ocp.CheckpointManager, or use "
-        "ReplicatorCheckpointManager(persistent_directory=...)"),
+        "absent", "per-process items (a Grain iterator, ProcessJsonSave) are kept in every "
+        "tier and in the persistent step itself, not in a second directory (docs/iterators.md)"),
     ("ReplicatorCheckpointManager.__init__", "mtc_options"): (
         "extra", "job name, replica axis and handshake options of the managed manager"),
     ("ReplicatorCheckpointManager.__init__", "_distributed_to_device_ids_fn"): (

@@ -70,6 +70,26 @@ class AbstractStateMismatchError(ValueError):
   """The target tree does not match what was saved (names the leaf and both specs)."""
 
 
+class MissingItemError(AbstractStateMismatchError):
+  """The restore asks for an item the step was saved without.
+
+  Attributes:
+    item: The item's name.
+  """
+
+  def __init__(self, message: str, item: str):
+    super().__init__(message)
+    self.item = item
+
+
+def agreed_mismatch(process: int, message: str, step: int) -> AbstractStateMismatchError:
+  """The error every process raises for one process's mismatch, from its agreed message: a
+  `MissingItemError` again when that is what it was (its message names the item first)."""
+  text = f"process {process}: {message} (step {step} is kept in every tier)."
+  match = re.match(r"Item '([^']*)' is not in ", message)
+  return MissingItemError(text, match.group(1)) if match else AbstractStateMismatchError(text)
+
+
 def align(n: int) -> int:
   """`n` rounded up to a multiple of `ALIGN`: where the shard after `n` bytes starts."""
   return -(-n // ALIGN) * ALIGN

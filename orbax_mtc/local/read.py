@@ -33,6 +33,7 @@ from orbax_mtc.local.format import (
     ItemRecord,
     LeafRecord,
     LocalTierError,
+    MissingItemError,
     ShardRecord,
     StepManifest,
     np_dtype,
@@ -302,9 +303,9 @@ def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[s
   for item_name, target in targets.items():
     record = manifest.items.get(item_name)
     if record is None:
-      raise AbstractStateMismatchError(
+      raise MissingItemError(
           f"Item {item_name!r} is not in local step {manifest.step} (it holds "
-          f"{sorted(manifest.items)}).")
+          f"{sorted(manifest.items)}).", item_name)
     if isinstance(target, process_state.ProcessTarget) or record.kind == "process":
       shard = _process_shard(item_name, record, target, manifest.step)
       slot = [None]
