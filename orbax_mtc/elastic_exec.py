@@ -119,13 +119,10 @@ class ReportRecord:
   report: bytes = agreement.field(agreement.Blob(agreement.ELASTIC_REPORT_BYTES), b"")
 
 
-def decode_report(raw: bytes) -> HostReport:
-  """A gathered report; an unreadable one counts as holding nothing."""
-  try:
-    return HostReport.decode(raw)
-  except ValueError:
-    logging.warning("orbax-mtc: an unreadable elastic report was ignored")
-    return HostReport()
+def decode_reports(raws: list[bytes]) -> list[HostReport]:
+  """The gathered reports; an unreadable one counts as holding nothing."""
+  return elastic_plan.decode_reports(raws, lambda p, e: logging.warning(
+      "orbax-mtc: process %d's elastic report was unreadable (%s) and is ignored", p, e))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +269,7 @@ class ElasticRestore:
     """
     records = self._ledger.agree(ReportRecord(report=self.safe_report().encode()),
                                  "listing RAM steps saved on another layout")
-    reports = [decode_report(r.report) for r in records]
+    reports = decode_reports([r.report for r in records])
     foreign = [c for c in elastic_plan.candidates(reports)
                if c.count != self.count][:_MAX_CANDIDATES]
     if not foreign:

@@ -132,7 +132,7 @@ class RamRestore:
       logging.warning("orbax-mtc: process %d: an earlier local write failed (%s: %s); "
                       "restoring from what the cluster holds.", p, fault.kind, fault.message)
     ledger.forgive()
-    reports = [elastic_exec.decode_report(r.elastic) for r in records]
+    reports = elastic_exec.decode_reports([r.elastic for r in records])
     inventories = ledger.adopt([r.inventory for r in records])
     groups = sets = None
     # Targets that take their shape from the checkpoint (SavedLeaf) cannot say which shards

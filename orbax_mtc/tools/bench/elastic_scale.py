@@ -121,7 +121,7 @@ def _layout_work(layouts: Sequence[_LeafLayout]) -> tuple[set[tuple[int, ...]], 
 def _plan(encoded: Sequence[bytes], sets: set[tuple[int, ...]]
           ) -> elastic_plan.ElasticPlan | None:
   """What every process does with the gathered reports."""
-  reports = [HostReport.decode(raw) for raw in encoded]
+  reports = elastic_plan.decode_reports(encoded)
   return elastic_plan.plan(reports, lambda c: elastic_plan.covered(sets, c.available))
 
 
