@@ -177,17 +177,39 @@ class ProcessTarget:
   raw: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class PendingIteratorState:
+  """A Grain iterator's saved state, read and verified but not yet set into the iterator:
+  that waits until every process has built the step (`settle`), so that a restore that ends
+  elsewhere (another step, the persistent tier, nothing) leaves the iterator as it finds it."""
+
+  target: ProcessTarget
+  data: bytes
+
+
 def decode(target: ProcessTarget, data: bytes) -> Any:
-  """The restored value from this process's saved bytes (checksum already verified).
+  """The restored value from this process's saved bytes (checksum already verified); for a
+  Grain iterator, a `PendingIteratorState`.
 
   Raises:
     ValueError: the bytes are not what the item's format holds.
   """
   if target.raw:
     return bytes(data)
-  text = bytes(data).decode()
   if target.format == JSON:
-    return json.loads(text)
+    return json.loads(bytes(data).decode())
+  return PendingIteratorState(target, bytes(data))
+
+
+def settle(items: dict[str, Any]) -> dict[str, Any]:
+  """The restored items with each pending iterator state set into its iterator (once the
+  restore has succeeded on every process)."""
+  return {name: _set_state(v.target, v.data) if isinstance(v, PendingIteratorState) else v
+          for name, v in items.items()}
+
+
+def _set_state(target: ProcessTarget, data: bytes) -> Any:
+  text = data.decode()
   iterator = target.iterator
   dataset_iterator = getattr(_grain_root(), "DatasetIterator", None)
   if dataset_iterator is not None and isinstance(iterator, dataset_iterator):

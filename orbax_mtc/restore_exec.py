@@ -26,7 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from orbax_mtc import agreement, elastic_exec, item_args, restore_plan
+from orbax_mtc import agreement, elastic_exec, item_args, process_state, restore_plan
 from orbax_mtc.agreement import Status
 from orbax_mtc.elastic_plan import HostReport
 from orbax_mtc.ledger import StepLedger
@@ -165,6 +165,7 @@ class RamRestore:
         return self._restore_elastic(step, targets, single, reports, plan, finish, False)
       if built is not None:
         restored, default_item = built
+        restored = process_state.settle(restored)  # built everywhere: now move the iterators
         # Per process: "peer" when this node's bytes came from a twin or a peer's copy.
         mine = assembly.sources[self._me].kind
         finish(assembly.step, "local" if mine == restore_plan.OWN else "peer")
