@@ -91,6 +91,29 @@ class _Job:
     self._barriers += 1
     multihost_utils.sync_global_devices(f"suite-{self._barriers}")
 
+  def realign_orbax_operations(self) -> int:
+    """Brings Orbax's per-process operation counter to the same value on every process;
+    returns how far this process was behind.
+
+    Orbax numbers each save (its signals and barriers are keyed by that number) with a
+    counter in each process. Its emergency manager saves from replica 0 to persistent storage
+    and from replica 1 to RAM, so the processes' counters drift apart; a later save by every
+    process (the next contender's) then waits, on the processes behind, for a signal sent
+    under another number, and hangs whenever it arrives before the primary host made the
+    step's folder.
+    """
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from orbax.checkpoint._src.futures import synchronization
+
+    if self.n == 1:
+      return 0
+    mine = int(synchronization.OperationIdGenerator.get_current_operation_id())
+    behind = int(np.max(multihost_utils.process_allgather(np.asarray([mine])))) - mine
+    for _ in range(behind):
+      synchronization.OperationIdGenerator.next_operation_id()
+    return behind
+
   def slowest(self, seconds: float) -> float:
     import numpy as np
     from jax.experimental import multihost_utils
@@ -221,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
                               "data-parallel replicas (2 or more processes here)")
       else:
         _emergency(job, mib, state, abstract, res)
+        behind = job.realign_orbax_operations()
+        if behind:
+          print(f"suite_worker: process {job.me} was {behind} Orbax operations behind after "
+                "Orbax's emergency manager; realigned", file=sys.stderr, flush=True)
         notes["emergency"] = ("replica 0 saves only to persistent storage, replica 1 to its "
                               "RAM folders (Orbax's design); figures are the slowest process")
         phase_done("emergency")
