@@ -104,9 +104,31 @@ def outgoing_step(kind: str, destination: int, step: int, local: local_store.Loc
     assert own is not None, "a twin serves its own step, read by read_own"
     manifest, data = own[:2]
     manifest = dataclasses.replace(manifest, process_index=destination)
+    manifest = _without_process_items(manifest)
   else:
     manifest, data = store.read(destination, step, local.directory / str(step))
   return peer_stream.step_stream(manifest, data)
+
+
+def _without_process_items(manifest: local_format.StepManifest) -> local_format.StepManifest:
+  """A twin's step as its twin's: less the twin's own per-process items (a data iterator's
+  position is not the destination's). Staging writes them last, so the data ends earlier.
+
+  (A restore that asks for per-process items never takes a twin's folder; this keeps the
+  destination's rebuilt folder from holding the twin's position as its own.)
+  """
+  kept = {name: item for name, item in manifest.items.items() if item.kind != "process"}
+  if len(kept) == len(manifest.items):
+    return manifest
+  ends = [s.offset + local_format.align(s.nbytes) for item in kept.values()
+          for leaf in item.leaves for s in leaf.shards if s.nbytes]
+  dropped = [s.offset for name, item in manifest.items.items() if name not in kept
+             for leaf in item.leaves for s in leaf.shards]
+  data_size = max(ends, default=0)
+  if dropped and min(dropped) < data_size:
+    raise local_format.CorruptStepError("per-process entries are not at the end of the step's "
+                                        "data: the twin's step cannot be served without them")
+  return dataclasses.replace(manifest, items=kept, data_size=min(data_size, manifest.data_size))
 
 
 @dataclasses.dataclass
