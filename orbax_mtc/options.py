@@ -50,6 +50,12 @@ class LocalCheckpointOptions:
       by default). Widen them only for a helper that runs as another user, such as a
       replicator that must read the steps.
     file_mode: Permissions of the RAM tier's files (0o600 by default); as `directory_mode`.
+    device_copy: On accelerators, `save()` copies the state's shards on the device and the
+      writer thread moves the copy to host memory, so `save()` returns after a device-side
+      copy instead of the device-to-host transfer. Needs one more state-sized buffer of
+      device memory while a save is in flight.
+      False: `save()` waits for the transfer itself (no extra device memory). Arrays on CPU
+      are never copied (the RAM tier reads their buffers directly).
 
   Raises:
     ValueError: If `save_interval_steps` is not positive, `max_to_keep` is < 1, both
@@ -68,6 +74,7 @@ class LocalCheckpointOptions:
   debug_use_full_global_mesh: bool = False
   directory_mode: int = 0o700
   file_mode: int = 0o600
+  device_copy: bool = True
 
   def __post_init__(self):
     check_interval("LocalCheckpointOptions", "save_interval_steps", self.save_interval_steps,
@@ -75,6 +82,7 @@ class LocalCheckpointOptions:
     check_max_to_keep("LocalCheckpointOptions", self.max_to_keep)
     check_bool("LocalCheckpointOptions", "debug_use_full_global_mesh",
                 self.debug_use_full_global_mesh)
+    check_bool("LocalCheckpointOptions", "device_copy", self.device_copy)
     if self.preservation_policy is not None:
       keep = ram_keep_from_policy("LocalCheckpointOptions", self.preservation_policy)
       # The value stored here for the policy is accepted again, so dataclasses.replace works.

@@ -36,11 +36,13 @@ class RamSaver:
     peers: the peer copies.
     persistent: the persistent tier.
     asynchronous: writes run in the background (else `save` returns with every tier done).
+    device_copy: stage accelerator shards as device-side copies
+      (`LocalCheckpointOptions.device_copy`).
   """
 
   def __init__(self, *, local: local_store.LocalTier, writer: RamWriter, ledger: StepLedger,
                backups: BackupScheduler, peers: PeerCopies, persistent: PersistentTier,
-               asynchronous: bool):
+               asynchronous: bool, device_copy: bool = False):
     self._local = local
     self._writer = writer
     self._ledger = ledger
@@ -48,6 +50,7 @@ class RamSaver:
     self._peers = peers
     self._persistent = persistent
     self._asynchronous = asynchronous
+    self._device_copy = device_copy
     self.last_blocking_seconds: float | None = None
 
   def save(self, step: int, args: Any, *, backup_wanted: bool = False, metrics: Any = None,
@@ -144,7 +147,7 @@ class RamSaver:
       backup_wanted = self._backups.interval_due(step, now, saving_anywhere)
     started = time.perf_counter()
     staged = local_staging.stage(step, trees, jsons, default_item=default_item,
-                                 process_items=processes)
+                                 process_items=processes, device_copy=self._device_copy)
     self.last_blocking_seconds = time.perf_counter() - started
     self._writer.write(staged)
     if backup_wanted:

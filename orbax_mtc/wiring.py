@@ -129,7 +129,8 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
       timeout_secs=(options.async_options or ocp.AsyncOptions()).timeout_secs)
   ledger.before_local_raise = lambda: backups.poll(block=True)
   ram = RamSaver(local=local, writer=writer, ledger=ledger, backups=backups, peers=peers,
-                 persistent=persistent, asynchronous=asynchronous)
+                 persistent=persistent, asynchronous=asynchronous,
+                 device_copy=options.local.device_copy)
   chunks = dict(chunk_bytes=options.replication.chunk_bytes,
                 window=options.replication.chunks_in_flight)
   elastic = ElasticRestore(me=process_index, count=process_count, local=local, store=store,

@@ -31,6 +31,8 @@ JOB_NAME = "parity-job"
 DIFFERENCES: dict[tuple[str, str], tuple[str, str]] = {
     ("LocalCheckpointOptions", "directory_mode"): (
         "extra", "permissions of the RAM tier's folders (weights are private by default)"),
+    ("LocalCheckpointOptions", "device_copy"): (
+        "extra", "save() blocks for a device-side copy, not the device-to-host transfer"),
     ("LocalCheckpointOptions", "file_mode"): (
         "extra", "permissions of the RAM tier's files"),
     ("PersistentCheckpointOptions", "backup_interval_minutes"): (

@@ -2,8 +2,10 @@
 
 `stage` copies this node's unique shards (and its host values) into host memory and lays
 them out as data.bin will hold them; the background writer (`store.LocalTier.write`) then
-writes, checksums and commits them without touching the devices again. A typed PRNG key leaf
-is staged as its key data (see `format`).
+writes, checksums and commits them without touching the devices again. With `device_copy`,
+shards on an accelerator are copied on the device instead and reach host memory on the
+writer thread (`StagedStep.to_host`), so the save blocks for a device-side copy only. A typed
+PRNG key leaf is staged as its key data (see `format`).
 """
 
 from __future__ import annotations
@@ -45,11 +47,19 @@ class StagedStep:
 
   step: int
   # (offset in data.bin, its bytes as uint8), ascending and disjoint; nothing may change these
-  # bytes until the writer is done with them (see `stage`).
-  pieces: list[tuple[int, np.ndarray]]
+  # bytes until the writer is done with them (see `stage`). A piece still on a device (a
+  # device-side copy, `stage(device_copy=True)`) is a _PendingShard until `to_host`.
+  pieces: list[tuple[int, np.ndarray | _PendingShard]]
   size: int
   items: dict[str, ItemRecord]  # leaves with crc32c still 0: the writer fills them in
   default_item: bool
+
+  def to_host(self) -> None:
+    """Moves the pieces still on a device to host memory (the writer thread calls this
+    first; it waits for the device-to-host transfers `stage` started)."""
+    if any(isinstance(piece, _PendingShard) for _, piece in self.pieces):
+      self.pieces = [(start, _host_bytes(piece) if isinstance(piece, _PendingShard) else piece)
+                     for start, piece in self.pieces]
 
   @classmethod
   def from_buffer(cls, step: int, buffer: np.ndarray, size: int, items: dict[str, ItemRecord],
@@ -59,7 +69,8 @@ class StagedStep:
                default_item=default_item)
 
   def bytes_at(self, offset: int, nbytes: int) -> np.ndarray:
-    """The `nbytes` staged at `offset` (one shard's range lies within one piece)."""
+    """The `nbytes` staged at `offset` (one shard's range lies within one piece; `to_host`
+    first)."""
     i = bisect.bisect_right(self._starts, offset) - 1
     if i < 0 or offset + nbytes > self.pieces[i][0] + self.pieces[i][1].nbytes:
       raise ValueError(f"step {self.step}: bytes {offset}+{nbytes} are not staged")
@@ -124,7 +135,8 @@ def _host_value(path: str, leaf: Any) -> tuple[np.ndarray, str | None]:
 
 def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any], *,
           default_item: bool,
-          process_items: dict[str, tuple[str, bytes]] | None = None) -> StagedStep:
+          process_items: dict[str, tuple[str, bytes]] | None = None,
+          device_copy: bool = False) -> StagedStep:
   """This node's unique shards in host memory (the blocking part of a save).
 
   A jax array's shard is its host value: on accelerators a device-to-host copy; on CPU a
@@ -142,6 +154,9 @@ def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any], *
     default_item: whether the step was saved from a single (non-Composite) argument.
     process_items: item name -> (format, this process's bytes) of per-process items
       (`process_state`): one checksummed entry each, like a host leaf.
+    device_copy: copy shards on an accelerator on the device and leave their transfer to
+      host memory to the writer (`StagedStep.to_host`): the caller may change or donate the
+      arrays as soon as this returns, and has not waited for the transfer.
 
   Returns:
     The staged step, its shards' checksums still 0 (the writer computes them).
@@ -206,13 +221,29 @@ def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any], *
     items[item_name] = ItemRecord(kind="process", leaves=(leaf,), value={"format": fmt})
     offset += align(host.size)
 
-  # Start every device->host transfer before waiting on any (no-op on CPU).
+  deferred: set[int] = set()  # ids of the pending shards left on a device
   for p in pending:
     if isinstance(p.source, jax.Array):
+      if device_copy and _copied_on_device(p.source):
+        # A new buffer, ordered on the device before anything later done to the original
+        # (a donating training step included): its bytes are the state as saved.
+        p.source = jax.device_put(p.source, p.source.sharding, may_alias=False)
+        deferred.add(id(p))
+      # Start every device->host transfer before waiting on any (no-op on CPU).
       p.source.copy_to_host_async()
-  pieces = [(p.offset, _host_bytes(p)) for p in pending]
+  pieces = [(p.offset, p if id(p) in deferred else _host_bytes(p)) for p in pending]
   return StagedStep(step=step, pieces=pieces, size=offset, items=items,
                     default_item=default_item)
+
+
+# Tests set this to exercise the device-copy path with CPU devices.
+COPY_ON_CPU = False
+
+
+def _copied_on_device(array: jax.Array) -> bool:
+  """Whether `stage(device_copy=True)` copies this shard on its device: on accelerators (a
+  CPU shard is read in place, without a copy)."""
+  return COPY_ON_CPU or any(d.platform != "cpu" for d in array.devices())
 
 
 def _host_bytes(shard: _PendingShard) -> np.ndarray:

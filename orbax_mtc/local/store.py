@@ -351,6 +351,7 @@ class LocalTier:
       FileExistsError: the step is already committed.
       OSError: from writing; nothing is committed then.
     """
+    staged.to_host()  # shards staged as device-side copies arrive in host memory here
     root = self.directory
     final = root / str(staged.step)
     tmp = root / f"{TMP_PREFIX}{staged.step}-{uuid.uuid4().hex}"

@@ -1,0 +1,91 @@
+"""`LocalCheckpointOptions.device_copy`: on accelerators a save copies the shards on the device
+and the writer thread moves the copy to host memory, so `save()` does not wait for the
+transfer. CPU shards are read in place; `staging.COPY_ON_CPU` makes CPU devices take the
+accelerator path here, so the path is tested without an accelerator (the GPU figures are in
+docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import orbax_mtc as mtc
+from orbax_mtc import arrays
+from orbax_mtc.local import staging
+
+
+def _state(mesh, seed: int) -> dict:
+  rng = np.random.default_rng(seed)
+  return {"w": jax.device_put(jnp.asarray(rng.standard_normal((8, 6), np.float32)),
+                              NamedSharding(mesh, P("data", "model"))),
+          "b": jax.device_put(jnp.asarray(rng.integers(0, 99, (4,), np.int32)),
+                              NamedSharding(mesh, P())),
+          "step": np.int64(seed)}
+
+
+@pytest.fixture
+def copy_on_cpu(monkeypatch):
+  monkeypatch.setattr(staging, "COPY_ON_CPU", True)
+
+
+def test_stage_leaves_device_copies_for_the_writer(mesh, copy_on_cpu):
+  state = _state(mesh, 1)
+  expected = {k: np.asarray(v) for k, v in state.items()}
+  staged = staging.stage(3, {"state": state}, {}, default_item=False, device_copy=True)
+  on_device = [p for _, p in staged.pieces if not isinstance(p, np.ndarray)]
+  # One copy per distinct shard of the two arrays (w: 4 shards, b: 1 replicated), none of
+  # the host value.
+  assert len(on_device) == 5
+  for leaf in ("w", "b"):
+    state[leaf].delete()  # the caller's arrays may go (a donating step) once stage returns
+  staged.to_host()
+  assert all(isinstance(p, np.ndarray) for _, p in staged.pieces)
+  leaves = {leaf.path: leaf for leaf in staged.items["state"].leaves}
+  for path, name in (("['w']", "w"), ("['b']", "b")):
+    leaf = leaves[path]
+    for shard in leaf.shards:
+      got = staged.bytes_at(shard.offset, shard.nbytes).view(expected[name].dtype)
+      want = expected[name][tuple(slice(a, b) for a, b in shard.index)]
+      assert np.array_equal(got.reshape(want.shape), want)
+
+
+def test_without_device_copy_nothing_is_left_on_the_device(mesh, copy_on_cpu):
+  staged = staging.stage(3, {"state": _state(mesh, 2)}, {}, default_item=False,
+                         device_copy=False)
+  assert all(isinstance(p, np.ndarray) for _, p in staged.pieces)
+
+
+def test_a_save_survives_its_arrays_being_deleted_right_after_save(mesh, shm_dir,
+                                                                    copy_on_cpu):
+  states = [_state(mesh, seed) for seed in (10, 11)]
+  expected = [{k: np.asarray(v) for k, v in s.items()} for s in states]
+  abstract = arrays.abstract_tree(states[0])
+  options = mtc.CheckpointManagerOptions(
+      local=mtc.LocalCheckpointOptions(save_interval_steps=1, max_to_keep=2),
+      persistent=mtc.PersistentCheckpointOptions(save_interval_steps=10**6))
+  with mtc.CheckpointManager(shm_dir / "local", shm_dir / "persistent", mesh, abstract,
+                             options=options) as mgr:
+    for step, state in zip((1, 2), states, strict=True):
+      mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+      # As a training step that donates the state would: the originals are gone while the
+      # writer may still be moving the step to host memory.
+      state["w"].delete()
+      state["b"].delete()
+    mgr.wait_until_finished()
+    for step, want in zip((1, 2), expected, strict=True):
+      restored = mgr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(item=abstract))).state
+      assert mgr.last_restore.tier == "local"
+      for name, value in want.items():
+        assert np.array_equal(np.asarray(restored[name]), value), (step, name)
+
+
+def test_the_option_is_a_bool():
+  assert mtc.LocalCheckpointOptions().device_copy is True
+  with pytest.raises(TypeError, match="device_copy"):
+    mtc.LocalCheckpointOptions(device_copy="yes")
