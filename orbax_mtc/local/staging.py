@@ -57,9 +57,13 @@ class StagedStep:
   def to_host(self) -> None:
     """Moves the pieces still on a device to host memory (the writer thread calls this
     first; it waits for the device-to-host transfers `stage` started)."""
-    if any(isinstance(piece, _PendingShard) for _, piece in self.pieces):
-      self.pieces = [(start, _host_bytes(piece) if isinstance(piece, _PendingShard) else piece)
-                     for start, piece in self.pieces]
+    on_device = [piece for _, piece in self.pieces if isinstance(piece, _PendingShard)]
+    if not on_device:
+      return
+    for piece in on_device:  # every transfer started before any is awaited
+      piece.source.copy_to_host_async()
+    self.pieces = [(start, _host_bytes(piece) if isinstance(piece, _PendingShard) else piece)
+                   for start, piece in self.pieces]
 
   @classmethod
   def from_buffer(cls, step: int, buffer: np.ndarray, size: int, items: dict[str, ItemRecord],
@@ -228,9 +232,10 @@ def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any], *
         # A new buffer, ordered on the device before anything later done to the original
         # (a donating training step included): its bytes are the state as saved.
         p.source = jax.device_put(p.source, p.source.sharding, may_alias=False)
-        deferred.add(id(p))
-      # Start every device->host transfer before waiting on any (no-op on CPU).
-      p.source.copy_to_host_async()
+        deferred.add(id(p))  # its transfer starts on the writer thread: it can block (CUDA)
+      else:
+        # Start every device->host transfer before waiting on any (no-op on CPU).
+        p.source.copy_to_host_async()
   pieces = [(p.offset, p if id(p) in deferred else _host_bytes(p)) for p in pending]
   return StagedStep(step=step, pieces=pieces, size=offset, items=items,
                     default_item=default_item)
