@@ -165,7 +165,8 @@ class RamRestore:
         return self._restore_elastic(step, targets, single, reports, plan, finish, False)
       if built is not None:
         restored, default_item = built
-        restored = process_state.settle(restored)  # built everywhere: now move the iterators
+        if item_args.process_targets(targets):
+          restored = self._settle(assembly.step, restored)
         # Per process: "peer" when this node's bytes came from a twin or a peer's copy.
         mine = assembly.sources[self._me].kind
         finish(assembly.step, "local" if mine == restore_plan.OWN else "peer")
@@ -178,6 +179,26 @@ class RamRestore:
       if not new:
         failed_steps.add(assembly.step)
       excluded |= new
+
+  def _settle(self, step: int, restored: dict[str, Any]) -> dict[str, Any]:
+    """Sets the saved iterator states, now that every process has built the step; a state an
+    iterator refuses (another shard layout, say) is raised on every process alike."""
+    problem = ""
+    try:
+      restored = process_state.settle(restored)
+    except Exception as e:  # noqa: BLE001 - agreed below, raised everywhere
+      problem = f"{type(e).__name__}: {e}"
+    outcomes = self._ledger.agree(agreement.BuildRecord(
+        status=Status.MISMATCH if problem else Status.OK, message=problem),
+        f"setting the data iterators of step {step}")
+    refused = [(p, o.message) for p, o in enumerate(outcomes) if o.status != Status.OK]
+    if refused:
+      process, message = refused[0]
+      raise local_format.AbstractStateMismatchError(
+          f"process {process}: the iterator refused the state saved with step {step} "
+          f"({message}). Restore into an iterator built as the one that was saved (same "
+          "data source, sampler and shard), or leave the item out.")
+    return restored
 
   def _native(self, inventory: agreement.Inventory, report: HostReport) -> agreement.Inventory:
     """The inventory less the folders saved on another layout of processes (another count,

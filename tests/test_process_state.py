@@ -119,6 +119,13 @@ def test_a_manager_keeps_the_iterator_in_ram_and_in_the_persistent_step(shm_dir,
     assert mgr.last_restore.tier == "local"
     assert restored.iter is fresh and restored.pos == {"step": 2}
     assert np.array_equal(next(fresh), expected)
+    # An iterator that refuses the saved state (another data source): a clear error.
+    other = iter(grain.DataLoader(
+        data_source=grain.sources.RangeDataSource(0, 32, 1), worker_count=0,
+        sampler=grain.samplers.IndexSampler(num_records=32, shuffle=False, num_epochs=1,
+                                            shard_options=grain.sharding.NoSharding())))
+    with pytest.raises(mtc.AbstractStateMismatchError, match="refused the state saved"):
+      mgr.restore(2, args=ocp.args.Composite(iter=grain.checkpoint.CheckpointRestore(other)))
     # Asked for as the wrong kind, or missing: clear errors, nothing deleted.
     with pytest.raises(mtc.AbstractStateMismatchError, match="per-process state"):
       mgr.restore(2, args=ocp.args.Composite(iter=ocp.args.JsonRestore()))
