@@ -94,6 +94,15 @@ def bind(args: tuple[Any, ...], kwargs: dict[str, Any],
   Raises:
     TypeError: If the call does not fit the signature of its form; the message shows both.
   """
+  if "persistent_non_replicated_directory" in kwargs:
+    # Orbax's emergency manager saves a `dataset` item there (persistent only).
+    raise TypeError(
+        "orbax_mtc.CheckpointManager has no persistent_non_replicated_directory: per-process "
+        "items are kept in every tier (RAM, peers, and the persistent step itself). Save the "
+        "data iterator as an item of the same Composite, e.g. dataset=grain.checkpoint."
+        "CheckpointSave(iterator) or orbax_mtc.ProcessJsonSave(position), restore it with "
+        "CheckpointRestore(iterator) / ProcessJsonRestore(), and drop this argument "
+        "(docs/iterators.md).")
   form = choose_form(args, kwargs, mtc_options_type)
   signature = MULTI_TIER_SIGNATURE if form == MULTI_TIER else PARENT_STYLE_SIGNATURE
   try:
