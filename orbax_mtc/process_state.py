@@ -30,8 +30,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 JSON = "json"  # a ProcessJsonSave item
-GRAIN = "grain"  # a Grain iterator
-FORMATS = (JSON, GRAIN)
+GRAIN = "grain"  # a Grain iterator (the manifest's item value names these two)
 
 
 def file_name(index: int, count: int) -> str:
@@ -106,19 +105,22 @@ def missing_message(directory: Any, index: int, count: int) -> str:
 
 @functools.cache
 def _grain() -> Any:
+  """Grain, with `grain.checkpoint` loaded (its args register with Orbax on import); None
+  where Grain is not installed."""
   try:
-    import grain  # noqa: F401 - Grain's args register with Orbax on import
-    import grain.checkpoint as grain_checkpoint
+    import grain
+    import grain.checkpoint  # noqa: F401
   except ImportError:
     return None
-  return grain_checkpoint
+  return grain
 
 
 def _is_grain(args: Any, names: tuple[str, ...]) -> bool:
   if not type(args).__module__.startswith("grain"):
     return False  # not Grain's: no import of grain
-  module = _grain()
-  return module is not None and isinstance(args, tuple(getattr(module, n) for n in names))
+  grain = _grain()
+  return grain is not None and isinstance(
+      args, tuple(getattr(grain.checkpoint, n) for n in names))
 
 
 def save_format(args: Any) -> str | None:
@@ -211,8 +213,8 @@ def settle(items: dict[str, Any]) -> dict[str, Any]:
 def _set_state(target: ProcessTarget, data: bytes) -> Any:
   text = data.decode()
   iterator = target.iterator
-  dataset_iterator = getattr(_grain_root(), "DatasetIterator", None)
-  if dataset_iterator is not None and isinstance(iterator, dataset_iterator):
+  grain = _grain()
+  if grain is not None and isinstance(iterator, grain.DatasetIterator):
     iterator.set_state(json.loads(text))
   else:
     iterator.set_state(text.encode())
@@ -220,14 +222,6 @@ def _set_state(target: ProcessTarget, data: bytes) -> Any:
   if start is not None:
     start()  # as Grain's own handler does after set_state
   return iterator
-
-
-def _grain_root() -> Any:
-  try:
-    import grain
-  except ImportError:
-    return None
-  return grain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,11 +239,11 @@ def backup_args(fmt: str, data: bytes) -> Any:
   """Save args that make Orbax write `data` as this process's file of the item."""
   if fmt == JSON:
     return ProcessJsonSave(data)
-  return _grain().CheckpointSave(SavedGrainState(data))
+  return _grain().checkpoint.CheckpointSave(SavedGrainState(data))
 
 
 def restore_args(target: ProcessTarget) -> Any:
   """Orbax restore args of a per-process item (the persistent tier)."""
   if target.format == JSON:
     return ProcessJsonRestore()
-  return _grain().CheckpointRestore(target.iterator)
+  return _grain().checkpoint.CheckpointRestore(target.iterator)
