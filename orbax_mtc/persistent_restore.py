@@ -67,16 +67,22 @@ def restore(persistent: PersistentTier, step: int, targets: dict[str, Any],
 
 
 def check_process_item(item_dir: epath.Path, name: str) -> None:
-  """Raises a clear error when this process's file of a per-process item is missing (saved
-  by another process count), before Orbax's handler would fail on one process only.
+  """Raises a clear error when a process's file of a per-process item is missing (saved by
+  another process count), before Orbax's restore starts: every process checks every
+  process's file, so all raise together, and none waits in Orbax's restore for one that did.
 
   Raises:
-    local_format.AbstractStateMismatchError: the file is not there.
+    local_format.AbstractStateMismatchError: a file is not there.
   """
-  index, count = jax.process_index(), jax.process_count()
-  if not (item_dir / process_state.file_name(index, count)).exists():
+  count = jax.process_count()
+  try:
+    present = {p.name for p in item_dir.iterdir()}
+  except OSError:
+    present = set()
+  missing = [i for i in range(count) if process_state.file_name(i, count) not in present]
+  if missing:
     raise local_format.AbstractStateMismatchError(
-        f"Item {name!r}: " + process_state.missing_message(item_dir, index, count))
+        f"Item {name!r}: " + process_state.missing_message(item_dir, missing[0], count))
 
 
 def check_item(item_dir: epath.Path, name: str, target: Any) -> None:
