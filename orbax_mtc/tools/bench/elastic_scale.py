@@ -38,6 +38,7 @@ from typing import Any
 
 from orbax_mtc import agreement, elastic_plan, row_codec
 from orbax_mtc.elastic_plan import Box, FolderRef, HostReport, TileIndex
+from orbax_mtc.tools.bench import plotting
 
 DEVICES_PER_HOST = 8
 REPLICAS = 2
@@ -215,13 +216,9 @@ def markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
 
 def plot(rows: Sequence[dict[str, Any]], path: Path) -> str | None:
   """Plan time and agreement size against hosts; returns why not, if not."""
-  try:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    return "matplotlib is not installed: pip install 'orbax-mtc[bench]'"
+  plt = plotting.pyplot()
+  if plt is None:
+    return plotting.NOT_INSTALLED
   hosts = [r["hosts"] for r in rows]
   fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
   left.plot(hosts, [r["plan_s"] for r in rows], "C0-o", label="plan (every process)")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from orbax_mtc.tools import cli
+from orbax_mtc.tools.bench import plotting
 
 # Memory and RAM disk one process needs for one size, in multiples of its state. Measured
 # (`peak_rss_bytes` in suite.json, at 1 and 2 GiB, runtime excluded): one process peaks at
@@ -277,13 +278,9 @@ def markdown(rows: Sequence[dict[str, Any]], skipped: Sequence[dict[str, Any]],
 
 def plot(rows: Sequence[dict[str, Any]], path: Path) -> str | None:
   """Bandwidth vs state size, one panel per process count; returns why not, if not."""
-  try:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    return "matplotlib is not installed: pip install 'orbax-mtc[bench]'"
+  plt = plotting.pyplot()
+  if plt is None:
+    return plotting.NOT_INSTALLED
   procs = sorted({r["procs"] for r in rows})
   fig, axes = plt.subplots(1, len(procs), figsize=(5 * len(procs), 4), squeeze=False)
   series = [("raw_write_overwrite_gbps", "raw write (overwrite)", "k--"),
