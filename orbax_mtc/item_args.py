@@ -9,6 +9,7 @@ iterator's position); restore targets name each item's abstract tree (None for J
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,7 +28,7 @@ def named_items(args: Any) -> dict[str, Any]:
   return dict(args.items()) if isinstance(args, ocp.args.Composite) else {DEFAULT_ITEM: args}
 
 
-def split_save_args(args: Any
+def split_save_args(args: Any, *, on_process_error: Callable[[TypeError], Any] | None = None
                     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, tuple[str, bytes]], bool]:
   """Splits Orbax save args into what the RAM tier writes.
 
@@ -37,6 +38,10 @@ def split_save_args(args: Any
   Args:
     args: `ocp.args.Composite` of PyTreeSave/StandardSave/JsonSave items and per-process
       items (ProcessJsonSave, Grain's CheckpointSave), or one PyTreeSave/StandardSave.
+    on_process_error: gets the error of a per-process value this process cannot encode
+      (the item is then left out) instead of it being raised: the value is this process's
+      own, so the other processes may have nothing to raise, and the caller reports it
+      through an agreement.
 
   Returns:
     (pytree items, JSON items, per-process items as (format, this process's bytes), whether
@@ -59,7 +64,10 @@ def split_save_args(args: Any
         try:
           processes[name] = (fmt, process_state.encode(fmt, item.item))
         except TypeError as e:
-          raise TypeError(f"Item {name!r}: {e}") from e
+          error = TypeError(f"Item {name!r}: {e}")
+          if on_process_error is None:
+            raise error from e
+          on_process_error(error)
       else:
         raise TypeError(
             f"Item {name!r}: {type(item).__name__} cannot be saved to the RAM tier, which "

@@ -258,7 +258,8 @@ class ParentStyleCheckpointManager(CheckpointManager):
       return parent_saved
     try:
       check_ram_savable(args)
-      trees = item_args.split_save_args(args)[0]
+      # Per-process values are encoded (and their errors agreed) by the RAM save itself.
+      trees = item_args.split_save_args(args, on_process_error=lambda _: None)[0]
     except TypeError as e:
       self._warn_once("ram-args", "orbax-mtc: the RAM tier keeps PyTreeSave/StandardSave/JsonSave "
                       "items only; step %d and others like it go to %s alone (%s).", step,

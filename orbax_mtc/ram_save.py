@@ -73,9 +73,13 @@ class RamSaver:
     Raises:
       ValueError: processes save different steps.
       ocp.checkpoint_manager.StepAlreadyExistsError: the step is in a tier already.
-      agreement.CheckpointError: an earlier local write failed on some process.
+      agreement.CheckpointError: an earlier local write failed on some process, or a
+        per-process item could not be encoded there.
     """
-    trees, jsons, processes, default_item = item_args.split_save_args(args)
+    # A per-process value this process cannot encode is its own error: it goes to every
+    # process through this save's agreement (rule 9), not raised here alone.
+    trees, jsons, processes, default_item = item_args.split_save_args(
+        args, on_process_error=self._ledger.note_local_error)
     self._writer.wait()  # one write in flight (as Orbax): steps commit in order
     # The previous step's copies must be out before retention may retire its folder.
     self._peers.progress(block=True)
@@ -101,7 +105,8 @@ class RamSaver:
     newest = [max(inv.own_steps) if inv.own_steps else -1 for inv in inventories]
     floor = min(newest) if ledger.process_count > 1 and min(newest) >= 0 else None
     ledger.adopt(inventories)
-    ledger.raise_agreed_faults(records, f"an earlier local write (before step {step})")
+    ledger.raise_agreed_faults(records,
+                               f"the save of step {step} (or an earlier local write)")
     in_ram = np.asarray([r.has_step_in_ram for r in records])
     in_persistent = np.asarray([r.has_step_persistent for r in records])
     backup_wanted = any(r.wants_backup for r in records)

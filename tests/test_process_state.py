@@ -176,3 +176,32 @@ def test_a_twin_serves_its_step_without_its_own_iterator_position(shm_dir, mesh)
   again = local_format.StepManifest.from_json(served.to_json(), where="served")
   assert again.items == served.items
   assert replication._without_process_items(served) is served
+
+
+def test_a_value_one_process_cannot_encode_fails_the_save_through_the_agreement(shm_dir, mesh):
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from orbax_mtc import arrays
+
+  state = {"w": jax.device_put(jnp.arange(16.0).reshape(4, 4), NamedSharding(mesh, P("data")))}
+  options = mtc.CheckpointManagerOptions(
+      local=mtc.LocalCheckpointOptions(save_interval_steps=1),
+      persistent=mtc.PersistentCheckpointOptions(save_interval_steps=10**6))
+  with mtc.CheckpointManager(shm_dir / "local", shm_dir / "persistent", mesh,
+                             arrays.abstract_tree(state), options=options) as mgr:
+    mgr.save(1, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
+                                        pos=mtc.ProcessJsonSave({"i": 1})))
+    # The value is this process's own: its error is raised as the agreed CheckpointError
+    # (every process raises it), and nothing of step 2 is committed.
+    with pytest.raises(mtc.CheckpointError, match="save of step 2.*Item 'pos'.*JSON"):
+      mgr.save(2, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
+                                          pos=mtc.ProcessJsonSave({1, 2})))
+    mgr.wait_until_finished()
+    assert mgr.all_steps() == [1]
+    mgr.save(3, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
+                                        pos=mtc.ProcessJsonSave({"i": 3})))
+    mgr.wait_until_finished()
+    assert mgr.all_steps() == [1, 3]
