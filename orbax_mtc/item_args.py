@@ -28,7 +28,7 @@ def named_items(args: Any) -> dict[str, Any]:
   return dict(args.items()) if isinstance(args, ocp.args.Composite) else {DEFAULT_ITEM: args}
 
 
-def split_save_args(args: Any, *, on_process_error: Callable[[TypeError], Any] | None = None
+def split_save_args(args: Any, *, on_process_error: Callable[[Exception], Any] | None = None
                     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, tuple[str, bytes]], bool]:
   """Splits Orbax save args into what the RAM tier writes.
 
@@ -48,7 +48,9 @@ def split_save_args(args: Any, *, on_process_error: Callable[[TypeError], Any] |
     it was a single default item).
 
   Raises:
-    TypeError: an item kind the RAM tier cannot hold, or args of another kind.
+    TypeError: an item kind the RAM tier cannot hold, args of another kind, or (without
+      `on_process_error`) a per-process value that is not JSON or not a Grain iterator.
+    RuntimeError: (without `on_process_error`) a Grain iterator's get_state() failed.
   """
   if isinstance(args, PYTREE_SAVE):
     return {DEFAULT_ITEM: args.item}, {}, {}, True
@@ -63,8 +65,9 @@ def split_save_args(args: Any, *, on_process_error: Callable[[TypeError], Any] |
       elif fmt is not None:
         try:
           processes[name] = (fmt, process_state.encode(fmt, item.item))
-        except TypeError as e:
-          error = TypeError(f"Item {name!r}: {e}")
+        except Exception as e:  # noqa: BLE001 - a state getter may fail any way
+          error = TypeError(f"Item {name!r}: {e}") if isinstance(e, TypeError) else \
+              RuntimeError(f"Item {name!r}: {type(e).__name__}: {e}")
           if on_process_error is None:
             raise error from e
           on_process_error(error)
