@@ -244,7 +244,7 @@ def test_server_stopped_mid_backup_training_goes_on_and_the_next_backup_lands(
       assert len(reports) == 1, reports
     objects = bucket_objects(server, f"{run}/")
     steps = committed_steps(objects, run)
-    assert first in steps and stuck not in steps, (steps, sorted(objects)[:20])
+    assert first in steps, (steps, sorted(objects)[:20])
     after = [s for s in steps if s > stuck]
     assert after and max(after) >= up_at, (steps, up_at)
     ends = {n: f for n, f in mp_events.events(out.lines, "BACKUP") if f["at"] == "end"}
@@ -255,7 +255,11 @@ def test_server_stopped_mid_backup_training_goes_on_and_the_next_backup_lands(
     assert status.returncode == 0, status.stdout + status.stderr
     states = {line.split()[0]: line.split()[1] for line in status.stdout.splitlines()[1:]}
     assert states.get(str(newest)) == "unchecked", status.stdout
-    if any(name.startswith(f"{run}/{stuck}/") for name in objects):
+    if stuck in steps:
+      # Orbax's timed-out save goes on in its own threads, and once the server is back it
+      # may still finish that step (seen once in CI): then the step is whole, never partial.
+      plain_orbax_restores(server, persistent, stuck)
+    elif any(name.startswith(f"{run}/{stuck}/") for name in objects):
       assert states.get(str(stuck)) == "partial", status.stdout  # listed, never restored
     plain_orbax_restores(server, persistent, newest)
   finally:
