@@ -39,7 +39,7 @@ from orbax_mtc import agreement, elastic_plan, item_args
 from orbax_mtc.agreement import Status
 from orbax_mtc.elastic_plan import OWN, Box, FolderRef, HostReport
 from orbax_mtc.ledger import StepLedger
-from orbax_mtc.local import checksum
+from orbax_mtc.local import aside, checksum
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import read as local_read
 from orbax_mtc.local import staging as local_staging
@@ -202,6 +202,7 @@ class ElasticRestore:
     self._local, self._store, self._writer = local, store, writer
     self._ledger, self._peers = ledger, peers
     self._chunk_bytes, self._window = chunk_bytes, window
+    self._own_folders: dict[FolderRef, Path] = {}  # of the last report
 
   # --------------------------------------------------------------------- report
 
@@ -211,28 +212,48 @@ class ElasticRestore:
   def _copy_dir(self, rank: int, step: int) -> Path:
     return self._store.source_dir(rank) / str(step)
 
+  def _own_folder(self, step: int, rank: int | None, digest_value: int) -> Path:
+    """The own folder (current or set aside by a replacement) of a step's save with this
+    layout digest, saved by `rank` (None: any rank)."""
+    for ref, folder in self._own_folders.items():
+      if (ref.step, ref.digest) == (step, digest_value) and rank in (None, ref.rank):
+        return folder
+    return self._own_dir(step)
+
+  def is_primary(self, ref: FolderRef) -> bool:
+    """Whether `ref` (of the last report) is the step's current folder `<local>/<step>`,
+    not a replaced layout kept aside."""
+    return self._own_folders.get(ref) == self._own_dir(ref.step)
+
   def report(self) -> HostReport:
     """The folders this node can serve, named by saved rank, count and layout digest.
 
     Reads only manifests; a folder that cannot be read or was saved without a layout is left
-    out (it cannot serve an elastic restore).
+    out (it cannot serve an elastic restore). Own folders include the layouts a write-back
+    set aside (`local.aside`): until the step is retired they still serve it.
     """
     own: list[FolderRef] = []
-    steps = self._local.steps()
-    for step in steps:
-      ref = self._ref(self._own_dir(step), step, None)
-      if ref is not None:
+    self._own_folders = {}
+    folders = [(step, self._own_dir(step)) for step in self._local.steps()]
+    folders += aside.replaced_folders(self._local.directory)
+    for step, folder in folders:
+      ref = self._ref(folder, step, None)
+      if ref is not None and ref not in self._own_folders:
         own.append(ref)
+        self._own_folders[ref] = folder
+    held = {(ref.step, ref.digest) for ref in own}
     copies: list[FolderRef] = []
     for source, step in self._store.copies():
+      ref = self._ref(self._copy_dir(source, step), step, source)
+      if ref is None:
+        continue
       try:
-        if self._store.meta(source, step).needs_own_step and step not in steps:
+        # Its shards marked "in my own folder" need an own folder of the same save.
+        if self._store.meta(source, step).needs_own_step and (step, ref.digest) not in held:
           continue
       except local_format.LocalTierError:
         continue
-      ref = self._ref(self._copy_dir(source, step), step, source)
-      if ref is not None:
-        copies.append(ref)
+      copies.append(ref)
     report = HostReport(own=tuple(own), copies=tuple(copies))
     # The agreement has room for agreement.ELASTIC_REPORT_BYTES: drop the oldest steps first.
     while len(report.encode()) > agreement.ELASTIC_REPORT_BYTES:
@@ -308,15 +329,23 @@ class ElasticRestore:
       if bad:
         excluded |= bad
         continue
-      restored, default_item, json_items = value
+      restored, default_item, json_items, complete = value
       finish(plan.step, TIER)
-      self._write_back(plan.step, restored, default_item, json_items)
+      if complete:
+        self._write_back(plan.step, restored, default_item, json_items)
+      else:
+        # A write-back of some items would drop the others (rule 10): the step stays in the
+        # old layout, which the next elastic restore reads again.
+        logging.info("orbax-mtc: step %d restored without all its items; its folders keep "
+                     "the layout it was saved with", plan.step)
       if single or (single is None and default_item):
         return ElasticResult(True, restored[item_args.DEFAULT_ITEM], plan.step, False)
       return ElasticResult(True, ocp.args.Composite(**restored), plan.step, False)
 
-  def _my_folder_dir(self, kind: int, rank: int, step: int) -> Path:
-    return self._own_dir(step) if kind == OWN else self._copy_dir(rank, step)
+  def _my_folder_dir(self, kind: int, rank: int, step: int, digest_value: int) -> Path:
+    if kind == OWN:
+      return self._own_folder(step, rank, digest_value)
+    return self._copy_dir(rank, step)
 
   def _layout_of(self, candidate: elastic_plan.Candidate,
                  excluded: set[tuple[int, int, int]]) -> StepManifest | None:
@@ -325,7 +354,8 @@ class ElasticRestore:
       for process, kind in holders:
         if process == self._me and (process, rank, candidate.step) not in excluded:
           try:
-            return local_store.read_manifest(self._my_folder_dir(kind, rank, candidate.step))
+            return local_store.read_manifest(
+                self._my_folder_dir(kind, rank, candidate.step, candidate.digest))
           except local_format.LocalTierError:
             continue
     return None
@@ -350,52 +380,61 @@ class ElasticRestore:
 
   # --------------------------------------------------------------------- one attempt
 
-  def _load(self, plan: elastic_plan.ElasticPlan) -> tuple[dict[int, _Folder], list[int], str]:
-    """The folders this process serves, every checksum verified; (folders, failed ranks,
-    messages)."""
+  def _load(self, plan: elastic_plan.ElasticPlan
+            ) -> tuple[dict[int, _Folder], list[int], str, str]:
+    """The folders this process serves, every checksum verified; (folders, damaged ranks,
+    their messages, an error that proves no damage)."""
     folders: dict[int, _Folder] = {}
     failed: list[int] = []
     problems: list[str] = []
+    fatal: list[str] = []
     for rank, kind in sorted(plan.served_by(self._me).items()):
       try:
         if kind == OWN:
-          folder = self._own_dir(plan.step)
+          folder = self._own_folder(plan.step, rank, plan.digest)
           manifest = local_store.read_manifest(folder)
           crcs: dict[tuple[int, int], int] = {}
           data = local_read.read_data(folder, manifest, crcs)
           local_read.verify_buffer(data, manifest, str(folder), crcs)
         else:
           folder = self._copy_dir(rank, plan.step)
-          manifest, data = self._store.read(rank, plan.step, self._own_dir(plan.step))
+          manifest, data = self._store.read(rank, plan.step,
+                                            self._own_folder(plan.step, None, plan.digest))
         if (manifest.process_count, manifest.process_index) != (plan.count, rank) or \
             digest(manifest) != plan.digest:
           raise local_format.ManifestError(f"{folder}: not saved rank {rank} of this save")
         folders[rank] = _Folder(manifest, data, str(folder))
-      except Exception as e:  # noqa: BLE001 - agreed below, never raised
-        failed.append(rank)
-        problems.append(f"saved rank {rank} ({'own' if kind == OWN else 'copy'}): "
-                        f"{type(e).__name__}: {e}")
-    return folders, failed, "; ".join(problems)
+      except Exception as e:  # noqa: BLE001 - agreed below, never raised here
+        where = f"saved rank {rank} ({'own' if kind == OWN else 'copy'}): {type(e).__name__}: {e}"
+        if isinstance(e, local_format.LocalTierError):  # damage: another source serves it
+          failed.append(rank)
+          problems.append(where)
+        else:
+          fatal.append(where)
+    return folders, failed, "; ".join(problems), "; ".join(fatal)
 
   def _execute(self, plan: elastic_plan.ElasticPlan, candidate: elastic_plan.Candidate,
                targets: dict[str, Any], single: bool | None
                ) -> tuple[Any, set[tuple[int, int, int]]]:
     me, step = self._me, plan.step
-    folders, failed, message = self._load(plan)
+    folders, failed, message, fatal = self._load(plan)
     layout = next(iter(folders.values())).manifest if folders else None
     outgoing: dict[int, peer_stream.OutgoingStream] = {}
     problem = ""
-    if not failed:
+    if not failed and not fatal:
       try:
         outgoing = self._streams(plan, folders, layout, targets, single)
       except local_format.AbstractStateMismatchError as e:
         problem = str(e)
+      except Exception as e:  # noqa: BLE001 - agreed below, raised on every process
+        fatal = f"{type(e).__name__}: {e}"
     edges = [(src, dst) for src in range(self.count) for dst in range(self.count)
              if src != dst]
     sizes = exchange.outgoing_sizes(edges, me, outgoing)
-    status = Status.FAILED if failed else (Status.MISMATCH if problem else Status.OK)
+    status = (Status.FAILED if fatal else Status.UNUSABLE if failed else
+              Status.MISMATCH if problem else Status.OK)
     served = ServeRecord(status=status, failed_ranks=tuple(failed),
-                         message=problem or message)
+                         message=fatal or problem or message)
     buffers: dict[int, np.ndarray] = {}
 
     def sink_for(stream):
@@ -414,6 +453,8 @@ class ElasticRestore:
       records = result.records
       self._raise_mismatch([(p, r.message) for p, r in enumerate(records)
                             if r.status == Status.MISMATCH], step)
+      _raise_failed({p: r.message for p, r in enumerate(records) if r.status == Status.FAILED},
+                    step)
       bad = {(p, rank, step) for p, r in enumerate(records) for rank in r.failed_ranks}
       for p, r in enumerate(records):
         if r.status != Status.OK:
@@ -428,10 +469,11 @@ class ElasticRestore:
       built = Built(Status.MISMATCH, message=str(e))
     except _BadTile as e:
       built = Built(Status.UNUSABLE, message=str(e), bad=(e.process, e.rank))
-    except Exception as e:  # noqa: BLE001 - agreed below
-      if not isinstance(e, (local_format.LocalTierError, OSError, ValueError)):
-        logging.exception("orbax-mtc: unexpected error rebuilding step %d", step)
+    except local_format.LocalTierError as e:  # damage: another source or an older step
       built = Built(Status.UNUSABLE, message=f"{type(e).__name__}: {e}")
+    except Exception as e:  # noqa: BLE001 - not proof of damage: raised on every process
+      logging.exception("orbax-mtc: error rebuilding step %d", step)
+      built = Built(Status.FAILED, message=f"{type(e).__name__}: {e}")
     outcomes = self._ledger.agree(
         BuildRecord(status=built.status, bad_process=built.bad[0], bad_rank=built.bad[1],
                     message=built.message), f"rebuilding step {step} elastically")
@@ -439,6 +481,8 @@ class ElasticRestore:
       return built.value, set()
     self._raise_mismatch([(p, o.message) for p, o in enumerate(outcomes)
                           if o.status == Status.MISMATCH], step)
+    _raise_failed({p: o.message for p, o in enumerate(outcomes) if o.status == Status.FAILED},
+                  step)
     logging.warning("orbax-mtc: step %d could not be rebuilt on the new layout (%s); trying "
                     "other copies, an older step or the persistent tier.", step,
                     "; ".join(f"process {p}: {o.message}" for p, o in enumerate(outcomes)
@@ -619,25 +663,33 @@ class ElasticRestore:
       treedef = jax.tree_util.tree_structure(target)
       restored[item_name] = jax.tree_util.tree_unflatten(treedef, leaves_by_item[item_name])
     json_items = {name for name in restored if layout.items[name].kind == "json"}
-    return restored, layout.default_item, json_items
+    # Per-process items never move to another layout; every other item must be here.
+    complete = {name for name, item in layout.items.items() if item.kind != "process"
+                } <= set(restored)
+    return restored, layout.default_item, json_items, complete
 
   # --------------------------------------------------------------------- write-back
 
   def _write_back(self, step: int, restored: dict[str, Any], default_item: bool,
                   json_names: set[str]) -> None:
-    """The step, as restored, into this node's own folder in the new layout; the folders of
-    the old layout for this step are dropped, and peer copies are sent again."""
+    """The step, as restored, into this node's own folder in the new layout, and peer copies
+    sent again. Nothing of the old layout goes first (rule 10): its own folder is set aside
+    at the new one's commit and kept while the step is; its copies are replaced by the new
+    ones, or dropped once the new layout's first copies are out (`PeerCopies`)."""
     pytree_items = {k: v for k, v in restored.items() if k not in json_names}
     json_items = {k: v for k, v in restored.items() if k in json_names}
     staged = local_staging.stage(step, pytree_items, json_items, default_item=default_item)
     self._writer.drain()
-    if step in self._local.steps():
-      self._local.delete(step)
-    self._store.delete_step(step)
-    self._store.drop_other_counts(self.count)  # the old layout's copies: no longer needed
-    self._writer.write(staged, background=True)
+    self._writer.write(staged, background=True, replace=aside.REPLACED)
     if self._peers.topology is not None:
       self._peers.schedule(step, pytree_items)
+
+
+def _raise_failed(failed: dict[int, str], step: int) -> None:
+  """An error that proves nothing about the bytes is raised on every process alike; no
+  source is excluded for it, so no step is rolled back or dropped (rule 10)."""
+  if failed:
+    raise agreement.CheckpointError(f"rebuilding step {step} from RAM", failed)
 
 
 def _refuse_process_items(targets: dict[str, Any], plan: elastic_plan.ElasticPlan,

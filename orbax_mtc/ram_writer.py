@@ -9,6 +9,7 @@ step before any later write can reuse its files. The thread does file I/O only (
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 from collections.abc import Callable
 from typing import Any
 
@@ -58,20 +59,22 @@ class RamWriter:
       return Status.WRITING
     return Status.COMMITTED if step in self._local.steps() else Status.FAILED
 
-  def write(self, staged: local_staging.StagedStep, *, background: bool | None = None) -> None:
+  def write(self, staged: local_staging.StagedStep, *, background: bool | None = None,
+            replace: str | None = None) -> None:
     """Issues the write of `staged`; the caller waits for the previous one first.
 
     Args:
       staged: the step's bytes on the host.
       background: write on the thread; default: as the manager's async option says. A
         synchronous write is waited for (its error kept for the next agreement).
+      replace: how a committed folder of the step is set aside (`LocalTier.write`).
     """
     if background if background is not None else self._asynchronous:
-      self._in_flight = self.executor.submit(self._write, staged)
+      self._in_flight = self.executor.submit(self._write, staged, replace)
       return
     self._in_flight = concurrent.futures.Future()
     try:
-      self._write(staged)
+      self._write(staged, replace)
       self._in_flight.set_result(None)
     except Exception as e:  # noqa: BLE001 - raised on every process by the next agreement
       self._in_flight.set_exception(e)
@@ -102,12 +105,14 @@ class RamWriter:
   def shutdown(self) -> None:
     self.executor.shutdown(wait=True)
 
-  def _write(self, staged: local_staging.StagedStep) -> None:
+  def _write(self, staged: local_staging.StagedStep, replace: str | None = None) -> None:
     try:
-      self._local.write(staged, self._process_index, self._process_count)
+      self._local.write(staged, self._process_index, self._process_count, replace=replace)
     except OSError as e:
-      raise OSError(
+      # Say what happened; the advice about a full RAM disk only where it is full.
+      hint = (" If the RAM disk is full, lower LocalCheckpointOptions.max_to_keep or enlarge "
+              "the RAM disk (GKE sizing: 2.2x the per-node checkpoint on TPU)."
+              if e.errno == errno.ENOSPC else "")
+      raise type(e)(
           e.errno, f"orbax-mtc: local save of step {staged.step} to {self._local.directory} "
-          f"failed: {e.strerror}. Committed steps are untouched. If the RAM disk is full, "
-          "lower LocalCheckpointOptions.max_to_keep or enlarge the RAM disk (GKE sizing: "
-          "2.2x the per-node checkpoint on TPU).") from e
+          f"failed: {e.strerror or e}. Committed steps are untouched.{hint}") from e

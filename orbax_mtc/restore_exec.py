@@ -30,6 +30,7 @@ from orbax_mtc import agreement, elastic_exec, item_args, process_state, restore
 from orbax_mtc.agreement import Status
 from orbax_mtc.elastic_plan import HostReport
 from orbax_mtc.ledger import StepLedger
+from orbax_mtc.local import aside
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import read as local_read
 from orbax_mtc.local import staging as local_staging
@@ -52,7 +53,9 @@ class _Reshard(Exception):
 class Built:
   """One node's attempt to build the restore targets from one source."""
 
-  status: Status  # OK, MISMATCH (the caller's target) or UNUSABLE (try another source)
+  # OK, MISMATCH (the caller's target), UNUSABLE (damaged: try another source) or FAILED
+  # (any other error: raised on every process)
+  status: Status
   value: Any = None  # (item name -> restored tree, saved as a single default item)
   message: str = ""
 
@@ -204,7 +207,8 @@ class RamRestore:
     """The inventory less the folders saved on another layout of processes (another count,
     or another rank's folder here): the ordinary plan assumes rank = folder."""
     count = self._elastic.count
-    foreign_own = {r.step for r in report.own if r.count != count or r.rank != self._me}
+    foreign_own = {r.step for r in report.own if self._elastic.is_primary(r) and (
+        r.count != count or r.rank != self._me)}
     foreign_copies = {(r.rank, r.step) for r in report.copies if r.count != count}
     return dataclasses.replace(
         inventory, own_steps=tuple(s for s in inventory.own_steps if s not in foreign_own),
@@ -217,9 +221,13 @@ class RamRestore:
     floor = max([s for s in (newest, persistent[-1] if persistent else None) if s is not None],
                 default=None)
     count = self._elastic.count
-    for report in reports:
-      for ref in report.own + report.copies:
-        if ref.count == count or (step is not None and ref.step != step):
+    for process, report in enumerate(reports):
+      # A folder of another process count, or this count's folder held by another process
+      # than the rank that saved it (process ids permuted at restart: rule 11, bytes have no
+      # owner): only the general plan reads it.
+      for ref in [r for r in report.own if r.count != count or r.rank != process] + [
+          r for r in report.copies if r.count != count]:
+        if step is not None and ref.step != step:
           continue
         if floor is None or ref.step > floor or (ref.step == floor and newest is None):
           return True
@@ -262,10 +270,11 @@ class RamRestore:
       return Built(Status.RESHARD, message=str(e))
     except local_format.AbstractStateMismatchError as e:
       return Built(Status.MISMATCH, message=str(e))
-    except Exception as e:  # noqa: BLE001 - any failure makes this source unusable
-      if not isinstance(e, (local_format.LocalTierError, OSError)):
-        logging.exception("orbax-mtc: unexpected error reading step %d", step)
+    except local_format.LocalTierError as e:  # proof of damage: try another source
       return Built(Status.UNUSABLE, message=f"{type(e).__name__}: {e}")
+    except Exception as e:  # noqa: BLE001 - not proof of damage: agreed, raised everywhere
+      logging.exception("orbax-mtc: error building step %d", step)
+      return Built(Status.FAILED, message=f"{type(e).__name__}: {e}")
 
   def execute(self, assembly: restore_plan.Assembly, targets: dict[str, Any],
               single: bool | None) -> tuple[Any, StepBytes | None, set[tuple[int, int, int]]]:
@@ -303,6 +312,11 @@ class RamRestore:
       # The caller's error, not a bad copy: the same error everywhere, and nothing deleted.
       culprit = mismatched[0]
       raise local_format.agreed_mismatch(culprit, outcomes[culprit].message, step)
+    failed = {p: b.message for p, b in enumerate(outcomes) if b.status == Status.FAILED}
+    if failed:
+      # An error that proves nothing about the bytes (a device out of memory, an interrupted
+      # read): excluding the source would roll back to an older step and drop this one.
+      raise agreement.CheckpointError(f"restoring step {step} from RAM", failed)
     bad = [p for p, b in enumerate(outcomes) if b.status != Status.OK]
     logging.warning("orbax-mtc: step %d unusable on process(es) %s (%s); trying another source, "
                     "an older step or the persistent tier.", step, bad,
@@ -370,10 +384,10 @@ class RamRestore:
     step = assembly.step
     if received is not None:
       manifest, data = received
-      if step in self._local.steps():  # its own copy was unusable (corrupt): replace it
-        self._local.delete(step)
       staged = local_staging.StagedStep.from_buffer(step, data, manifest.data_size, manifest.items,
                                                  manifest.default_item)
-      self._writer.write(staged, background=True)
+      # Its own folder, if any, was unusable: set aside once the good copy is committed
+      # (rule 10), never deleted before.
+      self._writer.write(staged, background=True, replace=aside.DAMAGED)
     if sets is not None:
       self._peers.schedule_recovery(step, sets, assembly.recovered)

@@ -30,7 +30,7 @@ from pathlib import Path
 from absl import logging
 
 from orbax_mtc.files import check_owner, fsync_dir, make_private_dir, write_atomic
-from orbax_mtc.local import checksum
+from orbax_mtc.local import aside, checksum
 from orbax_mtc.local.format import (
     DATA,
     MANIFEST,
@@ -327,12 +327,19 @@ class LocalTier:
         spares.append(entry)
     for extra in spares[1:]:
       shutil.rmtree(extra, ignore_errors=True)
+    aside.recover(root)
 
   # -- writing (background thread: file I/O only)
 
-  def write(self, staged: StagedStep, process_index: int, process_count: int) -> Path:
+  def write(self, staged: StagedStep, process_index: int, process_count: int, *,
+            replace: str | None = None) -> Path:
     """Writes and commits one staged step, applies retention, then calls `on_commit` with
     the newest committed step.
+
+    A folder of the step that is no valid step (no manifest, say) is moved aside as damaged
+    at the commit instant, never left to block it. A valid one is kept and FileExistsError
+    raised, unless `replace` says how to set it aside (`aside.REPLACED`: an older layout an
+    elastic restore may still read; `aside.DAMAGED`: a copy restore found unusable).
 
     `on_commit` gets the newest step, not necessarily `staged.step`: a forced save of a step
     older than those kept is retired again at once, and whatever `on_commit` points at it
@@ -403,8 +410,8 @@ class LocalTier:
       write_atomic(tmp / MANIFEST, manifest.to_json(), mode=self.file_mode,
                    tmp_name=MANIFEST + ".tmp")
       with self._lock:
-        if final.exists() or final.is_symlink():
-          raise FileExistsError(f"local step {final} already exists")
+        if os.path.lexists(final):
+          self._set_aside(final, staged.step, replace)
         os.rename(tmp, final)  # the commit point
         fsync_dir(root)
     except BaseException:
@@ -419,6 +426,24 @@ class LocalTier:
           self._on_commit(steps[-1])
     return final
 
+  def _set_aside(self, final: Path, step: int, replace: str | None) -> None:
+    """Moves the folder a commit of `step` would replace out of its way (rule 10: it goes
+    only once the new one is committed, which follows at once)."""
+    if final.is_symlink():
+      raise FileExistsError(f"local step {final} is a symbolic link; remove it")
+    try:
+      read_manifest(final)
+    except LocalTierError as e:
+      moved = aside.move_aside(self.directory, step, aside.DAMAGED, self.dir_mode)
+      logging.warning("orbax-mtc: %s was no valid step (%s); moved aside to %s (removed with "
+                      "the step)", final, e, moved)
+      return
+    if replace is None:
+      raise FileExistsError(f"local step {final} is already committed")
+    moved = aside.move_aside(self.directory, step, replace, self.dir_mode)
+    logging.info("orbax-mtc: the earlier folder of step %d is kept as %s until the step is "
+                 "retired", step, moved)
+
   def _take_spare(self) -> Path | None:
     with self._lock:
       for entry in self.directory.iterdir():
@@ -428,17 +453,18 @@ class LocalTier:
 
   def apply_retention(self) -> list[int]:
     """Retires committed steps beyond `max_to_keep`, never the newest; returns them."""
-    if self.max_to_keep is None:
-      return []
     steps = committed_steps(self.directory)
-    victims = [s for s in steps[: max(0, len(steps) - self.max_to_keep)] if s != self.keep_floor]
+    victims = [] if self.max_to_keep is None else [
+        s for s in steps[: max(0, len(steps) - self.max_to_keep)] if s != self.keep_floor]
     for step in victims:
       self.retire(step)
+    aside.prune(self.directory, set(steps) - set(victims))
     return victims
 
   def retire(self, step: int) -> None:
     """Un-commits a step (atomic rename) and keeps its files for reuse by the next save."""
     src = self.directory / str(step)
+    aside.remove_step(self.directory, step)
     with self._lock:
       have_spare = not self.reuse_files or any(
           e.name.startswith(SPARE_PREFIX) for e in self.directory.iterdir())
@@ -454,6 +480,7 @@ class LocalTier:
   def delete(self, step: int) -> None:
     """Removes a committed step (a step-named link: the link only); no error if absent."""
     src = self.directory / str(step)
+    aside.remove_step(self.directory, step)
     if src.is_symlink():  # never a step of ours: drop the link, not what it points to
       src.unlink()
       return

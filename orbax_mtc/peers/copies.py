@@ -58,7 +58,7 @@ class PeerCopies:
     self.replicator: replication.Replicator | None = None
     self._sets_cache: tuple[Any, list] | None = None
     self._listing_cache: dict[int, list[int] | None] = {}
-    self._stale_sources = False  # copies of nodes no longer held: dropped at the first copy
+    self._stale_sources = False  # copies of nodes no longer held: dropped after the first copy
 
   def set_mesh(self, mesh: jax.sharding.Mesh) -> None:
     """Replica axis, topology and replicator from the job's global mesh.
@@ -140,21 +140,23 @@ class PeerCopies:
     return self._listing_cache[key]
 
   def _drop_stale_sources(self) -> None:
+    """Once the first step's copies of this layout are out (rule 10: never before), the
+    copies an earlier layout left here (nodes no longer held, another process count) go."""
     if self._stale_sources and self.topology is not None:
       self._stale_sources = False
+      self._writer.drain()  # the copies just received are committed first
       self._store.drop_sources(self.topology.held_by(self._process_index))
+      self._store.drop_other_counts(self._process_count)
 
   def schedule(self, step: int, trees: dict[str, Any]) -> None:
     """Queues the copies of a step just saved (sent by the next `progress` calls)."""
     if self.replicator is not None:
-      self._drop_stale_sources()
       self.replicator.schedule(step, self.shard_sets(trees))
 
   def schedule_recovery(self, step: int, sets: list, recovered: Sequence[int]) -> None:
     """Queues the copies that involve nodes which got `step` back from elsewhere."""
     if self.replicator is None or self.topology is None:
       return
-    self._drop_stale_sources()
     recovered = set(recovered)
     edges = [e for e in self.topology.edges if e[0] in recovered or e[1] in recovered]
     self.replicator.schedule(step, sets, edges)
@@ -167,6 +169,8 @@ class PeerCopies:
     if block:
       self._writer.wait()
     replicator.progress(self._writer.status_of(replicator.pending_step), block=block)
+    if replicator.pending_step is None and replicator.finished_steps:
+      self._drop_stale_sources()
 
   def finish(self) -> None:
     """Sends the pending copies now and returns once received copies are committed."""

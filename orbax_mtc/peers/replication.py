@@ -164,6 +164,7 @@ class Replicator:
     self._job: _StepCopies | None = None
     self._commits: list[tuple[int, int, concurrent.futures.Future]] = []
     self.last_bytes_sent = 0
+    self.finished_steps = 0  # steps whose copies all went out
 
   @property
   def pending_step(self) -> int | None:
@@ -262,6 +263,7 @@ class Replicator:
       future = self._writer.submit(incoming.commit, self._local.keep_floor)
       self._commits.append((source, job.step, future))
     self.last_bytes_sent = job.sent_bytes
+    self.finished_steps += 1
     self._job = None
 
   def reap_commits(self) -> None:
