@@ -107,7 +107,8 @@ class RamWriter:
 
   def _write(self, staged: local_staging.StagedStep, replace: str | None = None) -> None:
     try:
-      self._local.write(staged, self._process_index, self._process_count, replace=replace)
+      extra = {} if replace is None else {"replace": replace}
+      self._local.write(staged, self._process_index, self._process_count, **extra)
     except OSError as e:
       # Say what happened; the advice about a full RAM disk only where it is full.
       hint = (" If the RAM disk is full, lower LocalCheckpointOptions.max_to_keep or enlarge "

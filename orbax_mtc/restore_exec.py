@@ -49,6 +49,16 @@ class _Reshard(Exception):
   """Some process's target shards lie elsewhere than saved (agreed): restore elastically."""
 
 
+class _LackingItem(Exception):
+  """Some processes' sources lack a per-process item asked for (agreed): a folder rebuilt
+  from a twin has none, while a peer's copy of the node's own folder may still have it."""
+
+  def __init__(self, error: local_format.AbstractStateMismatchError, step: int,
+               sources: set[tuple[int, int, int]]):
+    super().__init__(str(error))
+    self.error, self.step, self.sources = error, step, sources
+
+
 @dataclasses.dataclass(frozen=True)
 class Built:
   """One node's attempt to build the restore targets from one source."""
@@ -150,15 +160,19 @@ class RamRestore:
         groups = replication.shard_groups(sets)
     excluded: set[tuple[int, int, int]] = set()
     failed_steps: set[int] = set()
+    lacking: _LackingItem | None = None
     while True:
       plan = restore_plan.plan_restore(inventories, ledger.persistent, step,
                                        shard_groups=groups, excluded=excluded)
       candidates = [a for a in plan.candidates if a.step not in failed_steps]
       newest = candidates[0].step if candidates else None
+      if lacking is not None and newest != lacking.step:
+        raise lacking.error  # no other source of that step has the item: the caller's error
       if self._elastic_first(reports, step, newest, ledger.persistent):
         return self._restore_elastic(step, targets, single, reports, plan, finish,
                                      bool(failed_steps or excluded))
       if not candidates:
+        self._explain_twin_only(step, inventories, sets, excluded, targets)
         tried = bool(plan.local_candidates or failed_steps or excluded)
         return RamRestoreResult(False, None, plan, tried)
       assembly = candidates[0]
@@ -166,6 +180,11 @@ class RamRestore:
         built, received, exclusions = self.execute(assembly, targets, single)
       except _Reshard:
         return self._restore_elastic(step, targets, single, reports, plan, finish, False)
+      except _LackingItem as e:
+        if e.sources <= excluded:
+          raise e.error from None
+        lacking, excluded = e, excluded | e.sources
+        continue
       if built is not None:
         restored, default_item = built
         if item_args.process_targets(targets):
@@ -182,6 +201,29 @@ class RamRestore:
       if not new:
         failed_steps.add(assembly.step)
       excluded |= new
+
+  def _explain_twin_only(self, step: int | None, inventories: list[agreement.Inventory],
+                         sets: list | None, excluded: set[tuple[int, int, int]],
+                         targets: dict[str, Any]) -> None:
+    """A step listed by `all_steps()` that only twins' folders can assemble has no
+    per-process state for the nodes that lost theirs: name the item and the nodes instead of
+    'not found' (the same on every process: everything here is agreed)."""
+    names = sorted(item_args.process_targets(targets))
+    if step is None or sets is None or not names or step in self._ledger.persistent:
+      return
+    with_twins = restore_plan.plan_restore(inventories, self._ledger.persistent, step,
+                                           shard_groups=replication.shard_groups(sets),
+                                           excluded=excluded)
+    assembly = next((a for a in with_twins.candidates if a.step == step), None)
+    if assembly is None:
+      return
+    lost = [p for p, source in enumerate(assembly.sources) if source.kind == restore_plan.TWIN]
+    raise local_format.MissingItemError(
+        f"Step {step} can be rebuilt from RAM only from data-parallel twins' folders, which "
+        f"hold the arrays but not the per-process item(s) {names} of process(es) {lost} (their "
+        "own folders and the copies of them are gone), and the persistent tier does not have "
+        f"it. Restore step {step} without these items and position the iterators yourself, "
+        "or call restore(None), which takes the newest step that still has them.", names[0])
 
   def _settle(self, step: int, restored: dict[str, Any]) -> dict[str, Any]:
     """Sets the saved iterator states, now that every process has built the step; a state an
@@ -311,7 +353,14 @@ class RamRestore:
     if mismatched:
       # The caller's error, not a bad copy: the same error everywhere, and nothing deleted.
       culprit = mismatched[0]
-      raise local_format.agreed_mismatch(culprit, outcomes[culprit].message, step)
+      error = local_format.agreed_mismatch(culprit, outcomes[culprit].message, step)
+      per_process = item_args.process_targets(targets)
+      missing = [local_format.agreed_mismatch(p, outcomes[p].message, step) for p in mismatched]
+      if all(isinstance(m, local_format.MissingItemError) and m.item in per_process
+             for m in missing):
+        raise _LackingItem(error, step,
+                           {(assembly.sources[p].holder, p, step) for p in mismatched})
+      raise error
     failed = {p: b.message for p, b in enumerate(outcomes) if b.status == Status.FAILED}
     if failed:
       # An error that proves nothing about the bytes (a device out of memory, an interrupted

@@ -227,7 +227,7 @@ FAULTS = {
     "commit": (6, False, "raise"),
     "readback": (8, False, "continue"),
     "send": (6, False, "continue"),
-    "restore-read": (None, True, "continue"),
+    "restore-read": (None, True, "raise"),  # not proof of damage: raised, nothing dropped
     "writeback": (None, True, "raise"),
 }
 

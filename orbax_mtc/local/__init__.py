@@ -12,7 +12,8 @@ Import the module that holds what you need:
   store     the step folders: `LocalTier` (writer, commit, retention, spare reuse),
             `committed_steps`, `read_manifest`, opening a step's files without following links
   read      reading steps back with every checksum checked (`read_step`, `read_data`,
-            `arrays_from_buffer`, `verify_step`)
+            `arrays_from_buffer`; re-exports `verify`'s names)
+  verify    checking a step's bytes against its manifest (`verify_step`, `verify_buffer`)
   lock      one process per local directory (`LocalDirectoryLock`)
   claim     claiming the folder at start-up, agreed across the job (its one collective)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import mmap
 import os
 import threading
 from collections.abc import Sequence
@@ -45,7 +44,12 @@ from orbax_mtc.local.specs import (
     saved_spec,
     whole_index,
 )
-from orbax_mtc.local.store import open_regular_file, read_manifest
+from orbax_mtc.local.store import open_regular_file
+from orbax_mtc.local.verify import known_or_computed_crc
+from orbax_mtc.local.verify import manifest_entries as manifest_entries
+from orbax_mtc.local.verify import shard_crc as shard_crc
+from orbax_mtc.local.verify import verify_buffer as verify_buffer
+from orbax_mtc.local.verify import verify_step as verify_step
 
 _PIPELINE_PIECE = 4 << 20  # read, then checksum, this much at a time: it stays in cache
 
@@ -122,7 +126,7 @@ def _verified_view(data: np.ndarray, record: ShardRecord, dtype: np.dtype, where
   if record.offset + record.nbytes > data.nbytes:
     raise CorruptStepError(f"{where}: data file is shorter than its manifest says")
   raw = data[record.offset:record.offset + record.nbytes]
-  value = _known_or_computed_crc(data, record.offset, record.nbytes, crcs)
+  value = known_or_computed_crc(data, record.offset, record.nbytes, crcs)
   if value != record.crc32c:
     raise CorruptStepError(
         f"{where}: checksum mismatch (crc32c {value:#010x}, manifest {record.crc32c:#010x})")
@@ -420,82 +424,3 @@ def _process_shard(item_name: str, record: ItemRecord, target: Any, step: int) -
 
 _RESTORE_ARGS = {process_state.JSON: "orbax_mtc.ProcessJsonRestore()",
                  process_state.GRAIN: "grain.checkpoint.CheckpointRestore(iterator)"}
-
-
-def manifest_entries(manifest: StepManifest) -> list[tuple[str, LeafRecord, ShardRecord]]:
-  """Every shard of a manifest as (item, leaf, shard), in manifest order (its ordinal)."""
-  return [(name, leaf, shard) for name, item in manifest.items.items() for leaf in item.leaves
-          for shard in leaf.shards]
-
-
-def shard_crc(data: np.ndarray, offset: int, nbytes: int) -> int:
-  """The CRC32C of the `nbytes` of `data` (uint8) at `offset`."""
-  return checksum.crc_ranges(data, [(offset, nbytes)])[0]
-
-
-def _known_or_computed_crc(data: np.ndarray, offset: int, nbytes: int,
-                           crcs: dict[tuple[int, int], int] | None) -> int:
-  """The checksum `read_data` computed for these bytes, else computed now."""
-  known = (crcs or {}).get((offset, nbytes))
-  return known if known is not None else shard_crc(data, offset, nbytes)
-
-
-def verify_buffer(data: np.ndarray, manifest: StepManifest, where: str,
-                  crcs: dict[tuple[int, int], int] | None = None) -> None:
-  """Checks every shard of `data` against its checksum.
-
-  Args:
-    data: the step's bytes, laid out as `manifest` says.
-    manifest: the step's manifest.
-    where: names the source in error messages.
-    crcs: checksums already computed from these bytes (`read_data`).
-
-  Raises:
-    CorruptStepError: `data` is short, or a shard does not match its checksum.
-  """
-  if data.nbytes < manifest.data_size:
-    raise CorruptStepError(f"{where}: {data.nbytes} bytes, manifest says {manifest.data_size}")
-  for item_name, leaf, shard in manifest_entries(manifest):
-    got = _known_or_computed_crc(data, shard.offset, shard.nbytes, crcs)
-    if got != shard.crc32c:
-      raise CorruptStepError(
-          f"{where}: leaf {item_name}{leaf.path} shard {shard.index}: checksum mismatch "
-          f"(crc32c {got:#010x}, manifest {shard.crc32c:#010x})")
-
-
-def verify_step(step_dir: Path) -> StepManifest:
-  """Re-checks every checksum of a committed step.
-
-  Args:
-    step_dir: the committed step folder.
-
-  Returns:
-    Its manifest.
-
-  Raises:
-    LocalTierError: on any problem (CorruptStepError for bytes that do not match).
-  """
-  manifest = read_manifest(step_dir)
-  data_path = step_dir / DATA
-  try:
-    fd = open_regular_file(step_dir, DATA)
-  except OSError as e:
-    raise LocalTierError(f"{data_path}: {e}") from e
-  try:
-    size = os.fstat(fd).st_size
-    if size != manifest.data_size:
-      raise CorruptStepError(f"{data_path}: {size} bytes, manifest says {manifest.data_size}")
-    # Unmapped when the last view goes (a mapping outlives its descriptor).
-    data = (np.frombuffer(mmap.mmap(fd, size, prot=mmap.PROT_READ), dtype=np.uint8) if size
-            else np.empty(0, np.uint8))
-  finally:
-    os.close(fd)
-  for item_name, item in manifest.items.items():
-    for leaf in item.leaves:
-      for shard in leaf.shards:
-        got = checksum.crc_ranges(data, [(shard.offset, shard.nbytes)])[0]
-        if got != shard.crc32c:
-          raise CorruptStepError(
-              f"{step_dir}: leaf {item_name}{leaf.path} shard {shard.index}: checksum "
-              f"mismatch (crc32c {got:#010x}, manifest {shard.crc32c:#010x})")
-  return manifest

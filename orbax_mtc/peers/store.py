@@ -104,7 +104,11 @@ class IncomingCopy:
            "layout": layout}).encode(), file_mode)
       files.fsync_dir(self.tmp)
       final = self._store.source_dir(self.source) / str(self.step)
-      if os.path.lexists(final):  # a re-sent copy (after a recovery) replaces the old one
+      if os.path.lexists(final):  # a re-sent copy (after a recovery) replaces the old one...
+        kept = _richer_copy(final, manifest)
+        if kept:  # ... unless it holds less of the same save (rule 10)
+          raise local_format.CorruptStepError(
+              f"the copy held already has item(s) {kept} that the re-sent one lacks")
         _remove(final)
       os.rename(self.tmp, final)
       files.fsync_dir(final.parent)
@@ -153,6 +157,25 @@ class IncomingCopy:
     except OSError:
       pass
     _remove(self.tmp)
+
+
+def _richer_copy(folder: Path, new: local_format.StepManifest) -> list[str]:
+  """The items a held copy has beyond `new`, when both are the same save (process count and
+  the shards of every item they share): a node whose step came back from a twin lacks its
+  per-process items, and its re-sent copy must not replace the peer's copy that has them."""
+  try:
+    old = local_store.read_manifest(folder)
+  except local_format.LocalTierError:
+    return []
+  extra = sorted(set(old.items) - set(new.items))
+  if not extra or old.process_count != new.process_count:
+    return []
+  for name, item in new.items.items():
+    held = old.items.get(name)
+    if held is None or [(leaf.path, [s.index for s in leaf.shards]) for leaf in held.leaves] \
+        != [(leaf.path, [s.index for s in leaf.shards]) for leaf in item.leaves]:
+      return []
+  return extra
 
 
 def _remove(path: Path) -> None:

@@ -30,17 +30,17 @@ import os
 import pathlib
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO
 
 from absl import logging
 
 from orbax_mtc import distributed
+from orbax_mtc.tools.launch_os import SecondSigterm, free_port, killpg, shell_code, signals_blocked
 
 __all__ = ["Job", "LaunchResult", "main", "merge_xla_flags", "run_processes"]
 
@@ -84,38 +84,6 @@ def merge_xla_flags(xla_flags: str | None, device_count: int) -> str:
   return shlex.join(kept)
 
 
-def _free_port() -> int:
-  """A TCP port that is free on 127.0.0.1 now (the coordinator binds it a moment later)."""
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-    sock.bind(("127.0.0.1", 0))
-    return sock.getsockname()[1]
-
-
-def _shell_code(returncode: int) -> int:
-  """Popen's -N (killed by signal N) as a shell reports it, 128+N."""
-  return 128 - returncode if returncode < 0 else returncode
-
-
-class _SecondSigterm(Exception):
-  """Raised in the main thread by a second SIGTERM while waiting for a graceful exit."""
-
-
-def _killpg(pgid: int, sig: int) -> None:
-  with contextlib.suppress(ProcessLookupError, PermissionError):
-    os.killpg(pgid, sig)
-
-
-@contextlib.contextmanager
-def _signals_blocked() -> Iterator[None]:
-  """Defers SIGINT/SIGTERM so a second Ctrl-C cannot interrupt killing and reaping children."""
-  if threading.current_thread() is not threading.main_thread():
-    yield
-    return
-  old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-  try:
-    yield
-  finally:
-    signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class Job:
@@ -199,7 +167,7 @@ class Job:
       raise RuntimeError("Job already started.")
     for i in range(self.nprocs):
       self.local_directory(i).mkdir(parents=True, exist_ok=True)
-    self.coordinator = f"127.0.0.1:{_free_port()}"
+    self.coordinator = f"127.0.0.1:{free_port()}"
     logging.info(
         "Launching %d processes, coordinator %s, local root %s: %s",
         self.nprocs, self.coordinator, self.local_root, shlex.join(self.command),
@@ -276,9 +244,9 @@ class Job:
     """Kills process `index`'s group (stragglers included) and reaps it; returns shell code."""
     proc = self.procs[index]
     if proc.returncode is None:
-      _killpg(proc.pid, sig)
+      killpg(proc.pid, sig)
       proc.wait()
-    code = _shell_code(proc.returncode)
+    code = shell_code(proc.returncode)
     self.returncodes[index] = code
     return code
 
@@ -302,11 +270,11 @@ class Job:
     """Sends SIGTERM to every running process group (a preemption notice, not a kill)."""
     for i, proc in enumerate(self.procs):
       if self.returncodes[i] is None and proc.returncode is None:
-        _killpg(proc.pid, signal.SIGTERM)
+        killpg(proc.pid, signal.SIGTERM)
 
   def kill(self) -> None:
     """SIGKILLs every process group still running and reaps it; joins the output relays."""
-    with _signals_blocked():
+    with signals_blocked():
       for i in range(len(self.procs)):
         if self.returncodes[i] is None:
           self._reap(i)
@@ -343,7 +311,7 @@ class Job:
         def on_sigterm(signum: int, frame: object) -> None:
           del signum, frame
           if terminated_at:  # second SIGTERM: stop waiting for a graceful exit
-            raise _SecondSigterm
+            raise SecondSigterm
           terminated_at.append(time.monotonic())
           logging.warning("SIGTERM received: forwarding it to every node.")
           self.terminate()
@@ -366,7 +334,7 @@ class Job:
           )
           break
         time.sleep(_POLL_INTERVAL_S)
-    except _SecondSigterm:
+    except SecondSigterm:
       terminated = True
       logging.error("Second SIGTERM received; killing every node.")
     finally:

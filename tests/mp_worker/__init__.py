@@ -10,6 +10,7 @@ Run the folder, `python tests/mp_worker <sub-command> ...` (what `mp_helpers.WOR
   faults        fault, mismatch, outage
   plain         plain-restore, transport, managed-init
   hooks         every hook that touches the manager's private members (listed there)
+  seams         restore-exit, items, restore-transient, pos (tests/test_restore_seams.py)
 
 Importing the package or `events` imports no JAX.
 """

@@ -25,6 +25,10 @@ Sub-commands:
   fault, mismatch, outage
                  one injected fault, a restore target of another layout, a GCS outage
                  (`faults`).
+  restore-exit, items, restore-transient, pos
+                 the restore-seam tests: exit the instant restore() returns, two items
+                 restored in part, a transient error while building, a per-process JSON
+                 item restored by restore(None) or restore(latest_step()) (`seams`).
   preempt        restore (if anything) and compare, then train and save every --stride steps
                  until SIGTERM (sent by the test to any process) makes every process agree on
                  an on-demand step; then exit as the manager's options or flags say. Hooks
@@ -48,7 +52,7 @@ if not __package__:  # run as `python tests/mp_worker`: import the package from 
   sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _here]
   sys.path.insert(0, str(_here.parent))
 
-from mp_worker import common, faults, iterators, plain, preempt, save_restore  # noqa: E402
+from mp_worker import common, faults, iterators, plain, preempt, save_restore, seams  # noqa: E402
 from mp_worker.hooks import FAULT_PHASES  # noqa: E402
 
 
@@ -203,6 +207,32 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--hook-step", type=int, default=None, help="the step --hook write holds")
   p.add_argument("--marker-dir", default=None, help="where --hook ondemand-write looks for go")
   p.set_defaults(fn=preempt.cmd_preempt)
+
+  # The restore-seam tests (`seams`).
+  p = _common(sub.add_parser("restore-exit"))
+  p.set_defaults(fn=seams.cmd_restore_exit)
+
+  p = _common(sub.add_parser("restore-die"))
+  p.add_argument("--die-process", type=int, default=1)
+  p.set_defaults(fn=seams.cmd_restore_die)
+
+  p = _common(sub.add_parser("items"))
+  p.add_argument("--start", type=int, default=0)
+  p.add_argument("--steps", type=int, default=0, help="save steps [start, steps)")
+  p.add_argument("--restore-items", default="",
+                 help="comma-separated items (params, opt) to restore(None) first")
+  p.set_defaults(fn=seams.cmd_items)
+
+  p = _common(sub.add_parser("restore-transient"))
+  p.add_argument("--fault-process", type=int, default=1)
+  p.set_defaults(fn=seams.cmd_restore_transient)
+
+  p = _common(sub.add_parser("pos"))
+  p.add_argument("--start", type=int, default=0)
+  p.add_argument("--steps", type=int, default=0, help="save steps [start, steps)")
+  p.add_argument("--restore", choices=("none", "state", "none-pos", "latest-pos"),
+                 default="none")
+  p.set_defaults(fn=seams.cmd_pos)
   return parser
 
 

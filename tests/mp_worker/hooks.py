@@ -21,6 +21,8 @@ uses the manager's public API:
                         orbax_mtc.peers.stream.copy_stream (replaced); restore-read: the module
                         function orbax_mtc.local.read.read_data (replaced until the returned
                         undo is called)
+  transient_device_put  jax.device_put (replaced until the returned undo is called)
+  exit_at_first_write   LocalTier.write (replaced: the process ends as it starts)
 """
 
 from __future__ import annotations
@@ -278,3 +280,64 @@ def _replace_read_data(make: Callable[[Callable], Callable]) -> Callable[[], Non
     for module, read_data in originals:
       module.read_data = read_data
   return undo
+
+
+# ----------------------------------------------------------------------------- transient errors
+
+
+TRANSIENT_MESSAGE = "RESOURCE_EXHAUSTED: out of device memory (injected, transient)"
+
+
+def transient_device_put() -> Callable[[], int]:
+  """Until the returned undo is called, `jax.device_put` called from the library (a module
+  orbax_mtc.*, but not a stream transport, which moves bytes between processes) raises
+  RuntimeError(TRANSIENT_MESSAGE): a transient device error while building the restored
+  arrays, not damage (the bytes on disk are fine). The undo returns how many calls raised."""
+  import sys
+
+  import jax
+
+  real = jax.device_put
+  fired = [0]
+
+  def device_put(*a, **k):
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    if (caller.startswith("orbax_mtc.") and "transport" not in caller
+        and caller != "orbax_mtc.testing"):
+      fired[0] += 1
+      raise RuntimeError(TRANSIENT_MESSAGE)
+    return real(*a, **k)
+
+  jax.device_put = device_put
+
+  def undo() -> int:
+    jax.device_put = real
+    return fired[0]
+  return undo
+
+
+def exit_at_first_write(me: int) -> None:
+  """The first RAM write of this process (LocalTier.write, on whatever thread issues it)
+  prints WRITE-EXIT and ends the process at once (`os._exit(0)`), before it writes a byte:
+  a process killed as its write-back starts. Nothing is installed where LocalTier has no
+  `write`."""
+  if not hasattr(LocalTier, "write"):
+    return
+
+  def write(tier, staged, *rest, **kwargs):
+    emit(f"WRITE-EXIT process={me} step={getattr(staged, 'step', None)}")
+    os._exit(0)
+
+  LocalTier.write = write
+
+
+def die_at_first_read(me: int, signum: int) -> None:
+  """The first read of a RAM step's data (own folder, twin or copy being served) prints
+  DYING and kills this process with `signum`."""
+  def dying(read_data):
+    def read(*a, **k):
+      emit(f"DYING process={me} at=restore-read")
+      os.kill(os.getpid(), signum)
+      return read_data(*a, **k)
+    return read
+  _replace_read_data(dying)
