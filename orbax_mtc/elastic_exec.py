@@ -13,39 +13,36 @@
    once;
 4. one all-gather of the outcome: a bad folder or tile is excluded and the plan made again
    (then an older step), a target that does not match is the caller's error everywhere;
-5. after success every process writes the step back into its own folder in the new layout,
-   and its peer copies are sent again, so the next save is an ordinary one.
+5. after success every process writes the step back into its own folder in the new layout
+   (when the restore read every item) and its peer copies are sent again, so the next save
+   is an ordinary one. The old layout's folder is set aside at the new one's commit and its
+   copies go only after the new layout's first copies are out (rule 10).
 
-Whole saved tiles travel (not sub-ranges): the receiver then checks each against the checksum
-written at save time, end to end, at the cost of extra bytes where a new shard needs part of
-a saved one.
+What travels and how new shards are assembled from saved tiles is `elastic_tiles`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
-import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from orbax_mtc import agreement, elastic_plan, item_args
+from orbax_mtc import agreement, elastic_plan, elastic_tiles, item_args
 from orbax_mtc.agreement import Status
-from orbax_mtc.elastic_plan import OWN, Box, FolderRef, HostReport
+from orbax_mtc.elastic_plan import OWN, FolderRef, HostReport
+from orbax_mtc.elastic_tiles import digest, holder_sets
 from orbax_mtc.ledger import StepLedger
-from orbax_mtc.local import aside, checksum
+from orbax_mtc.local import aside
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import read as local_read
 from orbax_mtc.local import staging as local_staging
 from orbax_mtc.local import store as local_store
-from orbax_mtc.local.format import LeafRecord, StepManifest
-from orbax_mtc.local.specs import normalize_index, whole_index
+from orbax_mtc.local.format import StepManifest
 from orbax_mtc.peers import exchange
 from orbax_mtc.peers import store as peer_store
 from orbax_mtc.peers import stream as peer_stream
@@ -54,60 +51,6 @@ from orbax_mtc.ram_writer import RamWriter
 
 TIER = "elastic"  # RestoreInfo.tier of a step rebuilt on another layout
 _MAX_CANDIDATES = 62  # candidates whose coverage one agreement decides (bits of an int64)
-
-# ----------------------------------------------------------------------------- layout
-
-
-def leaf_tiles(leaf: LeafRecord, count: int) -> tuple[tuple[Box, tuple[int, ...]], ...] | None:
-  """A leaf's tiles and their holders; a host value is one whole tile every rank holds."""
-  if leaf.kind == "host":
-    return ((whole_index(leaf.shape), tuple(range(count))),)
-  return leaf.tiles
-
-
-def digest(manifest: StepManifest) -> int | None:
-  """32-bit digest of a step's global layout (the process count, and per leaf its spec and
-  tiles); None when an array leaf was saved without tiles (no elastic restore)."""
-  parts: list[Any] = [manifest.process_count, manifest.default_item]
-  for name in sorted(manifest.items):
-    item = manifest.items[name]
-    parts.append([name, item.kind])
-    if item.kind == "process":
-      continue  # each rank's own value: its size differs between ranks of one save
-    for leaf in item.leaves:
-      tiles = leaf_tiles(leaf, manifest.process_count)
-      if tiles is None:
-        return None
-      parts.append([leaf.path, leaf.kind, list(leaf.shape), leaf.dtype, leaf.key_impl,
-                    leaf.python_type, [[list(map(list, i)), list(h)] for i, h in tiles]])
-  return google_crc32c.value(json.dumps(parts, separators=(",", ":")).encode())
-
-
-def holder_sets(manifest: StepManifest) -> set[tuple[int, ...]]:
-  """The distinct holder sets of a step's tiles (see `elastic_plan.holder_sets`)."""
-  layouts = []
-  for item in manifest.items.values():
-    if item.kind == "process":
-      continue  # held by its rank alone, and never rebuilt on another layout
-    for leaf in item.leaves:
-      tiles = leaf_tiles(leaf, manifest.process_count)
-      if tiles is not None:
-        layouts.append(tiles)
-  return elastic_plan.holder_sets(layouts)
-
-
-def target_boxes(key_dims: tuple[int, ...], shape: tuple[int, ...], sharding: Any,
-                 process: int | None) -> list[tuple[Any, Box]]:
-  """(device, global box of its shard) of a target leaf, for one process or (None) all;
-  a target without sharding (a host value) is the whole array, device None."""
-  if sharding is None:
-    return [(None, whole_index(shape) + whole_index(key_dims))]
-  out = []
-  for device, index in sharding.devices_indices_map(shape).items():
-    if process is None or device.process_index == process:
-      out.append((device, normalize_index(index, shape) + whole_index(key_dims)))
-  return out
-
 
 # ----------------------------------------------------------------------------- records
 
@@ -150,21 +93,6 @@ class BuildRecord:
   bad_process: int = agreement.field(agreement.Int(), -1)
   bad_rank: int = agreement.field(agreement.Int(), -1)
   message: str = agreement.field(agreement.Text(1200), "")
-
-
-class _BadTile(local_format.CorruptStepError):
-  def __init__(self, message: str, process: int, rank: int):
-    super().__init__(message)
-    self.process, self.rank = process, rank
-
-
-@dataclasses.dataclass
-class _Folder:
-  """A saved rank's folder this process serves: its manifest and verified bytes."""
-
-  manifest: StepManifest
-  data: np.ndarray
-  where: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,10 +309,10 @@ class ElasticRestore:
   # --------------------------------------------------------------------- one attempt
 
   def _load(self, plan: elastic_plan.ElasticPlan
-            ) -> tuple[dict[int, _Folder], list[int], str, str]:
+            ) -> tuple[dict[int, elastic_tiles.Folder], list[int], str, str]:
     """The folders this process serves, every checksum verified; (folders, damaged ranks,
     their messages, an error that proves no damage)."""
-    folders: dict[int, _Folder] = {}
+    folders: dict[int, elastic_tiles.Folder] = {}
     failed: list[int] = []
     problems: list[str] = []
     fatal: list[str] = []
@@ -403,7 +331,7 @@ class ElasticRestore:
         if (manifest.process_count, manifest.process_index) != (plan.count, rank) or \
             digest(manifest) != plan.digest:
           raise local_format.ManifestError(f"{folder}: not saved rank {rank} of this save")
-        folders[rank] = _Folder(manifest, data, str(folder))
+        folders[rank] = elastic_tiles.Folder(manifest, data, str(folder))
       except Exception as e:  # noqa: BLE001 - agreed below, never raised here
         where = f"saved rank {rank} ({'own' if kind == OWN else 'copy'}): {type(e).__name__}: {e}"
         if isinstance(e, local_format.LocalTierError):  # damage: another source serves it
@@ -423,7 +351,7 @@ class ElasticRestore:
     problem = ""
     if not failed and not fatal:
       try:
-        outgoing = self._streams(plan, folders, layout, targets, single)
+        outgoing = elastic_tiles.streams(me, self.count, plan, folders, layout, targets, single)
       except local_format.AbstractStateMismatchError as e:
         problem = str(e)
       except Exception as e:  # noqa: BLE001 - agreed below, raised on every process
@@ -463,11 +391,11 @@ class ElasticRestore:
     result.transfer.run()
     try:
       if layout is None:
-        layout = self._received_manifest(buffers)
-      built = Built(Status.OK, self._build(plan, folders, buffers, layout, targets, single))
+        layout = elastic_tiles.received_manifest(buffers)
+      built = Built(Status.OK, elastic_tiles.build(me, plan, folders, buffers, layout, targets, single))
     except local_format.AbstractStateMismatchError as e:
       built = Built(Status.MISMATCH, message=str(e))
-    except _BadTile as e:
+    except elastic_tiles.BadTile as e:
       built = Built(Status.UNUSABLE, message=str(e), bad=(e.process, e.rank))
     except local_format.LocalTierError as e:  # damage: another source or an older step
       built = Built(Status.UNUSABLE, message=f"{type(e).__name__}: {e}")
@@ -498,175 +426,6 @@ class ElasticRestore:
       raise local_format.agreed_mismatch(*mismatched[0], step)
 
   # --------------------------------------------------------------------- the streams
-
-  def _target_leaves(self, layout: StepManifest, targets: dict[str, Any], single: bool | None
-                     ) -> list[tuple[str, str, LeafRecord, Any, tuple, Any, tuple]]:
-    """(item, path, saved leaf, target leaf, shape, sharding, key dims) of every target
-    leaf, checked against the saved tree; AbstractStateMismatchError if it does not match."""
-    if single is None:
-      targets = item_args.as_saved(targets, layout.default_item)
-    out = []
-    for item_name, target in targets.items():
-      record = layout.items.get(item_name)
-      if record is None:
-        raise local_format.MissingItemError(
-            f"Item {item_name!r} is not in step {layout.step} (it holds {sorted(layout.items)}).",
-            item_name)
-      if record.kind == "json":
-        continue
-      by_path = {leaf.path: leaf for leaf in record.leaves}
-      flat = jax.tree_util.tree_flatten_with_path(target)[0]
-      paths = [jax.tree_util.keystr(p) for p, _ in flat]
-      if sorted(paths) != sorted(by_path):
-        raise local_format.AbstractStateMismatchError(
-            f"Item {item_name!r}: the target tree does not match the saved tree. Leaves only "
-            f"in the target: {sorted(set(paths) - set(by_path))[:5]}; leaves only in the "
-            f"checkpoint: {sorted(set(by_path) - set(paths))[:5]}.")
-      for (_, leaf), path in zip(flat, paths, strict=True):
-        rec = by_path[path]
-        shape, dtype, sharding = local_read.target_spec(leaf, rec)
-        key_dims = local_read.check_leaf(item_name, path, rec, shape, dtype)
-        out.append((item_name, path, rec, leaf, shape, sharding, key_dims))
-    return out
-
-  def _streams(self, plan: elastic_plan.ElasticPlan, folders: dict[int, _Folder],
-               layout: StepManifest | None, targets: dict[str, Any], single: bool | None
-               ) -> dict[int, peer_stream.OutgoingStream]:
-    """What this process sends each other process: the tiles it provides to their shards
-    (and, to a process serving nothing, the step's manifest)."""
-    if layout is None:
-      return {}
-    me = self._me
-    servers = plan.server_of()
-    available = set(servers)
-    served = {p: set(plan.served_by(p)) for p in range(self.count)}
-    lowest = plan.servers[0][1]  # the process serving the lowest rank: sends the manifest
-    sends: dict[int, dict[tuple, tuple[int, local_format.ShardRecord]]] = {}
-    for item_name, path, rec, _, shape, sharding, key_dims in self._target_leaves(
-        layout, targets, single):
-      tiles = leaf_tiles(rec, plan.count) or ()
-      boxes = elastic_plan.TileIndex(index for index, _ in tiles)  # many targets
-      wanted: dict[int, list[Box]] = {}  # process -> boxes of its new shards
-      if sharding is None:  # a host value: every process gets the whole array
-        wanted = {p: [box] for p in range(self.count)
-                  for _, box in target_boxes(key_dims, shape, None, None)}
-      else:
-        for device, box in target_boxes(key_dims, shape, sharding, None):
-          wanted.setdefault(device.process_index, []).append(box)
-      for dest in range(self.count):
-        if dest == me:
-          continue
-        for box in dict.fromkeys(wanted.get(dest, ())):
-          for i, _ in elastic_plan.pieces(box, boxes):
-            index, holders = tiles[i]
-            rank = elastic_plan.provider(holders, served[dest], available, dest)
-            if rank is None or servers[rank] != me:
-              continue
-            key = (item_name, path, index)
-            if key not in sends.setdefault(dest, {}):
-              shard = self._shard(folders[rank].manifest, item_name, path, index)
-              sends[dest][key] = (rank, shard)
-    out: dict[int, peer_stream.OutgoingStream] = {}
-    for dest in range(self.count):
-      needs_manifest = me == lowest and not served[dest]
-      tiles_out = sends.get(dest, {})
-      if dest == me or not (tiles_out or needs_manifest):
-        continue
-      entries, pieces, offset = [], [], 0
-      for (item_name, path, index), (rank, shard) in tiles_out.items():
-        entries.append([item_name, path, [list(d) for d in index], rank, offset, shard.nbytes,
-                        shard.crc32c])
-        pieces.append((offset, rank, shard))
-        offset = -(-(offset + shard.nbytes) // 64) * 64
-      header = {"kind": "tiles", "step": plan.step, "tiles": entries,
-                "manifest": layout.to_json() if needs_manifest else None}
-      framed, data_start = peer_stream.stream_header(header)
-      segments = [peer_stream.Segment(0, framed.nbytes, buffer=framed)]
-      for rel, rank, shard in pieces:
-        data = folders[rank].data
-        segments.append(peer_stream.Segment(data_start + rel, shard.nbytes,
-                                            buffer=data[shard.offset:shard.offset + shard.nbytes]))
-      out[dest] = peer_stream.OutgoingStream(nbytes=data_start + offset, segments=segments)
-    return out
-
-  @staticmethod
-  def _shard(manifest: StepManifest, item: str, path: str, index: Box) -> local_format.ShardRecord:
-    leaf = next(x for x in manifest.items[item].leaves if x.path == path)
-    return next(s for s in leaf.shards if s.index == index)
-
-  @staticmethod
-  def _received_manifest(buffers: dict[int, np.ndarray]) -> StepManifest:
-    for buffer in buffers.values():
-      header, _ = peer_stream.parse_stream_header(buffer)
-      if header.get("manifest"):
-        return StepManifest.from_json(peer_stream.header_text(header, "manifest"),
-                                      where="manifest of an elastic restore stream")
-    raise local_format.CorruptStepError("no process sent the step's manifest")
-
-  # --------------------------------------------------------------------- building
-
-  def _build(self, plan: elastic_plan.ElasticPlan, folders: dict[int, _Folder],
-             buffers: dict[int, np.ndarray], layout: StepManifest, targets: dict[str, Any],
-             single: bool | None) -> tuple[dict[str, Any], bool, set[str]]:
-    # (item, path) -> {tile index: uint8 bytes}: the tiles of the folders served here...
-    have: dict[tuple[str, str], dict[Box, np.ndarray]] = {}
-    for folder in folders.values():
-      for item_name, leaf, shard in local_read.manifest_entries(folder.manifest):
-        have.setdefault((item_name, leaf.path), {}).setdefault(
-            shard.index, folder.data[shard.offset:shard.offset + shard.nbytes])
-    # ... and those received, each checked against the checksum written at save time.
-    for source, buffer in sorted(buffers.items()):
-      header, data_start = peer_stream.parse_stream_header(buffer)
-      for entry in header.get("tiles") or []:
-        item_name, path, index, rank, offset, nbytes, crc = entry
-        raw = buffer[data_start + offset:data_start + offset + nbytes]
-        if raw.nbytes != nbytes or checksum.crc(raw) != crc:
-          raise _BadTile(f"tile {item_name}{path} {index} of saved rank {rank} from process "
-                         f"{source}: checksum mismatch", source, rank)
-        have.setdefault((item_name, path), {})[tuple(tuple(d) for d in index)] = raw
-    if single is None:
-      targets = item_args.as_saved(targets, layout.default_item)
-    leaves_by_item: dict[str, list[Any]] = {}
-    for item_name, path, rec, leaf, shape, sharding, key_dims in self._target_leaves(
-        layout, targets, single):
-      tiles = have.get((item_name, path), {})
-      dtype = local_format.np_dtype(rec.dtype)
-      boxes = list(tiles)
-      shards = []
-      for device, box in target_boxes(key_dims, shape, sharding, self._me):
-        dims = [hi - lo for lo, hi in box]
-        try:
-          parts = elastic_plan.pieces(box, boxes)
-        except ValueError as e:
-          raise local_format.CorruptStepError(f"leaf {item_name}{path}: {e}") from e
-        if len(parts) == 1 and boxes[parts[0][0]] == box:
-          # The saved tile is the new shard: its (aligned, verified) bytes, no copy.
-          shards.append((device, tiles[box].view(dtype).reshape(dims)))
-          continue
-        # Aligned, so that JAX's CPU client adopts the buffer instead of copying it.
-        out = local_read.aligned_empty(
-            max(1, int(np.prod(dims, dtype=np.int64))) * dtype.itemsize)
-        out = out[:int(np.prod(dims, dtype=np.int64)) * dtype.itemsize].view(dtype).reshape(dims)
-        for i, part in parts:
-          index = boxes[i]
-          tile = tiles[index].view(dtype).reshape([hi - lo for lo, hi in index])
-          out[elastic_plan.relative(part, box)] = tile[elastic_plan.relative(part, index)]
-        shards.append((device, out))
-      leaves_by_item.setdefault(item_name, []).append(
-          _as_leaf(rec, leaf, shape, sharding, shards))
-    restored: dict[str, Any] = {}
-    for item_name, target in targets.items():
-      record = layout.items[item_name]
-      if record.kind == "json":
-        restored[item_name] = record.value
-        continue
-      treedef = jax.tree_util.tree_structure(target)
-      restored[item_name] = jax.tree_util.tree_unflatten(treedef, leaves_by_item[item_name])
-    json_items = {name for name in restored if layout.items[name].kind == "json"}
-    # Per-process items never move to another layout; every other item must be here.
-    complete = {name for name, item in layout.items.items() if item.kind != "process"
-                } <= set(restored)
-    return restored, layout.default_item, json_items, complete
 
   # --------------------------------------------------------------------- write-back
 
@@ -714,21 +473,3 @@ class Built:
   value: Any = None
   message: str = ""
   bad: tuple[int, int] = (-1, -1)
-
-
-def _as_leaf(rec: LeafRecord, target_leaf: Any, shape: tuple, sharding: Any,
-             shards: list[tuple[Any, np.ndarray]]) -> Any:
-  """The restored leaf from its per-device host shards."""
-  if sharding is None:
-    value = shards[0][1]
-    if rec.key_impl is not None:
-      return jax.random.wrap_key_data(value, impl=rec.key_impl)
-    if rec.python_type is not None and not isinstance(target_leaf, (np.ndarray, jax.Array)):
-      return {"int": int, "float": float, "bool": bool}[rec.python_type](value)
-    return value
-  if rec.key_impl is not None:
-    arrays = [jax.random.wrap_key_data(jax.device_put(x, d), impl=rec.key_impl)
-              for d, x in shards]
-  else:
-    arrays = [jax.device_put(x, d) for d, x in shards]
-  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)

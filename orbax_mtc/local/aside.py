@@ -23,11 +23,13 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from absl import logging
 
 from orbax_mtc.files import fsync_dir, make_private_dir
+from orbax_mtc.local.format import LocalTierError
 
 REPLACED, DAMAGED = ".replaced-", ".damaged-"
 _NAME = re.compile(r"^\.(replaced|damaged)-(\d+)-[0-9a-f]+$")
@@ -56,6 +58,31 @@ def move_aside(root: Path, step: int, prefix: str, dir_mode: int) -> Path:
   os.rename(root / str(step), target)
   fsync_dir(root)
   return target
+
+
+def clear_way(root: Path, step: int, replace: str | None, dir_mode: int,
+              check: Callable[[Path], object]) -> None:
+  """Moves `<root>/<step>` out of the way of a commit of `step`, which follows at once.
+
+  A folder `check` refuses (LocalTierError: no manifest, a bad one, a short data file) is
+  no valid step: it is moved aside as damaged, never left to block the commit. A valid one
+  is set aside as `replace` says, or kept (FileExistsError) when `replace` is None.
+  """
+  final = root / str(step)
+  if final.is_symlink():
+    raise FileExistsError(f"local step {final} is a symbolic link; remove it")
+  try:
+    check(final)
+  except LocalTierError as e:
+    moved = move_aside(root, step, DAMAGED, dir_mode)
+    logging.warning("orbax-mtc: %s was no valid step (%s); moved aside to %s (removed with "
+                    "the step)", final, e, moved)
+    return
+  if replace is None:
+    raise FileExistsError(f"local step {final} is already committed")
+  moved = move_aside(root, step, replace, dir_mode)
+  logging.info("orbax-mtc: the earlier folder of step %d is kept as %s until the step is "
+               "retired", step, moved)
 
 
 def replaced_folders(root: Path) -> list[tuple[int, Path]]:

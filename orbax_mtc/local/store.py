@@ -411,7 +411,7 @@ class LocalTier:
                    tmp_name=MANIFEST + ".tmp")
       with self._lock:
         if os.path.lexists(final):
-          self._set_aside(final, staged.step, replace)
+          aside.clear_way(root, staged.step, replace, self.dir_mode, read_manifest)
         os.rename(tmp, final)  # the commit point
         fsync_dir(root)
     except BaseException:
@@ -425,24 +425,6 @@ class LocalTier:
         if steps:
           self._on_commit(steps[-1])
     return final
-
-  def _set_aside(self, final: Path, step: int, replace: str | None) -> None:
-    """Moves the folder a commit of `step` would replace out of its way (rule 10: it goes
-    only once the new one is committed, which follows at once)."""
-    if final.is_symlink():
-      raise FileExistsError(f"local step {final} is a symbolic link; remove it")
-    try:
-      read_manifest(final)
-    except LocalTierError as e:
-      moved = aside.move_aside(self.directory, step, aside.DAMAGED, self.dir_mode)
-      logging.warning("orbax-mtc: %s was no valid step (%s); moved aside to %s (removed with "
-                      "the step)", final, e, moved)
-      return
-    if replace is None:
-      raise FileExistsError(f"local step {final} is already committed")
-    moved = aside.move_aside(self.directory, step, replace, self.dir_mode)
-    logging.info("orbax-mtc: the earlier folder of step %d is kept as %s until the step is "
-                 "retired", step, moved)
 
   def _take_spare(self) -> Path | None:
     with self._lock:

@@ -1,0 +1,94 @@
+"""Step folders set aside, never deleted first (orbax_mtc/local/aside.py): a commit over a
+damaged folder, a replacement that keeps the old layout while its step is kept, and a
+replacement cut between its two renames."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import make_state
+
+from orbax_mtc.local import aside
+from orbax_mtc.local.format import MANIFEST
+from orbax_mtc.local.staging import stage
+from orbax_mtc.local.store import LocalTier, committed_steps, read_manifest
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def tier(shm_dir):
+  tier = LocalTier(shm_dir / "local", max_to_keep=2)
+  tier.prepare()
+  yield tier
+  tier.close()
+
+
+def _write(tier, mesh, step, *, seed=None, replace=None):
+  staged = stage(step, {"state": make_state(mesh, seed=step if seed is None else seed)}, {},
+                 default_item=False)
+  extra = {} if replace is None else {"replace": replace}
+  return tier.write(staged, process_index=0, process_count=1, **extra)
+
+
+def _aside(tier) -> list[tuple[str, int]]:
+  return sorted(parsed for e in tier.directory.iterdir()
+                if (parsed := aside.parse(e.name)) is not None)
+
+
+@pytest.mark.parametrize("damage", ["no-manifest", "garbled-manifest", "short-data"])
+def test_a_damaged_folder_is_moved_aside_and_never_blocks_a_commit(tier, mesh, damage):
+  folder = _write(tier, mesh, 3)
+  if damage == "no-manifest":
+    (folder / MANIFEST).unlink()
+  elif damage == "garbled-manifest":
+    (folder / MANIFEST).write_text("{not json")
+  else:
+    os.truncate(folder / "data.bin", 10)
+  _write(tier, mesh, 3)  # with no replace given: damage is never "already committed"
+  assert read_manifest(tier.directory / "3").step == 3
+  assert _aside(tier) == [(aside.DAMAGED, 3)]
+
+
+def test_a_committed_step_is_kept_unless_a_replacement_is_asked_for(tier, mesh):
+  _write(tier, mesh, 3, seed=1)
+  before = read_manifest(tier.directory / "3")
+  with pytest.raises(FileExistsError, match="already committed"):
+    _write(tier, mesh, 3, seed=2)
+  assert read_manifest(tier.directory / "3") == before and _aside(tier) == []
+
+
+def test_a_replaced_layout_stays_readable_while_its_step_is_kept(tier, mesh):
+  _write(tier, mesh, 3, seed=1)
+  old = read_manifest(tier.directory / "3")
+  _write(tier, mesh, 3, seed=2, replace=aside.REPLACED)
+  ((step, folder),) = aside.replaced_folders(tier.directory)
+  assert step == 3 and read_manifest(folder) == old  # still a valid step folder
+  assert read_manifest(tier.directory / "3") != old
+  _write(tier, mesh, 4)
+  assert aside.replaced_folders(tier.directory)  # step 3 is still kept (max_to_keep=2)
+  _write(tier, mesh, 5)  # retention retires step 3: its replaced layout goes with it
+  assert committed_steps(tier.directory) == [4, 5]
+  assert aside.replaced_folders(tier.directory) == [] and _aside(tier) == []
+
+
+def test_a_replacement_cut_between_its_renames_gets_the_old_folder_back(tier, mesh):
+  _write(tier, mesh, 3)
+  old = read_manifest(tier.directory / "3")
+  moved = aside.move_aside(tier.directory, 3, aside.REPLACED, 0o700)  # then: killed
+  assert 3 not in committed_steps(tier.directory) and moved.is_dir()
+  restarted = LocalTier(tier.directory, max_to_keep=2)
+  restarted.prepare()
+  try:
+    assert read_manifest(tier.directory / "3") == old
+    assert _aside(restarted) == []
+  finally:
+    restarted.close()
+
+
+def test_deleting_a_step_removes_its_folders_set_aside(tier, mesh):
+  _write(tier, mesh, 3, seed=1)
+  _write(tier, mesh, 3, seed=2, replace=aside.REPLACED)
+  tier.delete(3)
+  assert committed_steps(tier.directory) == [] and _aside(tier) == []
