@@ -50,7 +50,7 @@ class Status(enum.IntEnum):
   FAILED = 6  # this process failed (write, read-back, transfer)
   UNUSABLE = 7  # this source is corrupt or incomplete: try another
   MISMATCH = 8  # the restore target does not match what was saved (caller's error)
-  RESHARD = 9  # the target's shards lie elsewhere than saved: an elastic restore rebuilds it
+  LACKING = 9  # this folder lacks a per-process item asked for: another copy may have it
 
 
 # ----------------------------------------------------------------------------- records
@@ -200,29 +200,58 @@ class SendRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class CoverRecord:
+  """A restore's candidate saves (bit i: candidate i): those whose layout this process holds,
+  and those it finds covered by the saved ranks some process can serve."""
+
+  known: int = field(Int(), 0)
+  covered: int = field(Int(), 0)
+
+
+@dataclasses.dataclass(frozen=True)
 class ServeRecord:
-  """A restore's transfers; its byte count per transfer follows (`gather_with_sizes`).
+  """A restore's exchange; its byte count per stream follows (`gather_with_sizes`).
 
   Attributes:
-    status: Whether this node can serve what it was asked to.
-    message: Why not, if it cannot.
+    status: OK; UNUSABLE (damaged folders, `failed_ranks`); LACKING (folders without a
+      per-process item asked for, `failed_ranks`); MISMATCH (the target); FAILED (any other
+      error: raised everywhere).
+    failed_ranks: The saved ranks this process could not serve.
+    message: Why not.
   """
 
   status: Status = field(EnumCodec(Status), Status.OK)
+  failed_ranks: tuple[int, ...] = field(Steps(32), ())
   message: str = field(Text(_MESSAGE_BYTES), "")
 
 
 @dataclasses.dataclass(frozen=True)
 class BuildRecord:
-  """One attempt to build the restore target from a chosen source.
+  """One process's attempt to build the restore targets.
 
   Attributes:
     status: OK, UNUSABLE (try another source), MISMATCH or FAILED.
+    bad_process: The process that sent a bad tile, or -1.
+    bad_rank: The saved rank of that tile, or -1.
+    moved: Some target shard here is not a saved tile of this process's own rank (another
+      layout): every process writes the step back in the new one.
+    in_place: This process's saved rank came from its own current folder.
     message: What went wrong, if anything.
   """
 
   status: Status = field(EnumCodec(Status), Status.OK)
+  bad_process: int = field(Int(), -1)
+  bad_rank: int = field(Int(), -1)
+  moved: bool = field(Bool(), False)
+  in_place: bool = field(Bool(), False)
   message: str = field(Text(_MESSAGE_BYTES), "")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportRecord:
+  """This node's folder report alone (listing steps saved on another layout)."""
+
+  report: bytes = field(Blob(ELASTIC_REPORT_BYTES), b"")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from orbax_mtc import agreement, backup, restore_plan
+from orbax_mtc import agreement, backup
+from orbax_mtc.restore import listing as restore_plan
 
 
 class StepLedger:

@@ -48,7 +48,7 @@ from orbax_mtc.managed import hookup
 from orbax_mtc.ondemand import OnDemandSave, ram_step_metadata
 from orbax_mtc.options import CheckpointManagerOptions
 from orbax_mtc.persistent import PersistentTier, persistent_view_when_nested
-from orbax_mtc.restore_tiers import RestoreInfo
+from orbax_mtc.restore.tiers import RestoreInfo
 from orbax_mtc.wiring import Reported
 
 __all__ = ["CheckpointManager", "OnDemandSave", "RestoreInfo"]

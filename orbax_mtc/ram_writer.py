@@ -116,4 +116,5 @@ class RamWriter:
               if e.errno == errno.ENOSPC else "")
       raise type(e)(
           e.errno, f"orbax-mtc: local save of step {staged.step} to {self._local.directory} "
-          f"failed: {e.strerror or e}. Committed steps are untouched.{hint}") from e
+          f"failed: {str(e.strerror or e).rstrip('.')}. Committed steps are untouched.{hint}"
+      ) from e

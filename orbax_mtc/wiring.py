@@ -34,7 +34,6 @@ from orbax_mtc import (
   save_policy,
 )
 from orbax_mtc.backup_scheduler import BackupScheduler
-from orbax_mtc.elastic_exec import ElasticRestore
 from orbax_mtc.ledger import StepLedger
 from orbax_mtc.local import claim
 from orbax_mtc.local import lock as local_lock
@@ -46,8 +45,8 @@ from orbax_mtc.peers.copies import PeerCopies
 from orbax_mtc.persistent import PersistentTier
 from orbax_mtc.ram_save import RamSaver
 from orbax_mtc.ram_writer import RamWriter
-from orbax_mtc.restore_exec import RamRestore
-from orbax_mtc.restore_tiers import TieredRestore
+from orbax_mtc.restore.executor import RamRestore
+from orbax_mtc.restore.tiers import TieredRestore
 
 
 @dataclasses.dataclass
@@ -133,10 +132,8 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
                  device_copy=options.local.device_copy)
   chunks = dict(chunk_bytes=options.replication.chunk_bytes,
                 window=options.replication.chunks_in_flight)
-  elastic = ElasticRestore(me=process_index, count=process_count, local=local, store=store,
-                           writer=writer, ledger=ledger, peers=peers, **chunks)
-  restorer = RamRestore(me=process_index, local=local, store=store, writer=writer,
-                        ledger=ledger, peers=peers, elastic=elastic, **chunks)
+  restorer = RamRestore(me=process_index, count=process_count, local=local, store=store,
+                        writer=writer, ledger=ledger, peers=peers, **chunks)
   ondemand = OnDemandSaver(
       grace_seconds=options.ondemand_grace_seconds, read_only=options.local.read_only,
       managed=managed, local=local, writer=writer, ram=ram, peers=peers, backups=backups,

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from orbax_mtc import agreement, elastic_plan
+from orbax_mtc import agreement
+from orbax_mtc.restore import plan as elastic_plan
 from orbax_mtc.tools.bench import elastic_scale
 
 

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orbax_mtc import elastic_plan
-from orbax_mtc.elastic_plan import (
+from orbax_mtc.restore import plan as elastic_plan
+from orbax_mtc.restore.plan import (
     COPY,
     OWN,
     Box,

@@ -311,7 +311,7 @@ def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[s
           f"Item {item_name!r} is not in local step {manifest.step} (it holds "
           f"{sorted(manifest.items)}).", item_name)
     if isinstance(target, process_state.ProcessTarget) or record.kind == "process":
-      shard = _process_shard(item_name, record, target, manifest.step)
+      shard = process_shard(item_name, record, target, manifest.step)
       slot = [None]
       jobs.append((slot, shard, np.dtype(np.uint8), f"{where_prefix}: item {item_name}"))
       plans[item_name] = ("process", target, slot)
@@ -406,7 +406,7 @@ def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[s
   return restored
 
 
-def _process_shard(item_name: str, record: ItemRecord, target: Any, step: int) -> ShardRecord:
+def process_shard(item_name: str, record: ItemRecord, target: Any, step: int) -> ShardRecord:
   """The one shard of a per-process item, once the target asks for what was saved."""
   asked = target.format if isinstance(target, process_state.ProcessTarget) else None
   saved = record.value.get("format") if record.kind == "process" else None

@@ -36,8 +36,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from orbax_mtc import agreement, elastic_plan, row_codec
-from orbax_mtc.elastic_plan import Box, FolderRef, HostReport, TileIndex
+from orbax_mtc import agreement, row_codec
+from orbax_mtc.restore import plan as elastic_plan
+from orbax_mtc.restore.plan import Box, FolderRef, HostReport, TileIndex
 from orbax_mtc.tools.bench import plotting
 
 DEVICES_PER_HOST = 8

@@ -17,14 +17,15 @@ import google_crc32c
 import jax
 import numpy as np
 
-from orbax_mtc import elastic_plan, item_args
-from orbax_mtc.elastic_plan import Box
+from orbax_mtc import item_args, process_state
 from orbax_mtc.local import checksum
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import read as local_read
 from orbax_mtc.local.format import LeafRecord, StepManifest
 from orbax_mtc.local.specs import normalize_index, whole_index
 from orbax_mtc.peers import stream as peer_stream
+from orbax_mtc.restore import plan as elastic_plan
+from orbax_mtc.restore.plan import Box
 
 
 def leaf_tiles(leaf: LeafRecord, count: int) -> tuple[tuple[Box, tuple[int, ...]], ...] | None:
@@ -91,6 +92,7 @@ class Folder:
   manifest: StepManifest
   data: np.ndarray
   where: str
+  primary: bool = False  # the serving process's own current `<step>` folder
 
 
 def target_leaves(layout: StepManifest, targets: dict[str, Any], single: bool | None
@@ -106,8 +108,12 @@ def target_leaves(layout: StepManifest, targets: dict[str, Any], single: bool | 
       raise local_format.MissingItemError(
           f"Item {item_name!r} is not in step {layout.step} (it holds {sorted(layout.items)}).",
           item_name)
-    if record.kind == "json":
+    if isinstance(target, process_state.ProcessTarget) or record.kind == "process":
+      # Travels by its own saved rank; the same errors as a read of one folder.
+      local_read.process_shard(item_name, record, target, layout.step)
       continue
+    if record.kind == "json":
+      continue  # its value travels in the manifest
     by_path = {leaf.path: leaf for leaf in record.leaves}
     flat = jax.tree_util.tree_flatten_with_path(target)[0]
     paths = [jax.tree_util.keystr(p) for p, _ in flat]
@@ -159,6 +165,12 @@ def streams(me: int, count: int, plan: elastic_plan.ElasticPlan, folders: dict[i
           if key not in sends.setdefault(dest, {}):
             shard = _shard(folders[rank].manifest, item_name, path, index)
             sends[dest][key] = (rank, shard)
+  # A per-process item goes to the process of its saved rank, from whoever serves that rank.
+  for item_name in process_names(targets):
+    for dest in range(count):
+      if dest != me and servers.get(dest) == me:
+        shard = folders[dest].manifest.items[item_name].leaves[0].shards[0]
+        sends.setdefault(dest, {})[(item_name, "", shard.index)] = (dest, shard)
   out: dict[int, peer_stream.OutgoingStream] = {}
   for dest in range(count):
     needs_manifest = me == lowest and not served[dest]
@@ -195,16 +207,41 @@ def received_manifest(buffers: dict[int, np.ndarray]) -> StepManifest:
   raise local_format.CorruptStepError("no process sent the step's manifest")
 
 
-def build(me: int, plan: elastic_plan.ElasticPlan, folders: dict[int, Folder],
-           buffers: dict[int, np.ndarray], layout: StepManifest, targets: dict[str, Any],
-           single: bool | None) -> tuple[dict[str, Any], bool, set[str]]:
+def process_names(targets: dict[str, Any]) -> list[str]:
+  """The per-process items among restore targets, sorted."""
+  return sorted(item_args.process_targets(targets))
+
+
+@dataclasses.dataclass
+class BuiltStep:
+  """This process's part of a restored step."""
+
+  restored: dict[str, Any]  # item name -> restored item
+  default_item: bool
+  json_names: set[str]
+  process_raw: dict[str, tuple[str, bytes]]  # per-process item -> (format, saved bytes)
+  complete: bool  # every item of the save but per-process ones was restored
+  moved: bool  # some shard here is not a tile its own saved rank held (another layout)
+
+
+def build(me: int, count: int, plan: elastic_plan.ElasticPlan, folders: dict[int, Folder],
+          buffers: dict[int, np.ndarray], layout: StepManifest, targets: dict[str, Any],
+          single: bool | None) -> BuiltStep:
+  """This process's target items from the tiles of the folders it serves and those it
+  received (each received tile checked against the checksum written at save time)."""
   # (item, path) -> {tile index: uint8 bytes}: the tiles of the folders served here...
   have: dict[tuple[str, str], dict[Box, np.ndarray]] = {}
-  for folder in folders.values():
+  mine: dict[str, np.ndarray] = {}  # per-process items of this process's saved rank
+  for rank, folder in folders.items():
     for item_name, leaf, shard in local_read.manifest_entries(folder.manifest):
-      have.setdefault((item_name, leaf.path), {}).setdefault(
-          shard.index, folder.data[shard.offset:shard.offset + shard.nbytes])
+      raw = folder.data[shard.offset:shard.offset + shard.nbytes]
+      if leaf.kind == "host" and folder.manifest.items[item_name].kind == "process":
+        if rank == me:
+          mine[item_name] = raw
+        continue
+      have.setdefault((item_name, leaf.path), {}).setdefault(shard.index, raw)
   # ... and those received, each checked against the checksum written at save time.
+  wanted_process = set(process_names(targets))
   for source, buffer in sorted(buffers.items()):
     header, data_start = peer_stream.parse_stream_header(buffer)
     for entry in header.get("tiles") or []:
@@ -213,13 +250,18 @@ def build(me: int, plan: elastic_plan.ElasticPlan, folders: dict[int, Folder],
       if raw.nbytes != nbytes or checksum.crc(raw) != crc:
         raise BadTile(f"tile {item_name}{path} {index} of saved rank {rank} from process "
                        f"{source}: checksum mismatch", source, rank)
-      have.setdefault((item_name, path), {})[tuple(tuple(d) for d in index)] = raw
+      if item_name in wanted_process and rank == me:
+        mine[item_name] = raw
+      else:
+        have.setdefault((item_name, path), {})[tuple(tuple(d) for d in index)] = raw
   if single is None:
     targets = item_args.as_saved(targets, layout.default_item)
+  moved = plan.count != count
   leaves_by_item: dict[str, list[Any]] = {}
   for item_name, path, rec, leaf, shape, sharding, key_dims in target_leaves(
       layout, targets, single):
     tiles = have.get((item_name, path), {})
+    holders = dict(leaf_tiles(rec, plan.count) or ())
     dtype = local_format.np_dtype(rec.dtype)
     boxes = list(tiles)
     shards = []
@@ -229,7 +271,9 @@ def build(me: int, plan: elastic_plan.ElasticPlan, folders: dict[int, Folder],
         parts = elastic_plan.pieces(box, boxes)
       except ValueError as e:
         raise local_format.CorruptStepError(f"leaf {item_name}{path}: {e}") from e
-      if len(parts) == 1 and boxes[parts[0][0]] == box:
+      exact = len(parts) == 1 and boxes[parts[0][0]] == box
+      moved = moved or not exact or me not in holders.get(box, ())
+      if exact:
         # The saved tile is the new shard: its (aligned, verified) bytes, no copy.
         shards.append((device, tiles[box].view(dtype).reshape(dims)))
         continue
@@ -245,18 +289,24 @@ def build(me: int, plan: elastic_plan.ElasticPlan, folders: dict[int, Folder],
     leaves_by_item.setdefault(item_name, []).append(
         as_leaf(rec, leaf, shape, sharding, shards))
   restored: dict[str, Any] = {}
+  process_raw: dict[str, tuple[str, bytes]] = {}
   for item_name, target in targets.items():
     record = layout.items[item_name]
     if record.kind == "json":
       restored[item_name] = record.value
-      continue
-    treedef = jax.tree_util.tree_structure(target)
-    restored[item_name] = jax.tree_util.tree_unflatten(treedef, leaves_by_item[item_name])
-  json_items = {name for name in restored if layout.items[name].kind == "json"}
-  # Per-process items never move to another layout; every other item must be here.
+    elif item_name in wanted_process:
+      raw = mine.get(item_name)
+      if raw is None:
+        raise local_format.CorruptStepError(f"item {item_name!r} of saved rank {me} never came")
+      restored[item_name] = process_state.decode(target, raw)
+      process_raw[item_name] = (record.value.get("format"), bytes(raw))
+    else:
+      treedef = jax.tree_util.tree_structure(target)
+      restored[item_name] = jax.tree_util.tree_unflatten(treedef, leaves_by_item[item_name])
+  json_names = {name for name in restored if layout.items[name].kind == "json"}
   complete = {name for name, item in layout.items.items() if item.kind != "process"
               } <= set(restored)
-  return restored, layout.default_item, json_items, complete
+  return BuiltStep(restored, layout.default_item, json_names, process_raw, complete, moved)
 
 
 def as_leaf(rec: LeafRecord, target_leaf: Any, shape: tuple, sharding: Any,

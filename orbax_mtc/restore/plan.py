@@ -29,15 +29,17 @@ import gc
 from collections.abc import Callable, Collection, Iterable, Sequence
 
 # Box geometry lives in `boxes`; re-exported here for callers of `elastic_plan.pieces` etc.
-from orbax_mtc.boxes import Box as Box
-from orbax_mtc.boxes import TileIndex as TileIndex
-from orbax_mtc.boxes import intersect as intersect
-from orbax_mtc.boxes import pieces as pieces
-from orbax_mtc.boxes import relative as relative
-from orbax_mtc.boxes import volume as volume
+from orbax_mtc.restore.boxes import Box as Box
+from orbax_mtc.restore.boxes import TileIndex as TileIndex
+from orbax_mtc.restore.boxes import intersect as intersect
+from orbax_mtc.restore.boxes import pieces as pieces
+from orbax_mtc.restore.boxes import relative as relative
+from orbax_mtc.restore.boxes import volume as volume
 
-OWN, COPY = 0, 1  # where a host holds a folder: its own RAM folder, or a peer copy
-_KIND_NAMES = {OWN: "own", COPY: "copy"}
+# Where a host holds a folder: its own RAM folder, a peer copy, or an own folder of an older
+# layout that a write-back set aside (`local.aside`), which still serves while kept.
+OWN, COPY, ASIDE = 0, 1, 2
+_KIND_NAMES = {OWN: "own", COPY: "copy", ASIDE: "aside"}
 
 
 # ----------------------------------------------------------------------------- reports
@@ -72,12 +74,16 @@ class HostReport:
 
   own: tuple[FolderRef, ...] = ()
   copies: tuple[FolderRef, ...] = ()
+  aside: tuple[FolderRef, ...] = ()
+
+  def kinds(self) -> tuple[tuple[int, tuple[FolderRef, ...]], ...]:
+    return ((OWN, self.own), (COPY, self.copies), (ASIDE, self.aside))
 
   def encode(self) -> bytes:
     """The report as compact bytes: per (kind, step, count, digest) group, the ranks as
     varint deltas. A host with a few steps and a peer copy of each takes ~50 bytes."""
     groups: dict[tuple[int, int, int, int], list[int]] = {}
-    for kind, refs in ((OWN, self.own), (COPY, self.copies)):
+    for kind, refs in self.kinds():
       for ref in refs:
         groups.setdefault((kind, ref.step, ref.count, ref.digest), []).append(ref.rank)
     out = bytearray()
@@ -119,6 +125,7 @@ class HostReport:
 
     own: list[FolderRef] = []
     copies: list[FolderRef] = []
+    aside: list[FolderRef] = []
     for _ in range(get()):
       kind, step, count = get(), get(), get()
       if kind not in _KIND_NAMES or pos + 4 > len(data):
@@ -128,10 +135,10 @@ class HostReport:
       rank = 0
       for _ in range(get()):
         rank += get()
-        (own if kind == OWN else copies).append(FolderRef(step, count, rank, digest))
+        {OWN: own, COPY: copies, ASIDE: aside}[kind].append(FolderRef(step, count, rank, digest))
     if pos != len(data):
       raise ValueError("trailing bytes after an elastic host report")
-    return cls(own=tuple(own), copies=tuple(copies))
+    return cls(own=tuple(own), copies=tuple(copies), aside=tuple(aside))
 
 
 @contextlib.contextmanager
@@ -248,7 +255,7 @@ def candidates(reports: Sequence[HostReport], *, requested_step: int | None = No
   bad = set(excluded)
   saves: dict[Save, dict[int, list[tuple[int, int]]]] = {}
   for process, report in enumerate(reports):
-    for kind, refs in ((OWN, report.own), (COPY, report.copies)):
+    for kind, refs in report.kinds():
       for ref in refs:
         if requested_step is not None and ref.step != requested_step:
           continue
@@ -261,14 +268,22 @@ def candidates(reports: Sequence[HostReport], *, requested_step: int | None = No
   out = [Candidate(step, count, digest, {r: tuple(sorted(h, key=lambda x: (x[1], x[0])))
                                          for r, h in ranks.items()})
          for (step, count, digest), ranks in saves.items()]
-  out.sort(key=lambda c: (-c.step, -len(c.holders), c.count, c.digest))
+  # For one step: the save most ranks can serve, then the one held most in current folders
+  # (a layout written back is preferred to the one it replaced).
+  out.sort(key=lambda c: (-c.step, -len(c.holders), -_current(c), c.count, c.digest))
   return out
+
+
+def _current(candidate: Candidate) -> int:
+  """Saved ranks held in some host's current own folder."""
+  return sum(any(kind == OWN for _, kind in holders) for holders in candidate.holders.values())
 
 
 def choose_servers(candidate: Candidate) -> tuple[tuple[int, int, int], ...]:
   """One serving process per available saved rank.
 
-  A rank's own folder wins over copies (no second read path); among copies, the holder with
+  A rank's own folder wins (a current one over one set aside), then copies (no second read
+  path); among copies, the holder with
   the fewest folders already assigned, then the lowest process, so copies spread the load.
 
   Args:
@@ -281,11 +296,13 @@ def choose_servers(candidate: Candidate) -> tuple[tuple[int, int, int], ...]:
   servers: list[tuple[int, int, int]] = []
   copy_only: list[int] = []
   for rank in sorted(candidate.holders):
-    own = [p for p, kind in candidate.holders[rank] if kind == OWN]
-    if own:
-      process = min(own, key=lambda p: (load.get(p, 0), p))
-      load[process] = load.get(process, 0) + 1
-      servers.append((rank, process, OWN))
+    for own_kind in (OWN, ASIDE):
+      own = [p for p, kind in candidate.holders[rank] if kind == own_kind]
+      if own:
+        process = min(own, key=lambda p: (load.get(p, 0), p))
+        load[process] = load.get(process, 0) + 1
+        servers.append((rank, process, own_kind))
+        break
     else:
       copy_only.append(rank)
   for rank in copy_only:

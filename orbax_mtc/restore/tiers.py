@@ -1,8 +1,8 @@
 """Which tier a restore comes from: the cluster's RAM, else persistent, else nothing.
 
 `restore(None)` takes the newest step the whole cluster can assemble from RAM (own folders,
-twins, peers' copies: restore_exec.py), else the newest persistent step every process sees
-(persistent_restore.py), else starts from scratch. In managed mode the first `restore(None)`
+twins, peers' copies, on any layout: executor.py), else the newest persistent step every process sees
+(persistent.py), else starts from scratch. In managed mode the first `restore(None)`
 honours the step the replicator's `.restore` entries name. After `restore(None)`, RAM steps
 newer than the restored one belong to a timeline the job abandons and are dropped.
 """
@@ -16,7 +16,6 @@ from typing import Any
 
 from absl import logging
 
-from orbax_mtc import persistent_restore
 from orbax_mtc.ledger import StepLedger
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import store as local_store
@@ -24,7 +23,8 @@ from orbax_mtc.managed import hookup
 from orbax_mtc.peers import store as peer_store
 from orbax_mtc.persistent import PersistentTier
 from orbax_mtc.ram_writer import RamWriter
-from orbax_mtc.restore_exec import RamRestore
+from orbax_mtc.restore import persistent as persistent_restore
+from orbax_mtc.restore.executor import RamRestore, RamRestoreResult
 
 
 @dataclasses.dataclass
@@ -88,13 +88,23 @@ class TieredRestore:
       return self._from_replicator_entry(targets, single, started)
     return self._restore(step, targets, single, started)
 
+  def _from_ram(self, step: int | None, targets: dict[str, Any], single: bool | None,
+                started: float, *, tier: str | None = None, drop_newer: bool
+                ) -> RamRestoreResult:
+    """A RAM restore; when found, the restored timeline is recorded, then the step is
+    re-protected where it is not in place."""
+    result = self._ram.restore(step, targets, single)
+    if result.found:
+      self._finish(result.step, tier or result.tier, started, drop_newer=drop_newer)
+      self._ram.write_back(result.done)
+    return result
+
   def _restore(self, step: int | None, targets: dict[str, Any], single: bool | None,
                started: float) -> Any:
-    result = self._ram.restore(step, targets, single, lambda s, tier: self._finish(
-        s, tier, started, drop_newer=step is None))
+    result = self._from_ram(step, targets, single, started, drop_newer=step is None)
     if result.found:
       return result.value
-    persistent_step = result.plan.persistent_step
+    persistent_step = result.persistent_step
     if persistent_step is not None:
       return self._from_persistent(persistent_step, targets, single, started,
                                    drop_newer=step is None)
@@ -115,8 +125,8 @@ class TieredRestore:
     mine, self.replicator_entry = self.replicator_entry, None
     entry = hookup.entry_step(mine, self._local.steps(), self._agree)
     if entry:
-      result = self._ram.restore(entry, targets, single, lambda s, _: self._finish(
-          s, "replicator", started, drop_newer=False))
+      result = self._from_ram(entry, targets, single, started, tier="replicator",
+                              drop_newer=False)
       if result.found:
         return result.value
     elif entry == 0:  # the replicator has nothing: the persistent tier, else scratch
@@ -151,8 +161,7 @@ class TieredRestore:
       (found, value).
     """
     started = time.perf_counter()
-    result = self._ram.restore(step, targets, single, lambda s, tier: self._finish(
-        s, tier, started, drop_newer=step is None))
+    result = self._from_ram(step, targets, single, started, drop_newer=step is None)
     return result.found, result.value
 
   def list_elastic_steps(self) -> None:

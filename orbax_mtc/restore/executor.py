@@ -1,0 +1,440 @@
+"""The one RAM restore executor: the saved layout is the case with nothing to move.
+
+Every restore from RAM runs the same pipeline, whatever changed since the save (nothing, a
+lost node, process ids permuted, another mesh, process count or device count), as PyTorch DCP
+treats resharding as the general case:
+
+1. **inventory** — one all-gather of a `RestoreRecord` per process: the step asked for, its
+   inventory (for the step lists) and a report of every folder it holds, own or peer copy,
+   named by saved rank, process count and layout digest (`sources.HostFolders`);
+2. **plan** (pure, `plan`) — the saves some host holds, newest first; one all-gather of a
+   `CoverRecord` says which ones the available saved ranks cover; per saved rank, one serving
+   process (its own folder first, then copies, load spread);
+3. **fetch** — each process loads and verifies the folders it serves; one stream exchange sends
+   every process the saved tiles its target shards need (and its per-process items, which
+   belong to its saved rank: rule 11);
+4. **build** (`tiles.build`) — each target shard from the tiles covering it; a saved tile that
+   is the shard is adopted without a copy;
+5. **outcome** — one all-gather of a `BuildRecord`. A damaged source (checksum, manifest,
+   size) is excluded and the plan made again; a target that does not match is the caller's
+   error everywhere; any other error is raised everywhere as `CheckpointError` (rule 10:
+   nothing excluded, nothing deleted);
+6. **write-back** (`writeback.WriteBack`) — a process whose step came from elsewhere, or every
+   process when the layout changed, writes it into its own folder; what it replaces is set
+   aside at that commit, never deleted first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+
+from orbax_mtc import agreement, item_args, process_state
+from orbax_mtc.agreement import CoverRecord, Status
+from orbax_mtc.ledger import StepLedger
+from orbax_mtc.local import format as local_format
+from orbax_mtc.local import read as local_read
+from orbax_mtc.local import store as local_store
+from orbax_mtc.peers import exchange
+from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers import stream as peer_stream
+from orbax_mtc.peers.copies import PeerCopies
+from orbax_mtc.ram_writer import RamWriter
+from orbax_mtc.restore import plan as restore_plan
+from orbax_mtc.restore import tiles
+from orbax_mtc.restore.plan import COPY, OWN, HostReport
+from orbax_mtc.restore.sources import HostFolders
+from orbax_mtc.restore.writeback import Restored, WriteBack
+
+ELASTIC, LOCAL, PEER = "elastic", "local", "peer"  # RestoreInfo.tier of a RAM restore
+_MAX_CANDIDATES = 62  # candidates whose coverage one agreement decides (bits of an int64)
+Sources = set[tuple[int, int, int]]  # (process, saved rank, step) folders
+
+
+@dataclasses.dataclass(frozen=True)
+class RamRestoreResult:
+  """The outcome of `RamRestore.restore` (the same on every process but `tier`)."""
+
+  found: bool
+  value: Any  # the restored item, or Composite of items, when found
+  step: int | None
+  tier: str  # this process's: "local", "peer" or "elastic"
+  tried: bool  # a RAM step was tried and could not be used
+  persistent_step: int | None  # the persistent step to fall back to
+  done: Restored | None = None  # what `write_back` needs, when found
+
+
+class _Exclude(Exception):
+  """Damaged sources (agreed): plan again without them."""
+
+  def __init__(self, sources: Sources):
+    super().__init__(str(sorted(sources)))
+    self.sources = sources
+
+
+class _Lacking(Exception):
+  """Folders without a per-process item asked for (agreed): a twin-rebuilt folder has none,
+  while a peer's copy of the node's own folder may still have it."""
+
+  def __init__(self, error: local_format.MissingItemError, step: int, sources: Sources):
+    super().__init__(str(error))
+    self.error, self.step, self.sources = error, step, sources
+
+
+@dataclasses.dataclass
+class _Attempt:
+  built: tiles.BuiltStep
+  outcomes: list[agreement.BuildRecord]  # agreed
+
+
+class RamRestore:
+  """Restores from the RAM tiers of the cluster.
+
+  Args:
+    me: this process.
+    count: processes in the job now.
+    local: this node's RAM tier.
+    store: the peer copies this node holds.
+    writer: the RAM tier's writer thread.
+    ledger: the agreed step lists and faults.
+    peers: the peer copies (sent again after a write-back).
+    chunk_bytes: largest transfer chunk.
+    window: transfer chunks in flight.
+  """
+
+  def __init__(self, *, me: int, count: int, local: local_store.LocalTier,
+               store: peer_store.PeerStore, writer: RamWriter, ledger: StepLedger,
+               peers: PeerCopies, chunk_bytes: int, window: int):
+    self._me, self.count = me, count
+    self._ledger, self._peers = ledger, peers
+    self._chunk_bytes, self._window = chunk_bytes, window
+    self.folders = HostFolders(local, store)
+    self._write_back = WriteBack(me=me, writer=writer, peers=peers)
+
+  # --------------------------------------------------------------------- the agreement
+
+  def restore(self, step: int | None, targets: dict[str, Any],
+              single: bool | None) -> RamRestoreResult:
+    """Restores `step` (None: the newest the cluster can assemble) from RAM, if possible.
+
+    Collective: every process calls it with the same step and targets. Returns what it did;
+    the caller records it and drops what the restored timeline abandoned, then calls
+    `write_back(result.done)`.
+
+    Raises:
+      ValueError: processes asked for different steps.
+      local_format.AbstractStateMismatchError: the targets do not match what was saved (or
+        lack a per-process item no copy of that step holds).
+      agreement.CheckpointError: an error that proves no damage, on some process.
+    """
+    # Copies still in flight would race with the folders this restore reads and rewrites.
+    self._peers.progress(block=True)
+    ledger = self._ledger
+    report = self.folders.safe_report()
+    records = ledger.agree(agreement.RestoreRecord(
+        requested_step=-1 if step is None else int(step), fault=ledger.take_fault(),
+        inventory=ledger.inventory(), elastic=report.encode()), "restore")
+    asked = [r.requested_step for r in records]
+    if len(set(asked)) > 1:
+      raise ValueError(
+          "restore() was called with different steps on different processes: " + ", ".join(
+              f"process {p}: {'None' if s < 0 else s}" for p, s in enumerate(asked)) +
+          ". Every process must restore the same step; use step = mgr.latest_step(), which "
+          "is the same on every process.")
+    for p, fault in agreement.faults(records).items():
+      # An earlier write that failed left nothing committed: the plan below does not use it.
+      logging.warning("orbax-mtc: process %d: an earlier local write failed (%s: %s); "
+                      "restoring from what the cluster holds.", p, fault.kind, fault.message)
+    ledger.forgive()
+    reports = decode_reports([r.elastic for r in records])
+    ledger.adopt([r.inventory for r in records])
+    persistent = ledger.persistent
+    if step is not None:
+      persistent_step = step if step in persistent else None
+      min_step = None
+    else:
+      persistent_step = min_step = persistent[-1] if persistent else None
+    return self._restore(step, targets, single, reports, min_step, persistent_step)
+
+  def _restore(self, step: int | None, targets: dict[str, Any], single: bool | None,
+               reports: list[HostReport], min_step: int | None,
+               persistent_step: int | None) -> RamRestoreResult:
+    per_process = tiles.process_names(targets)
+    excluded: Sources = set()
+    tried, lacking = False, None
+    while True:
+      candidates = restore_plan.candidates(reports, requested_step=step, min_step=min_step,
+                                           excluded=excluded)[:_MAX_CANDIDATES]
+      covered = self._agree_coverage(candidates, excluded)
+      usable = [c for c, ok in zip(candidates, covered, strict=True)
+                if ok and (not per_process or self._every_rank(c))]
+      chosen = usable[0] if usable else None
+      if lacking is not None and (chosen is None or chosen.step != lacking.step):
+        raise lacking.error  # no other folder of that step has the item: the caller's error
+      if chosen is None:
+        self._explain_lost_items(step, per_process, candidates, covered, persistent_step)
+        return RamRestoreResult(False, None, None, "", tried or bool(candidates),
+                                persistent_step)
+      tried = True
+      plan = restore_plan.ElasticPlan(chosen.step, chosen.count, chosen.digest,
+                                      restore_plan.choose_servers(chosen))
+      try:
+        attempt = self._attempt(plan, chosen, targets, single, per_process)
+      except _Exclude as e:
+        excluded |= e.sources
+        continue
+      except _Lacking as e:
+        if e.sources <= excluded:
+          raise e.error from None
+        lacking, excluded = e, excluded | e.sources
+        continue
+      built = attempt.built
+      restored = built.restored
+      if per_process:
+        restored = self._settle(plan.step, restored)
+      outcomes = attempt.outcomes
+      # Another layout (or rank order: a folder's bytes have no owner, rule 11): every
+      # process writes the step anew; else those whose own current folder did not serve.
+      rewritten = any(o.moved for o in outcomes) or any(
+          kind != COPY and process != rank for rank, process, kind in plan.servers)
+      recovered = tuple(range(self.count)) if rewritten else tuple(
+          p for p, o in enumerate(outcomes) if not o.in_place)
+      tier = ELASTIC if rewritten else PEER if self._me in recovered else LOCAL
+      if single or (single is None and built.default_item):
+        value = restored[item_args.DEFAULT_ITEM]
+      else:
+        value = ocp.args.Composite(**restored)
+      return RamRestoreResult(True, value, plan.step, tier, False, persistent_step,
+                              Restored(plan.step, built, rewritten, recovered))
+
+  def write_back(self, done: Restored) -> None:
+    """After a successful `restore` (collective): re-protects the step where it is not in
+    place."""
+    self._write_back.run(done)
+
+  def _every_rank(self, candidate: restore_plan.Candidate) -> bool:
+    """Per-process items belong to the process index that saved them (rule 11): the save
+    must be of this process count with every saved rank's folder available."""
+    return candidate.count == self.count and len(candidate.holders) == self.count
+
+  def _explain_lost_items(self, step: int | None, names: list[str],
+                          candidates: list[restore_plan.Candidate], covered: list[bool],
+                          persistent_step: int | None) -> None:
+    """`restore(step)` of a step whose arrays the cluster holds but not every process's own
+    per-process items (only twins' folders are left for some): say which, not 'not found'."""
+    if step is None or not names or persistent_step == step:
+      return
+    for candidate, ok in zip(candidates, covered, strict=True):
+      if ok and candidate.count == self.count:
+        lost = sorted(set(range(self.count)) - set(candidate.holders))
+        raise local_format.MissingItemError(
+            f"Step {step} can be rebuilt from RAM only from other processes' folders, which "
+            f"hold the arrays but not the per-process item(s) {names} of process(es) {lost} "
+            "(their own folders and the copies of them are gone), and the persistent tier "
+            f"does not have it. Restore step {step} without these items and position the "
+            "iterators yourself, or call restore(None), which takes the newest step that "
+            "still has them.", names[0])
+
+  def _agree_coverage(self, candidates: list[restore_plan.Candidate],
+                      excluded: Sources) -> list[bool]:
+    known = covered = 0
+    for i, candidate in enumerate(candidates):
+      manifest = self._layout_of(candidate, excluded)
+      if manifest is None or tiles.digest(manifest) != candidate.digest:
+        continue
+      known |= 1 << i
+      if restore_plan.covered(tiles.holder_sets(manifest), candidate.available):
+        covered |= 1 << i
+    records = self._ledger.agree(CoverRecord(known=known, covered=covered),
+                                 "planning a restore")
+    return [any(r.known >> i & 1 for r in records) and
+            all(r.covered >> i & 1 for r in records if r.known >> i & 1)
+            for i in range(len(candidates))]
+
+  def _layout_of(self, candidate: restore_plan.Candidate,
+                 excluded: Sources) -> local_format.StepManifest | None:
+    """A manifest of `candidate` this node holds, or None."""
+    for rank, holders in sorted(candidate.holders.items()):
+      for process, kind in holders:
+        if process == self._me and (process, rank, candidate.step) not in excluded:
+          try:
+            return self.folders.manifest(kind, rank, candidate.step, candidate.digest)
+          except local_format.LocalTierError:
+            continue
+    return None
+
+  def elastic_steps(self) -> list[int]:
+    """Steps saved by a job of another process count that the cluster can rebuild here.
+
+    Collective (one all-gather, and one more only when such folders exist): what
+    `all_steps()` lists besides the steps of this job's own layout, so that
+    `restore(latest_step())` finds them as `restore(None)` does.
+    """
+    records = self._ledger.agree(agreement.ReportRecord(report=self.folders.safe_report().encode()),
+                                 "listing RAM steps saved on another layout")
+    reports = decode_reports([r.report for r in records])
+    foreign = [c for c in restore_plan.candidates(reports)
+               if c.count != self.count][:_MAX_CANDIDATES]
+    if not foreign:
+      return []
+    covered = self._agree_coverage(foreign, set())
+    return sorted({c.step for c, ok in zip(foreign, covered, strict=True) if ok})
+
+  # --------------------------------------------------------------------- one attempt
+
+  def load(self, plan: restore_plan.ElasticPlan, per_process: list[str]
+           ) -> tuple[dict[int, tiles.Folder], dict[Status, list[int]], str]:
+    """The folders this process serves, every checksum verified.
+
+    Returns:
+      (folders, saved ranks it could not serve by status: UNUSABLE (damaged), LACKING (no
+      per-process item asked for) or FAILED (no proof of damage), messages).
+    """
+    folders: dict[int, tiles.Folder] = {}
+    failed: dict[Status, list[int]] = {}
+    problems: list[str] = []
+    for rank, kind in sorted(plan.served_by(self._me).items()):
+      where = f"saved rank {rank} ({'copy' if kind == COPY else 'own'})"
+      try:
+        folder = self.folders.load(kind, rank, plan.step, plan.count, plan.digest)
+      except local_format.LocalTierError as e:  # proof of damage: another source serves it
+        failed.setdefault(Status.UNUSABLE, []).append(rank)
+        problems.append(f"{where}: {type(e).__name__}: {e}")
+        continue
+      except Exception as e:  # noqa: BLE001 - agreed, then raised on every process
+        failed.setdefault(Status.FAILED, []).append(rank)
+        problems.append(f"{where}: {type(e).__name__}: {e}")
+        continue
+      gone = [n for n in per_process if folder.manifest.items.get(n) is None or
+              folder.manifest.items[n].kind != "process"]
+      if gone:
+        failed.setdefault(Status.LACKING, []).append(rank)
+        problems.append(f"Item {gone[0]!r} is not in {where} of step {plan.step}")
+        continue
+      folders[rank] = folder
+    return folders, failed, "; ".join(problems)
+
+  def _attempt(self, plan: restore_plan.ElasticPlan, candidate: restore_plan.Candidate,
+               targets: dict[str, Any], single: bool | None, per_process: list[str]
+               ) -> _Attempt:
+    me, step = self._me, plan.step
+    folders, failed, message = self.load(plan, per_process)
+    layout = next(iter(folders.values())).manifest if folders else None
+    outgoing: dict[int, peer_stream.OutgoingStream] = {}
+    status = next((s for s in (Status.FAILED, Status.UNUSABLE, Status.LACKING) if s in failed),
+                  Status.OK)
+    if status == Status.OK:
+      try:
+        outgoing = tiles.streams(me, self.count, plan, folders, layout, targets, single)
+      except local_format.AbstractStateMismatchError as e:
+        status, message = Status.MISMATCH, str(e)
+      except Exception as e:  # noqa: BLE001 - agreed below, raised on every process
+        status, message = Status.FAILED, f"{type(e).__name__}: {e}"
+    edges = [(src, dst) for src in range(self.count) for dst in range(self.count)
+             if src != dst]
+    served = agreement.ServeRecord(status=status, failed_ranks=tuple(failed.get(status, ())),
+                                   message=message)
+    buffers, sink_for = receive_buffers()
+    result = exchange.exchange(
+        edges, me, outgoing, exchange.outgoing_sizes(edges, me, outgoing), served,
+        lambda row: self._ledger.allgather(row, f"serving step {step}"),
+        proceed=lambda records, _: all(r.status == Status.OK for r in records),
+        sink_for=sink_for, chunk_limit=self._chunk_bytes, window=self._window)
+    if result.transfer is None:
+      self._raise_agreed(list(result.records), step, candidate)
+    result.transfer.run()
+    outcome = agreement.BuildRecord()
+    built = None
+    try:
+      if layout is None:
+        layout = tiles.received_manifest(buffers)
+      built = tiles.build(me, self.count, plan, folders, buffers, layout, targets, single)
+      mine = folders.get(me)
+      outcome = agreement.BuildRecord(moved=built.moved, in_place=bool(
+          mine is not None and mine.primary and plan.served_by(me).get(me) == OWN))
+    except local_format.AbstractStateMismatchError as e:
+      outcome = agreement.BuildRecord(status=Status.MISMATCH, message=str(e))
+    except tiles.BadTile as e:
+      outcome = agreement.BuildRecord(status=Status.UNUSABLE, bad_process=e.process,
+                                      bad_rank=e.rank, message=str(e))
+    except local_format.LocalTierError as e:  # damage: another source or an older step
+      outcome = agreement.BuildRecord(status=Status.UNUSABLE, message=f"{type(e).__name__}: {e}")
+    except Exception as e:  # noqa: BLE001 - not proof of damage: raised on every process
+      logging.exception("orbax-mtc: error building step %d", step)
+      outcome = agreement.BuildRecord(status=Status.FAILED, message=f"{type(e).__name__}: {e}")
+    outcomes = self._ledger.agree(outcome, f"building step {step}")
+    if all(o.status == Status.OK for o in outcomes):
+      assert built is not None
+      return _Attempt(built, list(outcomes))
+    self._raise_agreed(outcomes, step, candidate)
+    raise AssertionError("unreachable")
+
+  @staticmethod
+  def _raise_agreed(records: list[Any], step: int, candidate: restore_plan.Candidate) -> None:
+    """Ends a failed attempt the same way on every process (the records are agreed)."""
+    mismatched = [(p, r.message) for p, r in enumerate(records) if r.status == Status.MISMATCH]
+    if mismatched:  # the caller's error, not a bad copy: nothing is deleted
+      raise local_format.agreed_mismatch(*mismatched[0], step)
+    failed = {p: r.message for p, r in enumerate(records) if r.status == Status.FAILED}
+    if failed:
+      # An error that proves nothing about the bytes (a device out of memory, an I/O error):
+      # excluding the source would roll back to an older step and drop this one (rule 10).
+      raise agreement.CheckpointError(f"restoring step {step} from RAM", failed)
+    for p, r in enumerate(records):
+      if r.status != Status.OK:
+        logging.warning("orbax-mtc: step %d: process %d: %s", step, p, r.message)
+    lacking = {(p, rank, step) for p, r in enumerate(records) if r.status == Status.LACKING
+               for rank in r.failed_ranks}
+    if lacking:
+      culprit = next(p for p, r in enumerate(records) if r.status == Status.LACKING)
+      error = local_format.agreed_mismatch(culprit, records[culprit].message, step)
+      raise _Lacking(error, step, lacking)
+    bad = {(p, rank, step) for p, r in enumerate(records) for rank in r.failed_ranks}
+    bad |= {(r.bad_process, r.bad_rank, step) for r in records
+            if getattr(r, "bad_process", -1) >= 0}
+    if not bad:  # no culprit named: every folder of this save is out
+      bad = {(p, rank, step) for rank, holders in candidate.holders.items() for p, _ in holders}
+    raise _Exclude(bad)
+
+  def _settle(self, step: int, restored: dict[str, Any]) -> dict[str, Any]:
+    """Sets the saved iterator states, now that every process has built the step; a state an
+    iterator refuses (another shard layout, say) is raised on every process alike."""
+    problem = ""
+    try:
+      restored = process_state.settle(restored)
+    except Exception as e:  # noqa: BLE001 - agreed below, raised everywhere
+      problem = f"{type(e).__name__}: {e}"
+    outcomes = self._ledger.agree(agreement.BuildRecord(
+        status=Status.MISMATCH if problem else Status.OK, message=problem),
+        f"setting the data iterators of step {step}")
+    refused = [(p, o.message) for p, o in enumerate(outcomes) if o.status != Status.OK]
+    if refused:
+      process, message = refused[0]
+      raise local_format.AbstractStateMismatchError(
+          f"process {process}: the iterator refused the state saved with step {step} "
+          f"({message}). Restore into an iterator built as the one that was saved (same "
+          "data source, sampler and shard), or leave the item out.")
+    return restored
+
+
+def decode_reports(raws: list[bytes]) -> list[HostReport]:
+  """The gathered reports; an unreadable one counts as holding nothing."""
+  return restore_plan.decode_reports(raws, lambda p, e: logging.warning(
+      "orbax-mtc: process %d's folder report was unreadable (%s) and is ignored", p, e))
+
+
+def receive_buffers() -> tuple[dict[int, np.ndarray], Any]:
+  """Sinks that collect whole streams into aligned buffers."""
+  buffers: dict[int, np.ndarray] = {}
+
+  def sink_for(stream):
+    buffer = buffers.setdefault(stream.source, local_read.aligned_empty(stream.nbytes))
+
+    def sink(offset: int, data: np.ndarray) -> None:
+      buffer[offset:offset + data.nbytes] = data
+    return sink
+  return buffers, sink_for
