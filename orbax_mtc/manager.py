@@ -66,9 +66,7 @@ class CheckpointManager(ocp.CheckpointManager):
     restored = mgr.restore(None).state
   """
 
-  # Whether this form installs its own SIGTERM handler without jax.distributed (the
-  # parent-style form keeps the parent's preemption handling).
-  _OWNS_SIGTERM = True
+  _OWNS_SIGTERM = True  # without jax.distributed (the parent-style form keeps Orbax's)
 
   def __new__(cls, *args: Any, **kwargs: Any):
     # The form is chosen once, by the arguments: the parent-style form is its own subclass.
@@ -401,8 +399,7 @@ class CheckpointManager(ocp.CheckpointManager):
 
   @persistent_view_when_nested
   def is_saving_in_progress(self) -> bool:
-    return self._writer.writing or self._backups.pending is not None or \
-        self._persistent.busy()
+    return self._writer.writing or self._backups.pending is not None or self._persistent.busy()
 
   # ------------------------------------------------------------------ lifecycle
 
@@ -417,10 +414,9 @@ class CheckpointManager(ocp.CheckpointManager):
 
   @persistent_view_when_nested
   def wait_until_finished(self):
-    """Waits for the RAM write, the peer copies and the backup in flight (a backup is bounded
-    by Orbax's `AsyncOptions.timeout_secs`, but for its step metadata write, which only the
-    storage client's own timeouts bound). Every process calls it at the same point of the
-    loop (it is an agreement, as in Orbax's multi-host waits).
+    """Waits for the RAM write, the peer copies and the backup in flight (bounded by Orbax's
+    `AsyncOptions.timeout_secs` but for its metadata write). An agreement: every process calls
+    it at the same point, as Orbax's multi-host waits.
 
     Raises:
       CheckpointError: on every process alike, for a failed RAM write on any of them.

@@ -4,7 +4,7 @@ A stream is `[8-byte header length][JSON header][zero padding to 64][shards, eac
 The header names the source, the step's manifest and where each shard lies. A peer copy is
 such a stream of the shards the receiver does not hold itself (peers/store.py keeps it as
 received); the same framing carries a whole step from a twin or a peer to a node that lost
-its folder (restore_exec.py).
+its folder (restore/executor.py).
 
 File I/O only: no collectives, safe on the writer thread.
 """

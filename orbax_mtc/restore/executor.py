@@ -112,7 +112,7 @@ class RamRestore:
     self._me, self.count = me, count
     self._ledger, self._peers = ledger, peers
     self._chunk_bytes, self._window = chunk_bytes, window
-    self.folders = HostFolders(local, store)
+    self.folders = HostFolders(local, store, count, lambda: peers.enabled)
     self._write_back = WriteBack(me=me, writer=writer, peers=peers)
 
   # --------------------------------------------------------------------- the agreement
@@ -173,6 +173,8 @@ class RamRestore:
       usable = [c for c, ok in zip(candidates, covered, strict=True)
                 if ok and (not per_process or self._every_rank(c))]
       chosen = usable[0] if usable else None
+      if per_process:
+        self._refuse_other_count(per_process, candidates, covered, chosen)
       if lacking is not None and (chosen is None or chosen.step != lacking.step):
         raise lacking.error  # no other folder of that step has the item: the caller's error
       if chosen is None:
@@ -220,6 +222,22 @@ class RamRestore:
     """Per-process items belong to the process index that saved them (rule 11): the save
     must be of this process count with every saved rank's folder available."""
     return candidate.count == self.count and len(candidate.holders) == self.count
+
+  def _refuse_other_count(self, names: list[str], candidates: list[restore_plan.Candidate],
+                          covered: list[bool], chosen: restore_plan.Candidate | None) -> None:
+    """The newest step RAM holds was saved by another process count: it can be rebuilt,
+    but not the per-process items, which belong to the processes that saved them."""
+    newest = next((c for c, ok in zip(candidates, covered, strict=True) if ok), None)
+    if newest is None or newest.count == self.count or (
+        chosen is not None and chosen.step >= newest.step):
+      return
+    raise local_format.AbstractStateMismatchError(
+        f"Step {newest.step} can only be restored here by rebuilding it from RAM on another "
+        f"process count (saved by {newest.count} processes; this job has {self.count}), and "
+        f"item(s) {names} hold per-process state (a data iterator's position), which belongs "
+        "to the process that saved it. Restore without these items (leave them out of the "
+        "restore args) and position the iterators yourself, or restart with the process count "
+        f"that saved step {newest.step}.")
 
   def _explain_lost_items(self, step: int | None, names: list[str],
                           candidates: list[restore_plan.Candidate], covered: list[bool],

@@ -1,10 +1,12 @@
-"""Pure planning of an elastic restore: a RAM step saved on another mesh or process count.
+"""Pure planning of a RAM restore, on the saved layout or any other (mesh, process count,
+device count, rank order): the saved layout is the plan in which nothing moves.
 
 A step saved by C processes is C folders, one per saved rank, each holding that rank's shards
 ("tiles") and, in its manifest, the step's global layout: per leaf, every tile and the saved
-ranks holding it. After a restart on another layout, a folder of saved rank r may sit in some
-process's own RAM folder or in a peer copy; a tile may be held by several ranks (data-parallel
-replicas). This module decides, without I/O or JAX:
+ranks holding it. At a restart, a folder of saved rank r may sit in any process's own RAM
+folder (permuted process ids), in a folder a write-back set aside, or in a peer copy; a tile
+may be held by several ranks (data-parallel replicas). This module decides, without I/O or
+JAX:
 
 * what each process reports (`HostReport`, a compact byte string: a few dozen bytes per
   folder it holds, well under 1 KiB for a host);
@@ -54,7 +56,7 @@ class FolderRef:
     count: The process count the step was saved with.
     rank: The saved rank whose shards the folder holds.
     digest: 32-bit digest of the step's global layout (equal: same layout; see
-      `elastic_exec.digest`).
+      `restore.tiles.digest`).
   """
 
   step: int
@@ -65,11 +67,12 @@ class FolderRef:
 
 @dataclasses.dataclass(frozen=True)
 class HostReport:
-  """What one host can serve for an elastic restore: its own folders and its peer copies.
+  """What one host can serve for a restore: its own folders, those set aside, its copies.
 
   Attributes:
     own: Folders in the host's own RAM folder.
     copies: Peer copies the host holds (complete, servable).
+    aside: Own folders of an older layout a write-back set aside (still servable).
   """
 
   own: tuple[FolderRef, ...] = ()

@@ -11,6 +11,7 @@ source's rank wherever it lies. File I/O only, no collectives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from absl import logging
@@ -32,10 +33,16 @@ class HostFolders:
   Args:
     local: this node's RAM tier.
     store: the peer copies this node holds.
+    count: processes in the job now.
+    use_copies: whether copies of this process count serve (this job replicates: with
+      replication off, a copy left by an earlier run may be of a step number this run saved
+      anew, so only copies saved by another process count are used then).
   """
 
-  def __init__(self, local: local_store.LocalTier, store: peer_store.PeerStore):
+  def __init__(self, local: local_store.LocalTier, store: peer_store.PeerStore, count: int,
+               use_copies: Callable[[], bool]):
     self._local, self._store = local, store
+    self._count, self._use_copies = count, use_copies
     self._own: dict[FolderRef, Path] = {}  # of the last report
 
   def own_dir(self, step: int) -> Path:
@@ -48,10 +55,6 @@ class HostFolders:
       if (ref.step, ref.digest) == (step, digest_value) and rank in (None, ref.rank):
         return folder
     return self.own_dir(step)
-
-  def is_primary(self, ref: FolderRef) -> bool:
-    """Whether `ref` (of the last report) is the step's current folder `<local>/<step>`."""
-    return self._own.get(ref) == self.own_dir(ref.step)
 
   def report(self) -> HostReport:
     """The folders this host can serve, named by saved rank, count and layout digest.
@@ -72,9 +75,10 @@ class HostFolders:
         self._own[ref] = folder
     held = {(ref.step, ref.digest) for ref in own + set_aside}
     copies: list[FolderRef] = []
+    use_copies = self._use_copies()
     for source, step in self._store.copies():
       ref = _ref(self._store.source_dir(source) / str(step), step, source)
-      if ref is None:
+      if ref is None or (ref.count == self._count and not use_copies):
         continue
       try:
         # Its shards marked "in my own folder" need an own folder of the same save.

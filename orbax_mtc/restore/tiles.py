@@ -1,6 +1,6 @@
-"""The tiles of an elastic restore: a step's saved layout, what each process sends, and each
-new shard assembled from the saved tiles that cover it (no collectives; `elastic_exec`
-moves the streams and agrees on the outcome).
+"""The tiles of a restore: a step's saved layout, what each process sends, and each target
+shard assembled from the saved tiles that cover it (no collectives; `executor` moves the
+streams and agrees on the outcome).
 
 Whole saved tiles travel (not sub-ranges): the receiver then checks each against the checksum
 written at save time, end to end, at the cost of extra bytes where a new shard needs part of
