@@ -2,8 +2,10 @@
 
 Load it with `-p orbax_suite_probe` (tests/ on PYTHONPATH). It counts, per test, how often the
 RAM tier of `orbax_mtc.CheckpointManager` saved and restored, so a run with the parent-style
-RAM tier switched on shows that the tier was exercised, not only that the tests passed. The
-counts go to `$ORBAX_MTC_PROBE_OUT/probe-p<process>.json` when the session ends.
+RAM tier switched on shows that the tier was exercised, not only that the tests passed. A RAM
+save is a `RamSaver.save` call that returns; a RAM restore is a `RamRestore.restore` whose
+result is `found`. The counts go to `$ORBAX_MTC_PROBE_OUT/probe-p<process>.json` when the
+session ends.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import json
 import os
 from pathlib import Path
 
-from orbax_mtc import manager
+from orbax_mtc.ram_save import RamSaver
+from orbax_mtc.restore.executor import RamRestore
 
 _counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 _current = ["<outside a test>"]
@@ -24,7 +27,7 @@ def _count(name: str, method):
   @functools.wraps(method)
   def wrapper(self, *args, **kwargs):
     result = method(self, *args, **kwargs)
-    if name != "ram_restore" or result[0]:
+    if name != "ram_restore" or result.found:
       _counts[_current[0]][name] += 1
     return result
 
@@ -32,9 +35,8 @@ def _count(name: str, method):
 
 
 def pytest_configure(config):
-  cls = manager.CheckpointManager
-  cls._save_local = _count("ram_save", cls._save_local)
-  cls._restore_from_ram = _count("ram_restore", cls._restore_from_ram)
+  RamSaver.save = _count("ram_save", RamSaver.save)
+  RamRestore.restore = _count("ram_restore", RamRestore.restore)
 
 
 def pytest_runtest_setup(item):

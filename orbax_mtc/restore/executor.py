@@ -280,7 +280,8 @@ class RamRestore:
       for process, kind in holders:
         if process == self._me and (process, rank, candidate.step) not in excluded:
           try:
-            return self.folders.manifest(kind, rank, candidate.step, candidate.digest)
+            return self.folders.manifest(kind, rank, candidate.step, candidate.count,
+                                         candidate.digest)
           except local_format.LocalTierError:
             continue
     return None

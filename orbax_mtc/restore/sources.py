@@ -1,19 +1,22 @@
-"""The restore sources one host holds: its own step folders (and the older layouts a
-write-back set aside) and the peer copies it keeps for other nodes, behind one small
-interface.
+"""The restore sources one host holds, behind one small interface: its own step folders
+(`OwnFolder`, current or set aside by a write-back) and the peer copies it keeps for other
+nodes (`PeerCopy`). The third source, bytes received from another process, is the stream
+`tiles.build` reads. A new kind of source is a new class with `manifest` and `read`.
 
 `HostFolders.report()` names every folder by (step, process count, saved rank, layout
-digest): the host's part of the restore's one agreement. `load` reads one of them back with
-every checksum verified. A folder's identity is the saved rank its manifest names, never the
-process holding it (rule 11): process ids may be permuted at a restart, and a copy serves its
-source's rank wherever it lies. File I/O only, no collectives.
+digest): the host's part of the restore's one agreement. A folder's identity is the saved
+rank its manifest names, never the process holding it (rule 11): process ids may be permuted
+at a restart, and a copy serves its source's rank wherever it lies. File I/O only, no
+collectives.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 from absl import logging
 
 from orbax_mtc import agreement
@@ -23,8 +26,51 @@ from orbax_mtc.local import read as local_read
 from orbax_mtc.local import store as local_store
 from orbax_mtc.local.format import StepManifest
 from orbax_mtc.peers import store as peer_store
-from orbax_mtc.restore.plan import COPY, OWN, FolderRef, HostReport
+from orbax_mtc.restore.plan import ASIDE, COPY, OWN, FolderRef, HostReport
 from orbax_mtc.restore.tiles import Folder, digest
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnFolder:
+  """A step folder of this host's RAM tier: `<local>/<step>` or one a write-back set aside."""
+
+  path: Path
+  primary: bool  # the current `<local>/<step>`
+
+  def manifest(self) -> StepManifest:
+    return local_store.read_manifest(self.path)
+
+  def read(self) -> tuple[StepManifest, np.ndarray]:
+    manifest = self.manifest()
+    crcs: dict[tuple[int, int], int] = {}
+    data = local_read.read_data(self.path, manifest, crcs)
+    local_read.verify_buffer(data, manifest, str(self.path), crcs)
+    return manifest, data
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerCopy:
+  """A copy of another node's step held here; shards it shares with an own folder of the
+  same save are read from that folder (`peers.store`)."""
+
+  store: peer_store.PeerStore
+  source: int
+  step: int
+  own: Path  # the own folder of the same save
+  primary = False
+
+  @property
+  def path(self) -> Path:
+    return self.store.source_dir(self.source) / str(self.step)
+
+  def manifest(self) -> StepManifest:
+    return local_store.read_manifest(self.path)
+
+  def read(self) -> tuple[StepManifest, np.ndarray]:
+    return self.store.read(self.source, self.step, self.own)
+
+
+Source = OwnFolder | PeerCopy
 
 
 class HostFolders:
@@ -43,18 +89,7 @@ class HostFolders:
                use_copies: Callable[[], bool]):
     self._local, self._store = local, store
     self._count, self._use_copies = count, use_copies
-    self._own: dict[FolderRef, Path] = {}  # of the last report
-
-  def own_dir(self, step: int) -> Path:
-    return self._local.directory / str(step)
-
-  def _own_folder(self, step: int, rank: int | None, digest_value: int) -> Path:
-    """The own folder (current or set aside) of a step's save with this layout digest,
-    saved by `rank` (None: any rank)."""
-    for ref, folder in self._own.items():
-      if (ref.step, ref.digest) == (step, digest_value) and rank in (None, ref.rank):
-        return folder
-    return self.own_dir(step)
+    self._sources: dict[tuple[int, FolderRef], Source] = {}  # of the last report
 
   def report(self) -> HostReport:
     """The folders this host can serve, named by saved rank, count and layout digest.
@@ -63,18 +98,18 @@ class HostFolders:
     left out. Own folders include the layouts a write-back set aside (`local.aside`): until
     the step is retired they still serve it.
     """
-    own: list[FolderRef] = []
-    set_aside: list[FolderRef] = []
-    self._own = {}
-    folders = [(step, self.own_dir(step)) for step in self._local.steps()]
-    folders += aside.replaced_folders(self._local.directory)
-    for step, folder in folders:
-      ref = _ref(folder, step, None)
-      if ref is not None and ref not in self._own:
-        (own if folder == self.own_dir(step) else set_aside).append(ref)
-        self._own[ref] = folder
-    held = {(ref.step, ref.digest) for ref in own + set_aside}
-    copies: list[FolderRef] = []
+    sources: dict[tuple[int, FolderRef], Source] = {}
+    own_of: dict[tuple[int, int], Path] = {}  # (step, digest) -> an own folder of that save
+    root = self._local.directory
+    folders = [(step, root / str(step), True) for step in self._local.steps()]
+    folders += [(step, path, False) for step, path in aside.replaced_folders(root)]
+    seen: set[FolderRef] = set()
+    for step, path, primary in folders:
+      ref = _ref(path, step, None)
+      if ref is not None and ref not in seen:
+        seen.add(ref)
+        sources[(OWN if primary else ASIDE, ref)] = OwnFolder(path, primary)
+        own_of.setdefault((ref.step, ref.digest), path)
     use_copies = self._use_copies()
     for source, step in self._store.copies():
       ref = _ref(self._store.source_dir(source) / str(step), step, source)
@@ -82,12 +117,19 @@ class HostFolders:
         continue
       try:
         # Its shards marked "in my own folder" need an own folder of the same save.
-        if self._store.meta(source, step).needs_own_step and (step, ref.digest) not in held:
-          continue
+        needs_own = self._store.meta(source, step).needs_own_step
       except local_format.LocalTierError:
         continue
-      copies.append(ref)
-    report = HostReport(own=tuple(own), copies=tuple(copies), aside=tuple(set_aside))
+      own = own_of.get((step, ref.digest))
+      if needs_own and own is None:
+        continue
+      sources[(COPY, ref)] = PeerCopy(self._store, source, step, own or root / str(step))
+    self._sources = sources
+    by_kind: dict[int, list[FolderRef]] = {OWN: [], COPY: [], ASIDE: []}
+    for kind, ref in sources:
+      by_kind[kind].append(ref)
+    report = HostReport(own=tuple(by_kind[OWN]), copies=tuple(by_kind[COPY]),
+                        aside=tuple(by_kind[ASIDE]))
     # The agreement has room for agreement.ELASTIC_REPORT_BYTES: drop the oldest steps first.
     while len(report.encode()) > agreement.ELASTIC_REPORT_BYTES:
       oldest = min(ref.step for _, refs in report.kinds() for ref in refs)
@@ -103,11 +145,18 @@ class HostFolders:
       logging.exception("orbax-mtc: cannot list this node's folders for a restore")
       return HostReport()
 
-  def manifest(self, kind: int, rank: int, step: int, digest_value: int) -> StepManifest:
-    """The manifest of one folder this host holds (LocalTierError if unusable)."""
-    if kind != COPY:
-      return local_store.read_manifest(self._own_folder(step, rank, digest_value))
-    return local_store.read_manifest(self._store.source_dir(rank) / str(step))
+  def _source(self, kind: int, rank: int, step: int, count: int, digest_value: int) -> Source:
+    source = self._sources.get((kind, FolderRef(step, count, rank, digest_value)))
+    if source is None:
+      raise local_format.LocalTierError(
+          f"step {step}: no {('own', 'copy', 'set-aside')[kind]} folder of saved rank {rank} "
+          "here any more")
+    return source
+
+  def manifest(self, kind: int, rank: int, step: int, count: int,
+               digest_value: int) -> StepManifest:
+    """The manifest of one folder of the last report (LocalTierError if unusable)."""
+    return self._source(kind, rank, step, count, digest_value).manifest()
 
   def load(self, kind: int, rank: int, step: int, count: int, digest_value: int) -> Folder:
     """One folder of saved rank `rank` of the save (step, count, digest), read back with
@@ -117,19 +166,12 @@ class HostFolders:
       LocalTierError: the folder is damaged or not of that save (proof of damage).
       OSError, ...: anything else (no proof of damage).
     """
-    if kind != COPY:
-      folder = self._own_folder(step, rank, digest_value)
-      manifest = local_store.read_manifest(folder)
-      crcs: dict[tuple[int, int], int] = {}
-      data = local_read.read_data(folder, manifest, crcs)
-      local_read.verify_buffer(data, manifest, str(folder), crcs)
-    else:
-      folder = self._store.source_dir(rank) / str(step)
-      manifest, data = self._store.read(rank, step, self._own_folder(step, None, digest_value))
+    source = self._source(kind, rank, step, count, digest_value)
+    manifest, data = source.read()
     if (manifest.process_count, manifest.process_index) != (count, rank) or \
         digest(manifest) != digest_value:
-      raise local_format.ManifestError(f"{folder}: not saved rank {rank} of this save")
-    return Folder(manifest, data, str(folder), primary=kind == OWN and folder == self.own_dir(step))
+      raise local_format.ManifestError(f"{source.path}: not saved rank {rank} of this save")
+    return Folder(manifest, data, str(source.path), primary=source.primary)
 
 
 def _ref(folder: Path, step: int, source: int | None) -> FolderRef | None:
