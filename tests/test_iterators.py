@@ -234,6 +234,25 @@ def test_the_persistent_step_is_what_plain_orbax_and_grain_restore(shm_root, tmp
   _resumed(out, 4, reference, {0: "persistent", 1: "persistent"})
 
 
+def test_another_mesh_of_the_same_process_count_keeps_every_iterator(shm_root, tmp_path,
+                                                                      reference):
+  # Saved on (data=2, model=1), restarted on (data=1, model=2): the arrays are rebuilt on the
+  # new mesh, and each process's position comes from its own saved rank's folder.
+  persistent = tmp_path / "persistent"
+  same_shapes = ("--shape-axes", "2,1")
+  result, out = run_job(_cmd(persistent, "--steps", "6", *same_shapes), NPROCS, shm_root)
+  assert_ok(result, out)
+  result, out = run_job(_cmd(persistent, "--steps", "8", *same_shapes, "--replicas", "1",
+                             "--expect-step", "5", "--expect-tier", "elastic"), NPROCS,
+                        shm_root)
+  assert_ok(result, out)
+  _resumed(out, 5, reference, {0: "elastic", 1: "elastic"})
+  _batches_match(out, reference)
+  for node in range(NPROCS):  # the steps after it were saved on the new mesh, with positions
+    manifest = local_store.read_manifest(shm_root / f"node{node}" / "7")
+    assert manifest.items["iter"].kind == "process" and manifest.process_index == node
+
+
 def test_another_process_count_is_refused_with_a_clear_error(shm_root, tmp_path):
   persistent = tmp_path / "persistent"
   result, out = run_job(_cmd(persistent, "--steps", "6"), NPROCS, shm_root)

@@ -179,8 +179,8 @@ class RamRestore:
         raise lacking.error  # no other folder of that step has the item: the caller's error
       if chosen is None:
         self._explain_lost_items(step, per_process, candidates, covered, persistent_step)
-        return RamRestoreResult(False, None, None, "", tried or bool(candidates),
-                                persistent_step)
+        # "tried": a step the cluster could assemble was found unusable (not merely absent).
+        return RamRestoreResult(False, None, None, "", tried or any(covered), persistent_step)
       tried = True
       plan = restore_plan.ElasticPlan(chosen.step, chosen.count, chosen.digest,
                                       restore_plan.choose_servers(chosen))
