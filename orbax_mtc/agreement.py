@@ -209,23 +209,6 @@ class CoverRecord:
 
 
 @dataclasses.dataclass(frozen=True)
-class ServeRecord:
-  """A restore's exchange; its byte count per stream follows (`gather_with_sizes`).
-
-  Attributes:
-    status: OK; UNUSABLE (damaged folders, `failed_ranks`); LACKING (folders without a
-      per-process item asked for, `failed_ranks`); MISMATCH (the target); FAILED (any other
-      error: raised everywhere).
-    failed_ranks: The saved ranks this process could not serve.
-    message: Why not.
-  """
-
-  status: Status = field(EnumCodec(Status), Status.OK)
-  failed_ranks: tuple[int, ...] = field(Steps(32), ())
-  message: str = field(Text(_MESSAGE_BYTES), "")
-
-
-@dataclasses.dataclass(frozen=True)
 class BuildRecord:
   """One process's attempt to build the restore targets.
 
@@ -245,6 +228,26 @@ class BuildRecord:
   moved: bool = field(Bool(), False)
   in_place: bool = field(Bool(), False)
   message: str = field(Text(_MESSAGE_BYTES), "")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeRecord:
+  """A restore's exchange; its byte count per stream follows (`gather_with_sizes`).
+
+  Attributes:
+    status: OK; UNUSABLE (damaged folders, `failed_ranks`); LACKING (folders without a
+      per-process item asked for, `failed_ranks`); MISMATCH (the target); FAILED (any other
+      error: raised everywhere).
+    failed_ranks: The saved ranks this process could not serve.
+    message: Why not.
+    early: The outcome of a build made before the exchange (NONE: none was, since this
+      process receives bytes, or cannot serve).
+  """
+
+  status: Status = field(EnumCodec(Status), Status.OK)
+  failed_ranks: tuple[int, ...] = field(Steps(32), ())
+  message: str = field(Text(_MESSAGE_BYTES), "")
+  early: BuildRecord = field(Record(BuildRecord), factory=lambda: BuildRecord(status=Status.NONE))
 
 
 @dataclasses.dataclass(frozen=True)

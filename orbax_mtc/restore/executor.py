@@ -169,7 +169,14 @@ class RamRestore:
     while True:
       candidates = restore_plan.candidates(reports, requested_step=step, min_step=min_step,
                                            excluded=excluded)[:_MAX_CANDIDATES]
-      covered = self._agree_coverage(candidates, excluded)
+      first = candidates[0] if candidates else None
+      if first is not None and len(first.holders) == first.count and (
+          not per_process or self._every_rank(first)):
+        # Every saved rank of the newest save is available: it covers itself, and it is the
+        # one chosen, so no agreement on coverage is needed (the usual restart).
+        covered = [len(c.holders) == c.count for c in candidates]
+      else:
+        covered = self._agree_coverage(candidates, excluded)
       usable = [c for c, ok in zip(candidates, covered, strict=True)
                 if ok and (not per_process or self._every_rank(c))]
       chosen = usable[0] if usable else None
@@ -305,58 +312,84 @@ class RamRestore:
 
   # --------------------------------------------------------------------- one attempt
 
-  def load(self, plan: restore_plan.ElasticPlan, per_process: list[str]
-           ) -> tuple[dict[int, tiles.Folder], dict[Status, list[int]], str]:
-    """The folders this process serves, every checksum verified.
-
-    Returns:
-      (folders, saved ranks it could not serve by status: UNUSABLE (damaged), LACKING (no
-      per-process item asked for) or FAILED (no proof of damage), messages).
-    """
-    folders: dict[int, tiles.Folder] = {}
+  def _manifests(self, plan: restore_plan.ElasticPlan, per_process: list[str]
+                 ) -> tuple[dict[int, local_format.StepManifest], dict[Status, list[int]],
+                            list[str]]:
+    """The manifests of the folders this process serves (failed ranks by status: UNUSABLE
+    for damage, LACKING for a per-process item asked for and missing, FAILED otherwise)."""
+    manifests: dict[int, local_format.StepManifest] = {}
     failed: dict[Status, list[int]] = {}
     problems: list[str] = []
     for rank, kind in sorted(plan.served_by(self._me).items()):
-      where = f"saved rank {rank} ({'copy' if kind == COPY else 'own'})"
+      where = f"saved rank {rank} ({('own', 'copy', 'set-aside')[kind]})"
       try:
-        folder = self.folders.load(kind, rank, plan.step, plan.count, plan.digest)
-      except local_format.LocalTierError as e:  # proof of damage: another source serves it
-        failed.setdefault(Status.UNUSABLE, []).append(rank)
+        manifest = self.folders.manifest(kind, rank, plan.step, plan.count, plan.digest)
+      except Exception as e:  # noqa: BLE001 - agreed, then excluded or raised everywhere
+        damage = isinstance(e, local_format.LocalTierError)
+        failed.setdefault(Status.UNUSABLE if damage else Status.FAILED, []).append(rank)
         problems.append(f"{where}: {type(e).__name__}: {e}")
         continue
-      except Exception as e:  # noqa: BLE001 - agreed, then raised on every process
-        failed.setdefault(Status.FAILED, []).append(rank)
-        problems.append(f"{where}: {type(e).__name__}: {e}")
-        continue
-      gone = [n for n in per_process if folder.manifest.items.get(n) is None or
-              folder.manifest.items[n].kind != "process"]
+      gone = [n for n in per_process
+              if getattr(manifest.items.get(n), "kind", None) != "process"]
       if gone:
         failed.setdefault(Status.LACKING, []).append(rank)
         problems.append(f"Item {gone[0]!r} is not in {where} of step {plan.step}")
         continue
-      folders[rank] = folder
-    return folders, failed, "; ".join(problems)
+      manifests[rank] = manifest
+    return manifests, failed, problems
+
+  def load(self, plan: restore_plan.ElasticPlan, ranks: set[int]
+           ) -> tuple[dict[int, tiles.Folder], dict[Status, list[int]], list[str]]:
+    """The served folders of `ranks`, every checksum verified (failures as `_manifests`)."""
+    folders: dict[int, tiles.Folder] = {}
+    failed: dict[Status, list[int]] = {}
+    problems: list[str] = []
+    served = plan.served_by(self._me)
+    for rank in sorted(ranks):
+      try:
+        folders[rank] = self.folders.load(served[rank], rank, plan.step, plan.count,
+                                          plan.digest)
+      except Exception as e:  # noqa: BLE001 - agreed, then excluded or raised everywhere
+        damage = isinstance(e, local_format.LocalTierError)
+        failed.setdefault(Status.UNUSABLE if damage else Status.FAILED, []).append(rank)
+        problems.append(f"saved rank {rank}: {type(e).__name__}: {e}")
+    return folders, failed, problems
 
   def _attempt(self, plan: restore_plan.ElasticPlan, candidate: restore_plan.Candidate,
                targets: dict[str, Any], single: bool | None, per_process: list[str]
                ) -> _Attempt:
     me, step = self._me, plan.step
-    folders, failed, message = self.load(plan, per_process)
-    layout = next(iter(folders.values())).manifest if folders else None
+    manifests, failed, problems = self._manifests(plan, per_process)
+    layout = next(iter(manifests.values()), None)
     outgoing: dict[int, peer_stream.OutgoingStream] = {}
-    status = next((s for s in (Status.FAILED, Status.UNUSABLE, Status.LACKING) if s in failed),
-                  Status.OK)
-    if status == Status.OK:
+    status, early, built, mismatch = Status.OK, agreement.BuildRecord(status=Status.NONE), None, ""
+    routes = None
+    if not failed:
       try:
-        outgoing = tiles.streams(me, self.count, plan, folders, layout, targets, single)
+        routes = tiles.routes(me, self.count, plan, manifests, layout, targets, single)
       except local_format.AbstractStateMismatchError as e:
-        status, message = Status.MISMATCH, str(e)
+        mismatch = str(e)
       except Exception as e:  # noqa: BLE001 - agreed below, raised on every process
-        status, message = Status.FAILED, f"{type(e).__name__}: {e}"
+        failed[Status.FAILED] = []
+        problems.append(f"{type(e).__name__}: {e}")
+    folders: dict[int, tiles.Folder] = {}
+    if routes is not None:
+      folders, load_failed, load_problems = self.load(plan, routes.needed)
+      for kind, ranks in load_failed.items():
+        failed.setdefault(kind, []).extend(ranks)
+      problems += load_problems
+    if not failed and routes is not None:
+      outgoing = tiles.streams(plan, routes, folders, layout)
+      if not routes.receives:
+        # Nothing to wait for: build now, and let the exchange's one agreement carry the
+        # outcome (the saved layout restores with two agreements in all).
+        built, early = self._build(plan, folders, {}, layout, targets, single)
+    status = next((s for s in (Status.FAILED, Status.UNUSABLE, Status.LACKING) if s in failed),
+                  Status.MISMATCH if mismatch else Status.OK)
     edges = [(src, dst) for src in range(self.count) for dst in range(self.count)
              if src != dst]
     served = agreement.ServeRecord(status=status, failed_ranks=tuple(failed.get(status, ())),
-                                   message=message)
+                                   message=mismatch or "; ".join(problems), early=early)
     buffers, sink_for = receive_buffers()
     result = exchange.exchange(
         edges, me, outgoing, exchange.outgoing_sizes(edges, me, outgoing), served,
@@ -365,32 +398,50 @@ class RamRestore:
         sink_for=sink_for, chunk_limit=self._chunk_bytes, window=self._window)
     if result.transfer is None:
       self._raise_agreed(list(result.records), step, candidate)
-    result.transfer.run()
-    outcome = agreement.BuildRecord()
-    built = None
-    try:
-      if layout is None:
-        layout = tiles.received_manifest(buffers)
-      built = tiles.build(me, self.count, plan, folders, buffers, layout, targets, single)
-      mine = folders.get(me)
-      outcome = agreement.BuildRecord(moved=built.moved, in_place=bool(
-          mine is not None and mine.primary and plan.served_by(me).get(me) == OWN))
-    except local_format.AbstractStateMismatchError as e:
-      outcome = agreement.BuildRecord(status=Status.MISMATCH, message=str(e))
-    except tiles.BadTile as e:
-      outcome = agreement.BuildRecord(status=Status.UNUSABLE, bad_process=e.process,
-                                      bad_rank=e.rank, message=str(e))
-    except local_format.LocalTierError as e:  # damage: another source or an older step
-      outcome = agreement.BuildRecord(status=Status.UNUSABLE, message=f"{type(e).__name__}: {e}")
-    except Exception as e:  # noqa: BLE001 - not proof of damage: raised on every process
-      logging.exception("orbax-mtc: error building step %d", step)
-      outcome = agreement.BuildRecord(status=Status.FAILED, message=f"{type(e).__name__}: {e}")
-    outcomes = self._ledger.agree(outcome, f"building step {step}")
+    if (result.sizes <= 0).all() and all(r.early.status != Status.NONE for r in result.records):
+      outcomes = [r.early for r in result.records]
+    else:
+      if (result.sizes > 0).any():
+        result.transfer.run()
+      if built is None or early.status != Status.OK:
+        if layout is None:
+          try:
+            layout = tiles.received_manifest(buffers)
+          except local_format.LocalTierError as e:
+            layout = None
+            early = agreement.BuildRecord(status=Status.UNUSABLE, message=str(e))
+        if layout is not None:
+          built, early = self._build(plan, folders, buffers, layout, targets, single)
+      outcomes = self._ledger.agree(early, f"building step {step}")
     if all(o.status == Status.OK for o in outcomes):
       assert built is not None
       return _Attempt(built, list(outcomes))
     self._raise_agreed(outcomes, step, candidate)
     raise AssertionError("unreachable")
+
+  def _build(self, plan: restore_plan.ElasticPlan, folders: dict[int, tiles.Folder],
+             buffers: dict[int, np.ndarray], layout: local_format.StepManifest,
+             targets: dict[str, Any], single: bool | None
+             ) -> tuple[tiles.BuiltStep | None, agreement.BuildRecord]:
+    """This process's part of the step, and the outcome it reports (never raises)."""
+    me = self._me
+    try:
+      built = tiles.build(me, self.count, plan, folders, buffers, layout, targets, single)
+    except local_format.AbstractStateMismatchError as e:
+      return None, agreement.BuildRecord(status=Status.MISMATCH, message=str(e))
+    except tiles.BadTile as e:
+      return None, agreement.BuildRecord(status=Status.UNUSABLE, bad_process=e.process,
+                                         bad_rank=e.rank, message=str(e))
+    except local_format.LocalTierError as e:  # damage: another source or an older step
+      return None, agreement.BuildRecord(status=Status.UNUSABLE,
+                                         message=f"{type(e).__name__}: {e}")
+    except Exception as e:  # noqa: BLE001 - not proof of damage: raised on every process
+      logging.exception("orbax-mtc: error building step %d", plan.step)
+      return None, agreement.BuildRecord(status=Status.FAILED,
+                                         message=f"{type(e).__name__}: {e}")
+    mine = folders.get(me)
+    return built, agreement.BuildRecord(moved=built.moved, in_place=bool(
+        mine is not None and mine.primary and plan.served_by(me).get(me) == OWN))
 
   @staticmethod
   def _raise_agreed(records: list[Any], step: int, candidate: restore_plan.Candidate) -> None:
@@ -412,7 +463,8 @@ class RamRestore:
       culprit = next(p for p, r in enumerate(records) if r.status == Status.LACKING)
       error = local_format.agreed_mismatch(culprit, records[culprit].message, step)
       raise _Lacking(error, step, lacking)
-    bad = {(p, rank, step) for p, r in enumerate(records) for rank in r.failed_ranks}
+    bad = {(p, rank, step) for p, r in enumerate(records)
+           for rank in getattr(r, "failed_ranks", ())}
     bad |= {(r.bad_process, r.bad_rank, step) for r in records
             if getattr(r, "bad_process", -1) >= 0}
     if not bad:  # no culprit named: every folder of this save is out

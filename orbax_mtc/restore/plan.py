@@ -361,7 +361,8 @@ def covered(sets: Iterable[Sequence[int]], available: Collection[int]) -> bool:
 
 
 def provider(holders: Sequence[int], receiver_ranks: Collection[int],
-             available: Collection[int], receiver: int) -> int | None:
+             available: Collection[int], receiver: int,
+             preferred: Collection[int] = ()) -> int | None:
   """The saved rank whose folder gives a tile to `receiver`.
 
   Args:
@@ -369,6 +370,8 @@ def provider(holders: Sequence[int], receiver_ranks: Collection[int],
     receiver_ranks: The saved ranks the receiver serves itself.
     available: The saved ranks some process serves.
     receiver: The receiving process (spreads receivers over a tile's replicas).
+    preferred: Saved ranks to take first when they hold the tile (those served from an own
+      folder: a copy then need not be read).
 
   Returns:
     None when the receiver serves a holder itself (no transfer); else the chosen rank.
@@ -385,7 +388,13 @@ def provider(holders: Sequence[int], receiver_ranks: Collection[int],
   ready = [rank for rank in holders if rank in available]
   if not ready:
     raise ValueError(f"no available saved rank holds a tile (holders {sorted(holders)})")
-  return ready[receiver % len(ready)]
+  best = [rank for rank in ready if rank in preferred] or ready
+  return best[receiver % len(best)]
+
+
+def holds(holders: Sequence[int], rank: int) -> bool:
+  """Whether `rank` is among a tile's holders (ascending, as manifests list them)."""
+  return _has(holders, rank)
 
 
 def _has(ascending: Sequence[int], value: int) -> bool:

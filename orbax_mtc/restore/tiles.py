@@ -129,18 +129,41 @@ def target_leaves(layout: StepManifest, targets: dict[str, Any], single: bool | 
       out.append((item_name, path, rec, leaf, shape, sharding, key_dims))
   return out
 
-def streams(me: int, count: int, plan: elastic_plan.ElasticPlan, folders: dict[int, Folder],
-             layout: StepManifest | None, targets: dict[str, Any], single: bool | None
-             ) -> dict[int, peer_stream.OutgoingStream]:
-  """What this process sends each other process: the tiles it provides to their shards
-  (and, to a process serving nothing, the step's manifest)."""
-  if layout is None:
-    return {}
+@dataclasses.dataclass
+class Routes:
+  """What one process does with the folders it serves, decided from their manifests alone.
+
+  Attributes:
+    sends: destination -> {(item, path, tile index): (saved rank, shard)} it sends there.
+    manifest_to: destinations that serve nothing and get the step's manifest from here.
+    needed: the served saved ranks whose bytes are read (for sending or for its own shards).
+    receives: whether this process needs bytes from another process.
+  """
+
+  sends: dict[int, dict[tuple, tuple[int, local_format.ShardRecord]]]
+  manifest_to: list[int]
+  needed: set[int]
+  receives: bool
+
+
+def routes(me: int, count: int, plan: elastic_plan.ElasticPlan,
+           manifests: dict[int, StepManifest], layout: StepManifest | None,
+           targets: dict[str, Any], single: bool | None) -> Routes:
+  """Where every tile this process provides goes, and which of its folders it must read.
+
+  Every process computes the same choices (`plan.provider`, preferring a rank served from an
+  own folder over a copy, so a lost node's tiles come from its twin's folder, read once).
+  """
+  served = {p: set(plan.served_by(p)) for p in range(count)}
+  if layout is None:  # serves nothing: everything comes from elsewhere
+    return Routes({}, [], set(), True)
   servers = plan.server_of()
   available = set(servers)
-  served = {p: set(plan.served_by(p)) for p in range(count)}
-  lowest = plan.servers[0][1]  # the process serving the lowest rank: sends the manifest
+  preferred = {rank for rank, _, kind in plan.servers if kind != elastic_plan.COPY}
   sends: dict[int, dict[tuple, tuple[int, local_format.ShardRecord]]] = {}
+  needed: set[int] = set()
+  receives = False
+  mine = served[me]
   for item_name, path, rec, _, shape, sharding, key_dims in target_leaves(
       layout, targets, single):
     tiles = leaf_tiles(rec, plan.count) or ()
@@ -153,38 +176,52 @@ def streams(me: int, count: int, plan: elastic_plan.ElasticPlan, folders: dict[i
       for device, box in target_boxes(key_dims, shape, sharding, None):
         wanted.setdefault(device.process_index, []).append(box)
     for dest in range(count):
-      if dest == me:
-        continue
       for box in dict.fromkeys(wanted.get(dest, ())):
         for i, _ in elastic_plan.pieces(box, boxes):
           index, holders = tiles[i]
-          rank = elastic_plan.provider(holders, served[dest], available, dest)
+          if dest == me:
+            local = [r for r in mine if elastic_plan.holds(holders, r)]
+            if local:  # read here: from an own folder when one holds it
+              needed.add(min(local, key=lambda r: (r not in preferred, r)))
+            else:
+              receives = True
+            continue
+          rank = elastic_plan.provider(holders, served[dest], available, dest, preferred)
           if rank is None or servers[rank] != me:
             continue
           key = (item_name, path, index)
           if key not in sends.setdefault(dest, {}):
-            shard = _shard(folders[rank].manifest, item_name, path, index)
-            sends[dest][key] = (rank, shard)
+            sends[dest][key] = (rank, _shard(manifests[rank], item_name, path, index))
+            needed.add(rank)
   # A per-process item goes to the process of its saved rank, from whoever serves that rank.
   for item_name in process_names(targets):
     for dest in range(count):
-      if dest != me and servers.get(dest) == me:
-        shard = folders[dest].manifest.items[item_name].leaves[0].shards[0]
+      if servers.get(dest) != me:
+        receives = receives or (dest == me)
+        continue
+      needed.add(dest)
+      if dest != me:
+        shard = manifests[dest].items[item_name].leaves[0].shards[0]
         sends.setdefault(dest, {})[(item_name, "", shard.index)] = (dest, shard)
+  lowest = plan.servers[0][1]  # the process serving the lowest rank sends the manifest
+  manifest_to = [p for p in range(count) if p != me and me == lowest and not served[p]]
+  return Routes({d: t for d, t in sends.items() if t}, manifest_to, needed, receives)
+
+
+def streams(plan: elastic_plan.ElasticPlan, routes_here: Routes, folders: dict[int, Folder],
+            layout: StepManifest) -> dict[int, peer_stream.OutgoingStream]:
+  """The streams this process sends: the tiles it provides to each destination (and, to a
+  process serving nothing, the step's manifest)."""
   out: dict[int, peer_stream.OutgoingStream] = {}
-  for dest in range(count):
-    needs_manifest = me == lowest and not served[dest]
-    tiles_out = sends.get(dest, {})
-    if dest == me or not (tiles_out or needs_manifest):
-      continue
+  for dest in sorted(set(routes_here.sends) | set(routes_here.manifest_to)):
     entries, pieces, offset = [], [], 0
-    for (item_name, path, index), (rank, shard) in tiles_out.items():
+    for (item_name, path, index), (rank, shard) in routes_here.sends.get(dest, {}).items():
       entries.append([item_name, path, [list(d) for d in index], rank, offset, shard.nbytes,
                       shard.crc32c])
       pieces.append((offset, rank, shard))
       offset = -(-(offset + shard.nbytes) // 64) * 64
     header = {"kind": "tiles", "step": plan.step, "tiles": entries,
-              "manifest": layout.to_json() if needs_manifest else None}
+              "manifest": layout.to_json() if dest in routes_here.manifest_to else None}
     framed, data_start = peer_stream.stream_header(header)
     segments = [peer_stream.Segment(0, framed.nbytes, buffer=framed)]
     for rel, rank, shard in pieces:
@@ -193,6 +230,7 @@ def streams(me: int, count: int, plan: elastic_plan.ElasticPlan, folders: dict[i
                                           buffer=data[shard.offset:shard.offset + shard.nbytes]))
     out[dest] = peer_stream.OutgoingStream(nbytes=data_start + offset, segments=segments)
   return out
+
 
 def _shard(manifest: StepManifest, item: str, path: str, index: Box) -> local_format.ShardRecord:
   leaf = next(x for x in manifest.items[item].leaves if x.path == path)
