@@ -1,4 +1,9 @@
-"""Pure restore planning: which step the cluster restores, and where each node gets it.
+"""Which RAM steps the step lists offer (`all_steps()`), from the inventories every agreement
+carries: a step every node can get from its own folder, a twin's or a peer's copy (pure).
+
+The restore itself plans over saved tiles (`restore.plan`), which covers everything this
+module lists and more (other layouts, permuted ranks); this stays the cheap, agreement-free
+listing that each save's agreement keeps current.
 
 Inputs are inventories gathered from every process (its own committed steps and the peer copies
 it holds) plus, per process, an id of the set of shards it needs (equal ids: data-parallel twins
