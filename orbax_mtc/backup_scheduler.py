@@ -49,6 +49,9 @@ class BackupScheduler:
     self._timeout_secs = timeout_secs
     self.last_attempt: tuple[int, float] | None = None  # (step, seconds since epoch)
     self._pending: backup.PendingBackup | None = None  # chosen, not yet handed to Orbax
+    # Chosen while `_pending` still waited for Orbax: next in line (rule 12: a due step is
+    # not dropped for a newer one; only a third one in a row replaces it).
+    self._queued: backup.PendingBackup | None = None
     self._inflight: int | None = None  # handed to Orbax, outcome not yet known
     self._error: backup.BackupError | None = None  # newest failure, not yet reported
     # Since when a due backup waits for an earlier one still running (monotonic seconds).
@@ -95,8 +98,13 @@ class BackupScheduler:
   def schedule(self, step: int, args: Any, trees: dict[str, Any], jsons: dict[str, Any],
                metrics: Any, custom_metadata: dict[str, Any] | None, now: float) -> None:
     """Marks `step` for backup: the writer thread reads it back once its write commits
-    (after the write, before any later write can reuse its files)."""
-    self.drop_pending(f"step {step}")
+    (after the write, before any later write can reuse its files). A backup still waiting
+    for Orbax keeps its place; this one waits behind it."""
+    if self._queued is not None:
+      logging.info("orbax-mtc: backup of step %d superseded by step %d (step %d waits for an "
+                   "earlier backup).", self._queued.step, step, self._pending.step
+                   if self._pending is not None else -1)
+      self._queued = None
     templates, single = backup.templates(args)
     targets = backup.host_targets(trees)
     targets.update({name: None for name in jsons})
@@ -106,7 +114,10 @@ class BackupScheduler:
         memory_kind=backup.host_memory_kind(trees), metrics=metrics,
         custom_metadata=custom_metadata)
     pending.read = self._writer.submit(self.read_back, pending)
-    self._pending = pending
+    if self._pending is None:
+      self._pending = pending
+    else:
+      self._queued = pending
     self.last_attempt = (step, now)
 
   def read_back(self, pending: backup.PendingBackup) -> dict[str, Any]:
@@ -128,10 +139,15 @@ class BackupScheduler:
                                          crcs=crcs, memory_kind=pending.memory_kind)
 
   def drop_pending(self, reason: str) -> None:
-    """Forgets the chosen step (a newer one, an on-demand save or a restore supersedes it)."""
-    pending, self._pending = self._pending, None
-    if pending is not None:
-      logging.info("orbax-mtc: backup of step %d superseded by %s.", pending.step, reason)
+    """Forgets the chosen steps (an on-demand save or a restore supersedes them)."""
+    for pending in (self._pending, self._queued):
+      if pending is not None:
+        logging.info("orbax-mtc: backup of step %d superseded by %s.", pending.step, reason)
+    self._pending = self._queued = None
+
+  def _next(self) -> None:
+    """The pending backup was started or dropped: the queued one takes its place."""
+    self._pending, self._queued = self._queued, None
 
   def pending_state(self) -> Status:
     """NONE, or the pending read-back's READING, READY or FAILED (for the agreement)."""
@@ -139,8 +155,9 @@ class BackupScheduler:
 
   def wait_for_read(self) -> None:
     """Waits for the pending read-back (done by now but for a very short interval)."""
-    if self._pending is not None:
-      concurrent.futures.wait([self._pending.read])
+    reads = [p.read for p in (self._pending, self._queued) if p is not None]
+    if reads:
+      concurrent.futures.wait(reads)
 
   def advance(self, states: np.ndarray, busy: np.ndarray) -> bool:
     """Starts the pending backup once every process has read its copy and no earlier backup
@@ -157,7 +174,7 @@ class BackupScheduler:
     if pending is None:
       return False
     if (states == Status.FAILED).any():
-      self._pending = None
+      self._next()
       bad = [p for p, state in enumerate(states) if state == Status.FAILED]
       error = pending.read.exception() if pending.read is not None and pending.read.done() \
           else None
@@ -170,7 +187,7 @@ class BackupScheduler:
       return False
     if not (states == Status.READY).all():
       return False
-    self._pending = None
+    self._next()
     values = pending.read.result()
     args = backup.backup_args(pending.templates, pending.single, values)
     self.start(pending.step, args, pending.metrics, pending.custom_metadata)
@@ -268,8 +285,10 @@ class BackupScheduler:
     Args:
       agree: gathers one agreement record from every process.
     """
-    pending = self._pending
-    if pending is not None:
+    for _ in range(2):  # the pending backup, then the one queued behind it
+      pending = self._pending
+      if pending is None:
+        break
       concurrent.futures.wait([pending.read])
       self.poll(block=True)
       records = agree(agreement.ReadBackRecord(state=pending.state()),

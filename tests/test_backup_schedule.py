@@ -124,8 +124,9 @@ def test_a_failed_backup_is_reported_once_and_training_goes_on(shm_dir, mesh):
 def test_orbax_busy_with_a_metadata_write_defers_the_next_backup(shm_dir, mesh, caplog):
   """Orbax writes step metadata on a thread of its own, with no timeout, and its next save
   waits for it on the calling thread. While such a write hangs (here: on a FIFO nobody reads
-  yet), save() goes on and the due backup waits, with one warning once that lasts longer than
-  Orbax's timeout; once the write ends, the backup lands. A write that failed is consumed
+  yet), save() goes on and the due backups wait (the oldest keeps its place, the newest waits
+  behind it), with one warning once that lasts longer than Orbax's timeout; once the write
+  ends, they land. A write that failed is consumed
   before a backup starts, which then lands instead of failing on that old error."""
   import dataclasses
   import os
@@ -164,7 +165,8 @@ def test_orbax_busy_with_a_metadata_write_defers_the_next_backup(shm_dir, mesh, 
       for step in (4, 5):
         save(mgr, step)
       assert caplog.text.count(waiting) == 1, caplog.text
-      assert mgr.pending_backup == 4
+      # Rule 12: the due backup of step 2 keeps its place (4 waits behind it), never dropped.
+      assert mgr.pending_backup == 2
     finally:
       with open(hung, "rb") as reader:  # the write ends (also when an assert failed)
         written = reader.read()
@@ -172,9 +174,9 @@ def test_orbax_busy_with_a_metadata_write_defers_the_next_backup(shm_dir, mesh, 
     store.write(shm_dir / "missing" / "_CHECKPOINT_METADATA", {})  # fails at once
     store._single_thread_executor.submit(lambda: None).result()  # both writes are over
     assert not backup.orbax_writes_running(mgr._checkpointer)
-    save(mgr, 6)  # the waiting backup of step 4 starts; step 6 is due too
+    save(mgr, 6)  # the waiting backup of step 2 starts; 4, then 6, follow
     mgr.wait_until_finished()
     assert [(i.step, i.state) for i in mgr.backup_history] == [
-        (0, "done"), (4, "done"), (6, "done")]
-    assert sorted(ocp.utils.checkpoint_steps(mgr.directory)) == [0, 4, 6]
+        (0, "done"), (2, "done"), (4, "done"), (6, "done")]
+    assert sorted(ocp.utils.checkpoint_steps(mgr.directory)) == [0, 2, 4, 6]
     assert backup.collect_orbax_errors(mgr._checkpointer) == []  # the failure was consumed

@@ -250,7 +250,8 @@ def test_ram_tier_resume_wipe_and_plain_orbax(runs, venv_python, base_yml, basel
   _same_losses(first, baseline, range(7))
   assert first.restored_step() is None
   assert _committed_ram_steps(local) == [6]  # every 2 steps, keeping the newest
-  assert _persistent_steps(out) == [0, 3, 6]
+  assert _persistent_steps(out) == [0, 3, 6], "\n".join(
+      line for line in first.lines if "orbax-mtc" in line)[-6000:]
   _check_plain_orbax_reads(out / "t" / "checkpoints", 6, local)
 
   resumed = _finished(train(runs, venv_python, base_yml, out, "steps=10",

@@ -194,7 +194,12 @@ class RamRestore:
       try:
         attempt = self._attempt(plan, chosen, targets, single, per_process)
       except _Exclude as e:
-        excluded |= e.sources
+        # Named sources go; when they were out already, every folder of this save goes, so
+        # each attempt excludes something and the loop ends.
+        fresh = e.sources - excluded or {(p, rank, chosen.step)
+                                         for rank, holders in chosen.holders.items()
+                                         for p, _ in holders}
+        excluded |= fresh
         continue
       except _Lacking as e:
         if e.sources <= excluded:

@@ -9,6 +9,7 @@ a saved one.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 from typing import Any
@@ -280,18 +281,28 @@ def build(me: int, count: int, plan: elastic_plan.ElasticPlan, folders: dict[int
       have.setdefault((item_name, leaf.path), {}).setdefault(shard.index, raw)
   # ... and those received, each checked against the checksum written at save time.
   wanted_process = set(process_names(targets))
+  received = []
   for source, buffer in sorted(buffers.items()):
     header, data_start = peer_stream.parse_stream_header(buffer)
     for entry in header.get("tiles") or []:
-      item_name, path, index, rank, offset, nbytes, crc = entry
-      raw = buffer[data_start + offset:data_start + offset + nbytes]
-      if raw.nbytes != nbytes or checksum.crc(raw) != crc:
-        raise BadTile(f"tile {item_name}{path} {index} of saved rank {rank} from process "
-                       f"{source}: checksum mismatch", source, rank)
-      if item_name in wanted_process and rank == me:
-        mine[item_name] = raw
-      else:
-        have.setdefault((item_name, path), {})[tuple(tuple(d) for d in index)] = raw
+      if not (isinstance(entry, list) and len(entry) == 7 and
+              all(type(x) is int for x in (entry[3], entry[4], entry[5], entry[6]))):
+        raise local_format.CorruptStepError(f"a malformed tile entry from process {source}")
+      received.append((source, entry, buffer[data_start + entry[4]:
+                                             data_start + entry[4] + entry[5]]))
+  # Two threads, as a read of one's own folder checks its shards (the C library releases
+  # the GIL).
+  with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="mtc-crc") as pool:
+    sums = list(pool.map(lambda got: checksum.crc(got[2]), received))
+  for (source, entry, raw), value in zip(received, sums, strict=True):
+    item_name, path, index, rank, _, nbytes, crc = entry
+    if raw.nbytes != nbytes or value != crc:
+      raise BadTile(f"tile {item_name}{path} {index} of saved rank {rank} from process "
+                     f"{source}: checksum mismatch", source, rank)
+    if item_name in wanted_process and rank == me:
+      mine[item_name] = raw
+    else:
+      have.setdefault((item_name, path), {})[tuple(tuple(d) for d in index)] = raw
   if single is None:
     targets = item_args.as_saved(targets, layout.default_item)
   moved = plan.count != count
