@@ -113,7 +113,8 @@ class RamRestore:
     self._ledger, self._peers = ledger, peers
     self._chunk_bytes, self._window = chunk_bytes, window
     self.folders = HostFolders(local, store, count, lambda: peers.enabled)
-    self._write_back = WriteBack(me=me, writer=writer, peers=peers)
+    self._write_back = WriteBack(me=me, writer=writer, peers=peers,
+                                 on_error=ledger.note_local_error)
 
   # --------------------------------------------------------------------- the agreement
 
@@ -384,7 +385,12 @@ class RamRestore:
         failed.setdefault(kind, []).extend(ranks)
       problems += load_problems
     if not failed and routes is not None:
-      outgoing = tiles.streams(plan, routes, folders, layout)
+      try:
+        outgoing = tiles.streams(plan, routes, folders, layout)
+      except Exception as e:  # noqa: BLE001 - agreed below (rule 9), never raised here alone
+        failed[Status.FAILED] = []
+        problems.append(f"{type(e).__name__}: {e}")
+    if not failed and routes is not None:
       if not routes.receives:
         # Nothing to wait for: build now, and let the exchange's one agreement carry the
         # outcome (the saved layout restores with two agreements in all).

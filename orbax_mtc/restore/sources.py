@@ -36,12 +36,13 @@ class OwnFolder:
 
   path: Path
   primary: bool  # the current `<local>/<step>`
+  known: StepManifest  # as checked when the host's report was made (this restore)
 
   def manifest(self) -> StepManifest:
-    return local_store.read_manifest(self.path)
+    return self.known
 
   def read(self) -> tuple[StepManifest, np.ndarray]:
-    manifest = self.manifest()
+    manifest = self.known
     crcs: dict[tuple[int, int], int] = {}
     data = local_read.read_data(self.path, manifest, crcs)
     local_read.verify_buffer(data, manifest, str(self.path), crcs)
@@ -57,6 +58,7 @@ class PeerCopy:
   source: int
   step: int
   own: Path  # the own folder of the same save
+  known: StepManifest  # as checked when the host's report was made (this restore)
   primary = False
 
   @property
@@ -64,7 +66,7 @@ class PeerCopy:
     return self.store.source_dir(self.source) / str(self.step)
 
   def manifest(self) -> StepManifest:
-    return local_store.read_manifest(self.path)
+    return self.known
 
   def read(self) -> tuple[StepManifest, np.ndarray]:
     return self.store.read(self.source, self.step, self.own)
@@ -105,14 +107,14 @@ class HostFolders:
     folders += [(step, path, False) for step, path in aside.replaced_folders(root)]
     seen: set[FolderRef] = set()
     for step, path, primary in folders:
-      ref = _ref(path, step, None)
+      ref, manifest = _ref(path, step, None)
       if ref is not None and ref not in seen:
         seen.add(ref)
-        sources[(OWN if primary else ASIDE, ref)] = OwnFolder(path, primary)
+        sources[(OWN if primary else ASIDE, ref)] = OwnFolder(path, primary, manifest)
         own_of.setdefault((ref.step, ref.digest), path)
     use_copies = self._use_copies()
     for source, step in self._store.copies():
-      ref = _ref(self._store.source_dir(source) / str(step), step, source)
+      ref, manifest = _ref(self._store.source_dir(source) / str(step), step, source)
       if ref is None or (ref.count == self._count and not use_copies):
         continue
       try:
@@ -123,7 +125,8 @@ class HostFolders:
       own = own_of.get((step, ref.digest))
       if needs_own and own is None:
         continue
-      sources[(COPY, ref)] = PeerCopy(self._store, source, step, own or root / str(step))
+      sources[(COPY, ref)] = PeerCopy(self._store, source, step, own or root / str(step),
+                                      manifest)
     self._sources = sources
     by_kind: dict[int, list[FolderRef]] = {OWN: [], COPY: [], ASIDE: []}
     for kind, ref in sources:
@@ -174,12 +177,14 @@ class HostFolders:
     return Folder(manifest, data, str(source.path), primary=source.primary)
 
 
-def _ref(folder: Path, step: int, source: int | None) -> FolderRef | None:
+def _ref(folder: Path, step: int, source: int | None
+         ) -> tuple[FolderRef | None, StepManifest | None]:
+  """The folder's name in a report, and its checked manifest (None, None: not servable)."""
   try:
     manifest = local_store.read_manifest(folder, process_index=source)
   except local_format.LocalTierError:
-    return None
+    return None, None
   value = digest(manifest)
   if value is None or manifest.step != step:
-    return None
-  return FolderRef(step, manifest.process_count, manifest.process_index, value)
+    return None, None
+  return FolderRef(step, manifest.process_count, manifest.process_index, value), manifest

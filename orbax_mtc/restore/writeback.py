@@ -13,6 +13,7 @@ restore that read only some items writes nothing back: that would drop the other
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from absl import logging
 
@@ -47,10 +48,14 @@ class WriteBack:
     me: this process.
     writer: the RAM tier's writer thread.
     peers: the peer copies (sent again).
+    on_error: keeps an error of this process for the next agreement (rule 9: raised there on
+      every process, not here on one while the others go on).
   """
 
-  def __init__(self, *, me: int, writer: RamWriter, peers: PeerCopies):
+  def __init__(self, *, me: int, writer: RamWriter, peers: PeerCopies,
+               on_error: Callable[[BaseException], bool]):
     self._me, self._writer, self._peers = me, writer, peers
+    self._on_error = on_error
 
   def run(self, done: Restored) -> None:
     """Collective (the peer copies' schedule): every process calls it with agreed `done`."""
@@ -65,12 +70,17 @@ class WriteBack:
              if name not in built.json_names and name not in built.process_raw}
     if self._me in done.recovered:
       json_items = {name: built.restored[name] for name in built.json_names}
-      staged = local_staging.stage(done.step, trees, json_items,
-                                   default_item=built.default_item,
-                                   process_items=built.process_raw)
-      self._writer.drain()  # copies received earlier land before the folder changes
-      self._writer.write(staged, background=True,
-                         replace=aside.REPLACED if done.rewritten else aside.DAMAGED)
+      try:
+        staged = local_staging.stage(done.step, trees, json_items,
+                                     default_item=built.default_item,
+                                     process_items=built.process_raw)
+      except Exception as e:  # noqa: BLE001 - nothing written: raised by the next agreement
+        if not self._on_error(e):
+          logging.error("orbax-mtc: write-back of step %d not staged: %s", done.step, e)
+      else:
+        self._writer.drain()  # copies received earlier land before the folder changes
+        self._writer.write(staged, background=True,
+                           replace=aside.REPLACED if done.rewritten else aside.DAMAGED)
     if self._peers.topology is None:
       return
     if done.rewritten:
