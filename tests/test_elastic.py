@@ -78,17 +78,19 @@ def _clone(run, root: pathlib.Path, tmp_path: pathlib.Path, procs: int) -> pathl
 
 
 def _corrupt(folder: pathlib.Path) -> None:
-  """Flips a byte of the first non-empty shard of a step folder (own or peer copy)."""
+  """Flips a byte of every non-empty shard of a step folder (own or peer copy): a restore
+  checks only the tiles it uses, so each must be bad for the folder to be unusable."""
   manifest = json.loads((folder / MANIFEST).read_text())
   data = folder / DATA
   raw = bytearray(data.read_bytes())
   if (folder / "copy.json").exists():
-    layout = json.loads((folder / "copy.json").read_text())["layout"]
-    at = next(x for x in layout if x >= 0)
+    places = [x for x in json.loads((folder / "copy.json").read_text())["layout"] if x >= 0]
   else:
-    leaf = next(x for x in manifest["items"]["state"]["leaves"] if x["shards"][0][2])
-    at = leaf["shards"][0][1]
-  raw[at] ^= 0xFF
+    places = [shard[1] for item in manifest["items"].values() for leaf in item.get("leaves", [])
+              for shard in leaf["shards"] if shard[2]]
+  assert places, folder
+  for at in places:
+    raw[at] ^= 0xFF
   data.write_bytes(bytes(raw))
 
 

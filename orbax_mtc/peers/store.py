@@ -58,6 +58,16 @@ class CopyMeta:
     return any(x < 0 for x in self.layout)
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardPlace:
+  """Where one shard of a copy lies here: `offset` in the data file `path` (the copy's, or
+  the own folder's for a shard the copy shares with it)."""
+
+  shard: local_format.ShardRecord
+  path: Path
+  offset: int
+
+
 class IncomingCopy:
   """A copy being received: chunks land in a temporary folder; `commit` makes it visible."""
 
@@ -293,9 +303,10 @@ class PeerStore:
         out.append((source, step))
     return out
 
-  def read(self, source: int, step: int, own_dir: Path) -> tuple[local_format.StepManifest,
-                                                                   np.ndarray]:
-    """The source's step rebuilt in its own layout, every checksum verified.
+  def locate(self, source: int, step: int, own_dir: Path
+             ) -> tuple[local_format.StepManifest, list[ShardPlace]]:
+    """Where each shard of the source's step lies here (in manifest order), every place
+    checked against the size of the file that backs it; nothing read but metadata.
 
     LocalTierError (CorruptStepError, ManifestError) for anything missing or malformed.
     """
@@ -309,51 +320,59 @@ class PeerStore:
       raise local_format.CorruptStepError(f"{folder}: layout and manifest disagree")
     own_index: dict[tuple[str, str, Any], local_format.ShardRecord] = {}
     own_path = own_dir / local_format.DATA
+    copy_path = folder / local_format.DATA
+    copy_size = _file_size(folder)
     if meta.needs_own_step:
       own_manifest = local_store.read_manifest(own_dir)  # its data file holds every shard
       own_index = {(name, leaf.path, shard.index): shard
                    for name, leaf, shard in local_read.manifest_entries(own_manifest)}
+      own_size = _file_size(own_dir)
+    places = []
+    # Every shard's source is checked before a reader allocates: a manifest cannot make this
+    # node allocate (or send) more than the bytes that back it.
+    for (name, leaf, shard), at in zip(entries, meta.layout, strict=True):
+      if at >= 0:
+        if at + shard.nbytes > copy_size:
+          raise local_format.CorruptStepError(
+              f"{folder}: shard {name}{leaf.path} {shard.index} lies beyond the "
+              f"{copy_size} bytes of {copy_path}")
+        places.append(ShardPlace(shard, copy_path, at))
+      else:
+        mine = own_index.get((name, leaf.path, shard.index))
+        if mine is None or mine.nbytes != shard.nbytes or \
+            mine.offset + mine.nbytes > own_size:
+          raise local_format.CorruptStepError(
+              f"{folder}: shard {name}{leaf.path} {shard.index} is not in {own_dir}")
+        places.append(ShardPlace(shard, own_path, mine.offset))
+    return manifest, places
+
+  def read(self, source: int, step: int, own_dir: Path) -> tuple[local_format.StepManifest,
+                                                                   np.ndarray]:
+    """The source's step rebuilt in its own layout, every checksum verified.
+
+    LocalTierError (CorruptStepError, ManifestError) for anything missing or malformed.
+    """
+    manifest, places = self.locate(source, step, own_dir)
+    folder = self.source_dir(source) / str(step)
+    fds: dict[Path, int] = {}
     try:
-      copy_fd = local_store.open_step_file(folder, local_format.DATA)
-    except OSError as e:
-      raise local_format.LocalTierError(f"{folder / local_format.DATA}: {e}") from e
-    own_fd = -1
-    try:
-      copy_size = os.fstat(copy_fd).st_size
-      plan = []
-      # Every shard's source is checked before the buffer is allocated: a manifest cannot
-      # make this node allocate more than the bytes that back it.
-      for (name, leaf, shard), at in zip(entries, meta.layout, strict=True):
-        if at >= 0:
-          if at + shard.nbytes > copy_size:
-            raise local_format.CorruptStepError(
-                f"{folder}: shard {name}{leaf.path} {shard.index} lies beyond the "
-                f"{copy_size} bytes of {folder / local_format.DATA}")
-          plan.append((shard, copy_fd, at, folder / local_format.DATA))
-        else:
-          mine = own_index.get((name, leaf.path, shard.index))
-          if mine is None or mine.nbytes != shard.nbytes:
-            raise local_format.CorruptStepError(
-                f"{folder}: shard {name}{leaf.path} {shard.index} is not in {own_dir}")
-          plan.append((shard, None, mine.offset, own_path))
-      if meta.needs_own_step:
-        try:
-          own_fd = local_store.open_step_file(own_dir, local_format.DATA)
-        except OSError as e:
-          raise local_format.LocalTierError(f"{own_path}: {e}") from e
       data = local_read.aligned_empty(manifest.data_size)
-      for shard, fd, offset, source_file in plan:
-        fd = own_fd if fd is None else fd
+      for place in places:
+        if place.path not in fds:
+          try:
+            fds[place.path] = local_store.open_step_file(place.path.parent, place.path.name)
+          except OSError as e:
+            raise local_format.LocalTierError(f"{place.path}: {e}") from e
+        shard = place.shard
         target = memoryview(data[shard.offset:shard.offset + shard.nbytes])
-        got = os.preadv(fd, [target], offset)
+        got = os.preadv(fds[place.path], [target], place.offset)
         if got != shard.nbytes:
           raise local_format.CorruptStepError(
               f"{folder}: short read of a shard ({got} of {shard.nbytes} bytes at "
-              f"{offset} of {source_file}, {os.fstat(fd).st_size} bytes)")
+              f"{place.offset} of {place.path})")
     finally:
-      os.close(copy_fd)
-      if own_fd >= 0:
-        os.close(own_fd)
+      for fd in fds.values():
+        os.close(fd)
     local_read.verify_buffer(data, manifest, f"copy of process {source} step {step} in {folder}")
     return manifest, data
 
@@ -401,6 +420,18 @@ class PeerStore:
       return local_store.read_manifest(folder).process_count
     except local_format.LocalTierError:
       return None
+
+
+def _file_size(step_dir: Path) -> int:
+  """The size of `step_dir`'s data file (LocalTierError when it cannot be opened)."""
+  try:
+    fd = local_store.open_step_file(step_dir, local_format.DATA)
+  except OSError as e:
+    raise local_format.LocalTierError(f"{step_dir / local_format.DATA}: {e}") from e
+  try:
+    return os.fstat(fd).st_size
+  finally:
+    os.close(fd)
 
 
 def _is_regular(path: Path) -> bool:

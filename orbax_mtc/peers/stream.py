@@ -43,14 +43,22 @@ class Segment:
   buffer: np.ndarray | None = None  # uint8
   path: Path | None = None
   file_offset: int = 0
+  tag: Any = None  # what the bytes belong to, named in `OutgoingStream.failures`
 
 
 @dataclasses.dataclass
 class OutgoingStream:
-  """A stream assembled on demand from segments (header, then shards)."""
+  """A stream assembled on demand from segments (header, then shards).
+
+  With `failures` a list, a file segment that cannot be read is sent as zeros and the error
+  is kept there with the segment's tag, instead of raising between two chunks of a transfer
+  (where the receiving process would be left inside the collective): the receiver's
+  checksums reject the bytes, and the sender reports the error at the next agreement.
+  """
 
   nbytes: int
   segments: list[Segment]
+  failures: list[tuple[Any, Exception]] | None = None
 
   def read(self, offset: int, out: np.ndarray) -> None:
     """Fills `out` with stream bytes [offset, offset + out.nbytes); gaps stay as they are."""
@@ -64,16 +72,27 @@ class OutgoingStream:
         target = out[lo - offset:hi - offset]
         if seg.buffer is not None:
           target[:] = seg.buffer[lo - seg.offset:hi - seg.offset]
-        else:
-          assert seg.path is not None
-          if seg.path not in fds:
-            fds[seg.path] = os.open(seg.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-          got = os.preadv(fds[seg.path], [memoryview(target)], seg.file_offset + lo - seg.offset)
-          if got != hi - lo:
-            raise local_format.CorruptStepError(f"{seg.path}: short read while sending a copy")
+          continue
+        try:
+          self._read_file(seg, fds, target, seg.file_offset + lo - seg.offset)
+        except (OSError, local_format.LocalTierError) as e:
+          if self.failures is None:
+            raise
+          target[:] = 0
+          if not any(tag == seg.tag for tag, _ in self.failures):
+            self.failures.append((seg.tag, e))
     finally:
       for fd in fds.values():
         os.close(fd)
+
+  @staticmethod
+  def _read_file(seg: Segment, fds: dict[Path, int], target: np.ndarray, at: int) -> None:
+    assert seg.path is not None
+    if seg.path not in fds:
+      fds[seg.path] = os.open(seg.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    got = os.preadv(fds[seg.path], [memoryview(target)], at)
+    if got != target.nbytes:
+      raise local_format.CorruptStepError(f"{seg.path}: short read while sending a copy")
 
 
 def stream_header(header: dict[str, Any]) -> tuple[np.ndarray, int]:

@@ -10,11 +10,13 @@ treats resharding as the general case:
 2. **plan** (pure, `plan`) — the saves some host holds, newest first; one all-gather of a
    `CoverRecord` says which ones the available saved ranks cover; per saved rank, one serving
    process (its own folder first, then copies, load spread);
-3. **fetch** — each process loads and verifies the folders it serves; one stream exchange sends
-   every process the saved tiles its target shards need (and its per-process items, which
-   belong to its saved rank: rule 11);
+3. **fetch** (`attempt.StepAttempt`) — each process reads and verifies the folders its own
+   shards come from; one stream exchange sends every process the saved tiles its target
+   shards need, read from their files as they go (and its per-process items, which belong
+   to its saved rank: rule 11);
 4. **build** (`tiles.build`) — each target shard from the tiles covering it; a saved tile that
-   is the shard is adopted without a copy;
+   is the shard is adopted without a copy; every received tile is checked against the
+   checksum written at save time;
 5. **outcome** — one all-gather of a `BuildRecord`. A damaged source (checksum, manifest,
    size) is excluded and the plan made again; a target that does not match is the caller's
    error everywhere; any other error is raised everywhere as `CheckpointError` (rule 10:
@@ -29,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
@@ -37,22 +38,19 @@ from orbax_mtc import agreement, item_args, process_state
 from orbax_mtc.agreement import CoverRecord, Status
 from orbax_mtc.ledger import StepLedger
 from orbax_mtc.local import format as local_format
-from orbax_mtc.local import read as local_read
 from orbax_mtc.local import store as local_store
-from orbax_mtc.peers import exchange
 from orbax_mtc.peers import store as peer_store
-from orbax_mtc.peers import stream as peer_stream
 from orbax_mtc.peers.copies import PeerCopies
 from orbax_mtc.ram_writer import RamWriter
 from orbax_mtc.restore import plan as restore_plan
 from orbax_mtc.restore import tiles
-from orbax_mtc.restore.plan import COPY, OWN, HostReport
+from orbax_mtc.restore.attempt import Exclude, Lacking, Sources, StepAttempt
+from orbax_mtc.restore.plan import COPY, HostReport
 from orbax_mtc.restore.sources import HostFolders
 from orbax_mtc.restore.writeback import Restored, WriteBack
 
 ELASTIC, LOCAL, PEER = "elastic", "local", "peer"  # RestoreInfo.tier of a RAM restore
 _MAX_CANDIDATES = 62  # candidates whose coverage one agreement decides (bits of an int64)
-Sources = set[tuple[int, int, int]]  # (process, saved rank, step) folders
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,29 +64,6 @@ class RamRestoreResult:
   tried: bool  # a RAM step was tried and could not be used
   persistent_step: int | None  # the persistent step to fall back to
   done: Restored | None = None  # what `write_back` needs, when found
-
-
-class _Exclude(Exception):
-  """Damaged sources (agreed): plan again without them."""
-
-  def __init__(self, sources: Sources):
-    super().__init__(str(sorted(sources)))
-    self.sources = sources
-
-
-class _Lacking(Exception):
-  """Folders without a per-process item asked for (agreed): a twin-rebuilt folder has none,
-  while a peer's copy of the node's own folder may still have it."""
-
-  def __init__(self, error: local_format.MissingItemError, step: int, sources: Sources):
-    super().__init__(str(error))
-    self.error, self.step, self.sources = error, step, sources
-
-
-@dataclasses.dataclass
-class _Attempt:
-  built: tiles.BuiltStep
-  outcomes: list[agreement.BuildRecord]  # agreed
 
 
 class RamRestore:
@@ -111,8 +86,9 @@ class RamRestore:
                peers: PeerCopies, chunk_bytes: int, window: int):
     self._me, self.count = me, count
     self._ledger, self._peers = ledger, peers
-    self._chunk_bytes, self._window = chunk_bytes, window
     self.folders = HostFolders(local, store, count, lambda: peers.enabled)
+    self._attempt = StepAttempt(me=me, count=count, folders=self.folders, ledger=ledger,
+                                chunk_bytes=chunk_bytes, window=window)
     self._write_back = WriteBack(me=me, writer=writer, peers=peers,
                                  on_error=ledger.note_local_error)
 
@@ -193,8 +169,8 @@ class RamRestore:
       plan = restore_plan.ElasticPlan(chosen.step, chosen.count, chosen.digest,
                                       restore_plan.choose_servers(chosen))
       try:
-        attempt = self._attempt(plan, chosen, targets, single, per_process)
-      except _Exclude as e:
+        attempt = self._attempt.run(plan, chosen, targets, single, per_process)
+      except Exclude as e:
         # Named sources go; when they were out already, every folder of this save goes, so
         # each attempt excludes something and the loop ends.
         fresh = e.sources - excluded or {(p, rank, chosen.step)
@@ -202,7 +178,7 @@ class RamRestore:
                                          for p, _ in holders}
         excluded |= fresh
         continue
-      except _Lacking as e:
+      except Lacking as e:
         if e.sources <= excluded:
           raise e.error from None
         lacking, excluded = e, excluded | e.sources
@@ -316,172 +292,6 @@ class RamRestore:
     covered = self._agree_coverage(foreign, set())
     return sorted({c.step for c, ok in zip(foreign, covered, strict=True) if ok})
 
-  # --------------------------------------------------------------------- one attempt
-
-  def _manifests(self, plan: restore_plan.ElasticPlan, per_process: list[str]
-                 ) -> tuple[dict[int, local_format.StepManifest], dict[Status, list[int]],
-                            list[str]]:
-    """The manifests of the folders this process serves (failed ranks by status: UNUSABLE
-    for damage, LACKING for a per-process item asked for and missing, FAILED otherwise)."""
-    manifests: dict[int, local_format.StepManifest] = {}
-    failed: dict[Status, list[int]] = {}
-    problems: list[str] = []
-    for rank, kind in sorted(plan.served_by(self._me).items()):
-      where = f"saved rank {rank} ({('own', 'copy', 'set-aside')[kind]})"
-      try:
-        manifest = self.folders.manifest(kind, rank, plan.step, plan.count, plan.digest)
-      except Exception as e:  # noqa: BLE001 - agreed, then excluded or raised everywhere
-        damage = isinstance(e, local_format.LocalTierError)
-        failed.setdefault(Status.UNUSABLE if damage else Status.FAILED, []).append(rank)
-        problems.append(f"{where}: {type(e).__name__}: {e}")
-        continue
-      gone = [n for n in per_process
-              if getattr(manifest.items.get(n), "kind", None) != "process"]
-      if gone:
-        failed.setdefault(Status.LACKING, []).append(rank)
-        problems.append(f"Item {gone[0]!r} is not in {where} of step {plan.step}")
-        continue
-      manifests[rank] = manifest
-    return manifests, failed, problems
-
-  def load(self, plan: restore_plan.ElasticPlan, ranks: set[int]
-           ) -> tuple[dict[int, tiles.Folder], dict[Status, list[int]], list[str]]:
-    """The served folders of `ranks`, every checksum verified (failures as `_manifests`)."""
-    folders: dict[int, tiles.Folder] = {}
-    failed: dict[Status, list[int]] = {}
-    problems: list[str] = []
-    served = plan.served_by(self._me)
-    for rank in sorted(ranks):
-      try:
-        folders[rank] = self.folders.load(served[rank], rank, plan.step, plan.count,
-                                          plan.digest)
-      except Exception as e:  # noqa: BLE001 - agreed, then excluded or raised everywhere
-        damage = isinstance(e, local_format.LocalTierError)
-        failed.setdefault(Status.UNUSABLE if damage else Status.FAILED, []).append(rank)
-        problems.append(f"saved rank {rank}: {type(e).__name__}: {e}")
-    return folders, failed, problems
-
-  def _attempt(self, plan: restore_plan.ElasticPlan, candidate: restore_plan.Candidate,
-               targets: dict[str, Any], single: bool | None, per_process: list[str]
-               ) -> _Attempt:
-    me, step = self._me, plan.step
-    manifests, failed, problems = self._manifests(plan, per_process)
-    layout = next(iter(manifests.values()), None)
-    outgoing: dict[int, peer_stream.OutgoingStream] = {}
-    status, early, built, mismatch = Status.OK, agreement.BuildRecord(status=Status.NONE), None, ""
-    routes = None
-    if not failed:
-      try:
-        routes = tiles.routes(me, self.count, plan, manifests, layout, targets, single)
-      except local_format.AbstractStateMismatchError as e:
-        mismatch = str(e)
-      except Exception as e:  # noqa: BLE001 - agreed below, raised on every process
-        failed[Status.FAILED] = []
-        problems.append(f"{type(e).__name__}: {e}")
-    folders: dict[int, tiles.Folder] = {}
-    if routes is not None:
-      folders, load_failed, load_problems = self.load(plan, routes.needed)
-      for kind, ranks in load_failed.items():
-        failed.setdefault(kind, []).extend(ranks)
-      problems += load_problems
-    if not failed and routes is not None:
-      try:
-        outgoing = tiles.streams(plan, routes, folders, layout)
-      except Exception as e:  # noqa: BLE001 - agreed below (rule 9), never raised here alone
-        failed[Status.FAILED] = []
-        problems.append(f"{type(e).__name__}: {e}")
-    if not failed and routes is not None:
-      if not routes.receives:
-        # Nothing to wait for: build now, and let the exchange's one agreement carry the
-        # outcome (the saved layout restores with two agreements in all).
-        built, early = self._build(plan, folders, {}, layout, targets, single)
-    status = next((s for s in (Status.FAILED, Status.UNUSABLE, Status.LACKING) if s in failed),
-                  Status.MISMATCH if mismatch else Status.OK)
-    edges = [(src, dst) for src in range(self.count) for dst in range(self.count)
-             if src != dst]
-    served = agreement.ServeRecord(status=status, failed_ranks=tuple(failed.get(status, ())),
-                                   message=mismatch or "; ".join(problems), early=early)
-    buffers, sink_for = receive_buffers()
-    result = exchange.exchange(
-        edges, me, outgoing, exchange.outgoing_sizes(edges, me, outgoing), served,
-        lambda row: self._ledger.allgather(row, f"serving step {step}"),
-        proceed=lambda records, _: all(r.status == Status.OK for r in records),
-        sink_for=sink_for, chunk_limit=self._chunk_bytes, window=self._window)
-    if result.transfer is None:
-      self._raise_agreed(list(result.records), step, candidate)
-    if (result.sizes <= 0).all() and all(r.early.status != Status.NONE for r in result.records):
-      outcomes = [r.early for r in result.records]
-    else:
-      if (result.sizes > 0).any():
-        result.transfer.run()
-      if built is None or early.status != Status.OK:
-        if layout is None:
-          try:
-            layout = tiles.received_manifest(buffers)
-          except local_format.LocalTierError as e:
-            layout = None
-            early = agreement.BuildRecord(status=Status.UNUSABLE, message=str(e))
-        if layout is not None:
-          built, early = self._build(plan, folders, buffers, layout, targets, single)
-      outcomes = self._ledger.agree(early, f"building step {step}")
-    if all(o.status == Status.OK for o in outcomes):
-      assert built is not None
-      return _Attempt(built, list(outcomes))
-    self._raise_agreed(outcomes, step, candidate)
-    raise AssertionError("unreachable")
-
-  def _build(self, plan: restore_plan.ElasticPlan, folders: dict[int, tiles.Folder],
-             buffers: dict[int, np.ndarray], layout: local_format.StepManifest,
-             targets: dict[str, Any], single: bool | None
-             ) -> tuple[tiles.BuiltStep | None, agreement.BuildRecord]:
-    """This process's part of the step, and the outcome it reports (never raises)."""
-    me = self._me
-    try:
-      built = tiles.build(me, self.count, plan, folders, buffers, layout, targets, single)
-    except local_format.AbstractStateMismatchError as e:
-      return None, agreement.BuildRecord(status=Status.MISMATCH, message=str(e))
-    except tiles.BadTile as e:
-      return None, agreement.BuildRecord(status=Status.UNUSABLE, bad_process=e.process,
-                                         bad_rank=e.rank, message=str(e))
-    except local_format.LocalTierError as e:  # damage: another source or an older step
-      return None, agreement.BuildRecord(status=Status.UNUSABLE,
-                                         message=f"{type(e).__name__}: {e}")
-    except Exception as e:  # noqa: BLE001 - not proof of damage: raised on every process
-      logging.exception("orbax-mtc: error building step %d", plan.step)
-      return None, agreement.BuildRecord(status=Status.FAILED,
-                                         message=f"{type(e).__name__}: {e}")
-    mine = folders.get(me)
-    return built, agreement.BuildRecord(moved=built.moved, in_place=bool(
-        mine is not None and mine.primary and plan.served_by(me).get(me) == OWN))
-
-  @staticmethod
-  def _raise_agreed(records: list[Any], step: int, candidate: restore_plan.Candidate) -> None:
-    """Ends a failed attempt the same way on every process (the records are agreed)."""
-    mismatched = [(p, r.message) for p, r in enumerate(records) if r.status == Status.MISMATCH]
-    if mismatched:  # the caller's error, not a bad copy: nothing is deleted
-      raise local_format.agreed_mismatch(*mismatched[0], step)
-    failed = {p: r.message for p, r in enumerate(records) if r.status == Status.FAILED}
-    if failed:
-      # An error that proves nothing about the bytes (a device out of memory, an I/O error):
-      # excluding the source would roll back to an older step and drop this one (rule 10).
-      raise agreement.CheckpointError(f"restoring step {step} from RAM", failed)
-    for p, r in enumerate(records):
-      if r.status != Status.OK:
-        logging.warning("orbax-mtc: step %d: process %d: %s", step, p, r.message)
-    lacking = {(p, rank, step) for p, r in enumerate(records) if r.status == Status.LACKING
-               for rank in r.failed_ranks}
-    if lacking:
-      culprit = next(p for p, r in enumerate(records) if r.status == Status.LACKING)
-      error = local_format.agreed_mismatch(culprit, records[culprit].message, step)
-      raise _Lacking(error, step, lacking)
-    bad = {(p, rank, step) for p, r in enumerate(records)
-           for rank in getattr(r, "failed_ranks", ())}
-    bad |= {(r.bad_process, r.bad_rank, step) for r in records
-            if getattr(r, "bad_process", -1) >= 0}
-    if not bad:  # no culprit named: every folder of this save is out
-      bad = {(p, rank, step) for rank, holders in candidate.holders.items() for p, _ in holders}
-    raise _Exclude(bad)
-
   def _settle(self, step: int, restored: dict[str, Any]) -> dict[str, Any]:
     """Sets the saved iterator states, now that every process has built the step; a state an
     iterator refuses (another shard layout, say) is raised on every process alike."""
@@ -507,16 +317,3 @@ def decode_reports(raws: list[bytes]) -> list[HostReport]:
   """The gathered reports; an unreadable one counts as holding nothing."""
   return restore_plan.decode_reports(raws, lambda p, e: logging.warning(
       "orbax-mtc: process %d's folder report was unreadable (%s) and is ignored", p, e))
-
-
-def receive_buffers() -> tuple[dict[int, np.ndarray], Any]:
-  """Sinks that collect whole streams into aligned buffers."""
-  buffers: dict[int, np.ndarray] = {}
-
-  def sink_for(stream):
-    buffer = buffers.setdefault(stream.source, local_read.aligned_empty(stream.nbytes))
-
-    def sink(offset: int, data: np.ndarray) -> None:
-      buffer[offset:offset + data.nbytes] = data
-    return sink
-  return buffers, sink_for

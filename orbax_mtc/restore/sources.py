@@ -1,7 +1,7 @@
 """The restore sources one host holds, behind one small interface: its own step folders
 (`OwnFolder`, current or set aside by a write-back) and the peer copies it keeps for other
 nodes (`PeerCopy`). The third source, bytes received from another process, is the stream
-`tiles.build` reads. A new kind of source is a new class with `manifest` and `read`.
+`tiles.build` reads. A new kind of source is a new class with `manifest`, `read` and `locate`.
 
 `HostFolders.report()` names every folder by (step, process count, saved rank, layout
 digest): the host's part of the restore's one agreement. A folder's identity is the saved
@@ -27,7 +27,7 @@ from orbax_mtc.local import store as local_store
 from orbax_mtc.local.format import StepManifest
 from orbax_mtc.peers import store as peer_store
 from orbax_mtc.restore.plan import ASIDE, COPY, OWN, FolderRef, HostReport
-from orbax_mtc.restore.tiles import Folder, digest
+from orbax_mtc.restore.tiles import Folder, Located, digest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +47,11 @@ class OwnFolder:
     data = local_read.read_data(self.path, manifest, crcs)
     local_read.verify_buffer(data, manifest, str(self.path), crcs)
     return manifest, data
+
+  def locate(self) -> dict[int, tuple[Path, int]]:
+    data = self.path / local_format.DATA
+    return {shard.offset: (data, shard.offset)
+            for _, _, shard in local_read.manifest_entries(self.known)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +75,12 @@ class PeerCopy:
 
   def read(self) -> tuple[StepManifest, np.ndarray]:
     return self.store.read(self.source, self.step, self.own)
+
+  def locate(self) -> dict[int, tuple[Path, int]]:
+    manifest, places = self.store.locate(self.source, self.step, self.own)
+    if manifest != self.known:
+      raise local_format.ManifestError(f"{self.path}: the copy changed during the restore")
+    return {place.shard.offset: (place.path, place.offset) for place in places}
 
 
 Source = OwnFolder | PeerCopy
@@ -175,6 +186,17 @@ class HostFolders:
         digest(manifest) != digest_value:
       raise local_format.ManifestError(f"{source.path}: not saved rank {rank} of this save")
     return Folder(manifest, data, str(source.path), primary=source.primary)
+
+
+  def locate(self, kind: int, rank: int, step: int, count: int, digest_value: int) -> Located:
+    """One folder of saved rank `rank` of the save, its shards' places in files (nothing
+    read or verified: for sending, the receiver checks). Raises as `load`."""
+    source = self._source(kind, rank, step, count, digest_value)
+    manifest = source.manifest()
+    if (manifest.process_count, manifest.process_index) != (count, rank) or \
+        digest(manifest) != digest_value:
+      raise local_format.ManifestError(f"{source.path}: not saved rank {rank} of this save")
+    return Located(manifest, str(source.path), source.locate())
 
 
 def _ref(folder: Path, step: int, source: int | None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 import google_crc32c
@@ -96,6 +97,16 @@ class Folder:
   primary: bool = False  # the serving process's own current `<step>` folder
 
 
+@dataclasses.dataclass(frozen=True)
+class Located:
+  """A served folder's shards where they lie in files, for sending without reading them
+  here first (the receiver checks every tile against its checksum)."""
+
+  manifest: StepManifest
+  where: str
+  places: dict[int, tuple[Path, int]]  # shard offset in the saved data -> (file, offset in it)
+
+
 def target_leaves(layout: StepManifest, targets: dict[str, Any], single: bool | None
                    ) -> list[tuple[str, str, LeafRecord, Any, tuple, Any, tuple]]:
   """(item, path, saved leaf, target leaf, shape, sharding, key dims) of every target
@@ -137,14 +148,22 @@ class Routes:
   Attributes:
     sends: destination -> {(item, path, tile index): (saved rank, shard)} it sends there.
     manifest_to: destinations that serve nothing and get the step's manifest from here.
-    needed: the served saved ranks whose bytes are read (for sending or for its own shards).
+    needed: the served saved ranks whose bytes this process's own shards are built from.
     receives: whether this process needs bytes from another process.
+    exchange: whether any process does (the same answer on every process): then every
+      process builds after the transfer, and sends straight from its files.
   """
 
   sends: dict[int, dict[tuple, tuple[int, local_format.ShardRecord]]]
   manifest_to: list[int]
   needed: set[int]
   receives: bool
+  exchange: bool
+
+  @property
+  def sent(self) -> set[int]:
+    """The served saved ranks whose tiles go to other processes."""
+    return {rank for tiles in self.sends.values() for rank, _ in tiles.values()}
 
 
 def routes(me: int, count: int, plan: elastic_plan.ElasticPlan,
@@ -157,13 +176,15 @@ def routes(me: int, count: int, plan: elastic_plan.ElasticPlan,
   """
   served = {p: set(plan.served_by(p)) for p in range(count)}
   if layout is None:  # serves nothing: everything comes from elsewhere
-    return Routes({}, [], set(), True)
+    return Routes({}, [], set(), True, True)
   servers = plan.server_of()
   available = set(servers)
   preferred = {rank for rank, _, kind in plan.servers if kind != elastic_plan.COPY}
   sends: dict[int, dict[tuple, tuple[int, local_format.ShardRecord]]] = {}
   needed: set[int] = set()
   receives = False
+  # A process serving nothing gets at least the manifest.
+  exchange = any(not served[p] for p in range(count))
   mine = served[me]
   for item_name, path, rec, _, shape, sharding, key_dims in target_leaves(
       layout, targets, single):
@@ -180,6 +201,7 @@ def routes(me: int, count: int, plan: elastic_plan.ElasticPlan,
       for box in dict.fromkeys(wanted.get(dest, ())):
         for i, _ in elastic_plan.pieces(box, boxes):
           index, holders = tiles[i]
+          exchange = exchange or not any(elastic_plan.holds(holders, r) for r in served[dest])
           if dest == me:
             local = [r for r in mine if elastic_plan.holds(holders, r)]
             if local:  # read here: from an own folder when one holds it
@@ -193,26 +215,30 @@ def routes(me: int, count: int, plan: elastic_plan.ElasticPlan,
           key = (item_name, path, index)
           if key not in sends.setdefault(dest, {}):
             sends[dest][key] = (rank, _shard(manifests[rank], item_name, path, index))
-            needed.add(rank)
   # A per-process item goes to the process of its saved rank, from whoever serves that rank.
   for item_name in process_names(targets):
     for dest in range(count):
+      exchange = exchange or servers.get(dest) != dest
       if servers.get(dest) != me:
         receives = receives or (dest == me)
         continue
-      needed.add(dest)
-      if dest != me:
+      if dest == me:
+        needed.add(dest)
+      else:
         shard = manifests[dest].items[item_name].leaves[0].shards[0]
         sends.setdefault(dest, {})[(item_name, "", shard.index)] = (dest, shard)
   lowest = plan.servers[0][1]  # the process serving the lowest rank sends the manifest
   manifest_to = [p for p in range(count) if p != me and me == lowest and not served[p]]
-  return Routes({d: t for d, t in sends.items() if t}, manifest_to, needed, receives)
+  return Routes({d: t for d, t in sends.items() if t}, manifest_to, needed, receives, exchange)
 
 
 def streams(plan: elastic_plan.ElasticPlan, routes_here: Routes, folders: dict[int, Folder],
-            layout: StepManifest) -> dict[int, peer_stream.OutgoingStream]:
+            located: dict[int, Located], layout: StepManifest
+            ) -> dict[int, peer_stream.OutgoingStream]:
   """The streams this process sends: the tiles it provides to each destination (and, to a
-  process serving nothing, the step's manifest)."""
+  process serving nothing, the step's manifest), from the folders read here for its own
+  shards, else from their files as the transfer goes. A tile that cannot be read goes as
+  zeros and is named in the stream's `failures`."""
   out: dict[int, peer_stream.OutgoingStream] = {}
   for dest in sorted(set(routes_here.sends) | set(routes_here.manifest_to)):
     entries, pieces, offset = [], [], 0
@@ -226,10 +252,17 @@ def streams(plan: elastic_plan.ElasticPlan, routes_here: Routes, folders: dict[i
     framed, data_start = peer_stream.stream_header(header)
     segments = [peer_stream.Segment(0, framed.nbytes, buffer=framed)]
     for rel, rank, shard in pieces:
-      data = folders[rank].data
-      segments.append(peer_stream.Segment(data_start + rel, shard.nbytes,
-                                          buffer=data[shard.offset:shard.offset + shard.nbytes]))
-    out[dest] = peer_stream.OutgoingStream(nbytes=data_start + offset, segments=segments)
+      if rank in folders:  # read (and checked) already
+        data = folders[rank].data
+        segments.append(peer_stream.Segment(
+            data_start + rel, shard.nbytes, buffer=data[shard.offset:shard.offset + shard.nbytes],
+            tag=rank))
+        continue
+      file, at = located[rank].places[shard.offset]
+      segments.append(peer_stream.Segment(data_start + rel, shard.nbytes, path=file,
+                                          file_offset=at, tag=rank))
+    out[dest] = peer_stream.OutgoingStream(nbytes=data_start + offset, segments=segments,
+                                           failures=[])
   return out
 
 

@@ -13,7 +13,7 @@ uses the manager's public API:
   small_replication_calls
                         module orbax_mtc.peers.replication: _BYTES_PER_CALL
   install_write_hook    LocalTier.write (wrapped)
-  install_restore_hook  RamRestore.load (wrapped)
+  install_restore_hook  StepAttempt.load (wrapped)
   install_fault         by --phase: kill: RamWriter.write (replaced); write, writeback:
                         LocalTier.write (replaced);
                         commit: LinkKeeper.committed (replaced); readback:
@@ -175,9 +175,9 @@ def install_restore_hook(mgr, me: int) -> None:
       return fn(*a, **k)
     return wrapper
 
-  from orbax_mtc.restore.executor import RamRestore
+  from orbax_mtc.restore.attempt import StepAttempt
 
-  RamRestore.load = hooked(RamRestore.load)
+  StepAttempt.load = hooked(StepAttempt.load)
 
 
 # ----------------------------------------------------------------------------- faults
