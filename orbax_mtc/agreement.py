@@ -200,6 +200,19 @@ class SendRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class MovedRecord:
+  """The end of a transfer: whether every chunk went out and came in on this process.
+
+  Attributes:
+    status: OK, or FAILED (a read, placement or receive failed: `Transfer.failures`).
+    message: The first failure.
+  """
+
+  status: Status = field(EnumCodec(Status), Status.OK)
+  message: str = field(Text(_MESSAGE_BYTES), "")
+
+
+@dataclasses.dataclass(frozen=True)
 class CoverRecord:
   """A restore's candidate saves (bit i: candidate i): those whose layout this process holds,
   and those it finds covered by the saved ranks some process can serve."""

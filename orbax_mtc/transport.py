@@ -8,6 +8,12 @@ NCCL on GPU, ICI/DCN on TPU); a process that neither sends nor receives in a rou
 part with an idle buffer. No all-gather of everything, no sockets of our own.
 
 Collectives are issued only from the main thread and in the same order everywhere (rule 2).
+Nothing that can fail on one process stands between two chunks (rule 9): a reader, a
+placement or a sink that fails is recorded in `Transfer.failures` and the process goes on
+taking part (zeros sent, a spare buffer placed, the bytes dropped), so that the caller agrees
+the outcome after the last chunk instead of leaving the others inside a collective. The
+spare buffers (one zero chunk per chunk length, kept for the process's life) are placed
+before a transfer's first chunk, and a failure to place them is agreed there.
 JAX dispatches them asynchronously, so `Transfer.advance` can issue a few chunks and return while
 they run; at most `window` chunks are in flight, which bounds the extra memory per process to
 about 2 x window x chunk bytes (each chunk has an input and an output buffer).
@@ -22,6 +28,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
 from orbax_mtc import topology
@@ -71,6 +78,22 @@ def _permute_fn(pairs: tuple[tuple[int, int], ...]):
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
 
 
+# (device id, chunk length) -> a zero chunk placed on that device: what a chunk whose own
+# placement fails goes out from. Every process runs the same transfers, so every process
+# holds the same lengths and agrees on reserving new ones at the same transfer.
+_SPARES: dict[tuple[int, int], jax.Array] = {}
+
+
+class TransferError(RuntimeError):
+  """A transfer could not start: some process could not place its spare chunk buffers."""
+
+
+def place(buffer: np.ndarray, device: jax.Device) -> jax.Array:
+  """Places one chunk's bytes on this process's transfer device (every placement of this
+  module goes through here)."""
+  return jax.device_put(buffer, device)
+
+
 def _chunk_bytes_for(largest: int, limit: int) -> int:
   """A power of two >= the largest stream, capped at `limit`: few distinct compiled shapes."""
   size = _MIN_CHUNK
@@ -99,14 +122,23 @@ class Transfer:
     sink_for: Returns the `Sink` of a stream this process receives.
     chunk_limit: Largest chunk in bytes (chunks are powers of two, at least 4 KiB).
     window: Most chunks in flight at once (at least 1).
+    allgather: The collective all-gather of one int64 row, to agree on placing spare chunk
+      buffers of lengths no earlier transfer used (None: this process alone decides).
+
+  Attributes:
+    failures: What failed on this process while the bytes moved ("<what>: <type>: <message>");
+      the caller agrees it once the transfer is over.
 
   Raises:
     ValueError: If two streams share the same (source, destination).
     topology.TopologyError: If a stream sends a process to itself or has a negative rank.
+    TransferError: A process could not place its spare chunk buffers (agreed: raised on
+      every process).
   """
 
   def __init__(self, streams: Sequence[Stream], *, me: int, reader_for: Callable[[Stream], Reader],
-               sink_for: Callable[[Stream], Sink], chunk_limit: int, window: int = 2):
+               sink_for: Callable[[Stream], Sink], chunk_limit: int, window: int = 2,
+               allgather: Callable[[np.ndarray], np.ndarray] | None = None):
     streams = [s for s in streams if s.nbytes > 0]
     by_edge = {(s.source, s.destination): s for s in streams}
     if len(by_edge) != len(streams):
@@ -134,6 +166,47 @@ class Transfer:
     self._in_flight: collections.deque[tuple[_Chunk, jax.Array, np.ndarray]] = \
         collections.deque()
     self._free: list[np.ndarray] = []
+    self.failures: list[str] = []
+    self._broken: set[Stream] = set()  # streams whose reader or sink failed once
+    self._reserve({chunk.length for chunk in self._chunks}, allgather)
+
+  def _reserve(self, lengths: set[int], allgather: Callable[[np.ndarray], np.ndarray] | None
+               ) -> None:
+    """Places a spare zero chunk of every length this transfer uses and no earlier one did
+    (the same lengths on every process), and agrees that every process could."""
+    device = _node_mesh().devices[self._me]
+    new = sorted(n for n in lengths if (device.id, n) not in _SPARES)
+    if not new:
+      return
+    placed: dict[tuple[int, int], jax.Array] = {}
+    error = ""
+    try:
+      for length in new:
+        placed[(device.id, length)] = place(np.zeros(length, np.uint8), device)
+    except Exception as e:  # noqa: BLE001 - agreed right below
+      error = f"{type(e).__name__}: {e}"
+    if allgather is None:
+      failed = [self._me] if error else []
+    else:
+      flags = np.asarray(allgather(np.asarray([1 if error else 0], dtype=np.int64)))
+      failed = [p for p, row in enumerate(flags.reshape(len(flags), -1)) if row[0]]
+    if failed:
+      # Nobody keeps what it placed: every process's spares stay the same lengths.
+      raise TransferError(
+          f"process(es) {failed} could not place the transfer's chunk buffers on their "
+          f"device{': ' + error if error else ''}. Free device memory (or lower "
+          "chunk_mib) and retry.")
+    _SPARES.update(placed)
+
+  @property
+  def issued(self) -> bool:
+    """True once every chunk has been issued (the same moment on every process)."""
+    return not self._chunks
+
+  def _fail(self, what: str, error: BaseException) -> None:
+    message = f"{what}: {type(error).__name__}: {error}"
+    logging.warning("orbax-mtc: transfer: %s", message)
+    self.failures.append(message)
 
   @property
   def done(self) -> bool:
@@ -152,23 +225,41 @@ class Transfer:
     mesh = _node_mesh()
     local = self._send_buffer(chunk.length)
     n = 0
-    if chunk.send is not None and chunk.offset < chunk.send.nbytes:
+    if chunk.send is not None and chunk.offset < chunk.send.nbytes and \
+        chunk.send not in self._broken:
       n = min(chunk.length, chunk.send.nbytes - chunk.offset)
-      self._readers[chunk.send](chunk.offset, local[:n])
+      try:
+        self._readers[chunk.send](chunk.offset, local[:n])
+      except Exception as e:  # noqa: BLE001 - zeros go instead; agreed after the transfer
+        self._fail(f"reading the stream to process {chunk.send.destination}", e)
+        self._broken.add(chunk.send)
+        n = 0
     local[n:] = 0
     device = mesh.devices[self._me]
     sharding = NamedSharding(mesh, PartitionSpec(_AXIS))
+    try:
+      placed = place(local, device)
+    except Exception as e:  # noqa: BLE001 - the spare goes instead; agreed after the transfer
+      self._fail(f"placing a chunk of {chunk.length} bytes", e)
+      placed = _SPARES[(device.id, chunk.length)]
     global_in = jax.make_array_from_single_device_arrays(
-        (chunk.length * mesh.size,), sharding, [jax.device_put(local, device)])
+        (chunk.length * mesh.size,), sharding, [placed])
     self._in_flight.append((chunk, _permute_fn(chunk.pairs)(global_in), local))
 
   def _retire(self) -> None:
     chunk, out, local = self._in_flight.popleft()
-    data = np.asarray(out.addressable_shards[0].data)  # waits for this chunk only
-    if chunk.receive is not None and chunk.offset < chunk.receive.nbytes:
-      n = min(chunk.length, chunk.receive.nbytes - chunk.offset)
-      self._sinks[chunk.receive](chunk.offset, data[:n])
     self._free.append(local)
+    receive = chunk.receive
+    if receive is None or chunk.offset >= receive.nbytes or receive in self._broken:
+      out.block_until_ready()  # this chunk's collective is over: its buffer may be reused
+      return
+    n = min(chunk.length, receive.nbytes - chunk.offset)
+    try:
+      data = np.asarray(out.addressable_shards[0].data)  # waits for this chunk only
+      self._sinks[receive](chunk.offset, data[:n])
+    except Exception as e:  # noqa: BLE001 - the rest is dropped; agreed after the transfer
+      self._fail(f"receiving the stream from process {receive.source}", e)
+      self._broken.add(receive)
 
   def advance(self, max_chunks: int | None = None) -> None:
     """Issues up to `max_chunks` more chunks, keeping at most `window` in flight.

@@ -71,7 +71,7 @@ def _sent(failures):
 
 
 def test_a_sender_whose_tiles_all_went_out_reports_nothing():
-  assert attempt._sending_outcome(0, 9, _sent([])) is None
+  assert attempt._moving_outcome(0, 9, _sent([]), []) is None
 
 
 @pytest.mark.parametrize("error", [
@@ -79,12 +79,19 @@ def test_a_sender_whose_tiles_all_went_out_reports_nothing():
     CorruptStepError("short read while sending a copy"),
 ])
 def test_a_damaged_sent_folder_is_named_for_exclusion(error):
-  record = attempt._sending_outcome(2, 9, _sent([(5, error)]))
+  record = attempt._moving_outcome(2, 9, _sent([(5, error)]), [])
   assert (record.status, record.bad_process, record.bad_rank) == (Status.UNUSABLE, 2, 5)
   assert "saved rank 5" in record.message
 
 
 def test_an_error_that_proves_no_damage_is_raised_everywhere_not_excluded():
-  record = attempt._sending_outcome(2, 9, _sent([(5, OSError(errno.EIO, os.strerror(errno.EIO)))]))
+  record = attempt._moving_outcome(
+      2, 9, _sent([(5, OSError(errno.EIO, os.strerror(errno.EIO)))]), [])
   assert record.status == Status.FAILED and record.bad_process == -1
   assert "Input/output error" in record.message
+
+
+def test_a_chunk_that_could_not_be_placed_or_received_is_raised_everywhere():
+  record = attempt._moving_outcome(1, 9, _sent([]), ["placing a chunk of 4096 bytes: "
+                                                     "XlaRuntimeError: RESOURCE_EXHAUSTED"])
+  assert record.status == Status.FAILED and "RESOURCE_EXHAUSTED" in record.message

@@ -73,7 +73,8 @@ def exchange(edges: Sequence[Edge], me: int, outgoing: dict[int, OutgoingStream]
              for (src, dst), n in zip(edges, agreed, strict=True)]
   transfer = transport.Transfer(streams, me=me,
                                 reader_for=lambda s: outgoing[s.destination].read,
-                                sink_for=sink_for, chunk_limit=chunk_limit, window=window)
+                                sink_for=sink_for, chunk_limit=chunk_limit, window=window,
+                                allgather=allgather)
   return Exchange(records, agreed, transfer)
 
 

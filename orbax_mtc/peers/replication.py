@@ -165,6 +165,7 @@ class Replicator:
     self._commits: list[tuple[int, int, concurrent.futures.Future]] = []
     self.last_bytes_sent = 0
     self.finished_steps = 0  # steps whose copies all went out
+    self.failed_steps = 0  # steps whose copies were dropped by every process together
 
   @property
   def pending_step(self) -> int | None:
@@ -202,15 +203,20 @@ class Replicator:
         job.transfer.retire_ready()
         job.transfer.advance(self._chunks_per_call)
         job.transfer.retire_ready()
+      if job.transfer.issued:  # the same call on every process
+        job.transfer.retire_finished()
     except BaseException:
-      # A chunk that failed to go out or come in leaves the streams incomplete: drop this
-      # step's copies instead of finishing (and committing) them later.
-      for incoming in job.incoming.values():
-        self._writer.submit(incoming.abort)
-      self._job = None
+      # Not a failure the transfer records (those are agreed below): a collective itself
+      # failed, so no other process completes it either. Drop this step's copies.
+      self._abort(job)
       raise
-    if job.transfer.done:
+    if job.transfer.issued:
       self._finish(job)
+
+  def _abort(self, job: _StepCopies) -> None:
+    for incoming in job.incoming.values():
+      self._writer.submit(incoming.abort)
+    self._job = None
 
   def _start(self, job: _StepCopies, status: int) -> bool:
     """One stream exchange: once every process has committed the step, its copies' sizes
@@ -247,10 +253,15 @@ class Replicator:
         self._writer.submit(incoming.write, offset, data)
       return sink
 
-    agreed = exchange.exchange(
-        job.edges, self.me, outgoing, exchange.outgoing_sizes(job.edges, self.me, outgoing),
-        agreement.SendRecord(status=status), self._allgather, proceed=proceed,
-        sink_for=sink_for, chunk_limit=self._chunk_bytes, window=self._window)
+    try:
+      agreed = exchange.exchange(
+          job.edges, self.me, outgoing, exchange.outgoing_sizes(job.edges, self.me, outgoing),
+          agreement.SendRecord(status=status), self._allgather, proceed=proceed,
+          sink_for=sink_for, chunk_limit=self._chunk_bytes, window=self._window)
+    except transport.TransferError as e:  # agreed: the same on every process
+      logging.warning("orbax-mtc: step %d is not replicated: %s", job.step, e)
+      self._abort(job)
+      return False
     if agreed.transfer is None:
       return False
     job.transfer = agreed.transfer
@@ -258,6 +269,20 @@ class Replicator:
     return True
 
   def _finish(self, job: _StepCopies) -> None:
+    """After the last chunk (collective): every copy is committed, or, when a read,
+    placement or receive failed on any process, every copy of the step is dropped together
+    (the next save's copies go out as usual)."""
+    failures = job.transfer.failures if job.transfer is not None else []
+    records = agreement.gather(agreement.MovedRecord(
+        status=Status.FAILED if failures else Status.OK,
+        message=failures[0] if failures else ""), self._allgather)
+    failed = {p: r.message for p, r in enumerate(records) if r.status != Status.OK}
+    if failed:
+      logging.warning("orbax-mtc: the peer copies of step %d are dropped on every process: %s",
+                      job.step, "; ".join(f"process {p}: {m}" for p, m in sorted(failed.items())))
+      self._abort(job)
+      self.failed_steps += 1
+      return
     self.reap_commits()
     for source, incoming in job.incoming.items():
       future = self._writer.submit(incoming.commit, self._local.keep_floor)

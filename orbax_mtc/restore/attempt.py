@@ -148,7 +148,7 @@ class StepAttempt:
             early = BuildRecord(status=Status.UNUSABLE, message=str(e))
         if layout is not None:
           built, early = self._build(plan, folders, buffers, layout, targets, single)
-      early = _sending_outcome(me, step, outgoing) or early
+      early = _moving_outcome(me, step, outgoing, result.transfer.failures) or early
       outcomes = self._ledger.agree(early, f"building step {step}")
     if all(o.status == Status.OK for o in outcomes):
       assert built is not None
@@ -234,11 +234,15 @@ class StepAttempt:
         mine is not None and mine.primary and plan.served_by(me).get(me) == OWN))
 
 
-def _sending_outcome(me: int, step: int, outgoing: dict[int, peer_stream.OutgoingStream]
-                     ) -> BuildRecord | None:
+def _moving_outcome(me: int, step: int, outgoing: dict[int, peer_stream.OutgoingStream],
+                    moved: list[str]) -> BuildRecord | None:
   """What this process reports when a tile it sent could not be read (it went as zeros, so
-  its receiver rejects it too): the folder is damaged when its file is gone or short; any
-  other error proves nothing and is raised everywhere."""
+  its receiver rejects it too) or a chunk could not be placed or received (`moved`, the
+  transfer's failures): the folder is damaged when its file is gone or short; any other
+  error proves nothing and is raised everywhere."""
+  if moved:
+    message = f"moving step {step}: {moved[0]}"
+    return BuildRecord(status=Status.FAILED, message=message)
   failures = [f for stream in outgoing.values() for f in stream.failures or ()]
   if not failures:
     return None

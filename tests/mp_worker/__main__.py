@@ -170,6 +170,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--chunk-bytes", type=int, default=16384)
   p.add_argument("--stepwise-calls", type=int, default=6,
                  help="calls that issue one chunk each before the rest is run at once")
+  p.add_argument("--fault", choices=["none", "read", "place", "sink"], default="none",
+                 help="on process 1, from its third chunk on: the reader, the placement or "
+                 "the sink fails")
   p.set_defaults(fn=plain.cmd_transport)
 
   p = _common(sub.add_parser("outage"))

@@ -18,7 +18,10 @@ uses the manager's public API:
                         LocalTier.write (replaced);
                         commit: LinkKeeper.committed (replaced); readback:
                         BackupScheduler.read_back (replaced); send: the module function
-                        orbax_mtc.peers.stream.copy_stream (replaced); restore-read: the module
+                        orbax_mtc.peers.stream.copy_stream (replaced); chunk-read: the
+                        streams copy_stream returns (their read raises EIO); chunk-place:
+                        the module function orbax_mtc.transport.place (replaced, failing
+                        while Replicator.progress moves the fault step); restore-read: the module
                         function orbax_mtc.local.read.read_data (replaced until the returned
                         undo is called)
   transient_device_put  jax.device_put (replaced until the returned undo is called)
@@ -43,7 +46,8 @@ from .events import emit
 HOOK_WAIT_S = 60.0  # a hook waits at most this long for the notice or the go file
 _POLL_S = 0.02
 
-FAULT_PHASES = ("write", "commit", "readback", "send", "restore-read", "writeback", "kill")
+FAULT_PHASES = ("write", "commit", "readback", "send", "chunk-read", "chunk-place",
+                "restore-read", "writeback", "kill")
 
 
 # ----------------------------------------------------------------------------- save loop
@@ -253,6 +257,37 @@ def install_fault(args, mgr, me: int) -> Callable[[], None]:
         raise RuntimeError("peer copy read failed (injected)")
       return copy_stream(step_dir, manifest, *rest, **kwargs)
     peer_stream.copy_stream = failing_stream
+  elif phase == "chunk-read":
+    copy_stream = peer_stream.copy_stream
+
+    def unreadable_stream(step_dir, manifest, *rest, **kwargs):
+      stream = copy_stream(step_dir, manifest, *rest, **kwargs)
+      if manifest.step == at:
+        def read(offset, out):  # the data file fails once the transfer runs
+          raise OSError(errno.EIO, "Input/output error reading data.bin (injected)")
+        stream.read = read
+      return stream
+    peer_stream.copy_stream = unreadable_stream
+  elif phase == "chunk-place":
+    from orbax_mtc import transport
+    from orbax_mtc.peers.replication import Replicator
+
+    progress, place = Replicator.progress, transport.place
+    armed = {"on": False}
+
+    def failing_place(buffer, device):
+      if armed["on"]:
+        raise RuntimeError("RESOURCE_EXHAUSTED: no device memory for a chunk (injected)")
+      return place(buffer, device)
+
+    def armed_progress(replicator, *a, **k):
+      armed["on"] = replicator.pending_step == at
+      try:
+        return progress(replicator, *a, **k)
+      finally:
+        armed["on"] = False
+    transport.place = failing_place
+    Replicator.progress = armed_progress
   elif phase == "restore-read":
     def failing_read_data(*a, **k):
       raise RuntimeError("restore read failed (injected)")

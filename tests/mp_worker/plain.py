@@ -71,16 +71,38 @@ def cmd_transport(args) -> int:
   streams = [transport.Stream(s, d, nbytes) for (s, d), nbytes in sizes.items()]
   received: dict[int, np.ndarray] = {}
 
+  calls_made = {"read": 0, "place": 0, "sink": 0}
+  faulty = me == 1 and args.fault != "none"
+
+  def failing(kind: str) -> bool:
+    calls_made[kind] += 1
+    return faulty and args.fault == kind and calls_made[kind] >= 3
+
   def reader_for(stream):
     data = _stream_bytes(stream.source, stream.destination, stream.nbytes)
-    return lambda offset, out: np.copyto(out, data[offset:offset + out.nbytes])
+
+    def read(offset, out):
+      if failing("read"):
+        raise OSError(5, "Input/output error (injected)")
+      np.copyto(out, data[offset:offset + out.nbytes])
+    return read
 
   def sink_for(stream):
     received[stream.source] = np.full(stream.nbytes, 7, np.uint8)
 
     def sink(offset, data):
+      if failing("sink"):
+        raise MemoryError("no room for the received chunk (injected)")
       received[stream.source][offset:offset + data.nbytes] = data
     return sink
+
+  place = transport.place
+
+  def placing(buffer, device):
+    if failing("place"):
+      raise RuntimeError("RESOURCE_EXHAUSTED: out of device memory (injected)")
+    return place(buffer, device)
+  transport.place = placing
 
   transfer = transport.Transfer(streams, me=me, reader_for=reader_for, sink_for=sink_for,
                                 chunk_limit=args.chunk_bytes, window=2)
@@ -95,7 +117,10 @@ def cmd_transport(args) -> int:
   bad = [src for src, stream in expected.items()
          if src not in received or not np.array_equal(
              received[src], _stream_bytes(src, me, stream.nbytes))]
-  emit(f"TRANSPORT process={me} streams={len(expected)} bad={bad} calls={calls}")
+  emit(f"TRANSPORT process={me} streams={len(expected)} bad={bad} calls={calls} "
+       f"failures={len(transfer.failures)}")
+  if args.fault != "none":
+    return 0  # the test judges which streams may be bad
   return 0 if not bad and sorted(received) == sorted(expected) else EXIT_MISMATCH
 
 
