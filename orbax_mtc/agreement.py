@@ -200,12 +200,13 @@ class SendRecord:
 
 
 @dataclasses.dataclass(frozen=True)
-class MovedRecord:
-  """The end of a transfer: whether every chunk went out and came in on this process.
+class OutcomeRecord:
+  """One process's outcome of one operation (the end of a transfer, a check before Orbax's
+  own collective).
 
   Attributes:
-    status: OK, or FAILED (a read, placement or receive failed: `Transfer.failures`).
-    message: The first failure.
+    status: OK, or FAILED.
+    message: What failed.
   """
 
   status: Status = field(EnumCodec(Status), Status.OK)
@@ -368,6 +369,18 @@ def raise_faults(records: Sequence[Any], what: str) -> None:
   found = faults(records)
   if found:
     raise CheckpointError(what, {p: f"{f.kind}: {f.message}" for p, f in found.items()})
+
+
+def persistent_steps_seen(inventories: Sequence[Inventory],
+                          own_view: Collection[int]) -> tuple[int, ...]:
+  """Persistent steps some process sees (as `agreed_persistent_steps`, a union)."""
+  seen = set().union(*(inv.persistent_steps for inv in inventories)) if inventories else set()
+  cut = [min(inv.persistent_steps) for inv in inventories
+         if inv.persistent_truncated and inv.persistent_steps]
+  if cut or not inventories:
+    floor = max(cut) if cut else None
+    seen |= {s for s in own_view if floor is None or s < floor}
+  return tuple(sorted(seen))
 
 
 def agreed_persistent_steps(inventories: Sequence[Inventory],

@@ -48,6 +48,7 @@ class StepLedger:
     self._max_to_keep = max_to_keep
     self.ram: tuple[int, ...] = ()  # RAM steps the cluster can assemble
     self.persistent: tuple[int, ...] = ()  # persistent steps every process sees
+    self.persistent_seen: tuple[int, ...] = ()  # persistent steps some process sees
     self._local_error: BaseException | None = None  # not yet handed to an agreement
     self._fault_cause: BaseException | None = None  # handed, not yet raised
     # Called before a local fault is raised (every process is there): let a backup finish.
@@ -88,7 +89,10 @@ class StepLedger:
     if saved is not None:
       ram = restore_plan.retained_steps([*ram, saved], self._max_to_keep, floor)
     self.ram = tuple(ram)
-    self.persistent = agreement.agreed_persistent_steps(inventories, self._persistent_steps())
+    own_view = self._persistent_steps()
+    self.persistent = agreement.agreed_persistent_steps(inventories, own_view)
+    # Some process sees these (a lagging view may not): what delete() must act on.
+    self.persistent_seen = agreement.persistent_steps_seen(inventories, own_view)
     return nodes
 
   def add_ram(self, steps: Sequence[int]) -> None:
@@ -100,6 +104,7 @@ class StepLedger:
     """`step` was deleted from both tiers."""
     self.ram = tuple(s for s in self.ram if s != step)
     self.persistent = tuple(s for s in self.persistent if s != step)
+    self.persistent_seen = tuple(s for s in self.persistent_seen if s != step)
 
   def keep_ram(self, keep: Callable[[int], bool]) -> None:
     """Drops the agreed RAM steps `keep` rejects (an abandoned timeline, a parent's

@@ -378,9 +378,8 @@ class CheckpointManager(ocp.CheckpointManager):
     if step in self._local.steps():
       self._delete_local([step])
     self._store.delete_step(step)
-    if step in self._ledger.persistent or step in self._persistent.steps():
-      with self._persistent_view():
-        super().delete(step)
+    if step in self._ledger.persistent_seen:  # agreed: every process enters, or none (rule 8)
+      self._persistent.delete(step, self._agree)
     self._ledger.forget(step)
 
   @persistent_view_when_nested

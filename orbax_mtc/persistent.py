@@ -20,7 +20,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
-from orbax_mtc import backup
+from orbax_mtc import agreement, backup
+from orbax_mtc.agreement import Status
 
 
 def persistent_view_when_nested(method):
@@ -59,6 +60,31 @@ class PersistentTier:
   @property
   def directory(self) -> epath.Path:
     return self._manager.directory
+
+  def delete(self, step: int, agree: Callable[[Any, str], list[Any]]) -> None:
+    """Orbax's delete of `step` (collective), entered by every process or by none.
+
+    A process whose view of the persistent directory lags (a failed finalize) re-reads it
+    first; then one agreement says whether every process sees the step, since Orbax's
+    delete raises on a process that does not and waits in a barrier on the others.
+
+    Raises:
+      CheckpointError: some process does not see `step` even after re-reading (on every
+        process alike; nothing was deleted).
+    """
+    if step not in self.steps():
+      self._parent("reload")()
+    sees = step in self.steps()
+    records = agree(agreement.OutcomeRecord(
+        status=Status.OK if sees else Status.FAILED,
+        message="" if sees else f"FileNotFoundError: step {step} is not in its view of "
+        f"{self.directory}"), f"delete({step})")
+    missing = {p: r.message for p, r in enumerate(records) if r.status != Status.OK}
+    if missing:
+      raise agreement.CheckpointError(
+          f"delete({step}) of the persistent step (some processes cannot see it; is "
+          f"{self.directory} shared by every host?)", missing)
+    self._parent("delete")(step)
 
   def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
     """The parent's method `name`, as Orbax defines it (persistent tier alone)."""

@@ -273,7 +273,7 @@ class Replicator:
     placement or receive failed on any process, every copy of the step is dropped together
     (the next save's copies go out as usual)."""
     failures = job.transfer.failures if job.transfer is not None else []
-    records = agreement.gather(agreement.MovedRecord(
+    records = agreement.gather(agreement.OutcomeRecord(
         status=Status.FAILED if failures else Status.OK,
         message=failures[0] if failures else ""), self._allgather)
     failed = {p: r.message for p, r in enumerate(records) if r.status != Status.OK}

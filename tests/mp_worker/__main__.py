@@ -29,6 +29,7 @@ Sub-commands:
                  the restore-seam tests: exit the instant restore() returns, two items
                  restored in part, a transient error while building, a per-process JSON
                  item restored by restore(None) or restore(latest_step()) (`seams`).
+  delete         delete() of a persistent step one process's view lacks (`contained`).
   preempt        restore (if anything) and compare, then train and save every --stride steps
                  until SIGTERM (sent by the test to any process) makes every process agree on
                  an on-demand step; then exit as the manager's options or flags say. Hooks
@@ -52,7 +53,16 @@ if not __package__:  # run as `python tests/mp_worker`: import the package from 
   sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _here]
   sys.path.insert(0, str(_here.parent))
 
-from mp_worker import common, faults, iterators, plain, preempt, save_restore, seams  # noqa: E402
+from mp_worker import (  # noqa: E402
+    common,
+    contained,
+    faults,
+    iterators,
+    plain,
+    preempt,
+    save_restore,
+    seams,
+)
 from mp_worker.hooks import FAULT_PHASES  # noqa: E402
 
 
@@ -165,6 +175,11 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--steps", type=int, required=True)
   p.add_argument("--drop-process", type=int, default=1)
   p.set_defaults(fn=save_restore.cmd_resave, **no_dying)
+
+  p = _common(sub.add_parser("delete"))
+  p.add_argument("--step", type=int, required=True)
+  p.add_argument("--lag-process", type=int, default=1)
+  p.set_defaults(fn=contained.cmd_delete)
 
   p = sub.add_parser("transport")
   p.add_argument("--chunk-bytes", type=int, default=16384)

@@ -1,0 +1,34 @@
+"""Sub-commands for faults that must end the same way on every process (issue 40): delete
+(a persistent step one process's view lacks)."""
+
+from __future__ import annotations
+
+from .common import EXIT_RAISED, fmt, make_mesh, manager, raised
+from .events import emit
+
+
+def cmd_delete(args) -> int:
+  """Opens the manager on a saved run; on --lag-process, Orbax's cached view of the
+  persistent directory loses --step (as after a finalize that failed there); then every
+  process calls delete(--step) and prints the steps it then sees (or what it raised)."""
+  import jax
+
+  from orbax_mtc import distributed
+
+  distributed.initialize()
+  mesh = make_mesh()
+  me = jax.process_index()
+  with manager(args, mesh) as mgr:
+    if me == args.lag_process:
+      mgr._checkpoints.delete_if(lambda info: info.step == args.step)  # Orbax's cache
+    emit(f"BEFORE process={me} all={fmt(mgr.all_steps())} "
+         f"orbax={fmt(mgr._persistent.steps())}")
+    try:
+      mgr.delete(args.step)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+      raised(e)
+      return EXIT_RAISED
+    emit(f"DELETED process={me} all={fmt(mgr.all_steps())} "
+         f"orbax={fmt(mgr._persistent.steps())}")
+  emit("DONE")
+  return 0

@@ -1,0 +1,69 @@
+"""Faults that must end the same way on every process, and policies that must do what the
+user asked (issue 40), in real multi-process jobs driven through the public API by
+`tests/mp_worker`:
+
+- `delete(step)` of a persistent step one process's view lacks (a finalize that failed
+  there): every process enters Orbax's delete or none does (it used to leave the other
+  process alone in Orbax's barrier).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from mp_helpers import assert_ok, mp_events, new_root, run_job, tail
+
+pytestmark = pytest.mark.timeout(300)
+
+AGREE = ["--agreement-timeout", "30"]
+TWO = ["--local-interval", "2", "--local-keep", "2", "--persistent-interval", "4", *AGREE]
+
+
+def events(out, kind: str) -> dict[int, dict[str, str]]:
+  return {node: fields for node, fields in mp_events.events(out.lines, kind)}
+
+
+@pytest.fixture
+def root():
+  path = new_root("contained")
+  yield path
+  shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def saved_run(request, tmp_path_factory):
+  """2 processes: RAM {8, 10}, persistent {0, 4, 8}."""
+  src = new_root("contained-run")
+  request.addfinalizer(lambda: shutil.rmtree(src, ignore_errors=True))
+  persistent = tmp_path_factory.mktemp("contained-persistent") / "ckpt"
+  result, out = run_job(["save", "--steps", "11", "--persistent-dir", str(persistent), *TWO],
+                        2, src)
+  assert_ok(result, out)
+  return src, persistent
+
+
+def _clone(run, root, tmp_path):
+  src, src_persistent = run
+  shutil.copytree(src, root, symlinks=True)
+  persistent = tmp_path / "persistent"
+  shutil.copytree(src_persistent, persistent, symlinks=True)
+  return persistent
+
+
+def test_delete_of_a_step_one_view_lacks_is_entered_by_every_process(saved_run, root,
+                                                                     tmp_path):
+  persistent = _clone(saved_run, root, tmp_path)
+  result, out = run_job(["delete", "--step", "4", "--lag-process", "1", "--persistent-dir",
+                         str(persistent), *TWO], 2, root, timeout_s=120)
+  assert not result.timed_out, f"a process was left waiting: {result}\n{tail(out)}"
+  assert_ok(result, out)
+  before = events(out, "BEFORE")
+  assert "4" in before[0]["orbax"].split(",") and "4" not in before[1]["orbax"].split(","), \
+      tail(out)  # the views differed
+  after = events(out, "DELETED")
+  assert sorted(after) == [0, 1] and after[0]["all"] == after[1]["all"], tail(out)
+  assert after[0]["orbax"] == after[1]["orbax"] == "0,8", tail(out)
+  assert "4" not in after[0]["all"].split(","), tail(out)
+  assert not (persistent / "4").exists()
+  assert (persistent / "8").exists() and (persistent / "0").exists()
