@@ -233,6 +233,9 @@ FAULTS = {
     "chunk-read": (6, False, "continue"),
     "chunk-place": (6, False, "continue"),
     "restore-read": (None, True, "raise"),  # not proof of damage: raised, nothing dropped
+    # RAM emptied: restored from the persistent tier, whose metadata read fails on one
+    # process before Orbax's restore (and its barriers) starts.
+    "persistent-read": (None, True, "raise"),
     "writeback": (None, True, "raise"),
 }
 
@@ -245,6 +248,9 @@ def test_a_fault_on_one_process_ends_the_same_way_on_every_process(
     persistent = _clone(mixed_run, root, tmp_path)
     if phase == "writeback":
       shutil.rmtree(root / "node1")  # node 1 recovers from its peer copy, then writes it back
+    if phase == "persistent-read":
+      for node in (0, 1):
+        shutil.rmtree(root / f"node{node}")
   else:
     persistent = tmp_path / "persistent"
   command = ["fault", "--phase", phase, "--fault-process", "1", "--persistent-dir",

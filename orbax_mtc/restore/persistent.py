@@ -2,11 +2,14 @@
 
 The persistent tier is a standard Orbax checkpoint, so Orbax restores it (on any topology).
 Before that, the target is checked against the saved tree's metadata, leaf by leaf: Orbax
-alone would raise an error that does not name the leaf, or silently cast dtypes.
+alone would raise an error that does not name the leaf, or silently cast dtypes. The checks
+read the step's folder on each process (on Cloud Storage a read can fail on one host), so
+their outcome is agreed before any process enters Orbax's restore and its barriers (rule 9).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -14,29 +17,77 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from orbax_mtc import item_args, process_state
+from orbax_mtc import agreement, item_args, process_state
+from orbax_mtc.agreement import Status
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import specs as local_specs
 from orbax_mtc.persistent import PersistentTier
 
 
 def restore(persistent: PersistentTier, step: int, targets: dict[str, Any],
-            single: bool | None) -> Any:
-  """Restores `step` from the persistent tier.
+            single: bool | None, agree: Callable[[Any, str], list[Any]]) -> Any:
+  """Restores `step` from the persistent tier (collective).
 
   Args:
     persistent: the persistent tier.
     step: a persistent step every process sees.
     targets: item name -> target tree (None: a JSON item).
     single: a single-item restore (None: as the step was saved).
+    agree: the agreement on the checks' outcome.
 
   Returns:
     The restored item, or an `ocp.args.Composite` of items.
 
-  Raises:
+  Raises (on every process alike):
     local_format.MissingItemError: the step holds no such item.
     local_format.AbstractStateMismatchError: the targets do not match what was saved.
+    agreement.CheckpointError: a check failed on some process for another reason (an I/O
+      error reading the step's metadata); nothing was restored.
   """
+  outcome, checked = Status.OK, (targets, single)
+  try:
+    checked = _checked(persistent, step, targets, single)
+    message = ""
+  except local_format.AbstractStateMismatchError as e:
+    outcome, message = Status.MISMATCH, str(e)
+  except Exception as e:  # noqa: BLE001 - agreed below, raised on every process
+    outcome, message = Status.FAILED, f"{type(e).__name__}: {e}"
+  records = agree(agreement.OutcomeRecord(status=outcome, message=message),
+                  f"checking persistent step {step}")
+  mismatched = [(p, r.message) for p, r in enumerate(records) if r.status == Status.MISMATCH]
+  if mismatched:
+    raise _as_raised(*mismatched[0])
+  failed = {p: r.message for p, r in enumerate(records) if r.status != Status.OK}
+  if failed:
+    raise agreement.CheckpointError(f"reading persistent step {step}'s metadata", failed)
+  targets, single = checked
+
+  def restore_arg(target):
+    if target is None:
+      return ocp.args.JsonRestore()
+    if isinstance(target, process_state.ProcessTarget):
+      return process_state.restore_args(target)
+    return ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+
+  if single:
+    return persistent.call("restore", step, args=restore_arg(targets[item_args.DEFAULT_ITEM]))
+  return persistent.call("restore", step, args=ocp.args.Composite(
+      **{name: restore_arg(t) for name, t in targets.items()}))
+
+
+def _as_raised(process: int, message: str) -> local_format.AbstractStateMismatchError:
+  """The agreed mismatch of `process`, raised alike everywhere (the same type it was)."""
+  if message.startswith("Item '") and " is not in persistent step " in message:
+    return local_format.MissingItemError(message, message.split("'")[1])
+  return local_format.AbstractStateMismatchError(
+      message if process == jax.process_index() else f"process {process}: {message}")
+
+
+def _checked(persistent: PersistentTier, step: int, targets: dict[str, Any],
+             single: bool | None) -> tuple[dict[str, Any], bool]:
+  """The targets as the step was saved, each checked against its metadata (this process's
+  reads). Raises as `restore`."""
   step_dir = persistent.step_directory(step)
   saved_items = sorted(p.name for p in step_dir.iterdir() if p.is_dir()) \
       if step_dir.is_dir() else []
@@ -51,19 +102,7 @@ def restore(persistent: PersistentTier, step: int, targets: dict[str, Any],
       check_process_item(step_dir / name, name)
     elif target is not None:
       check_item(step_dir / name, name, target)
-
-  def restore_arg(target):
-    if target is None:
-      return ocp.args.JsonRestore()
-    if isinstance(target, process_state.ProcessTarget):
-      return process_state.restore_args(target)
-    return ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
-
-  if single:
-    return persistent.call("restore", step, args=restore_arg(targets[item_args.DEFAULT_ITEM]))
-  return persistent.call("restore", step, args=ocp.args.Composite(
-      **{name: restore_arg(t) for name, t in targets.items()}))
+  return targets, single
 
 
 def check_process_item(item_dir: epath.Path, name: str) -> None:

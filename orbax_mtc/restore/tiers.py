@@ -139,7 +139,8 @@ class TieredRestore:
 
   def _from_persistent(self, step: int, targets: dict[str, Any], single: bool | None,
                        started: float, *, drop_newer: bool) -> Any:
-    restored = persistent_restore.restore(self._persistent, step, targets, single)
+    restored = persistent_restore.restore(self._persistent, step, targets, single,
+                                          self._ledger.agree)
     self._finish(step, "persistent", started, drop_newer=drop_newer)
     return restored
 

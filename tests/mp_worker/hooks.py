@@ -21,7 +21,9 @@ uses the manager's public API:
                         orbax_mtc.peers.stream.copy_stream (replaced); chunk-read: the
                         streams copy_stream returns (their read raises EIO); chunk-place:
                         the module function orbax_mtc.transport.place (replaced, failing
-                        while Replicator.progress moves the fault step); restore-read: the module
+                        while Replicator.progress moves the fault step); persistent-read:
+                        the module function orbax_mtc.restore.persistent.check_item
+                        (replaced: reading the step's metadata fails); restore-read: the module
                         function orbax_mtc.local.read.read_data (replaced until the returned
                         undo is called)
   transient_device_put  jax.device_put (replaced until the returned undo is called)
@@ -47,7 +49,7 @@ HOOK_WAIT_S = 60.0  # a hook waits at most this long for the notice or the go fi
 _POLL_S = 0.02
 
 FAULT_PHASES = ("write", "commit", "readback", "send", "chunk-read", "chunk-place",
-                "restore-read", "writeback", "kill")
+                "restore-read", "persistent-read", "writeback", "kill")
 
 
 # ----------------------------------------------------------------------------- save loop
@@ -288,6 +290,12 @@ def install_fault(args, mgr, me: int) -> Callable[[], None]:
         armed["on"] = False
     transport.place = failing_place
     Replicator.progress = armed_progress
+  elif phase == "persistent-read":
+    from orbax_mtc.restore import persistent as persistent_restore
+
+    def failing_metadata(*a, **k):
+      raise OSError(errno.EIO, "reading the persistent step's metadata failed (injected)")
+    persistent_restore.check_item = failing_metadata
   elif phase == "restore-read":
     def failing_read_data(*a, **k):
       raise RuntimeError("restore read failed (injected)")
