@@ -233,6 +233,8 @@ FAULTS = {
     "chunk-read": (6, False, "continue"),
     "chunk-place": (6, False, "continue"),
     "restore-read": (None, True, "raise"),  # not proof of damage: raised, nothing dropped
+    # Any error on a serving process before the exchange (not only a mismatch): agreed.
+    "restore-plan": (None, True, "raise"),
     # RAM emptied: restored from the persistent tier, whose metadata read fails on one
     # process before Orbax's restore (and its barriers) starts.
     "persistent-read": (None, True, "raise"),

@@ -23,7 +23,9 @@ uses the manager's public API:
                         the module function orbax_mtc.transport.place (replaced, failing
                         while Replicator.progress moves the fault step); persistent-read:
                         the module function orbax_mtc.restore.persistent.check_item
-                        (replaced: reading the step's metadata fails); restore-read: the module
+                        (replaced: reading the step's metadata fails); restore-plan: the
+                        module function orbax_mtc.restore.tiles.routes (replaced: a
+                        ValueError on a serving process); restore-read: the module
                         function orbax_mtc.local.read.read_data (replaced until the returned
                         undo is called)
   transient_device_put  jax.device_put (replaced until the returned undo is called)
@@ -49,7 +51,7 @@ HOOK_WAIT_S = 60.0  # a hook waits at most this long for the notice or the go fi
 _POLL_S = 0.02
 
 FAULT_PHASES = ("write", "commit", "readback", "send", "chunk-read", "chunk-place",
-                "restore-read", "persistent-read", "writeback", "kill")
+                "restore-plan", "restore-read", "persistent-read", "writeback", "kill")
 
 
 # ----------------------------------------------------------------------------- save loop
@@ -290,6 +292,12 @@ def install_fault(args, mgr, me: int) -> Callable[[], None]:
         armed["on"] = False
     transport.place = failing_place
     Replicator.progress = armed_progress
+  elif phase == "restore-plan":
+    from orbax_mtc.restore import tiles
+
+    def failing_routes(*a, **k):
+      raise ValueError("planning the tiles this process sends failed (injected)")
+    tiles.routes = failing_routes
   elif phase == "persistent-read":
     from orbax_mtc.restore import persistent as persistent_restore
 
