@@ -214,6 +214,17 @@ class OutcomeRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class ClockRecord:
+  """When the newest agreed persistent step was committed, as this process reads it.
+
+  Attributes:
+    commit_ms: Milliseconds since the epoch; 0 when this process could not read it.
+  """
+
+  commit_ms: int = field(Int(), 0)
+
+
+@dataclasses.dataclass(frozen=True)
 class CoverRecord:
   """A restore's candidate saves (bit i: candidate i): those whose layout this process holds,
   and those it finds covered by the saved ranks some process can serve."""

@@ -71,21 +71,28 @@ class BackupScheduler:
     """The step of `pending`, if any."""
     return None if self._pending is None else self._pending.step
 
-  def start_clock(self) -> None:
-    """By minutes: count from the newest persistent step's commit time."""
-    if self.policy is None:
+  def start_clock(self, agreed_steps: Sequence[int],
+                  agree: Callable[[Any, str], list[Any]]) -> None:
+    """By minutes: count from the newest agreed persistent step's commit time, as process 0
+    reads it (else the first process that can): one value on every process, so every
+    process finds the same saves due (rule 8). Collective when backing up by minutes."""
+    if self.policy is None or not agreed_steps:
       return
-    steps = self._persistent.steps()
-    if not steps:
-      return
+    step = agreed_steps[-1]
     try:
-      seconds = self._persistent.commit_time(steps[-1])
-    except Exception as e:  # noqa: BLE001 - an unreadable time only moves the first backup
-      logging.warning("orbax-mtc: no commit time for persistent step %d (%s); the first "
-                      "backup is taken at the first local save.", steps[-1], e)
-      return
-    if seconds:
-      self.last_attempt = (steps[-1], seconds)
+      seconds = self._persistent.commit_time(step) or 0.0
+    except Exception as e:  # noqa: BLE001 - agreed below; only moves the first backup
+      logging.warning("orbax-mtc: no commit time for persistent step %d here (%s: %s).",
+                      step, type(e).__name__, e)
+      seconds = 0.0
+    records = agree(agreement.ClockRecord(commit_ms=int(seconds * 1000)),
+                    "starting the backup clock")
+    read = [r.commit_ms for r in records if r.commit_ms > 0]
+    if read:
+      self.last_attempt = (step, read[0] / 1000)
+    else:
+      logging.warning("orbax-mtc: no process can read the commit time of persistent step %d; "
+                      "the first backup is taken at the first local save.", step)
 
   def interval_due(self, step: int, now: float, saving_anywhere: bool) -> bool:
     """By minutes: whether `step` is due (`now` and `saving_anywhere` are agreed)."""

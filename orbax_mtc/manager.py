@@ -120,11 +120,10 @@ class CheckpointManager(ocp.CheckpointManager):
       self._tiers.replicator_entry = hookup.connect(
           self._local.directory, options, self._peers.topology, self._process_index,
           self._process_count, self._worker_index, self._agree)
-    else:
-      self._backups.start_clock()
     # One answer on every process from the start (rule 8): after a node loss the replaced
     # node's own folder is empty, but the cluster can still restore from twins and peers.
     self._ledger.agree_steps("starting the checkpoint manager")
+    self._backups.start_clock(self._ledger.persistent, self._agree)  # by minutes: agreed
     self._tiers.list_elastic_steps()  # steps saved on another process count, rebuilt from RAM
 
   # ------------------------------------------------------------------ construction

@@ -4,7 +4,10 @@ user asked (issue 40), in real multi-process jobs driven through the public API 
 
 - `delete(step)` of a persistent step one process's view lacks (a finalize that failed
   there): every process enters Orbax's delete or none does (it used to leave the other
-  process alone in Orbax's barrier).
+  process alone in Orbax's barrier);
+- backups by minutes where one process reads the last backup's commit time an hour
+  earlier: the clock is process 0's on every process, so all back up a step or none does
+  (the process that found it due used to start an Orbax save alone).
 """
 
 from __future__ import annotations
@@ -67,3 +70,20 @@ def test_delete_of_a_step_one_view_lacks_is_entered_by_every_process(saved_run, 
   assert "4" not in after[0]["all"].split(","), tail(out)
   assert not (persistent / "4").exists()
   assert (persistent / "8").exists() and (persistent / "0").exists()
+
+
+@pytest.mark.parametrize("lag_process, backed_up", [(1, False), (0, True)],
+                         ids=["process-1-lags", "process-0-lags"])
+def test_backups_by_minutes_run_on_one_agreed_clock(saved_run, root, tmp_path, lag_process,
+                                                    backed_up):
+  persistent = _clone(saved_run, root, tmp_path)
+  result, out = run_job(["clock", "--step", "12", "--lag-process", str(lag_process),
+                         "--backup-minutes", "30", "--persistent-dir", str(persistent),
+                         *TWO[:4], *AGREE], 2, root, timeout_s=120)
+  assert not result.timed_out, f"a process was left waiting: {result}\n{tail(out)}"
+  assert_ok(result, out)
+  clock = events(out, "CLOCK")
+  assert sorted(clock) == [0, 1] and clock[0]["persistent"] == clock[1]["persistent"], \
+      tail(out)
+  # Process 0's read decides: a step an hour old is due, one a moment old is not.
+  assert clock[0]["persistent"] == ("0,4,8,12" if backed_up else "0,4,8"), tail(out)

@@ -29,7 +29,8 @@ Sub-commands:
                  the restore-seam tests: exit the instant restore() returns, two items
                  restored in part, a transient error while building, a per-process JSON
                  item restored by restore(None) or restore(latest_step()) (`seams`).
-  delete         delete() of a persistent step one process's view lacks (`contained`).
+  delete, clock  delete() of a persistent step one process's view lacks; backups by minutes
+                 where one process reads the last backup's time an hour earlier (`contained`).
   preempt        restore (if anything) and compare, then train and save every --stride steps
                  until SIGTERM (sent by the test to any process) makes every process agree on
                  an on-demand step; then exit as the manager's options or flags say. Hooks
@@ -76,6 +77,8 @@ def _common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
   p.add_argument("--local-keep", type=int, default=2)
   p.add_argument("--persistent-interval", type=int, default=4)
   p.add_argument("--persistent-keep", type=int, default=None)
+  p.add_argument("--backup-minutes", type=float, default=None,
+                 help="back up by minutes instead of --persistent-interval steps")
   p.add_argument("--explicit-args", action="store_true",
                  help="restore with Composite(state=PyTreeRestore(item=abstract))")
   p.add_argument("--expect-step", default=None, help="a step number, or 'None'")
@@ -180,6 +183,11 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--step", type=int, required=True)
   p.add_argument("--lag-process", type=int, default=1)
   p.set_defaults(fn=contained.cmd_delete)
+
+  p = _common(sub.add_parser("clock"))
+  p.add_argument("--step", type=int, required=True)
+  p.add_argument("--lag-process", type=int, default=1)
+  p.set_defaults(fn=contained.cmd_clock)
 
   p = sub.add_parser("transport")
   p.add_argument("--chunk-bytes", type=int, default=16384)

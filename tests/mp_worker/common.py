@@ -86,8 +86,11 @@ def manager(args, mesh, *, exit_after_ondemand_checkpoint: bool | None = None,
   options = mtc.CheckpointManagerOptions(
       local=mtc.LocalCheckpointOptions(save_interval_steps=args.local_interval,
                                        max_to_keep=args.local_keep),
-      persistent=mtc.PersistentCheckpointOptions(save_interval_steps=args.persistent_interval,
-                                                 max_to_keep=args.persistent_keep),
+      persistent=mtc.PersistentCheckpointOptions(
+          max_to_keep=args.persistent_keep,
+          **({"backup_interval_minutes": args.backup_minutes}
+             if getattr(args, "backup_minutes", None) else
+             {"save_interval_steps": args.persistent_interval})),
       replication=mtc.ReplicationOptions(replica_axis="data",
                                          peers_per_node=args.peers_per_node),
       **extra)

@@ -1,9 +1,10 @@
 """Sub-commands for faults that must end the same way on every process (issue 40): delete
-(a persistent step one process's view lacks)."""
+(a persistent step one process's view lacks), clock (backups by minutes where one process
+reads the last backup's commit time an hour earlier)."""
 
 from __future__ import annotations
 
-from .common import EXIT_RAISED, fmt, make_mesh, manager, raised
+from .common import EXIT_RAISED, fmt, make_mesh, make_state, manager, raised
 from .events import emit
 
 
@@ -30,5 +31,34 @@ def cmd_delete(args) -> int:
       return EXIT_RAISED
     emit(f"DELETED process={me} all={fmt(mgr.all_steps())} "
          f"orbax={fmt(mgr._persistent.steps())}")
+  emit("DONE")
+  return 0
+
+
+def cmd_clock(args) -> int:
+  """Backups every --backup-minutes, counted from the newest persistent step's commit time,
+  which --lag-process reads an hour earlier than it is; every process saves --step to RAM
+  and prints the persistent steps once Orbax is done."""
+  import jax
+  import orbax.checkpoint as ocp
+
+  from orbax_mtc import distributed
+  from orbax_mtc.persistent import PersistentTier
+
+  distributed.initialize()
+  mesh = make_mesh()
+  me = jax.process_index()
+  if me == args.lag_process:
+    real = PersistentTier.commit_time
+    PersistentTier.commit_time = lambda tier, step: real(tier, step) - 3600.0
+  with manager(args, mesh) as mgr:
+    try:
+      saved = mgr.save(args.step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(
+          make_state(mesh, args.rows, args.seed, args.step))))
+      mgr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+      raised(e)
+      return EXIT_RAISED
+    emit(f"CLOCK process={me} saved={int(saved)} persistent={fmt(mgr._persistent.steps())}")
   emit("DONE")
   return 0
