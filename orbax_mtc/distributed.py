@@ -64,6 +64,13 @@ _LAUNCHER_VARS = (ORBAX_MTC_COORDINATOR, ORBAX_MTC_NUM_PROCESSES, ORBAX_MTC_PROC
 # the in-flight collectives cannot be waited for anyway. A process leaving on an uncaught
 # exception waits less: the others are usually not leaving, and JAX's own shutdown barrier will
 # hold it again (up to `shutdown_timeout_seconds`) before the launcher can see it fail.
+# A process that stops sending heartbeats (killed, its host gone) is declared dead after this
+# many seconds, and every other process then ends with an error naming it. JAX's own default
+# is 100 s, all of it goodput lost at each failure, since the scheduler restarts a job once
+# every process has ended; heartbeats come from a thread of their own, so load does not delay
+# them. ORBAX_MTC_HEARTBEAT_TIMEOUT_S (or `initialize(heartbeat_timeout_s=...)`) overrides it.
+HEARTBEAT_TIMEOUT_S = 30
+ORBAX_MTC_HEARTBEAT_TIMEOUT_S = "ORBAX_MTC_HEARTBEAT_TIMEOUT_S"
 EXIT_BARRIER_TIMEOUT_S = 60.0
 EXIT_BARRIER_TIMEOUT_ON_ERROR_S = 10.0
 _EXIT_KEY = "orbax_mtc_exit"
@@ -225,7 +232,8 @@ def _launcher_params() -> tuple[str, int, int] | None:
   return coordinator, num_processes, process_id
 
 
-def initialize(*, timeout_s: int = 120) -> DistributedInfo:
+def initialize(*, timeout_s: int = 120, heartbeat_timeout_s: int | None = None
+               ) -> DistributedInfo:
   """Joins `jax.distributed` as the environment says, and returns who this process is.
 
   Order: already initialised -> no-op; `ORBAX_MTC_*` set -> join that coordinator; a cluster
@@ -234,16 +242,21 @@ def initialize(*, timeout_s: int = 120) -> DistributedInfo:
 
   Args:
     timeout_s: Longest wait in seconds for the other processes to join.
+    heartbeat_timeout_s: Seconds without a heartbeat after which a process is declared dead
+      and the others end with an error naming it (default: ORBAX_MTC_HEARTBEAT_TIMEOUT_S,
+      else `HEARTBEAT_TIMEOUT_S`).
 
   Returns:
     The `DistributedInfo` of this process.
 
   Raises:
     ValueError: If the `ORBAX_MTC_*` variables (or the worker-index variables) are malformed
-      or inconsistent, or `ORBAX_MTC_LOCAL_DIR` is not an absolute path.
+      or inconsistent, `ORBAX_MTC_LOCAL_DIR` is not an absolute path, or the heartbeat timeout
+      is not a positive whole number of seconds.
     RuntimeError: If a JAX backend was started before this call, so it cannot join a job.
   """
   params = _launcher_params()  # validate even when already up: a bad env is a bug either way
+  heartbeat = heartbeat_timeout(heartbeat_timeout_s)
   local_dir = local_directory()
   if local_dir is not None and not os.path.isabs(local_dir):
     raise ValueError(f"{ORBAX_MTC_LOCAL_DIR}={local_dir!r} must be an absolute path.")
@@ -271,14 +284,14 @@ def initialize(*, timeout_s: int = 120) -> DistributedInfo:
     )
     _jax_initialize(
         coordinator, num_processes=num_processes, process_id=process_id,
-        initialization_timeout=int(timeout_s),
+        initialization_timeout=int(timeout_s), heartbeat_timeout_seconds=heartbeat,
     )
     return DistributedInfo(process_id, num_processes, coordinator, local_dir, index)
 
   cluster = detected_cluster()
   if cluster is not None:
     logging.info("Detected %s; initialising jax.distributed from it.", cluster)
-    _jax_initialize(initialization_timeout=int(timeout_s))
+    _jax_initialize(initialization_timeout=int(timeout_s), heartbeat_timeout_seconds=heartbeat)
     return _current_info()
 
   logging.info("No launcher variables and no cluster environment: single process.")
@@ -286,7 +299,7 @@ def initialize(*, timeout_s: int = 120) -> DistributedInfo:
 
 
 def join(coordinator: str, process_id: int, *, timeout_s: int = 120,
-         shutdown_timeout_s: int = 300) -> None:
+         shutdown_timeout_s: int = 300, heartbeat_timeout_s: int | None = None) -> None:
   """Joins `jax.distributed` at a coordinator named elsewhere (GKE's jax-init-info.txt).
 
   The process count comes from the launcher's variables when set, else JAX detects it. Also
@@ -297,15 +310,42 @@ def join(coordinator: str, process_id: int, *, timeout_s: int = 120,
     process_id: Rank of this process.
     timeout_s: Longest wait in seconds for the other processes to join.
     shutdown_timeout_s: Longest wait in seconds at JAX's shutdown barrier.
+    heartbeat_timeout_s: As `initialize`.
 
   Raises:
-    ValueError: If the `ORBAX_MTC_*` variables are malformed or inconsistent.
+    ValueError: If the `ORBAX_MTC_*` variables or the heartbeat timeout are malformed or
+      inconsistent.
     RuntimeError: If a JAX backend was started before this call, so it cannot join a job.
   """
   params = _launcher_params()
   _jax_initialize(coordinator, num_processes=params[1] if params is not None else None,
                   process_id=process_id, initialization_timeout=int(timeout_s),
-                  shutdown_timeout_seconds=int(shutdown_timeout_s))
+                  shutdown_timeout_seconds=int(shutdown_timeout_s),
+                  heartbeat_timeout_seconds=heartbeat_timeout(heartbeat_timeout_s))
+
+
+def heartbeat_timeout(seconds: int | None = None) -> int:
+  """The heartbeat timeout to join with: `seconds`, else ORBAX_MTC_HEARTBEAT_TIMEOUT_S, else
+  `HEARTBEAT_TIMEOUT_S`.
+
+  Raises:
+    ValueError: If it is not a positive whole number of seconds.
+  """
+  raw: object = seconds
+  where = "heartbeat_timeout_s"
+  if seconds is None:
+    raw = os.environ.get(ORBAX_MTC_HEARTBEAT_TIMEOUT_S)
+    where = ORBAX_MTC_HEARTBEAT_TIMEOUT_S
+    if raw is None or raw == "":
+      return HEARTBEAT_TIMEOUT_S
+  try:
+    value = int(str(raw))
+  except ValueError:
+    value = 0
+  if isinstance(raw, bool) or value <= 0:
+    raise ValueError(f"{where}={raw!r}: the heartbeat timeout must be a positive whole number "
+                     f"of seconds (default {HEARTBEAT_TIMEOUT_S}).")
+  return value
 
 
 def _jax_initialize(*args, **kwargs) -> None:

@@ -7,15 +7,21 @@ user asked (issue 40), in real multi-process jobs driven through the public API 
   process alone in Orbax's barrier);
 - backups by minutes where one process reads the last backup's commit time an hour
   earlier: the clock is process 0's on every process, so all back up a step or none does
-  (the process that found it due used to start an Orbax save alone).
+  (the process that found it due used to start an Orbax save alone);
+- a process SIGKILLed during training: the survivor ends on its own within the heartbeat
+  timeout (`orbax_mtc.distributed.HEARTBEAT_TIMEOUT_S`, 30 s by default; JAX's own is 100 s)
+  with an error naming the dead process.
 """
 
 from __future__ import annotations
 
 import shutil
+import subprocess
 
 import pytest
-from mp_helpers import assert_ok, mp_events, new_root, run_job, tail
+from mp_helpers import assert_ok, mp_events, new_root, run_job, started_job, tail
+
+from orbax_mtc import distributed
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -87,3 +93,41 @@ def test_backups_by_minutes_run_on_one_agreed_clock(saved_run, root, tmp_path, l
       tail(out)
   # Process 0's read decides: a step an hour old is due, one a moment old is not.
   assert clock[0]["persistent"] == ("0,4,8,12" if backed_up else "0,4,8"), tail(out)
+
+
+def test_a_survivor_of_a_killed_process_ends_within_the_heartbeat_timeout(root, tmp_path):
+  """Process 1 is SIGKILLed right after a save; process 0's next training step fails at once
+  (the peer's connection is gone), and its exit, which meets the others at JAX's and Orbax's
+  barriers, ends when the coordination service declares process 1 dead: after the
+  heartbeat timeout (10 s here), not JAX's 100 s. The bound asserted is the job's limit."""
+  heartbeat = 10
+  command = ["train-die", "--die-at-step", "4", "--persistent-dir", str(tmp_path / "ckpt"),
+             "--local-interval", "1", "--persistent-interval", "2", *AGREE]
+  env = {distributed.ORBAX_MTC_HEARTBEAT_TIMEOUT_S: str(heartbeat)}
+  with started_job(command, 2, root, env=env) as (job, out):
+    assert out.wait_for(lambda lines: any("DYING process=1" in line for line in lines), 120), \
+        tail(out)
+    try:
+      code = job.procs[0].wait(timeout=heartbeat + 35)  # JAX's default would take 100 s
+    except subprocess.TimeoutExpired:
+      pytest.fail(f"process 0 still runs {heartbeat + 35} s after process 1 died\n{tail(out)}")
+  assert code != 0, tail(out)
+  survivor = "\n".join(line for line in out.lines if line.startswith("[node 0]"))
+  assert "RAISED process=0" in survivor, tail(out)
+  assert "Task 1 heartbeat timeout" in survivor or "process(es) [1]" in survivor, tail(out)
+
+
+def test_the_heartbeat_timeout_is_30_s_unless_set(monkeypatch):
+  monkeypatch.delenv(distributed.ORBAX_MTC_HEARTBEAT_TIMEOUT_S, raising=False)
+  assert distributed.heartbeat_timeout() == distributed.HEARTBEAT_TIMEOUT_S == 30
+  assert distributed.heartbeat_timeout(12) == 12
+  monkeypatch.setenv(distributed.ORBAX_MTC_HEARTBEAT_TIMEOUT_S, "45")
+  assert distributed.heartbeat_timeout() == 45
+  assert distributed.heartbeat_timeout(7) == 7  # the argument wins over the environment
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "ten", "1.5"])
+def test_a_bad_heartbeat_timeout_is_a_clear_error(monkeypatch, value):
+  monkeypatch.setenv(distributed.ORBAX_MTC_HEARTBEAT_TIMEOUT_S, value)
+  with pytest.raises(ValueError, match="ORBAX_MTC_HEARTBEAT_TIMEOUT_S.*positive whole number"):
+    distributed.heartbeat_timeout()

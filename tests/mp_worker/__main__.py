@@ -184,6 +184,12 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--lag-process", type=int, default=1)
   p.set_defaults(fn=contained.cmd_delete)
 
+  p = _common(sub.add_parser("train-die"))
+  p.add_argument("--steps", type=int, default=10_000)
+  p.add_argument("--die-at-step", type=int, default=5)
+  p.add_argument("--die-process", type=int, default=1)
+  p.set_defaults(fn=contained.cmd_train_die)
+
   p = _common(sub.add_parser("clock"))
   p.add_argument("--step", type=int, required=True)
   p.add_argument("--lag-process", type=int, default=1)

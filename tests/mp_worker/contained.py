@@ -62,3 +62,37 @@ def cmd_clock(args) -> int:
     emit(f"CLOCK process={me} saved={int(saved)} persistent={fmt(mgr._persistent.steps())}")
   emit("DONE")
   return 0
+
+
+def cmd_train_die(args) -> int:
+  """Trains and saves to RAM every step (a global reduction per step, as a real training
+  step); --die-process SIGKILLs itself right after saving --die-at-step. The survivors'
+  errors propagate as in a training script (no os._exit): each prints RAISED and ends
+  through the interpreter's normal exit."""
+  import os
+  import signal
+
+  import jax
+  import orbax.checkpoint as ocp
+
+  from orbax_mtc import distributed
+
+  from .common import train_step
+
+  distributed.initialize()
+  mesh = make_mesh()
+  me = jax.process_index()
+  with manager(args, mesh) as mgr:
+    for step in range(args.steps):
+      state = make_state(mesh, args.rows, args.seed, step)
+      try:
+        train_step(state)
+        mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+      except Exception as e:
+        raised(e)
+        raise
+      if step == args.die_at_step and me == args.die_process:
+        emit(f"DYING process={me} step={step}")
+        os.kill(os.getpid(), signal.SIGKILL)
+  emit("DONE")
+  return 0
