@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
-from orbax_mtc import process_state
+from orbax_mtc import files, process_state
 from orbax_mtc.agreement import Status
 
 _DEFAULT_ITEM = "default"
@@ -336,7 +338,7 @@ class BackupInfo:
 
   Attributes:
     step: The step backed up.
-    state: "uploading", "done" or "failed".
+    state: "uploading", "done", "failed", or "skipped" (`skip_backups_when_busy`).
     started_at: When the attempt started, in seconds since the epoch.
     error: The error of a failed attempt, as text; None otherwise.
   """
@@ -345,3 +347,38 @@ class BackupInfo:
   state: str
   started_at: float
   error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupWaits:
+  """Time saves spent waiting for room in the backup queue (as Orbax's save waits for the
+  previous one), and the due steps skipped instead (`skip_backups_when_busy`).
+
+  Attributes:
+    count: Saves that waited.
+    seconds: Their total wait.
+    skipped: Due steps not backed up, oldest first.
+  """
+
+  count: int = 0
+  seconds: float = 0.0
+  skipped: tuple[int, ...] = ()
+
+
+SKIPS_FILE = "backup-skips.json"  # in the local directory: due steps skipped (orbax-mtc status)
+
+
+def record_skips(local_directory: Path, skipped: Sequence[int]) -> None:
+  """Keeps the due steps skipped by `skip_backups_when_busy` where `orbax-mtc status` reads
+  them (atomically, owner-only)."""
+  files.write_atomic(Path(local_directory) / SKIPS_FILE,
+                     json.dumps({"skipped_backups": list(skipped)}), mode=0o600)
+
+
+def read_skips(local_directory: Path) -> list[int]:
+  """The steps `record_skips` kept ([] when none or unreadable)."""
+  try:
+    value = json.loads((Path(local_directory) / SKIPS_FILE).read_text())["skipped_backups"]
+  except (OSError, ValueError, KeyError, TypeError):
+    return []
+  return [int(s) for s in value if isinstance(s, int)] if isinstance(value, list) else []

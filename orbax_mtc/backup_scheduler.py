@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,10 +39,13 @@ class BackupScheduler:
     policy: back up by minutes (None: by steps, decided per `save`).
     timeout_secs: Orbax's async timeout (a backup waiting longer for an earlier one is
       worth a warning).
+    skip_when_busy: skip a due step when the queue is full, instead of waiting for room
+      (`PersistentCheckpointOptions.skip_backups_when_busy`).
   """
 
   def __init__(self, persistent: PersistentTier, writer: RamWriter, local: local_store.LocalTier,
-               *, policy: backup.BackupIntervalPolicy | None, timeout_secs: float):
+               *, policy: backup.BackupIntervalPolicy | None, timeout_secs: float,
+               skip_when_busy: bool = False):
     self._persistent = persistent
     self._writer = writer
     self._local = local
@@ -50,8 +54,11 @@ class BackupScheduler:
     self.last_attempt: tuple[int, float] | None = None  # (step, seconds since epoch)
     self._pending: backup.PendingBackup | None = None  # chosen, not yet handed to Orbax
     # Chosen while `_pending` still waited for Orbax: next in line (rule 12: a due step is
-    # not dropped for a newer one; only a third one in a row replaces it).
+    # not dropped for a newer one; a third one waits for room, or, when skipping is asked
+    # for, replaces it).
     self._queued: backup.PendingBackup | None = None
+    self._skip_when_busy = skip_when_busy
+    self.waits = backup.BackupWaits()
     self._inflight: int | None = None  # handed to Orbax, outcome not yet known
     self._error: backup.BackupError | None = None  # newest failure, not yet reported
     # Since when a due backup waits for an earlier one still running (monotonic seconds).
@@ -103,15 +110,19 @@ class BackupScheduler:
   # --------------------------------------------------------------------- choosing
 
   def schedule(self, step: int, args: Any, trees: dict[str, Any], jsons: dict[str, Any],
-               metrics: Any, custom_metadata: dict[str, Any] | None, now: float) -> None:
+               metrics: Any, custom_metadata: dict[str, Any] | None, now: float,
+               agree: Callable[[Any, str], list[Any]]) -> None:
     """Marks `step` for backup: the writer thread reads it back once its write commits
     (after the write, before any later write can reuse its files). A backup still waiting
-    for Orbax keeps its place; this one waits behind it."""
+    for Orbax keeps its place; this one waits behind it. With both places taken, this call
+    first waits for the earlier backup and hands the next to Orbax, as Orbax's own save
+    waits for the previous one (collective: every process schedules the same steps), or,
+    with `skip_when_busy`, skips the one waiting."""
     if self._queued is not None:
-      logging.info("orbax-mtc: backup of step %d superseded by step %d (step %d waits for an "
-                   "earlier backup).", self._queued.step, step, self._pending.step
-                   if self._pending is not None else -1)
-      self._queued = None
+      if self._skip_when_busy:
+        self._skip(self._queued.step, step)
+      else:
+        self._make_room(agree)
     templates, single = backup.templates(args)
     targets = backup.host_targets(trees)
     targets.update({name: None for name in jsons})
@@ -126,6 +137,39 @@ class BackupScheduler:
     else:
       self._queued = pending
     self.last_attempt = (step, now)
+
+  def _make_room(self, agree: Callable[[Any, str], list[Any]]) -> None:
+    """Waits for the backup Orbax writes and starts the next one (collective)."""
+    started = time.monotonic()
+    pending = self._pending
+    if pending is not None:
+      concurrent.futures.wait([pending.read])
+      self.poll(block=True)
+      records = agree(agreement.ReadBackRecord(state=pending.state()),
+                      f"waiting to back up step {pending.step}")
+      # Every read is over, so this starts the pending backup or drops it everywhere:
+      # either way the queued one moves up.
+      self.advance(np.asarray([r.state for r in records]),
+                   np.zeros(len(records), dtype=bool))
+    waited = time.monotonic() - started
+    self.waits = dataclasses.replace(self.waits, count=self.waits.count + 1,
+                                     seconds=self.waits.seconds + waited)
+    logging.info("orbax-mtc: a due backup waited %.2f s for the one before it (as Orbax's "
+                 "save does); %d such waits, %.1f s in all.", waited, self.waits.count,
+                 self.waits.seconds)
+
+  def _skip(self, skipped: int, newer: int) -> None:
+    """`skip_when_busy`: the step waiting behind a running backup gives way to `newer`."""
+    self._queued = None
+    self.waits = dataclasses.replace(self.waits, skipped=(*self.waits.skipped, skipped))
+    self._record(skipped, "skipped")
+    logging.warning("orbax-mtc: the backup of step %d is skipped (skip_backups_when_busy): an "
+                    "earlier backup still runs and step %d is due. Persistent steps skipped "
+                    "so far: %s.", skipped, newer, list(self.waits.skipped))
+    try:
+      backup.record_skips(self._local.directory, self.waits.skipped)
+    except OSError as e:
+      logging.warning("orbax-mtc: cannot record skipped backups for `orbax-mtc status`: %s", e)
 
   def read_back(self, pending: backup.PendingBackup) -> dict[str, Any]:
     """Reads the step chosen for backup back from RAM, on the writer thread (file I/O only).

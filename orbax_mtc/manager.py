@@ -212,7 +212,9 @@ class CheckpointManager(ocp.CheckpointManager):
       "_backups", "pending_step", "The step chosen for backup and not yet handed to Orbax "
       "(its read-back from RAM, or an earlier backup still being written, holds it).")
   backup_history = Reported("_backups", "history", "Finished backup attempts, newest last "
-                            "(\"done\" or \"failed\"), for monitoring.", default=())
+                            "(done, failed or skipped), for monitoring.", default=())
+  backup_waits = Reported("_backups", "waits", "Saves that waited for room in the backup "
+                          "queue, and due steps skipped (`skip_backups_when_busy`).")
   last_replication_bytes = Reported(
       "_peers", "last_bytes_sent",
       "Bytes this process sent to its peers for the newest replicated step.", default=0)

@@ -126,13 +126,18 @@ class PersistentCheckpointOptions:
       one is retried at the next scheduled backup.
     best_fn: Ranks checkpoints by the `metrics` passed to `save` (Orbax semantics).
     best_mode: "max" or "min": which end of `best_fn` is best.
+    skip_backups_when_busy: False (default): every due step is backed up; when one backup is
+      still being written and another waits behind it, a save that makes a third due waits
+      for the first, as Orbax's own save does (`backup_waits` counts it). True: the waiting
+      one is skipped instead, with a warning, and listed in `orbax-mtc status`.
 
   Raises:
     ValueError: If `backup_interval_minutes` is combined with a step interval,
       `should_save_fn` or `save_decision_policy`, or is not a positive finite number; an
       interval or `max_to_keep` is not positive; `preservation_policy` is combined with
       `max_to_keep`/`keep_period`; or `best_mode` is not "max" or "min".
-    TypeError: If `save_interval_steps`, `max_to_keep` or `keep_period` is not an int.
+    TypeError: If `save_interval_steps`, `max_to_keep` or `keep_period` is not an int, or
+      `skip_backups_when_busy` not a bool.
   """
 
   save_interval_steps: int | None = _PERSISTENT_DEFAULT_INTERVAL
@@ -144,8 +149,12 @@ class PersistentCheckpointOptions:
   backup_interval_minutes: float | None = None
   best_fn: Callable[[Any], float] | None = None
   best_mode: str = "max"
+  skip_backups_when_busy: bool = False
 
   def __post_init__(self):
+    if not isinstance(self.skip_backups_when_busy, bool):
+      raise TypeError("PersistentCheckpointOptions.skip_backups_when_busy must be True or "
+                      f"False, got {self.skip_backups_when_busy!r}.")
     minutes = self.backup_interval_minutes
     if minutes is not None:
       # The default step interval gives way to minutes (both cannot be told apart from here).

@@ -119,7 +119,9 @@ class RamSaver:
         not in_persistent.any():
       # Committed in RAM everywhere, not yet persistent (e.g. the final step, forced): back
       # up those RAM copies; `args` only describe them.
-      self._backups.schedule(step, args, trees, jsons, metrics, custom_metadata, time.time())
+      # The agreed clock (process 0's), as below: backups by minutes count from it.
+      self._backups.schedule(step, args, trees, jsons, metrics, custom_metadata,
+                             records[0].clock_ms / 1000, ledger.agree)
       if not self._asynchronous:
         self._backups.flush(ledger.agree)
       return
@@ -156,7 +158,8 @@ class RamSaver:
     self.last_blocking_seconds = time.perf_counter() - started
     self._writer.write(staged)
     if backup_wanted:
-      self._backups.schedule(step, args, trees, jsons, metrics, custom_metadata, now)
+      self._backups.schedule(step, args, trees, jsons, metrics, custom_metadata, now,
+                             ledger.agree)
       if not self._asynchronous:
         self._backups.flush(ledger.agree)  # synchronous: both tiers hold the step on return
     self._peers.schedule(step, trees)

@@ -125,7 +125,8 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
       max_to_keep=options.local.max_to_keep)
   backups = BackupScheduler(
       persistent, writer, local, policy=backup_policy,
-      timeout_secs=(options.async_options or ocp.AsyncOptions()).timeout_secs)
+      timeout_secs=(options.async_options or ocp.AsyncOptions()).timeout_secs,
+      skip_when_busy=options.persistent.skip_backups_when_busy)
   ledger.before_local_raise = lambda: backups.poll(block=True)
   ram = RamSaver(local=local, writer=writer, ledger=ledger, backups=backups, peers=peers,
                  persistent=persistent, asynchronous=asynchronous,

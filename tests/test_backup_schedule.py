@@ -180,3 +180,83 @@ def test_orbax_busy_with_a_metadata_write_defers_the_next_backup(shm_dir, mesh, 
         (0, "done"), (2, "done"), (4, "done"), (6, "done")]
     assert sorted(ocp.utils.checkpoint_steps(mgr.directory)) == [0, 2, 4, 6]
     assert backup.collect_orbax_errors(mgr._checkpointer) == []  # the failure was consumed
+
+
+def _hold_orbax(mgr, shm_dir):
+  """Makes Orbax's next metadata write hang on a FIFO until `release` reads it; Orbax's next
+  save waits for that write, so every backup due meanwhile queues up."""
+  import os
+
+  hung = shm_dir / "hung" / "_CHECKPOINT_METADATA"
+  hung.parent.mkdir()
+  os.mkfifo(hung)
+  store = mgr._checkpointer._metadata_store  # the store Orbax's own writes go through
+  store.write(hung, {"hung": True})  # blocks in open() until the FIFO is read
+  released: list[bytes] = []
+
+  def release() -> None:
+    if not released:
+      with open(hung, "rb") as reader:
+        released.append(reader.read())
+      store._single_thread_executor.submit(lambda: None).result()  # the write is over
+  return release, released
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["wait", "skip"])
+def test_every_due_step_is_backed_up_unless_skipping_is_asked_for(shm_dir, mesh, monkeypatch,
+                                                                  caplog, skip):
+  """Persistent every 4 steps, local every step, while the backup of step 0 is still being
+  written (Orbax held on a metadata write): 4 waits for Orbax, 8 waits behind it, and 12
+  finds the queue full. By default the save of 12 waits for the earlier backup, as Orbax's
+  own save does, and every due step lands (before: 8 was dropped, logged at INFO only). With
+  skip_backups_when_busy=True, 8 is skipped with a warning, and listed by `orbax-mtc
+  status`."""
+  import orbax.checkpoint as ocp
+
+  from orbax_mtc import backup_scheduler
+  from orbax_mtc.tools import inspection
+
+  options = _options(save_interval_steps=4, skip_backups_when_busy=skip)
+  states = {step: make_state(mesh, step) for step in range(13)}
+  with mtc.CheckpointManager(shm_dir / "l", shm_dir / "p", mesh, abstract_of(states[0]),
+                             options=options) as mgr:
+    mgr.save(0, args=ocp.args.Composite(state=ocp.args.PyTreeSave(states[0])))
+    mgr.wait_until_finished()
+    release, released = _hold_orbax(mgr, shm_dir)
+    make_room = backup_scheduler.BackupScheduler._make_room
+    waited_at: list[int] = []
+
+    def releasing(scheduler, agree):
+      waited_at.append(scheduler.pending_step)
+      release()  # the held write ends now that a save waits for it
+      return make_room(scheduler, agree)
+    monkeypatch.setattr(backup_scheduler.BackupScheduler, "_make_room", releasing)
+    try:
+      for step in range(1, 13):
+        mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(states[step])))
+    finally:
+      release()
+    assert released == [b'{"hung": true}']
+    mgr.wait_until_finished()
+    persistent = sorted(ocp.utils.checkpoint_steps(mgr.directory))
+    waits = mgr.backup_waits
+    if skip:
+      assert persistent == [0, 4, 12]
+      assert waited_at == [] and waits.count == 0 and waits.skipped == (8,)
+      assert (8, "skipped") in [(i.step, i.state) for i in mgr.backup_history]
+      assert "the backup of step 8 is skipped (skip_backups_when_busy)" in caplog.text
+    else:
+      assert persistent == [0, 4, 8, 12]
+      assert waited_at == [4] and waits.count == 1 and waits.seconds > 0
+      assert waits.skipped == ()
+      assert [(i.step, i.state) for i in mgr.backup_history] == [
+          (0, "done"), (4, "done"), (8, "done"), (12, "done")]
+    restored = mgr.restore(8 if not skip else 12)
+    assert_trees_equal(restored.state, states[8 if not skip else 12])
+  document = inspection.document("status", "local", str(shm_dir / "l"), [])
+  assert document["skipped_backups"] == ([8] if skip else [])
+
+
+def test_skip_backups_when_busy_must_be_a_bool():
+  with pytest.raises(TypeError, match="skip_backups_when_busy must be True or False"):
+    mtc.PersistentCheckpointOptions(skip_backups_when_busy="yes")

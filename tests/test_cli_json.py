@@ -118,6 +118,7 @@ def test_status_json_local(saved):
   assert all(s["size_bytes"] > 0 and s["detail"] is None for s in doc["steps"])
   assert [(e["name"], e["step"]) for e in doc["lkg"]] == [("orbax-s6-n0-w0.restore", 6)]
   assert doc["lkg_error"] is None
+  assert doc["skipped_backups"] == []
   assert "ok" not in doc  # verify's summary fields are verify's only
 
 

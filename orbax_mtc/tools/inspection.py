@@ -17,7 +17,7 @@ from typing import Any
 from etils import epath
 from orbax.checkpoint import path as ocp_path
 
-from orbax_mtc import lkg
+from orbax_mtc import backup, lkg
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import read as local_read
 from orbax_mtc.local import store as local_store
@@ -210,6 +210,9 @@ def _print(kind: str, directory: str, reports: list[StepReport]) -> None:
     print(f"  LKG: {lkg_error}")
   for e in entries:
     print(f"  LKG {e.name} -> step {e.step}")
+  skipped = _skipped(kind, directory)
+  if skipped:
+    print(f"  backups skipped (skip_backups_when_busy): steps {skipped}")
 
 
 def document(verb: str, kind: str, directory: str,
@@ -224,6 +227,7 @@ def document(verb: str, kind: str, directory: str,
                  "detail": r.detail or None} for r in reports],
       "lkg": [dataclasses.asdict(e) for e in entries],
       "lkg_error": lkg_error,
+      "skipped_backups": _skipped(kind, directory),
   }
   if verb == "verify":
     counts = {state: sum(r.state == state for r in reports)
@@ -231,6 +235,11 @@ def document(verb: str, kind: str, directory: str,
     doc.update(ok=bool(reports) and counts["ok"] == len(reports), verified=counts["ok"],
                corrupt=counts["corrupt"], partial=counts["partial"])
   return doc
+
+
+def _skipped(kind: str, directory: str) -> list[int]:
+  """Due steps a manager on this RAM-disk folder did not back up (`skip_backups_when_busy`)."""
+  return backup.read_skips(Path(directory)) if kind == "local" else []
 
 
 def status_main(directory: str, *, as_json: bool = False) -> int:
