@@ -56,7 +56,7 @@ def write_private_file(path: Path, data: bytes, mode: int) -> None:
     os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes | str, *, mode: int = 0o644,
+def write_atomic(path: Path, data: bytes | str, *, mode: int = 0o600,
                  sync_dir: bool = True, tmp_name: str | None = None) -> None:
   """Replaces `path` with `data` in one rename: a reader sees the old file or the new, whole.
 

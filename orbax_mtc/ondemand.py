@@ -159,7 +159,8 @@ class OnDemandSaver:
     """Adds ondemand.json to the committed step folder (atomically)."""
     step_dir = self._local.directory / str(record.step)
     try:
-      files.write_atomic(step_dir / ONDEMAND_FILE, record.to_json())
+      files.write_atomic(step_dir / ONDEMAND_FILE, record.to_json(),
+                         mode=self._local.file_mode)  # private, as the step's own files
     except OSError as e:
       logging.warning("orbax-mtc: cannot record the on-demand breakdown in %s: %s", step_dir, e)
 

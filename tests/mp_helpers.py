@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import stat
 import sys
 import uuid
 
@@ -72,3 +73,23 @@ def assert_results(out, nprocs: int, *, step: int, tier: str) -> None:
         f"node {node} restored step {fields['step']} from {fields['tier']}, expected step "
         f"{step} from {tier}\n{tail(out)}")
     assert fields["process"] == str(node)
+
+
+def assert_private(root: pathlib.Path, *, skip: tuple[str, ...] = (),
+                   include_root: bool = True) -> int:
+  """Every folder under `root` (with `include_root`, itself too) is 0700 and every regular
+  file 0600: what the manager writes holds model weights or describes them. Links are not
+  judged (their mode means nothing), nor the top-level entries named in `skip` (another
+  program's). Returns how many entries were checked."""
+  checked = 0
+  for path in [root, *root.rglob("*")] if include_root else root.rglob("*"):
+    if path != root and path.relative_to(root).parts[0] in skip:
+      continue
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+      continue
+    want = 0o700 if stat.S_ISDIR(info.st_mode) else 0o600
+    assert stat.S_IMODE(info.st_mode) == want, (
+        f"{path} has mode {stat.S_IMODE(info.st_mode):o}, expected {want:o}")
+    checked += 1
+  return checked

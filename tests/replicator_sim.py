@@ -27,6 +27,7 @@ import argparse
 import os
 import pathlib
 import shutil
+import stat
 import sys
 import time
 import uuid
@@ -174,6 +175,7 @@ class Simulator:
 
   def take_config(self) -> None:
     path = self.volume / "replicator.yaml"
+    say(f"YAML_MODE rank={self.volume.name} mode={stat.S_IMODE(os.lstat(path).st_mode):o}")
     text = path.read_text()
     try:
       if self.fail:

@@ -17,6 +17,7 @@ import yaml
 from mp_helpers import (
   REPO_ROOT,
   assert_ok,
+  assert_private,
   assert_results,
   child_env,
   mp_events,
@@ -123,6 +124,11 @@ def test_fresh_start_copies_and_backups_then_restart_with_a_stale_yaml_restores(
     assert {n: c["persistent"] for n, c in committed.items()} == {0: "-", 1: "-"}
     assert not list(shm_root.glob("node*/peers*")), sorted(shm_root.glob("node*/*"))
     assert _entries(shm_root) == []  # entries taken, yaml taken, no LKG links of ours
+    for rank, sim in enumerate(sims):  # what the manager wrote is private, the yaml too
+      assert {e["mode"] for e in sim.events("YAML_MODE")} == {"600"}, sim.text()
+      # (The volume itself and .replicator/ are the replicator's.)
+      assert assert_private(shm_root / f"node{rank}", skip=(".replicator",),
+                            include_root=False) > 5
 
     # Restart. The daemon of node 0 restarts too, and the previous run's replicator.yaml is
     # still in its volume: the job must wait for the daemon to take it, never overwrite it.

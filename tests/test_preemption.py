@@ -37,6 +37,7 @@ import pytest
 from mp_helpers import (
   WORKER,
   assert_ok,
+  assert_private,
   assert_results,
   child_env,
   mp_events,
@@ -249,6 +250,8 @@ def test_four_processes_jumping_steps_copies_ondemand_step_to_peers(shm_root, tm
   # Steps jump by 3 (0, 3, 6, ...); the sync point still lands on a step the loop runs.
   assert step % 3 == 0, step
   check_ondemand_folders(shm_root, 4, step, persistent, signalled_after=sent)
+  for node in range(4):  # step folders, peer copies, ondemand.json, the lock: all private
+    assert assert_private(shm_root / f"node{node}") > 10
   for source in range(4):
     holders = []
     for holder in range(4):

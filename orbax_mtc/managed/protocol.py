@@ -235,7 +235,7 @@ def handshake(local_directory: Path, config: ReplicatorConfig, *, timeout_s: flo
     if stale.exists():  # the answer to an earlier replicator.yaml, not to ours
       logging.warning("orbax-mtc: removing %s left from an earlier run:\n%s", stale,
                       _read_and_remove(stale))
-  files.write_atomic(path, config.to_yaml(), tmp_name=REPLICATOR_TMP_FILE)
+  files.write_atomic(path, config.to_yaml(), mode=0o600, tmp_name=REPLICATOR_TMP_FILE)
   logging.info("orbax-mtc: wrote %s:\n%s", path, config.to_yaml())
 
   def taken() -> bool:

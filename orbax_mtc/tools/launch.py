@@ -166,7 +166,8 @@ class Job:
     if self.procs:
       raise RuntimeError("Job already started.")
     for i in range(self.nprocs):
-      self.local_directory(i).mkdir(parents=True, exist_ok=True)
+      # Private, as the manager makes its own folders: each holds a node's model weights.
+      self.local_directory(i).mkdir(mode=0o700, parents=True, exist_ok=True)
     self.coordinator = f"127.0.0.1:{free_port()}"
     logging.info(
         "Launching %d processes, coordinator %s, local root %s: %s",
