@@ -10,6 +10,7 @@ import pytest
 import replicator_sim
 
 import orbax_mtc as mtc
+from orbax_mtc.local.format import StepManifest
 from orbax_mtc.managed import protocol as replicator_protocol
 from orbax_mtc.managed import setup as managed_setup
 
@@ -64,10 +65,9 @@ def test_malformed_yaml_written_by_someone_else(text, match):
 
 def test_restore_entries_are_never_followed_blindly(tmp_path):
   local = tmp_path / "local"
-  (local / "20").mkdir(parents=True)
-  (local / ".replicator" / "restore" / "30").mkdir(parents=True)
-  outside = tmp_path / "elsewhere" / "40"
-  outside.mkdir(parents=True)
+  _step_folder(local / "20", 20, 1)
+  _step_folder(local / ".replicator" / "restore" / "30", 30, 2)
+  outside = _step_folder(tmp_path / "elsewhere" / "40", 40, 1)
   os.symlink("20", local / "job-s20-n1-w0.restore")
   os.symlink(str(outside), local / "job-s40-n1-w0.restore")  # outside the volume
   os.symlink(".replicator/restore/30", local / "job-s30-n2-w0.restore")  # another node
@@ -87,8 +87,8 @@ def test_restore_entries_are_never_followed_blindly(tmp_path):
 
 def test_two_steps_for_one_node_is_an_error_and_step_zero_means_nothing(tmp_path):
   local = tmp_path / "local"
-  (local / ".replicator" / "restore" / "30").mkdir(parents=True)
-  (local / "20").mkdir()
+  _step_folder(local / ".replicator" / "restore" / "30", 30, 0)
+  _step_folder(local / "20", 20, 0)
   os.symlink("20", local / "job-s20-n0-w0.restore")
   os.symlink(".replicator/restore/30", local / "job-s30-n0-w0.restore")
   with pytest.raises(replicator_protocol.ReplicatorError, match=r"different steps \[20, 30\]"):
@@ -102,25 +102,54 @@ def test_two_steps_for_one_node_is_an_error_and_step_zero_means_nothing(tmp_path
   assert (local / "20").is_dir()  # a "nothing" entry deletes no step
 
 
-def test_a_staged_step_replaces_a_stale_folder_of_the_same_number(tmp_path):
+@pytest.mark.parametrize("own", ["damaged", "whole"])
+def test_a_staged_step_takes_the_place_of_the_own_folder_which_is_set_aside(tmp_path, own):
+  """The node's own folder of the step is never deleted: a damaged one (no manifest) is
+  moved aside as damaged, a whole one as replaced (a restore still reads it if the staged
+  copy turns out bad); both are removed with the step by retention."""
   local = tmp_path / "local"
-  (local / "30").mkdir(parents=True)
-  (local / "30" / "stale").touch()
-  staged = local / ".replicator" / "restore" / "30"
-  staged.mkdir(parents=True)
-  (staged / "fresh").touch()
+  if own == "whole":
+    _step_folder(local / "30", 30, 0, data=b"own")
+  else:
+    (local / "30").mkdir(parents=True)
+    (local / "30" / "stale").touch()
+  _step_folder(local / ".replicator" / "restore" / "30", 30, 0, data=b"staged")
   os.symlink(".replicator/restore/30", local / "job-s30-n0-w0.restore")
   assert replicator_protocol.take_entry(local, replicator_protocol.choose_entry(local, 0, 0)) == 30
-  assert sorted(p.name for p in (local / "30").iterdir()) == ["fresh"]
+  assert (local / "30" / "data.bin").read_bytes() == b"staged"
+  (kept,) = [p for p in local.iterdir() if p.name.startswith(".")
+             and p.name != ".replicator"]
+  if own == "whole":
+    assert kept.name.startswith(".replaced-30-")
+    assert (kept / "30" / "data.bin").read_bytes() == b"own"
+  else:
+    assert kept.name.startswith(".damaged-30-") and (kept / "stale").exists()
 
 
-def _step_folder(path, step=None, process_index=None, manifest=None):
-  """A step folder as the RAM tier writes it: a manifest naming its step and process."""
+def test_an_entry_naming_a_folder_without_its_manifest_moves_nothing(tmp_path):
+  """Issue 40, case 9: a replicator copy that lost its manifest used to be accepted, and the
+  node's own good folder of that step deleted to make room for it."""
+  local = tmp_path / "local"
+  _step_folder(local / "30", 30, 0, data=b"own")
+  staged = local / ".replicator" / "restore" / "30"
+  staged.mkdir(parents=True)
+  (staged / "data.bin").write_bytes(b"staged")
+  os.symlink(".replicator/restore/30", local / "job-s30-n0-w0.restore")
+  choice = replicator_protocol.choose_entry(local, 0, 0)
+  assert choice.step is None and "has no manifest.json" in choice.ignored[0], choice
+  with pytest.raises(replicator_protocol.ReplicatorError, match="has no manifest.json"):
+    replicator_protocol.take_entry(local, replicator_protocol.RestoreChoice(30, staged.resolve()))
+  assert (local / "30" / "data.bin").read_bytes() == b"own" and staged.is_dir()
+
+
+def _step_folder(path, step=None, process_index=None, manifest=None, data=b"x"):
+  """A step folder as the RAM tier writes it: a manifest naming its step and process (valid:
+  signed, with a data file as long as it says), or the `manifest` text given."""
   path.mkdir(parents=True)
-  (path / "data.bin").write_bytes(b"x")
+  (path / "data.bin").write_bytes(data)
   if manifest is None and step is not None:
-    manifest = json.dumps({"format": "orbax-mtc/local/1", "step": step,
-                           "process_index": process_index, "process_count": 4})
+    manifest = StepManifest(step=step, process_index=process_index, process_count=8, items={},
+                            data_size=0, created_at=0.0, default_item=False).to_json()
   if manifest is not None:
     (path / "manifest.json").write_bytes(manifest if isinstance(manifest, bytes)
                                          else manifest.encode())

@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,9 @@ import yaml
 from absl import logging
 
 from orbax_mtc import files, lkg
+from orbax_mtc.local import aside
+from orbax_mtc.local import format as local_format
+from orbax_mtc.local import store as local_store
 
 REPLICATOR_FILE = "replicator.yaml"
 REPLICATOR_TMP_FILE = REPLICATOR_FILE + ".tmp"
@@ -291,11 +293,11 @@ def _refuse_target(root: Path, target: Path,
 
 
 def _refuse_manifest(target: Path, step: int, process_index: int) -> str | None:
-  """Why the manifest in `target` does not fit the entry; None if it fits or there is none
-  (the RAM tier verifies the folder's contents when it restores)."""
+  """Why the manifest in `target` does not fit the entry, or the folder is no whole step
+  (`_refuse_incomplete`); None if it fits."""
   path = target / _MANIFEST
   if not (path.exists() or path.is_symlink()):
-    return None
+    return _refuse_incomplete(target)
   try:
     raw = json.loads(path.read_bytes())
   except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON or bad UTF-8
@@ -309,6 +311,24 @@ def _refuse_manifest(target: Path, step: int, process_index: int) -> str | None:
     if value != expected:
       return (f"its folder's {path} says {key} {value}, not {expected} "
               f"({'the entry names step' if key == 'step' else 'this process is'} {expected})")
+  return _refuse_incomplete(target)
+
+
+def _refuse_incomplete(target: Path) -> str | None:
+  """Why `target` is no whole step folder (no manifest, one that fails its checks, a data
+  file shorter than it says); None if it is one (the RAM tier verifies every checksum of the
+  data when it restores)."""
+  path = target / _MANIFEST
+  if not path.is_file():
+    return f"its folder has no {_MANIFEST}: no complete step folder"
+  try:
+    manifest = local_format.StepManifest.from_json(path.read_bytes(), where=str(path))
+    size = os.stat(target / local_format.DATA, follow_symlinks=False).st_size
+  except (OSError, local_format.LocalTierError) as e:
+    return f"its folder is no valid step ({type(e).__name__}: {e})"
+  if size < manifest.data_size:
+    return (f"its folder's {local_format.DATA} holds {size} bytes, fewer than the "
+            f"{manifest.data_size} its manifest says")
   return None
 
 
@@ -394,22 +414,32 @@ def take_entry(local_directory: Path, choice: RestoreChoice, *,
   """Moves the chosen step folder to `<local>/<step>` (where the RAM tier reads it) and removes
   every `.restore` entry; returns the step (None when there is nothing to restore).
 
+  Nothing is deleted first (rule 10): the target is checked before anything moves, and a
+  folder already at `<local>/<step>` is set aside (`local.aside`: a valid one as replaced,
+  still serving the restore if the entry's copy turns out bad; another as damaged), never
+  removed.
+
   Raises ReplicatorError, moving nothing, for a target `choose_entry` would have refused.
   """
   local_directory = Path(local_directory)
   step = choice.step
   if step and choice.target is not None:
     # choose_entry checked it; a hand-made choice must not move a peer copy or a .tmp- folder.
-    reason = _refuse_target(local_directory.resolve(), Path(choice.target).resolve(), staging)
+    target = Path(choice.target).resolve()
+    reason = _refuse_target(local_directory.resolve(), target, staging)
+    if reason is None:
+      reason = _refuse_incomplete(target)
     if reason is not None:
       raise ReplicatorError(f"Refusing to restore step {step}: the chosen folder {reason}.")
     final = local_directory / str(step)
-    if final.resolve() != choice.target:
-      if final.exists() or final.is_symlink():
-        doomed = local_directory / f".tmp-del-{uuid.uuid4().hex}"
-        os.rename(final, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-      os.rename(choice.target, final)
+    if final.resolve() != target:
+      if final.is_symlink():
+        final.unlink()  # a link is never a step of ours (local/store.py), and holds nothing
+      elif final.exists():
+        aside.clear_way(local_directory, step, aside.REPLACED, 0o700,
+                        check=local_store.read_manifest)
+      os.rename(target, final)
+      files.fsync_dir(local_directory)
   for path in local_directory.iterdir():
     if path.name.endswith(lkg.RESTORE_SUFFIX):
       if path.is_dir() and not path.is_symlink():
