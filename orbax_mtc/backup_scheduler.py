@@ -200,6 +200,11 @@ class BackupScheduler:
     """The pending backup was started or dropped: the queued one takes its place."""
     self._pending, self._queued = self._queued, None
 
+  @property
+  def saving(self) -> bool:
+    """A backup is chosen and not yet handed to Orbax, or Orbax still writes one here."""
+    return self._pending is not None or self._inflight is not None or self._persistent.busy()
+
   def pending_state(self) -> Status:
     """NONE, or the pending read-back's READING, READY or FAILED (for the agreement)."""
     return self._pending.state() if self._pending is not None else Status.NONE

@@ -229,7 +229,8 @@ class CheckpointManager(ocp.CheckpointManager):
   def _orbax_says(self, step: int) -> bool:
     """Orbax's own policy for the persistent tier, asked with the agreed persistent steps."""
     return self._persistent.policy_says(step, self._ledger.persistent,
-                                        lambda: self.reached_preemption(step))
+                                        lambda: self.reached_preemption(step),
+                                        saving=lambda: self._backups.saving)
 
   @persistent_view_when_nested
   def should_save(self, step: int) -> bool:

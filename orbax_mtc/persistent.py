@@ -142,16 +142,19 @@ class PersistentTier:
     return errors + backup.collect_orbax_errors(self._manager._checkpointer)
 
   def policy_says(self, step: int, agreed: Sequence[int],
-                  reached_preemption: Callable[[], bool]) -> bool:
+                  reached_preemption: Callable[[], bool], *,
+                  saving: Callable[[], bool] = lambda: False) -> bool:
     """Orbax's `should_save` for the persistent tier, asked with the agreed persistent steps
-    instead of this process's own list (which can lag after a failed finalize)."""
+    instead of this process's own list (which can lag after a failed finalize), and with
+    `saving()` (a backup chosen or still written) as Orbax's "saving in progress": a
+    `ContinuousCheckpointingPolicy` then waits for it, deciding on the primary alone."""
     if agreed and agreed[-1] >= step:
       return False
     kept = set(agreed)
     manager = self._manager
     previous = [info for info in manager._checkpoints if info.step in kept]
     context = policies.DecisionContext(
-        is_saving_in_progress=False, reached_preemption=reached_preemption(),
+        is_saving_in_progress=saving(), reached_preemption=reached_preemption(),
         multiprocessing_options=manager._multiprocessing_options)
     current = ocp.checkpoint_manager.CheckpointInfo(
         step=step, time=datetime.datetime.now(tz=datetime.UTC), metrics=None)

@@ -51,7 +51,20 @@ class RamSaver:
     self._persistent = persistent
     self._asynchronous = asynchronous
     self._device_copy = device_copy
+    self._saved_at: dict[int, float] = {}  # RAM step -> the agreed clock when it was saved
     self.last_blocking_seconds: float | None = None
+
+  def saved_at(self, step: int) -> float:
+    """When RAM step `step` was saved (seconds since the epoch): the agreed clock of its save,
+    else the time its manifest here records (a step of an earlier run), else 0."""
+    known = self._saved_at.get(step)
+    if known is None:
+      try:
+        known = self._local.manifest(step).created_at
+      except Exception:  # noqa: BLE001 - not held here: as old as can be
+        known = 0.0
+      self._saved_at[step] = known
+    return known
 
   def save(self, step: int, args: Any, *, backup_wanted: bool = False, metrics: Any = None,
            custom_metadata: dict[str, Any] | None = None, parent_saved: bool = False,
@@ -145,6 +158,8 @@ class RamSaver:
       # the RAM footprint stays at max_to_keep committed steps plus the one being written.
       self._local.apply_retention()
     ledger.adopt(inventories, saved=step, floor=floor)
+    self._saved_at = {s: t for s, t in self._saved_at.items() if s in ledger.ram}
+    self._saved_at[step] = records[0].clock_ms / 1000
     # Not whether this process still writes a backup: each process learns that on its own,
     # so it can differ between processes, and this answer decides whether the step is
     # backed up.

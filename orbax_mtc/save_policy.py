@@ -14,7 +14,9 @@ these functions can be tested with plain numbers (no JAX, no I/O, no collective)
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import enum
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,11 +26,15 @@ from orbax.checkpoint import options as ocp_options
 
 @dataclasses.dataclass(frozen=True)
 class _StepInfo:
-  """A `PolicyCheckpointInfo` with only a step (the RAM tier keeps no save times)."""
+  """A `PolicyCheckpointInfo` of a RAM step: its step and when it was saved."""
 
   step: int
-  time: Any = None
+  time: datetime.datetime
   metrics: Any = None
+
+
+def _at(seconds: float) -> datetime.datetime:
+  return datetime.datetime.fromtimestamp(seconds, tz=datetime.UTC)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +69,8 @@ def ram_policy(local_options: Any) -> policies.SaveDecisionPolicy:
 
 
 def ram_should_save(step: int, agreed_ram: Sequence[int], local_options: Any, *,
-                    write_in_flight: bool) -> bool:
+                    write_in_flight: bool, now: float = 0.0,
+                    saved_at: Callable[[int], float] = lambda step: 0.0) -> bool:
   """Whether the RAM tier saves `step`.
 
   Args:
@@ -71,7 +78,10 @@ def ram_should_save(step: int, agreed_ram: Sequence[int], local_options: Any, *,
     agreed_ram: the RAM steps every process agreed on (the step being written among them),
       so that a node whose folder was wiped answers as the others do.
     local_options: `LocalCheckpointOptions`.
-    write_in_flight: a local write was issued and not yet waited for.
+    write_in_flight: a local write is still running (Orbax's "saving in progress": a
+      `ContinuousCheckpointingPolicy` waits for it, deciding on the primary alone).
+    now: the current time, seconds since the epoch.
+    saved_at: when a RAM step was saved, seconds since the epoch.
 
   Returns:
     False when read-only or when a step at least as new is held; else the policy's answer.
@@ -85,7 +95,8 @@ def ram_should_save(step: int, agreed_ram: Sequence[int], local_options: Any, *,
       is_saving_in_progress=write_in_flight, reached_preemption=False,
       multiprocessing_options=ocp_options.MultiprocessingOptions())
   return bool(ram_policy(local_options).should_save(
-      _StepInfo(step), [_StepInfo(s) for s in steps], context=context))
+      _StepInfo(step, _at(now)), [_StepInfo(s, _at(saved_at(s))) for s in steps],
+      context=context))
 
 
 def first_backup_due(step: int, last_attempt_step: int, persistent_options: Any) -> bool:
@@ -167,7 +178,8 @@ class SaveSchedule:
     managed: GKE's replicator backs the RAM tier up.
     agreed_ram: the agreed RAM steps, now.
     agreed_persistent: the agreed persistent steps, now.
-    write_in_flight: whether a RAM write was issued and not yet waited for, now.
+    write_in_flight: whether a RAM write still runs, now.
+    saved_at: when a RAM step was saved (seconds since the epoch).
     backup_by_minutes: backups are decided by minutes, at RAM saves (not per step).
     last_backup_attempt: the newest backup attempt's step, if any, now.
     orbax_says: Orbax's own persistent policy, `orbax_says(step)`.
@@ -177,6 +189,7 @@ class SaveSchedule:
                agreed_ram: Callable[[], Sequence[int]],
                agreed_persistent: Callable[[], Sequence[int]],
                write_in_flight: Callable[[], bool], backup_by_minutes: bool,
+               saved_at: Callable[[int], float] = lambda step: 0.0,
                last_backup_attempt: Callable[[], int | None],
                orbax_says: Callable[[int], bool]):
     self._options = options
@@ -184,6 +197,7 @@ class SaveSchedule:
     self._agreed_ram = agreed_ram
     self._agreed_persistent = agreed_persistent
     self._write_in_flight = write_in_flight
+    self._saved_at = saved_at
     self._backup_by_minutes = backup_by_minutes
     self._last_backup_attempt = last_backup_attempt
     self._orbax_says = orbax_says
@@ -191,7 +205,8 @@ class SaveSchedule:
   def ram_due(self, step: int) -> bool:
     """Whether the RAM tier's schedule asks for `step`."""
     return ram_should_save(step, self._agreed_ram(), self._options.local,
-                           write_in_flight=self._write_in_flight())
+                           write_in_flight=self._write_in_flight(), now=time.time(),
+                           saved_at=self._saved_at)
 
   def persistent_due(self, step: int) -> bool:
     """Whether the persistent tier's schedule asks for `step`."""

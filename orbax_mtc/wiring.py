@@ -141,7 +141,8 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
       persistent=persistent, ledger=ledger)
   schedule = save_policy.SaveSchedule(
       options, managed=managed, agreed_ram=lambda: ledger.ram,
-      agreed_persistent=lambda: ledger.persistent, write_in_flight=lambda: writer.in_flight,
+      agreed_persistent=lambda: ledger.persistent, write_in_flight=lambda: writer.writing,
+      saved_at=ram.saved_at,
       backup_by_minutes=backup_policy is not None,
       last_backup_attempt=lambda: None if backups.last_attempt is None else
       backups.last_attempt[0],

@@ -131,3 +131,38 @@ def test_a_bad_heartbeat_timeout_is_a_clear_error(monkeypatch, value):
   monkeypatch.setenv(distributed.ORBAX_MTC_HEARTBEAT_TIMEOUT_S, value)
   with pytest.raises(ValueError, match="ORBAX_MTC_HEARTBEAT_TIMEOUT_S.*positive whole number"):
     distributed.heartbeat_timeout()
+
+
+# ----------------------------------------------------------------------------- save policies
+
+
+@pytest.mark.parametrize("tier", ["ram", "persistent"])
+def test_every_orbax_save_policy_works_on_both_tiers_in_one_process(tier, shm_dir, mesh):
+  """Each of Orbax's SaveDecisionPolicy classes, on the RAM tier and on the persistent tier:
+  the steps it saves are the ones the policy says (ContinuousCheckpointingPolicy used to save
+  once and never again on the RAM tier, and raise TypeError with minimum_interval_secs)."""
+  from conftest import abstract_of, make_state
+  from mp_worker import policies
+
+  states = {step: make_state(mesh, step) for step in range(policies.STEPS)}
+  for name, (_, expected) in policies.policies().items():
+    held = policies.run(tier, name, shm_dir / f"l-{name}", shm_dir / f"p-{name}", mesh,
+                        abstract_of(states[0]), states.__getitem__)
+    assert held == expected, (tier, name, held)
+
+
+@pytest.mark.parametrize("tier", ["ram", "persistent"])
+def test_every_orbax_save_policy_gives_one_answer_in_two_processes(tier, root, tmp_path):
+  """The same in a 2-process job: every process saves the same steps, the policy's (the
+  continuous policy decides on the primary and tells the others; it used to raise there
+  while the others waited in Orbax's key-value store)."""
+  from mp_worker import policies
+
+  result, out = run_job(["policies", "--tier", tier, "--persistent-dir", str(tmp_path / "p"),
+                         *AGREE], 2, root, timeout_s=240)
+  assert_ok(result, out)
+  lines = [f for _, f in mp_events.events(out.lines, "POLICY")]
+  for name, (_, expected) in policies.policies().items():
+    got = {int(f["process"]): f["steps"] for f in lines if f["name"] == name}
+    assert got == {0: ",".join(map(str, expected)) or "-", 1: ",".join(map(str, expected))
+                   or "-"}, (name, tail(out))

@@ -29,8 +29,10 @@ Sub-commands:
                  the restore-seam tests: exit the instant restore() returns, two items
                  restored in part, a transient error while building, a per-process JSON
                  item restored by restore(None) or restore(latest_step()) (`seams`).
-  delete, clock  delete() of a persistent step one process's view lacks; backups by minutes
-                 where one process reads the last backup's time an hour earlier (`contained`).
+  delete, clock, policies
+                 delete() of a persistent step one process's view lacks; backups by minutes
+                 where one process reads the last backup's time an hour earlier; every Orbax
+                 save policy on either tier (`contained`, `policies`).
   preempt        restore (if anything) and compare, then train and save every --stride steps
                  until SIGTERM (sent by the test to any process) makes every process agree on
                  an on-demand step; then exit as the manager's options or flags say. Hooks
@@ -189,6 +191,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--die-at-step", type=int, default=5)
   p.add_argument("--die-process", type=int, default=1)
   p.set_defaults(fn=contained.cmd_train_die)
+
+  p = _common(sub.add_parser("policies"))
+  p.add_argument("--tier", choices=["ram", "persistent"], required=True)
+  p.set_defaults(fn=contained.cmd_policies)
 
   p = _common(sub.add_parser("clock"))
   p.add_argument("--step", type=int, required=True)

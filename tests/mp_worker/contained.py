@@ -96,3 +96,29 @@ def cmd_train_die(args) -> int:
         os.kill(os.getpid(), signal.SIGKILL)
   emit("DONE")
   return 0
+
+
+def cmd_policies(args) -> int:
+  """Runs every Orbax save policy on --tier (see `policies`), each with fresh folders under
+  this process's local directory and --persistent-dir; prints one POLICY line per policy."""
+  import pathlib
+
+  import jax
+
+  from orbax_mtc import distributed
+
+  from . import policies
+  from .common import abstract_state
+
+  distributed.initialize()
+  mesh = make_mesh()
+  me = jax.process_index()
+  local_root = pathlib.Path(args.local_dir or distributed.local_directory())
+  for name in policies.policies():
+    held = policies.run(
+        args.tier, name, local_root / f"{args.tier}-{name}",
+        pathlib.Path(args.persistent_dir) / f"{args.tier}-{name}", mesh,
+        abstract_state(mesh, args.rows), lambda step: make_state(mesh, args.rows, args.seed, step))
+    emit(f"POLICY process={me} tier={args.tier} name={name} steps={fmt(held)}")
+  emit("DONE")
+  return 0

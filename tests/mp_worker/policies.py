@@ -1,0 +1,53 @@
+"""Every Orbax `SaveDecisionPolicy` on both tiers (issue 40, case 8): the table the tests and
+the `policies` sub-command share, and the loop that runs one policy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+STEPS = 10  # each run saves steps 0..9, waiting for both tiers after each
+
+
+def policies() -> dict[str, tuple[Any, list[int]]]:
+  """name -> (a fresh policy, the steps it saves out of 0..STEPS-1 when every save has
+  finished before the next: nothing is ever "in progress" when asked)."""
+  from orbax.checkpoint import checkpoint_managers as p
+
+  return {
+      "fixed-3": (p.FixedIntervalPolicy(3), [0, 3, 6, 9]),
+      "specific": (p.SpecificStepsPolicy([2, 5, 7]), [2, 5, 7]),
+      "initial": (p.InitialSavePolicy(), [0]),
+      "preemption": (p.PreemptionCheckpointingPolicy(), []),
+      "continuous": (p.ContinuousCheckpointingPolicy(), list(range(STEPS))),
+      "continuous-hour": (p.ContinuousCheckpointingPolicy(minimum_interval_secs=3600), [0]),
+      "any": (p.AnySavePolicy([p.FixedIntervalPolicy(4), p.SpecificStepsPolicy([5])]),
+              [0, 4, 5, 8]),
+  }
+
+
+def run(tier: str, name: str, local_dir, persistent_dir, mesh, abstract, state_of
+        ) -> list[int]:
+  """Saves steps 0..STEPS-1 with policy `name` on `tier` ("ram" or "persistent"; the other
+  tier never saves on its own) and returns the steps that tier holds."""
+  import orbax.checkpoint as ocp
+
+  import orbax_mtc as mtc
+
+  policy, _ = policies()[name]
+  never = ocp.checkpoint_managers.SpecificStepsPolicy([])
+  options = mtc.CheckpointManagerOptions(
+      local=mtc.LocalCheckpointOptions(save_decision_policy=policy if tier == "ram" else never,
+                                       max_to_keep=STEPS),
+      persistent=mtc.PersistentCheckpointOptions(
+          save_decision_policy=policy if tier == "persistent" else never),
+      replication=mtc.ReplicationOptions(replica_axis="data"))
+  saved = []
+  with mtc.CheckpointManager(local_dir, persistent_dir, mesh, abstract,
+                             options=options) as mgr:
+    for step in range(STEPS):
+      if mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state_of(step)))):
+        saved.append(step)
+      mgr.wait_until_finished()
+    held = mgr._local.steps() if tier == "ram" else mgr._persistent.steps()
+  assert held == saved, (tier, name, held, saved)
+  return held
