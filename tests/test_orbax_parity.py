@@ -41,6 +41,8 @@ DIFFERENCES: dict[tuple[str, str], tuple[str, str]] = {
         "extra", "best_step/metrics rank persistent steps, as ocp.CheckpointManagerOptions"),
     ("PersistentCheckpointOptions", "best_mode"): (
         "extra", "with best_fn, as ocp.CheckpointManagerOptions"),
+    ("PersistentCheckpointOptions", "skip_backups_when_busy"): (
+        "extra", "skip a due backup instead of waiting, as Orbax's save waits"),
     ("CheckpointManagerOptions", "replication"): (
         "extra", "peer copies and the replica axis by name"),
     ("CheckpointManagerOptions", "job_name"): ("extra", "names the .restore LKG links"),
