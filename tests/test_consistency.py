@@ -232,6 +232,9 @@ FAULTS = {
     # every process together after the transfer, and the job goes on.
     "chunk-read": (6, False, "continue"),
     "chunk-place": (6, False, "continue"),
+    # Writing a received chunk fails on the receiver (its writer thread): that copy is not
+    # kept there, and the agreed inventories plan restores without it; the job goes on.
+    "receive": (6, False, "continue"),
     "restore-read": (None, True, "raise"),  # not proof of damage: raised, nothing dropped
     # Any error on a serving process before the exchange (not only a mismatch): agreed.
     "restore-plan": (None, True, "raise"),

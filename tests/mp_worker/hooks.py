@@ -21,7 +21,9 @@ uses the manager's public API:
                         orbax_mtc.peers.stream.copy_stream (replaced); chunk-read: the
                         streams copy_stream returns (their read raises EIO); chunk-place:
                         the module function orbax_mtc.transport.place (replaced, failing
-                        while Replicator.progress moves the fault step); persistent-read:
+                        while Replicator.progress moves the fault step); receive:
+                        orbax_mtc.peers.store.IncomingCopy.write (replaced: writing a
+                        received chunk fails, ENOSPC); persistent-read:
                         the module function orbax_mtc.restore.persistent.check_item
                         (replaced: reading the step's metadata fails); restore-plan: the
                         module function orbax_mtc.restore.tiles.routes (replaced: a
@@ -50,7 +52,7 @@ from .events import emit
 HOOK_WAIT_S = 60.0  # a hook waits at most this long for the notice or the go file
 _POLL_S = 0.02
 
-FAULT_PHASES = ("write", "commit", "readback", "send", "chunk-read", "chunk-place",
+FAULT_PHASES = ("write", "commit", "readback", "send", "chunk-read", "chunk-place", "receive",
                 "restore-plan", "restore-read", "persistent-read", "writeback", "kill")
 
 
@@ -292,6 +294,16 @@ def install_fault(args, mgr, me: int) -> Callable[[], None]:
         armed["on"] = False
     transport.place = failing_place
     Replicator.progress = armed_progress
+  elif phase == "receive":
+    from orbax_mtc.peers import store as peer_store
+
+    write_chunk = peer_store.IncomingCopy.write
+
+    def failing_chunk(copy, offset, data):
+      if copy.step == at:
+        raise OSError(errno.ENOSPC, "No space left on device writing a copy (injected)")
+      return write_chunk(copy, offset, data)
+    peer_store.IncomingCopy.write = failing_chunk
   elif phase == "restore-plan":
     from orbax_mtc.restore import tiles
 
