@@ -60,6 +60,7 @@ class BackupScheduler:
     self._skip_when_busy = skip_when_busy
     self.waits = backup.BackupWaits()
     self._inflight: int | None = None  # handed to Orbax, outcome not yet known
+    self._inflight_metrics: Any = None
     self._error: backup.BackupError | None = None  # newest failure, not yet reported
     # Since when a due backup waits for an earlier one still running (monotonic seconds).
     self._waiting_since: float | None = None
@@ -280,7 +281,7 @@ class BackupScheduler:
       logging.warning("orbax-mtc: an earlier backup to %s ended with %s: %s",
                       self._persistent.directory, type(error).__name__, error)
     self.last_backup = backup.BackupInfo(step=step, state="uploading", started_at=time.time())
-    self._inflight = step
+    self._inflight, self._inflight_metrics = step, metrics
     try:
       self._persistent.save(step, args, metrics, custom_metadata)
     except Exception as e:  # noqa: BLE001 - a failed backup must not stop training
@@ -329,7 +330,10 @@ class BackupScheduler:
       self._failed(step, e)
       return
     self._inflight = None
-    if step in self._persistent.steps():
+    # A step Orbax's own preservation policy does not keep is removed as soon as it is
+    # saved: it was backed up all the same.
+    if step in self._persistent.steps() or self._persistent.retention_drops(
+        step, self._inflight_metrics):
       self._error = None  # the newest backup is good: older failures are moot
       self._record(step, "done")
     else:

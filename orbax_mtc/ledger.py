@@ -29,7 +29,7 @@ class StepLedger:
     copies: this node's servable peer copies, as (source, step), given its own steps.
     persistent_steps: the persistent steps this process sees.
     listing_groups: which processes hold the same shards (twins), or None.
-    max_to_keep: the RAM tier's retention.
+    keep: the RAM tier's retention: `keep(steps, floor)`, the steps kept.
   """
 
   def __init__(self, *, process_count: int,
@@ -38,14 +38,14 @@ class StepLedger:
                copies: Callable[[list[int]], list[tuple[int, int]]],
                persistent_steps: Callable[[], list[int]],
                listing_groups: Callable[[], list[int] | None],
-               max_to_keep: int | None):
+               keep: Callable[[Sequence[int], int | None], set[int]]):
     self.process_count = process_count
     self._allgather = allgather
     self._own_steps = own_steps
     self._copies = copies
     self._persistent_steps = persistent_steps
     self._listing_groups = listing_groups
-    self._max_to_keep = max_to_keep
+    self._keep = keep
     self.ram: tuple[int, ...] = ()  # RAM steps the cluster can assemble
     self.persistent: tuple[int, ...] = ()  # persistent steps every process sees
     self.persistent_seen: tuple[int, ...] = ()  # persistent steps some process sees
@@ -87,7 +87,7 @@ class StepLedger:
              for inv in inventories]
     ram = restore_plan.restorable_steps(nodes, self._listing_groups())
     if saved is not None:
-      ram = restore_plan.retained_steps([*ram, saved], self._max_to_keep, floor)
+      ram = sorted(self._keep([*ram, saved], floor))
     self.ram = tuple(ram)
     own_view = self._persistent_steps()
     self.persistent = agreement.agreed_persistent_steps(inventories, own_view)

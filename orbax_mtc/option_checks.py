@@ -32,18 +32,18 @@ def check_bool(owner: str, name: str, value: Any) -> None:
     raise TypeError(f"{owner}.{name} must be a bool, got {value!r}.")
 
 
-def ram_keep_from_policy(owner: str, policy: Any) -> int:
+def ram_keep_from_policy(owner: str, policy: Any) -> int | None:
   """How many steps the RAM tier keeps for an Orbax `PreservationPolicy`.
 
-  `LatestN(n)` keeps n; any other policy cannot be applied to RAM steps (warned once) and
-  keeps 1.
+  `LatestN(n)` keeps n; any other policy decides step by step (`retention.RamRetention`):
+  None.
 
   Args:
     owner: The options class the policy belongs to, named in messages.
     policy: The Orbax `PreservationPolicy`.
 
   Returns:
-    The number of RAM steps to keep, >= 1.
+    The number of RAM steps to keep, >= 1, or None.
 
   Raises:
     ValueError: If the policy is `LatestN` with an `n` that is not an int >= 1.
@@ -54,11 +54,7 @@ def ram_keep_from_policy(owner: str, policy: Any) -> int:
       raise ValueError(f"{owner}.preservation_policy=LatestN(n={n!r}): the RAM tier keeps "
                        "n >= 1 steps (the newest committed step is always kept).")
     return n
-  warn_once(f"{owner}.preservation_policy",
-            "orbax-mtc: %s.preservation_policy=%r is not applied to the RAM tier, which keeps "
-            "the newest N steps (only LatestN(n) maps onto that); keeping the newest 1.",
-            owner, policy)
-  return 1
+  return None
 
 
 def check_interval(owner: str, name: str, value: int | None, *, allow_none: bool) -> None:

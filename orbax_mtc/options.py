@@ -43,7 +43,9 @@ class LocalCheckpointOptions:
     should_save_fn: `fn(step, last_saved_step) -> bool`; overrides `save_interval_steps`.
     save_decision_policy: An Orbax `SaveDecisionPolicy`; overrides everything above.
     preservation_policy: As in Orbax, instead of `max_to_keep`: `LatestN(n)` keeps n RAM
-      steps; other policies are not applied to RAM steps (warned once; the newest 1 is kept).
+      steps; any other policy decides which RAM steps each node keeps, asked with each step's
+      save time and metrics (the newest step, and the newest one every node holds, are
+      always kept).
     debug_use_full_global_mesh: Orbax's debug switch for barriers over all processes; ours
       always span every process, so it changes nothing.
     directory_mode: Permissions of the RAM tier's folders (model weights are private: 0o700

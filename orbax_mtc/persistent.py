@@ -141,6 +141,18 @@ class PersistentTier:
       errors.append(e)
     return errors + backup.collect_orbax_errors(self._manager._checkpointer)
 
+  def retention_drops(self, step: int, metrics: Any) -> bool:
+    """Whether Orbax's preservation policy removes `step` (saved with `metrics`) as soon as
+    it is saved (Orbax keeps no step the policy does not preserve, the newest included)."""
+    policy = self._manager.__dict__.get("_preservation_policy")
+    if policy is None:
+      return False
+    infos = [info for info in self._manager._checkpoints if info.step < step]
+    current = ocp.checkpoint_manager.CheckpointInfo(
+        step=step, time=datetime.datetime.now(tz=datetime.UTC), metrics=metrics)
+    flags = policy.should_preserve([*infos, current], context=policies.PreservationContext())
+    return not flags[-1]
+
   def policy_says(self, step: int, agreed: Sequence[int],
                   reached_preemption: Callable[[], bool], *,
                   saving: Callable[[], bool] = lambda: False) -> bool:

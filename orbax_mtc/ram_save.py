@@ -52,6 +52,7 @@ class RamSaver:
     self._asynchronous = asynchronous
     self._device_copy = device_copy
     self._saved_at: dict[int, float] = {}  # RAM step -> the agreed clock when it was saved
+    self._metrics: dict[int, Any] = {}  # RAM step -> the metrics it was saved with
     self.last_blocking_seconds: float | None = None
 
   def saved_at(self, step: int) -> float:
@@ -65,6 +66,10 @@ class RamSaver:
         known = 0.0
       self._saved_at[step] = known
     return known
+
+  def metrics_of(self, step: int) -> Any:
+    """The metrics RAM step `step` was saved with in this run (None otherwise)."""
+    return self._metrics.get(step)
 
   def save(self, step: int, args: Any, *, backup_wanted: bool = False, metrics: Any = None,
            custom_metadata: dict[str, Any] | None = None, parent_saved: bool = False,
@@ -157,9 +162,13 @@ class RamSaver:
       # Steps kept only as the previous floor can go now, before this write reuses their file:
       # the RAM footprint stays at max_to_keep committed steps plus the one being written.
       self._local.apply_retention()
-    ledger.adopt(inventories, saved=step, floor=floor)
-    self._saved_at = {s: t for s, t in self._saved_at.items() if s in ledger.ram}
+    # Before retention asks for them (a preservation policy reads both).
     self._saved_at[step] = records[0].clock_ms / 1000
+    self._metrics[step] = metrics
+    ledger.adopt(inventories, saved=step, floor=floor)
+    held = {step, *own, *ledger.ram}
+    self._saved_at = {s: t for s, t in self._saved_at.items() if s in held}
+    self._metrics = {s: m for s, m in self._metrics.items() if s in held}
     # Not whether this process still writes a backup: each process learns that on its own,
     # so it can differ between processes, and this answer decides whether the step is
     # backed up.

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint.checkpoint_managers import LatestN
 
 from orbax_mtc import (
   agreement,
@@ -43,6 +44,7 @@ from orbax_mtc.options import CheckpointManagerOptions
 from orbax_mtc.peers import store as peer_store
 from orbax_mtc.peers.copies import PeerCopies
 from orbax_mtc.persistent import PersistentTier
+from orbax_mtc.ram_retention import RamRetention
 from orbax_mtc.ram_save import RamSaver
 from orbax_mtc.ram_writer import RamWriter
 from orbax_mtc.restore.executor import RamRestore
@@ -106,6 +108,13 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
                                process_index=process_index, process_count=process_count,
                                **modes)
   store = peer_store.PeerStore(local_directory, max_to_keep=options.local.max_to_keep, **modes)
+  # One retention for the step lists, the folders and the copies (an Orbax preservation
+  # policy asked with each step's save time and metrics, recorded by the RAM saver).
+  policy = options.local.preservation_policy
+  retention = RamRetention(
+      options.local.max_to_keep, None if isinstance(policy, LatestN) else policy,
+      saved_at=lambda step: ram.saved_at(step), metrics=lambda step: ram.metrics_of(step))
+  local.keep = store.keep = retention.kept
   lock = claim.claim_local_directory(
       local_directory, job_name=options.job_name, process_index=process_index,
       worker_index=worker_index, local=local, store=store, managed=managed, agree=agree)
@@ -122,7 +131,7 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
       copies=lambda own: store.servable(own) if peers.enabled else [],
       persistent_steps=persistent.steps,
       listing_groups=lambda: peers.listing_groups(abstract_state, item_args.is_array_target),
-      max_to_keep=options.local.max_to_keep)
+      keep=retention.kept)
   backups = BackupScheduler(
       persistent, writer, local, policy=backup_policy,
       timeout_secs=(options.async_options or ocp.AsyncOptions()).timeout_secs,

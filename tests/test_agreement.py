@@ -120,9 +120,11 @@ def test_restorable_steps_need_a_source_for_every_node():
 
 
 def test_retained_steps_follow_ram_retention():
-  assert restore_plan.retained_steps([4, 6, 8, 10], 2, None) == [8, 10]
-  assert restore_plan.retained_steps([4, 6, 8, 10], 2, 6) == [6, 8, 10]
-  assert restore_plan.retained_steps([4, 6], None, None) == [4, 6]
+  from orbax_mtc.ram_retention import RamRetention
+
+  assert RamRetention(2).kept([4, 6, 8, 10]) == {8, 10}
+  assert RamRetention(2).kept([4, 6, 8, 10], 6) == {6, 8, 10}
+  assert RamRetention(None).kept([4, 6]) == {4, 6}
 
 
 def test_records_are_frozen_dataclasses_with_a_codec_per_field():

@@ -8,6 +8,7 @@ import pytest
 
 from orbax_mtc import agreement, backup
 from orbax_mtc.ledger import StepLedger
+from orbax_mtc.ram_retention import RamRetention
 
 
 class _Cluster:
@@ -21,7 +22,7 @@ class _Cluster:
     self.ledger = StepLedger(
         process_count=process_count, allgather=self._allgather, own_steps=lambda: self.own,
         copies=lambda own: list(copies), persistent_steps=lambda: self.persistent,
-        listing_groups=lambda: groups, max_to_keep=max_to_keep)
+        listing_groups=lambda: groups, keep=RamRetention(max_to_keep).kept)
 
   def _allgather(self, row: np.ndarray, what: str) -> np.ndarray:
     self.whats.append(what)

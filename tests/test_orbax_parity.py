@@ -263,12 +263,15 @@ def test_local_preservation_policy_latest_n_is_max_to_keep(warnings_reset):
   with pytest.raises(ValueError, match="LatestN"):
     mtc.LocalCheckpointOptions(preservation_policy=ocp.checkpoint_managers.LatestN(0))
   assert _warnings(warnings_reset, "not applied") == 0
-  # Another policy has no RAM meaning: kept newest 1, warned once per process.
-  for _ in range(2):
-    other = mtc.LocalCheckpointOptions(
-        preservation_policy=ocp.checkpoint_managers.EveryNSteps(5))
-    assert other.max_to_keep == 1
-  assert _warnings(warnings_reset, "LocalCheckpointOptions.preservation_policy") == 1
+  # Another policy decides step by step (retention.RamRetention): no count, no warning.
+  other = mtc.LocalCheckpointOptions(preservation_policy=ocp.checkpoint_managers.EveryNSteps(5))
+  assert other.max_to_keep is None
+  assert dataclasses.replace(other, save_interval_steps=4).max_to_keep is None
+  with pytest.raises(ValueError, match="preservation_policy.*max_to_keep|max_to_keep.*"
+                                       "preservation_policy"):
+    mtc.LocalCheckpointOptions(max_to_keep=2,
+                               preservation_policy=ocp.checkpoint_managers.EveryNSteps(5))
+  assert _warnings(warnings_reset, "LocalCheckpointOptions.preservation_policy") == 0
 
 
 def test_persistent_preservation_policy_goes_to_orbax():
@@ -447,8 +450,9 @@ def test_replicator_manager_options_map_onto_managed_mode(mesh, monkeypatch, war
   other = ocp.checkpoint_managers.EveryNSteps(5)
   options = _manager_options(mtc.ReplicatorCheckpointManagerOptions(preservation_policy=other),
                              None, mesh)
-  assert options.local.max_to_keep == 1
-  assert _warnings(warnings_reset, "ReplicatorCheckpointManagerOptions.preservation_policy") == 1
+  # Applied to the RAM steps as it is (ram_retention), not warned about and dropped.
+  assert options.local.preservation_policy is other and options.local.max_to_keep is None
+  assert _warnings(warnings_reset, "ReplicatorCheckpointManagerOptions.preservation_policy") == 0
 
 
 # ----------------------------------------------------------------------------- against the

@@ -273,6 +273,8 @@ class LocalTier:
                dir_mode: int = 0o700, file_mode: int = 0o600):
     self.directory = Path(directory)
     self.max_to_keep = max_to_keep
+    # `keep(steps, floor)`: the steps kept, when retention follows a policy (retention.py).
+    self.keep: Callable[[Sequence[int], int | None], set[int]] | None = None
     self._on_commit = on_commit
     # False when another program (GKE's replicator) may still be copying a retired step:
     # its files must then never be overwritten in place.
@@ -436,8 +438,12 @@ class LocalTier:
   def apply_retention(self) -> list[int]:
     """Retires committed steps beyond `max_to_keep`, never the newest; returns them."""
     steps = committed_steps(self.directory)
-    victims = [] if self.max_to_keep is None else [
-        s for s in steps[: max(0, len(steps) - self.max_to_keep)] if s != self.keep_floor]
+    if self.keep is not None:
+      kept = self.keep(steps, self.keep_floor)
+      victims = [s for s in steps if s not in kept]
+    else:
+      victims = [] if self.max_to_keep is None else [
+          s for s in steps[: max(0, len(steps) - self.max_to_keep)] if s != self.keep_floor]
     for step in victims:
       self.retire(step)
     aside.prune(self.directory, set(steps) - set(victims))

@@ -30,7 +30,7 @@ from orbax.checkpoint import abstract_checkpoint_manager
 from orbax_mtc.local import read as local_read
 from orbax_mtc.managed.options import ReplicatorCheckpointManagerOptions
 from orbax_mtc.manager import CheckpointManager
-from orbax_mtc.option_checks import ram_keep_from_policy, warn_once
+from orbax_mtc.option_checks import warn_once
 from orbax_mtc.options import (
   CheckpointManagerOptions,
   LocalCheckpointOptions,
@@ -52,12 +52,10 @@ def _manager_options(options: ReplicatorCheckpointManagerOptions,
                      mtc_options: CheckpointManagerOptions | None,
                      mesh: jax.sharding.Mesh) -> CheckpointManagerOptions:
   """The managed-mode options: the RAM schedule from `options`, the rest from `mtc_options`."""
-  keep = None
-  if options.preservation_policy is not None:
-    keep = ram_keep_from_policy("ReplicatorCheckpointManagerOptions",
-                                options.preservation_policy)
+  # LatestN(n) keeps n RAM steps; any other policy decides step by step (ram_retention).
   local = LocalCheckpointOptions(save_interval_steps=options.save_interval_steps,
-                                 should_save_fn=options.should_save_fn, max_to_keep=keep)
+                                 should_save_fn=options.should_save_fn,
+                                 preservation_policy=options.preservation_policy)
   if mtc_options is None:
     base = CheckpointManagerOptions(
         persistent=PersistentCheckpointOptions(

@@ -26,7 +26,7 @@ import reprlib
 import shutil
 import stat
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +219,7 @@ class PeerStore:
                dir_mode: int = 0o700, file_mode: int = 0o600):
     self.root = Path(local_directory) / PEERS
     self.max_to_keep = max_to_keep
+    self.keep: Callable[[Sequence[int], int | None], set[int]] | None = None  # as LocalTier
     self.dir_mode = dir_mode
     self.file_mode = file_mode
 
@@ -377,10 +378,17 @@ class PeerStore:
     return manifest, data
 
   def apply_retention(self, source: int, keep_floor: int | None) -> None:
-    """Keeps the newest `max_to_keep` copies of one source (and the common floor step)."""
+    """Keeps the newest `max_to_keep` copies of one source (and the common floor step), or
+    what `keep` keeps."""
+    steps = sorted(s for src, s in self.copies() if src == source)
+    if self.keep is not None:
+      kept = self.keep(steps, keep_floor)
+      for step in steps:
+        if step not in kept:
+          _remove(self.source_dir(source) / str(step))
+      return
     if self.max_to_keep is None:
       return
-    steps = sorted(s for src, s in self.copies() if src == source)
     for step in steps[:max(0, len(steps) - self.max_to_keep)]:
       if step != keep_floor:
         _remove(self.source_dir(source) / str(step))

@@ -244,25 +244,3 @@ def restorable_steps(inventories: Sequence[NodeInventory],
     if all(node in own or node in copies or groups[node] in served_groups for node in range(n)):
       out.append(step)
   return out
-
-
-def retained_steps(steps: Collection[int], max_to_keep: int | None,
-                   keep_floor: int | None) -> list[int]:
-  """What RAM retention leaves of `steps`.
-
-  Args:
-    steps: The steps held now.
-    max_to_keep: How many of the newest steps to keep; None keeps all.
-    keep_floor: The floor every node held at the last save (see LocalTier.keep_floor), kept
-      as well if it is among `steps`; None for no floor.
-
-  Returns:
-    The kept steps, oldest first.
-  """
-  ordered = sorted(set(steps))
-  if max_to_keep is None:
-    return ordered
-  kept = set(ordered[-max_to_keep:])
-  if keep_floor is not None and keep_floor in ordered:
-    kept.add(keep_floor)
-  return sorted(kept)

@@ -120,5 +120,11 @@ def cmd_policies(args) -> int:
         pathlib.Path(args.persistent_dir) / f"{args.tier}-{name}", mesh,
         abstract_state(mesh, args.rows), lambda step: make_state(mesh, args.rows, args.seed, step))
     emit(f"POLICY process={me} tier={args.tier} name={name} steps={fmt(held)}")
+  for name in policies.preservations():
+    held = policies.run_preservation(
+        args.tier, name, local_root / f"{args.tier}-keep-{name}",
+        pathlib.Path(args.persistent_dir) / f"{args.tier}-keep-{name}", mesh,
+        abstract_state(mesh, args.rows), lambda step: make_state(mesh, args.rows, args.seed, step))
+    emit(f"KEPT process={me} tier={args.tier} name={name} steps={fmt(held)}")
   emit("DONE")
   return 0

@@ -51,3 +51,45 @@ def run(tier: str, name: str, local_dir, persistent_dir, mesh, abstract, state_o
     held = mgr._local.steps() if tier == "ram" else mgr._persistent.steps()
   assert held == saved, (tier, name, held, saved)
   return held
+
+
+def preservations() -> dict[str, tuple[Any, list[int]]]:
+  """name -> (a fresh Orbax `PreservationPolicy`, the steps a tier keeps of 0..STEPS-1 saved
+  one by one, each step's metrics {"score": step}). Each keeps the newest step itself, so
+  the RAM tier's rule (the newest is always kept) and Orbax's agree."""
+  from orbax.checkpoint import checkpoint_managers as p
+
+  return {
+      "every-3": (p.EveryNSteps(3), [0, 3, 6, 9]),
+      "custom": (p.CustomSteps([2, 5, 9]), [2, 5, 9]),
+      "any": (p.AnyPreservationPolicy([p.CustomSteps([1, 9]), p.EveryNSteps(4)]),
+              [0, 1, 4, 8, 9]),
+      "best-2": (p.BestN(get_metric_fn=lambda metrics: metrics["score"], n=2), [8, 9]),
+      "latest-3": (p.LatestN(3), [7, 8, 9]),
+  }
+
+
+def run_preservation(tier: str, name: str, local_dir, persistent_dir, mesh, abstract,
+                     state_of) -> list[int]:
+  """Saves steps 0..STEPS-1 on both tiers with preservation policy `name` on `tier` and
+  returns the steps that tier keeps."""
+  import orbax.checkpoint as ocp
+
+  import orbax_mtc as mtc
+
+  policy, _ = preservations()[name]
+  options = mtc.CheckpointManagerOptions(
+      local=mtc.LocalCheckpointOptions(
+          save_interval_steps=1,
+          **({"preservation_policy": policy} if tier == "ram" else {"max_to_keep": STEPS})),
+      persistent=mtc.PersistentCheckpointOptions(
+          save_interval_steps=1, **({"preservation_policy": policy} if tier == "persistent"
+                                    else {})),
+      replication=mtc.ReplicationOptions(replica_axis="data"))
+  with mtc.CheckpointManager(local_dir, persistent_dir, mesh, abstract,
+                             options=options) as mgr:
+    for step in range(STEPS):
+      mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state_of(step))),
+               metrics={"score": step})
+      mgr.wait_until_finished()
+    return mgr._local.steps() if tier == "ram" else mgr._persistent.steps()
