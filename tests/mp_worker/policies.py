@@ -54,12 +54,17 @@ def run(tier: str, name: str, local_dir, persistent_dir, mesh, abstract, state_o
 
 
 def preservations() -> dict[str, tuple[Any, list[int]]]:
-  """name -> (a fresh Orbax `PreservationPolicy`, the steps a tier keeps of 0..STEPS-1 saved
-  one by one, each step's metrics {"score": step}). Each keeps the newest step itself, so
-  the RAM tier's rule (the newest is always kept) and Orbax's agree."""
+  """name -> (a fresh Orbax `PreservationPolicy`, the steps the persistent tier keeps of
+  0..STEPS-1 saved one by one within a second or so, each with metrics {"score": step}).
+  The RAM tier keeps the same plus its newest step (`kept_in_ram`)."""
+  import datetime
+
   from orbax.checkpoint import checkpoint_managers as p
 
   return {
+      "seconds": (p.EveryNSeconds(3600), [0]),
+      "duration": (p.LatestDuration(datetime.timedelta(hours=1)), list(range(STEPS))),
+      "closest-4": (p.EveryNStepsClosest(4), [0, 4, 8, 9]),
       "every-3": (p.EveryNSteps(3), [0, 3, 6, 9]),
       "custom": (p.CustomSteps([2, 5, 9]), [2, 5, 9]),
       "any": (p.AnyPreservationPolicy([p.CustomSteps([1, 9]), p.EveryNSteps(4)]),
@@ -67,6 +72,13 @@ def preservations() -> dict[str, tuple[Any, list[int]]]:
       "best-2": (p.BestN(get_metric_fn=lambda metrics: metrics["score"], n=2), [8, 9]),
       "latest-3": (p.LatestN(3), [7, 8, 9]),
   }
+
+
+def kept_in_ram(expected: list[int], processes: int) -> list[int]:
+  """What the RAM tier keeps where Orbax's persistent tier keeps `expected`: the newest step
+  too, and with several processes the newest step every node held at the last save (the
+  floor: STEPS - 2 here) until the next save."""
+  return sorted({*expected, STEPS - 1, *([STEPS - 2] if processes > 1 else [])})
 
 
 def run_preservation(tier: str, name: str, local_dir, persistent_dir, mesh, abstract,
