@@ -123,7 +123,7 @@ class BackupScheduler:
       if self._skip_when_busy:
         self._skip(self._queued.step, step)
       else:
-        self._make_room(agree)
+        self._make_room(agree, step)
     templates, single = backup.templates(args)
     targets = backup.host_targets(trees)
     targets.update({name: None for name in jsons})
@@ -139,19 +139,29 @@ class BackupScheduler:
       self._queued = pending
     self.last_attempt = (step, now)
 
-  def _make_room(self, agree: Callable[[Any, str], list[Any]]) -> None:
-    """Waits for the backup Orbax writes and starts the next one (collective)."""
+  def _make_room(self, agree: Callable[[Any, str], list[Any]], newer: int) -> None:
+    """Waits for the backup Orbax writes and starts the next one (collective). A write that
+    still runs after Orbax's own timeout is a storage write that hangs: waiting on would stop
+    training for as long, so the step waiting behind it is skipped instead (the failed
+    backup it would have been), and training goes on."""
     started = time.monotonic()
     pending = self._pending
     if pending is not None:
       concurrent.futures.wait([pending.read])
-      self.poll(block=True)
-      records = agree(agreement.ReadBackRecord(state=pending.state()),
+      idle = self._persistent.wait_idle(self._timeout_secs)
+      if idle:
+        self.poll(block=True)
+      records = agree(agreement.ReadBackRecord(state=pending.state() if idle else Status.WRITING),
                       f"waiting to back up step {pending.step}")
-      # Every read is over, so this starts the pending backup or drops it everywhere:
-      # either way the queued one moves up.
-      self.advance(np.asarray([r.state for r in records]),
-                   np.zeros(len(records), dtype=bool))
+      states = np.asarray([r.state for r in records])
+      # Starts the pending backup, or drops it when a read failed: either way the queued
+      # one moves up. A process still writing keeps both in place.
+      self.advance(states, states == Status.WRITING)
+    if self._queued is not None:
+      stuck = self._queued.step
+      self._queued = None
+      self._skip(stuck, newer, why=f"the backup before it still runs after Orbax's timeout "
+                 f"({self._timeout_secs:.0f} s): a storage write hangs")
     waited = time.monotonic() - started
     self.waits = dataclasses.replace(self.waits, count=self.waits.count + 1,
                                      seconds=self.waits.seconds + waited)
@@ -159,14 +169,15 @@ class BackupScheduler:
                  "save does); %d such waits, %.1f s in all.", waited, self.waits.count,
                  self.waits.seconds)
 
-  def _skip(self, skipped: int, newer: int) -> None:
-    """`skip_when_busy`: the step waiting behind a running backup gives way to `newer`."""
+  def _skip(self, skipped: int, newer: int,
+            why: str = "skip_backups_when_busy, and an earlier backup still runs") -> None:
+    """The step waiting behind a running backup gives way to `newer`."""
     self._queued = None
     self.waits = dataclasses.replace(self.waits, skipped=(*self.waits.skipped, skipped))
     self._record(skipped, "skipped")
-    logging.warning("orbax-mtc: the backup of step %d is skipped (skip_backups_when_busy): an "
-                    "earlier backup still runs and step %d is due. Persistent steps skipped "
-                    "so far: %s.", skipped, newer, list(self.waits.skipped))
+    logging.warning("orbax-mtc: the backup of step %d is skipped (%s), and step %d is due. "
+                    "Persistent steps skipped so far: %s.", skipped, why, newer,
+                    list(self.waits.skipped))
     try:
       backup.record_skips(self._local.directory, self.waits.skipped)
     except OSError as e:

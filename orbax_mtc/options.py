@@ -130,8 +130,10 @@ class PersistentCheckpointOptions:
     best_mode: "max" or "min": which end of `best_fn` is best.
     skip_backups_when_busy: False (default): every due step is backed up; when one backup is
       still being written and another waits behind it, a save that makes a third due waits
-      for the first, as Orbax's own save does (`backup_waits` counts it). True: the waiting
-      one is skipped instead, with a warning, and listed in `orbax-mtc status`.
+      for the first, as Orbax's own save does (`backup_waits` counts it), at most Orbax's
+      async timeout: a write hanging longer is a storage fault, and the waiting step is then
+      skipped with a warning. True: the waiting one is skipped at once instead. Skipped
+      steps are warned about and listed in `orbax-mtc status`.
 
   Raises:
     ValueError: If `backup_interval_minutes` is combined with a step interval,

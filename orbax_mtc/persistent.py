@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -126,6 +127,16 @@ class PersistentTier:
     if finalize is None or not hasattr(finalize, "map"):
       return bool(self._parent("is_saving_in_progress")())
     return bool(finalize.map(lambda thread: thread is not None and thread.is_alive()))
+
+  def wait_idle(self, timeout_s: float) -> bool:
+    """Waits until Orbax no longer works on a save here (`busy`), at most `timeout_s`;
+    returns whether it is idle."""
+    deadline = time.monotonic() + timeout_s
+    while self.busy():
+      if time.monotonic() >= deadline:
+        return False
+      time.sleep(0.01)  # Orbax's threads give nothing to wait on for all three
+    return True
 
   def busy(self) -> bool:
     """Whether Orbax still works on a save on this process (finalize thread, commit thread,
