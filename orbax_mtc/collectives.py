@@ -40,7 +40,7 @@ def _missing_processes(error: Exception) -> list[int] | None:
   return sorted(int(p) for p in re.findall(r"\d+", found.group(1)))
 
 
-def barrier(what: str, process_count: int, timeout_s: float) -> None:
+def barrier(what: str, process_count: int, timeout_s: float, *, kind: str = "") -> None:
   """Waits until every process reaches the same agreement, at most `timeout_s`.
 
   Returns at once for a single process or when there is no coordination service.
@@ -49,6 +49,10 @@ def barrier(what: str, process_count: int, timeout_s: float) -> None:
     what: What the agreement is for, named in the error.
     process_count: Number of processes in the job.
     timeout_s: Longest wait in seconds.
+    kind: Names the agreement's kind in the barrier's id, so that processes at different
+      agreements (one left a call with an error and entered another) never meet: they time
+      out with this error instead of entering one collective with rows of different sizes,
+      which aborts every process.
 
   Raises:
     AgreementTimeoutError: If not every process reached the barrier within `timeout_s`.
@@ -58,7 +62,7 @@ def barrier(what: str, process_count: int, timeout_s: float) -> None:
   client = _client()
   if client is None:  # no coordination service: nothing to wait on but the collective
     return
-  name = f"orbax_mtc_agreement_{next(_sequence)}"
+  name = f"orbax_mtc_agreement_{next(_sequence)}{'_' + kind if kind else ''}"
   try:
     client.wait_at_barrier(name, int(timeout_s * 1000))
   except Exception as e:  # noqa: BLE001 - the service's errors have no public type
@@ -67,8 +71,9 @@ def barrier(what: str, process_count: int, timeout_s: float) -> None:
         "some processes did not arrive (the coordination service's words are below)")
     raise AgreementTimeoutError(
         f"orbax-mtc: {what}: not every process arrived within {timeout_s:.0f} s: {who}. "
-        "A process failed, hangs or was killed before this point; see its log. Committed "
-        f"steps are untouched. ({type(e).__name__}: {e})") from e
+        "A process failed, hangs or was killed before this point, or left an earlier call "
+        "with an error and is at another agreement; see its log. Committed steps are "
+        f"untouched. ({type(e).__name__}: {e})") from e
 
 
 def allgather(row: np.ndarray, what: str, process_count: int, timeout_s: float) -> np.ndarray:
@@ -90,8 +95,9 @@ def allgather(row: np.ndarray, what: str, process_count: int, timeout_s: float) 
   """
   if process_count == 1:
     return np.asarray(row)[None]
-  barrier(what, process_count, timeout_s)
   row = np.ascontiguousarray(row)
+  # The row's length tells the agreements' kinds apart (each record type has its own).
+  barrier(what, process_count, timeout_s, kind=f"w{row.size}")
   if row.dtype != np.int64:
     return np.asarray(multihost_utils.process_allgather(row))
   # Without jax_enable_x64, JAX carries int64 as int32 and drops the high half (a step size

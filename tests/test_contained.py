@@ -177,3 +177,35 @@ def test_every_orbax_save_policy_gives_one_answer_in_two_processes(tier, root, t
         expected = policies.kept_in_ram(expected, 2)
       want = ",".join(map(str, expected)) or "-"
       assert got == {0: want, 1: want}, (kind, name, tail(out))
+
+
+# ----------------------------------------------------------------------------- emptied RAM
+
+
+@pytest.mark.parametrize("failing", [None, 1], ids=["all-restore", "one-leaves"])
+def test_emptied_local_directories_under_a_live_manager(root, tmp_path, failing):
+  """Orbax's emergency suite empties each process's local directory under a live manager
+  (lock, links and steps included) and restores: every process restores the persistent step
+  bit for bit. When one process's own code fails there instead and it leaves the manager
+  (close() agrees) while the others restore, the two agreements never meet: every process
+  ends with an error naming the other side within the agreement timeout (it used to enter
+  one gloo collective with rows of two sizes, which aborted every process)."""
+  command = ["empty-restore", "--persistent-dir", str(tmp_path / "ckpt"), "--local-interval",
+             "1", "--persistent-interval", "2", "--agreement-timeout", "10", "--replicas", "2"]
+  if failing is not None:
+    command += ["--fail-process", str(failing)]
+  result, out = run_job(command, 4, root, timeout_s=180)
+  assert not result.timed_out, f"a process was left waiting: {result}\n{tail(out)}"
+  if failing is None:
+    assert_ok(result, out)
+    got = events(out, "RESULT")
+    assert sorted(got) == [0, 1, 2, 3], tail(out)
+    assert {(f["step"], f["tier"], f["ok"]) for f in got.values()} == {("2", "persistent", "1")}
+    return
+  assert set(result.returncodes) <= {7}, (result, tail(out))  # each raised; none aborted
+  errors = {int(f["process"]): f for _, f in mp_events.events(out.lines, "RAISED")}
+  assert sorted(errors) == [0, 1, 2, 3], tail(out)
+  assert errors[failing]["type"] in ("RuntimeError", "AgreementTimeoutError"), errors[failing]
+  for process in (0, 2, 3):
+    assert errors[process]["type"] == "AgreementTimeoutError", errors[process]
+    assert f"process(es) [{failing}] did not arrive" in errors[process]["detail"], errors

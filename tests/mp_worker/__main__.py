@@ -196,6 +196,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--tier", choices=["ram", "persistent"], required=True)
   p.set_defaults(fn=contained.cmd_policies)
 
+  p = _common(sub.add_parser("empty-restore"))
+  p.add_argument("--fail-process", type=int, default=-1)
+  p.set_defaults(fn=contained.cmd_empty_restore)
+
   p = _common(sub.add_parser("clock"))
   p.add_argument("--step", type=int, required=True)
   p.add_argument("--lag-process", type=int, default=1)

@@ -128,3 +128,48 @@ def cmd_policies(args) -> int:
     emit(f"KEPT process={me} tier={args.tier} name={name} steps={fmt(held)}")
   emit("DONE")
   return 0
+
+
+def cmd_empty_restore(args) -> int:
+  """Saves steps 0-2 (persistent every --persistent-interval), waits, then empties this
+  process's local directory under the live manager (Orbax's emergency suite does) and calls
+  restore(2); prints RESULT or RAISED. With --fail-process, that process's own code raises
+  instead of restoring, so it leaves the manager (close) while the others restore."""
+  import pathlib
+  import shutil
+
+  import jax
+  import orbax.checkpoint as ocp
+
+  from orbax_mtc import distributed
+
+  from .common import abstract_state, compare_state
+
+  distributed.initialize()
+  mesh = make_mesh()
+  me = jax.process_index()
+  local = pathlib.Path(args.local_dir or distributed.local_directory())
+  try:
+    with manager(args, mesh) as mgr:
+      for step in range(3):
+        mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(
+            make_state(mesh, args.rows, args.seed, step))))
+      mgr.wait_until_finished()
+      for entry in local.iterdir():  # everything, as the suite's test_utils.empty_directory
+        if entry.is_dir() and not entry.is_symlink():
+          shutil.rmtree(entry)
+        else:
+          entry.unlink()
+      if me == args.fail_process:
+        raise RuntimeError("the training script failed before its restore (injected)")
+      restored = mgr.restore(2, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+          item=abstract_state(mesh, args.rows))))
+      problems = compare_state(restored.state, make_state(mesh, args.rows, args.seed, 2))
+      emit(f"RESULT process={me} step={mgr.last_restore.step} tier={mgr.last_restore.tier} "
+           f"ok={int(not problems)} leaves=0 detail={'; '.join(problems)[:300] or '-'}")
+  except Exception as e:  # noqa: BLE001 - reported to the test
+    raised(e)
+    emit("DONE")
+    return EXIT_RAISED
+  emit("DONE")
+  return 0
