@@ -202,11 +202,9 @@ class CheckpointManager(ocp.CheckpointManager):
                       "Replicas, twins and peers of this job (None in a single process).")
   last_restore = Reported("_tiers", "last", "Where the last `restore` came from.",
                           settable=True)
-  last_ondemand = Reported("_ondemand", "last",
-                           "The newest on-demand save and where its time went.")
-  last_save_blocking_seconds = Reported(
-      "_ram", "last_blocking_seconds",
-      "How long the newest RAM save blocked the caller (device to host).")
+  last_ondemand = Reported("_ondemand", "last", "The newest on-demand save, and its times.")
+  last_save_blocking_seconds = Reported("_ram", "last_blocking_seconds",
+                                        "How long the newest RAM save blocked the caller.")
   last_backup = Reported("_backups", "last_backup", "The newest persistent backup attempt.")
   pending_backup = Reported(
       "_backups", "pending_step", "The step chosen for backup and not yet handed to Orbax "
@@ -215,9 +213,10 @@ class CheckpointManager(ocp.CheckpointManager):
                             "(done, failed or skipped), for monitoring.", default=())
   backup_waits = Reported("_backups", "waits", "Saves that waited for room in the backup "
                           "queue, and due steps skipped (`skip_backups_when_busy`).")
-  last_replication_bytes = Reported(
-      "_peers", "last_bytes_sent",
-      "Bytes this process sent to its peers for the newest replicated step.", default=0)
+  in_primary_slice = Reported("_peers", "in_primary_slice", "As Orbax's emergency manager: "
+                              "this process is in the first replica.", default=True)
+  last_replication_bytes = Reported("_peers", "last_bytes_sent", "Bytes this process sent "
+                                    "for the newest replicated step.", default=0)
 
   @property
   def options(self) -> CheckpointManagerOptions | ocp.CheckpointManagerOptions:

@@ -70,6 +70,8 @@ def test_delete_of_a_step_one_view_lacks_is_entered_by_every_process(saved_run, 
   before = events(out, "BEFORE")
   assert "4" in before[0]["orbax"].split(",") and "4" not in before[1]["orbax"].split(","), \
       tail(out)  # the views differed
+  # Orbax's emergency-manager member: one replica per process here, the first is primary.
+  assert (before[0]["primary"], before[1]["primary"]) == ("1", "0"), before
   after = events(out, "DELETED")
   assert sorted(after) == [0, 1] and after[0]["all"] == after[1]["all"], tail(out)
   assert after[0]["orbax"] == after[1]["orbax"] == "0,8", tail(out)

@@ -60,6 +60,13 @@ class PeerCopies:
     self._listing_cache: dict[int, list[int] | None] = {}
     self._stale_sources = False  # copies of nodes no longer held: dropped after the first copy
 
+
+  @property
+  def in_primary_slice(self) -> bool:
+    """Orbax's emergency-manager `in_primary_slice`: this process is in the first replica
+    along the replica axis (always, with one replica or one process)."""
+    topo = self.topology
+    return topo is None or len(topo.replicas) == 1 or topo.replica_of[self._process_index] == 0
   def set_mesh(self, mesh: jax.sharding.Mesh) -> None:
     """Replica axis, topology and replicator from the job's global mesh.
 

@@ -23,7 +23,7 @@ def cmd_delete(args) -> int:
     if me == args.lag_process:
       mgr._checkpoints.delete_if(lambda info: info.step == args.step)  # Orbax's cache
     emit(f"BEFORE process={me} all={fmt(mgr.all_steps())} "
-         f"orbax={fmt(mgr._persistent.steps())}")
+         f"orbax={fmt(mgr._persistent.steps())} primary={int(mgr.in_primary_slice)}")
     try:
       mgr.delete(args.step)
     except Exception as e:  # noqa: BLE001 - reported to the test
