@@ -1,0 +1,492 @@
+#!/usr/bin/env python3
+"""Run one of Orbax's manager test suites against a chosen class.
+
+Own code (not copied from Orbax). The recipe (upstream files, venv) is in README.md beside
+this file and in docs/orbax-conformance.md. By default it runs `checkpoint_manager_test.py`;
+ORBAX_SUITE_TEST_FILE names another test file of the suite dir (Orbax's emergency-manager
+suite), and ORBAX_SUITE_EXTRA_ALIASES rebinds more module-level names of it
+('Name=module:attr,...', e.g. the emergency suite's option classes).
+
+The launcher starts N worker processes (N=1 or N=4 is what we use). Each
+worker joins a jax.distributed group on localhost, makes the two upstream
+`multiprocess_test` helper modules importable under their original package
+names, optionally rebinds `checkpoint_manager_test.CheckpointManager` to the
+class named by --cm, and runs the test module with pytest.  Every worker
+records per-test outcomes to a JSONL file; the launcher merges them (a test
+passes only if it passed on every process) and prints, as its last line:
+
+    N passed, N failed, N skipped
+
+Usage:
+  python run_suite.py --suite-dir DIR [--num-processes N]
+      [--devices-per-process D] [--cm module:Class | --cm @trivial]
+      [--count-constructions] [--out DIR] [-k EXPR] [--pytest-arg ARG ...]
+
+--suite-dir must contain:
+  checkpoint_manager_test.py
+  orbax/checkpoint/_src/testing/multiprocess_test.py
+  orbax/checkpoint/_src/testing/oss/multiprocess_test.py
+"""
+
+import argparse
+import collections
+import datetime
+import functools
+import importlib
+import importlib.abc
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+# Modules the test needs that the PyPI wheel does not ship, mapped to their
+# path relative to --suite-dir.
+OVERLAY_MODULES = {
+    'orbax.checkpoint._src.testing.multiprocess_test': (
+        'orbax/checkpoint/_src/testing/multiprocess_test.py'
+    ),
+    'orbax.checkpoint._src.testing.oss.multiprocess_test': (
+        'orbax/checkpoint/_src/testing/oss/multiprocess_test.py'
+    ),
+}
+TEST_FILE = os.environ.get('ORBAX_SUITE_TEST_FILE', 'checkpoint_manager_test.py')
+# Further module-level names to rebind in the test module, 'Name=module:attr,...'
+# (e.g. the option classes when running Orbax's emergency-manager suite).
+EXTRA_ALIASES = os.environ.get('ORBAX_SUITE_EXTRA_ALIASES', '')
+TEST_MODULE_ATTR = 'CheckpointManager'
+
+
+# --------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------
+def parse_args(argv):
+  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  p.add_argument('--suite-dir', required=True,
+                 help='directory holding the upstream test files')
+  p.add_argument('--num-processes', type=int, default=1)
+  p.add_argument('--devices-per-process', type=int, default=None,
+                 help='fake CPU devices per process (default: 8 for N=1, '
+                 'else 2)')
+  p.add_argument('--cm', default=None,
+                 help='class under test as module:Class, or @trivial for a '
+                 'pass-only subclass of orbax.checkpoint.CheckpointManager; '
+                 'default: leave the test module untouched')
+  p.add_argument('--count-constructions', action='store_true',
+                 help='wrap CheckpointManager.__init__ to count, per test, '
+                 'constructions of the class under test vs other classes')
+  p.add_argument('--out', default=None,
+                 help='run directory (default: <suite-dir>/runs/<timestamp>)')
+  p.add_argument('-k', dest='keyword', default=None,
+                 help='pytest -k expression to select tests')
+  p.add_argument('--pytest-arg', action='append', default=[],
+                 help='extra argument passed to pytest (repeatable)')
+  p.add_argument('--keep-tmp', action='store_true',
+                 help='keep the per-run TEST_TMPDIR (checkpoints) afterwards')
+  p.add_argument('--worker-rank', type=int, default=None,
+                 help=argparse.SUPPRESS)
+  p.add_argument('--coordinator', default=None, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  args.suite_dir = os.path.abspath(args.suite_dir)
+  if args.devices_per_process is None:
+    args.devices_per_process = 8 if args.num_processes == 1 else 2
+  return args
+
+
+# --------------------------------------------------------------------------
+# Worker side
+# --------------------------------------------------------------------------
+class _OverlayFinder(importlib.abc.MetaPathFinder):
+  """Serves a fixed set of module names from files under the suite dir."""
+
+  def __init__(self, mapping):
+    self._mapping = mapping
+
+  def find_spec(self, fullname, path=None, target=None):
+    del path, target
+    filename = self._mapping.get(fullname)
+    if filename is None:
+      return None
+    return importlib.util.spec_from_file_location(fullname, filename)
+
+
+def _resolve_class(spec):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  if spec == '@trivial':
+
+    class TrivialSubclass(ocp.CheckpointManager):
+      pass
+
+    return TrivialSubclass
+  if ':' not in spec:
+    raise SystemExit(f'--cm must look like module:Class, got {spec!r}')
+  mod_name, _, qualname = spec.partition(':')
+  obj = importlib.import_module(mod_name)
+  for part in qualname.split('.'):
+    obj = getattr(obj, part)
+  if not (isinstance(obj, type) and issubclass(obj, ocp.CheckpointManager)):
+    raise SystemExit(f'{spec} is not a subclass of '
+                     'orbax.checkpoint.CheckpointManager')
+  return obj
+
+
+class _Recorder:
+  """pytest plugin: rebinds the class under test and records outcomes."""
+
+  def __init__(self, rank, out_dir, cls, counter):
+    self.rank = rank
+    self.cls = cls
+    self.counter = counter
+    self.results_path = os.path.join(out_dir, f'rank{rank}.jsonl')
+    self.collected_path = os.path.join(out_dir, f'rank{rank}.collected.json')
+    self._reports = collections.defaultdict(dict)
+    self._fh = open(self.results_path, 'w', buffering=1)
+    self.rebound_modules = []
+
+  # Collection: rebind the alias in every collected test module.
+  def pytest_collection_modifyitems(self, session, config, items):
+    del session, config
+    seen = set()
+    for item in items:
+      mod = getattr(item, 'module', None)
+      if mod is None or id(mod) in seen:
+        continue
+      seen.add(id(mod))
+      if self.cls is not None:
+        if not hasattr(mod, TEST_MODULE_ATTR):
+          raise RuntimeError(f'{mod.__name__} has no {TEST_MODULE_ATTR}')
+        setattr(mod, TEST_MODULE_ATTR, self.cls)
+        for pair in filter(None, EXTRA_ALIASES.split(',')):
+          name, _, target = pair.partition('=')
+          tmod, _, attr = target.partition(':')
+          setattr(mod, name.strip(), getattr(importlib.import_module(tmod), attr))
+        self.rebound_modules.append(mod.__name__)
+
+  def pytest_collection_finish(self, session):
+    # Runs after -k / deselection, so this is the list that will run.
+    with open(self.collected_path, 'w') as f:
+      json.dump([it.nodeid for it in session.items], f)
+
+  def pytest_runtest_logstart(self, nodeid, location):
+    del location
+    if self.counter is not None:
+      self.counter.reset()
+
+  def pytest_runtest_logreport(self, report):
+    self._reports[report.nodeid][report.when] = report
+
+  def pytest_runtest_logfinish(self, nodeid, location):
+    del location
+    phases = self._reports.pop(nodeid, {})
+    outcome, reason = 'passed', ''
+    for when in ('setup', 'call', 'teardown'):
+      rep = phases.get(when)
+      if rep is None:
+        continue
+      if rep.failed:
+        outcome = 'failed' if when == 'call' else 'error'
+        reason = _short_reason(rep)
+        break
+      if rep.skipped and outcome == 'passed':
+        outcome = 'skipped'
+        reason = _short_reason(rep)
+    duration = sum(r.duration for r in phases.values())
+    rec = {'nodeid': nodeid, 'outcome': outcome, 'reason': reason,
+           'duration': round(duration, 3)}
+    if self.counter is not None:
+      rec['constructed'] = self.counter.snapshot()
+    self._fh.write(json.dumps(rec) + '\n')
+
+  def pytest_sessionfinish(self, session, exitstatus):
+    del session, exitstatus
+    self._fh.close()
+
+
+def _short_reason(rep):
+  lr = rep.longrepr
+  if lr is None:
+    return ''
+  if isinstance(lr, tuple) and len(lr) == 3:  # skip: (file, line, msg)
+    return str(lr[2])
+  crash = getattr(getattr(lr, 'reprcrash', None), 'message', None)
+  text = crash if crash else str(lr)
+  lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+  return (lines[0] if lines else '')[:400]
+
+
+class _ConstructionCounter:
+  """Counts CheckpointManager constructions, split by class under test."""
+
+  def __init__(self, base, cls):
+    self.base, self.cls = base, cls
+    self._lock = threading.Lock()
+    self.reset()
+    orig = base.__init__
+
+    @functools.wraps(orig)
+    def counting_init(mgr, *a, **kw):
+      # Count only the outermost __init__ of each object.
+      if not getattr(mgr, '_suite_runner_counted', False):
+        object.__setattr__(mgr, '_suite_runner_counted', True)
+        with self._lock:
+          key = 'under_test' if isinstance(mgr, cls) else 'other'
+          self._counts[key] += 1
+      return orig(mgr, *a, **kw)
+
+    base.__init__ = counting_init
+
+  def reset(self):
+    self._counts = {'under_test': 0, 'other': 0}
+
+  def snapshot(self):
+    return dict(self._counts)
+
+
+def worker_main(args):
+  rank, n = args.worker_rank, args.num_processes
+  out_dir = args.out
+  sys.meta_path.insert(0, _OverlayFinder({
+      name: os.path.join(args.suite_dir, rel)
+      for name, rel in OVERLAY_MODULES.items()
+  }))
+
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.distributed.initialize(
+      coordinator_address=args.coordinator, num_processes=n, process_id=rank)
+  print(f'[rank {rank}] process {jax.process_index()}/{jax.process_count()}, '
+        f'{jax.local_device_count()} local / {jax.device_count()} global '
+        f'devices ({jax.default_backend()})', flush=True)
+
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import pytest  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+
+  cls = _resolve_class(args.cm) if args.cm else None
+  counter = None
+  if args.count_constructions:
+    counter = _ConstructionCounter(ocp.CheckpointManager,
+                                   cls or ocp.CheckpointManager)
+  for name in OVERLAY_MODULES:
+    mod = importlib.import_module(name)
+    print(f'[rank {rank}] {name} <- {mod.__file__}', flush=True)
+  # absltest reads flags (e.g. --test_tmpdir) that nobody parses under pytest.
+  flags.FLAGS.mark_as_parsed()
+
+  recorder = _Recorder(rank, out_dir, cls, counter)
+  pytest_args = [
+      os.path.join(args.suite_dir, TEST_FILE),
+      '--rootdir', args.suite_dir,
+      '-p', 'no:cacheprovider',
+      '-q', '-rfE', '--tb=short',
+  ]
+  if args.keyword:
+    pytest_args += ['-k', args.keyword]
+  pytest_args += args.pytest_arg
+  t0 = time.time()
+  rc = pytest.main(pytest_args, plugins=[recorder])
+  if cls is not None:
+    mod = sys.modules.get('checkpoint_manager_test')
+    bound = getattr(mod, TEST_MODULE_ATTR, None) if mod else None
+    print(f'[rank {rank}] rebound in {recorder.rebound_modules}; '
+          f'alias now {bound!r}', flush=True)
+  print(f'[rank {rank}] pytest exit {int(rc)} after {time.time()-t0:.0f}s',
+        flush=True)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  if n > 1:
+    # Leave together, so that rank 0 (which hosts the coordination service)
+    # does not vanish while a peer is still finishing.
+    try:
+      from orbax.checkpoint._src.multihost import multihost  # pylint: disable=g-import-not-at-top
+      multihost.get_jax_distributed_client().wait_at_barrier(
+          'suite_runner_done', 60_000)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      print(f'[rank {rank}] final barrier failed: {e}', flush=True)
+    if rank == 0:
+      time.sleep(2)
+  # Skip interpreter teardown (jax.distributed shutdown barriers, pending
+  # threads) once results are on disk; a crashed peer would make it hang.
+  os._exit(0 if int(rc) in (0, 1, 5) else int(rc))
+
+
+# --------------------------------------------------------------------------
+# Launcher side
+# --------------------------------------------------------------------------
+def _free_port():
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _read_jsonl(path):
+  out = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      for line in f:
+        line = line.strip()
+        if line:
+          try:
+            rec = json.loads(line)
+          except json.JSONDecodeError:
+            continue
+          out[rec['nodeid']] = rec
+  return out
+
+
+def launcher_main(args, argv):
+  n = args.num_processes
+  stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
+  out = os.path.abspath(args.out or os.path.join(args.suite_dir, 'runs', stamp))
+  os.makedirs(out, exist_ok=True)
+  tmpdir = os.path.join(out, 'test_tmpdir')
+  if os.path.exists(tmpdir):
+    shutil.rmtree(tmpdir)
+  os.makedirs(tmpdir)
+  coordinator = f'127.0.0.1:{_free_port()}'
+
+  env = dict(os.environ)
+  env['JAX_PLATFORMS'] = 'cpu'
+  env['TEST_TMPDIR'] = tmpdir
+  xla = env.get('XLA_FLAGS', '')
+  xla = ' '.join(f for f in xla.split()
+                 if not f.startswith('--xla_force_host_platform_device_count'))
+  env['XLA_FLAGS'] = (xla + ' --xla_force_host_platform_device_count='
+                      f'{args.devices_per_process}').strip()
+  env.setdefault('PYTHONUNBUFFERED', '1')
+
+  print(f'run dir: {out}', flush=True)
+  print(f'{n} process(es) x {args.devices_per_process} CPU devices; '
+        f'class: {args.cm or "(unchanged)"}', flush=True)
+  procs = []
+  t0 = time.time()
+  for rank in range(n):
+    cmd = [sys.executable, os.path.abspath(__file__)] + argv + [
+        '--worker-rank', str(rank), '--coordinator', coordinator,
+        '--out', out]
+    log = open(os.path.join(out, f'rank{rank}.log'), 'wb')
+    procs.append((subprocess.Popen(cmd, env=env, stdout=log,
+                                   stderr=subprocess.STDOUT), log))
+
+  stop = {'sig': None}
+
+  def on_signal(signum, frame):
+    del frame
+    stop['sig'] = signum
+
+  signal.signal(signal.SIGTERM, on_signal)
+  signal.signal(signal.SIGINT, on_signal)
+  while stop['sig'] is None and any(p.poll() is None for p, _ in procs):
+    time.sleep(0.5)
+  # If one worker has died, the others will stall at the next barrier; give
+  # them a grace period, then end them by PID.
+  if stop['sig'] is not None:
+    print(f'caught signal {stop["sig"]}; stopping workers', flush=True)
+  for p, _ in procs:
+    if p.poll() is None:
+      try:
+        p.wait(timeout=5 if stop['sig'] else 60)
+      except subprocess.TimeoutExpired:
+        p.terminate()
+  for p, log in procs:
+    try:
+      p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      p.kill()
+      p.wait()
+    log.close()
+  wall = time.time() - t0
+  return summarize(args, out, tmpdir, [p.returncode for p, _ in procs], wall)
+
+
+def summarize(args, out, tmpdir, returncodes, wall):
+  n = args.num_processes
+  per_rank = [_read_jsonl(os.path.join(out, f'rank{r}.jsonl'))
+              for r in range(n)]
+  collected = []
+  for r in range(n):
+    path = os.path.join(out, f'rank{r}.collected.json')
+    if os.path.exists(path):
+      with open(path) as f:
+        collected = json.load(f)
+      break
+  order = list(collected) or sorted(set().union(*per_rank))
+
+  merged = collections.OrderedDict()
+  for nodeid in order:
+    recs = [pr.get(nodeid) for pr in per_rank]
+    outcomes = [rec['outcome'] if rec else 'not-run' for rec in recs]
+    if all(o == 'passed' for o in outcomes):
+      final, reason = 'passed', ''
+    elif all(o == 'skipped' for o in outcomes):
+      final, reason = 'skipped', recs[0]['reason']
+    else:
+      bad = [(r, rec) for r, rec in enumerate(recs)
+             if rec is None or rec['outcome'] in ('failed', 'error')]
+      if not bad:  # mix of passed / skipped across ranks
+        bad = [(r, rec) for r, rec in enumerate(recs)
+               if rec['outcome'] != 'passed']
+      r, rec = bad[0]
+      final = 'not-run' if rec is None else rec['outcome']
+      if final == 'skipped':
+        final = 'failed'
+      reason = (f'rank {r}: ' + ('not run (worker died or timed out)'
+                                 if rec is None else rec['reason']))
+    merged[nodeid] = {'outcome': final, 'reason': reason,
+                      'per_rank': outcomes,
+                      'constructed': (recs[0] or {}).get('constructed')}
+
+  counts = collections.Counter(m['outcome'] for m in merged.values())
+  with open(os.path.join(out, 'summary.json'), 'w') as f:
+    json.dump({'returncodes': returncodes, 'wall_s': round(wall, 1),
+               'num_processes': n, 'cm': args.cm, 'counts': counts,
+               'tests': merged}, f, indent=1)
+
+  print(f'worker return codes: {returncodes}; wall {wall:.0f}s')
+  bad = [(k, v) for k, v in merged.items()
+         if v['outcome'] not in ('passed', 'skipped')]
+  if bad:
+    print(f'--- {len(bad)} failing / erroring / not-run tests ---')
+    for nodeid, v in bad:
+      print(f'{v["outcome"].upper():8s} {nodeid.split("::")[-1]}: '
+            f'{v["reason"]}')
+  skipped = [(k, v) for k, v in merged.items() if v['outcome'] == 'skipped']
+  if skipped:
+    print(f'--- {len(skipped)} skipped ---')
+    for nodeid, v in skipped:
+      print(f'SKIPPED  {nodeid.split("::")[-1]}: {v["reason"]}')
+  if args.count_constructions:
+    no_cls = [k.split('::')[-1] for k, v in merged.items()
+              if v['constructed'] and v['constructed']['under_test'] == 0
+              and v['outcome'] == 'passed']
+    tot = collections.Counter()
+    for v in merged.values():
+      tot.update(v['constructed'] or {})
+    print(f'constructions (rank 0): {dict(tot)}; '
+          f'{len(no_cls)} passing tests never built the class under test')
+  if not args.keep_tmp:
+    shutil.rmtree(tmpdir, ignore_errors=True)
+  print(f'errors: {counts["error"]}, not run: {counts["not-run"]}, '
+        f'collected: {len(merged)}')
+  failed = counts['failed'] + counts['error'] + counts['not-run']
+  print(f'{counts["passed"]} passed, {failed} failed, '
+        f'{counts["skipped"]} skipped', flush=True)
+  return 0 if failed == 0 and merged else 1
+
+
+def main():
+  argv = sys.argv[1:]
+  args = parse_args(argv)
+  if args.worker_rank is not None:
+    worker_main(args)
+  else:
+    sys.exit(launcher_main(args, argv))
+
+
+if __name__ == '__main__':
+  main()
