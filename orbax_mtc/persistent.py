@@ -73,13 +73,16 @@ class PersistentTier:
       CheckpointError: some process does not see `step` even after re-reading (on every
         process alike; nothing was deleted).
     """
-    if step not in self.steps():
-      self._parent("reload")()
-    sees = step in self.steps()
-    records = agree(agreement.OutcomeRecord(
-        status=Status.OK if sees else Status.FAILED,
-        message="" if sees else f"FileNotFoundError: step {step} is not in its view of "
-        f"{self.directory}"), f"delete({step})")
+    try:
+      if step not in self.steps():
+        self._parent("reload")()
+      sees = step in self.steps()
+      message = "" if sees else (f"FileNotFoundError: step {step} is not in its view of "
+                                 f"{self.directory}")
+    except Exception as e:  # noqa: BLE001 - agreed below: raised on every process alike
+      sees, message = False, f"{type(e).__name__}: {e}"
+    records = agree(agreement.OutcomeRecord(status=Status.OK if sees else Status.FAILED,
+                                            message=message), f"delete({step})")
     missing = {p: r.message for p, r in enumerate(records) if r.status != Status.OK}
     if missing:
       raise agreement.CheckpointError(

@@ -56,16 +56,10 @@ class RamSaver:
     self.last_blocking_seconds: float | None = None
 
   def saved_at(self, step: int) -> float:
-    """When RAM step `step` was saved (seconds since the epoch): the agreed clock of its save,
-    else the time its manifest here records (a step of an earlier run), else 0."""
-    known = self._saved_at.get(step)
-    if known is None:
-      try:
-        known = self._local.manifest(step).created_at
-      except Exception:  # noqa: BLE001 - not held here: as old as can be
-        known = 0.0
-      self._saved_at[step] = known
-    return known
+    """When RAM step `step` was saved (seconds since the epoch): the agreed clock of its
+    save, the same on every process; 0 (as old as can be) for a step of an earlier run,
+    whose manifests' times differ between processes (retention must be one answer)."""
+    return self._saved_at.get(step, 0.0)
 
   def metrics_of(self, step: int) -> Any:
     """The metrics RAM step `step` was saved with in this run (None otherwise)."""
