@@ -7,21 +7,12 @@ folders (`local.store`) and the peer copies (`peers.store`), so they never disag
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 from collections.abc import Callable, Collection
 from typing import Any
 
 from orbax.checkpoint import checkpoint_managers as policies
 
-
-@dataclasses.dataclass(frozen=True)
-class _Info:
-  """A `PolicyCheckpointInfo` of a RAM step."""
-
-  step: int
-  time: datetime.datetime
-  metrics: Any = None
+from orbax_mtc.save_policy import step_info
 
 
 class RamRetention:
@@ -48,8 +39,7 @@ class RamRetention:
     if not ordered:
       return set()
     if self.policy is not None:
-      infos = [_Info(s, datetime.datetime.fromtimestamp(self._saved_at(s), tz=datetime.UTC),
-                     self._metrics(s)) for s in ordered]
+      infos = [step_info(s, self._saved_at(s), self._metrics(s)) for s in ordered]
       preserve = self.policy.should_preserve(infos, context=policies.PreservationContext())
       kept = {s for s, keep in zip(ordered, preserve, strict=True) if keep}
     elif self.max_to_keep is None:

@@ -22,19 +22,15 @@ from typing import Any
 
 from orbax.checkpoint import checkpoint_managers as policies
 from orbax.checkpoint import options as ocp_options
+from orbax.checkpoint.checkpoint_manager import CheckpointInfo
 
 
-@dataclasses.dataclass(frozen=True)
-class _StepInfo:
-  """A `PolicyCheckpointInfo` of a RAM step: its step and when it was saved."""
-
-  step: int
-  time: datetime.datetime
-  metrics: Any = None
-
-
-def _at(seconds: float) -> datetime.datetime:
-  return datetime.datetime.fromtimestamp(seconds, tz=datetime.UTC)
+def step_info(step: int, seconds: float, metrics: Any = None) -> CheckpointInfo:
+  """Orbax's `CheckpointInfo` of a RAM step saved at `seconds` since the epoch, as its
+  policies read it."""
+  return CheckpointInfo(step=step, time=datetime.datetime.fromtimestamp(seconds,
+                                                                         tz=datetime.UTC),
+                        metrics=metrics)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +91,7 @@ def ram_should_save(step: int, agreed_ram: Sequence[int], local_options: Any, *,
       is_saving_in_progress=write_in_flight, reached_preemption=False,
       multiprocessing_options=ocp_options.MultiprocessingOptions())
   return bool(ram_policy(local_options).should_save(
-      _StepInfo(step, _at(now)), [_StepInfo(s, _at(saved_at(s))) for s in steps],
+      step_info(step, now), [step_info(s, saved_at(s)) for s in steps],
       context=context))
 
 

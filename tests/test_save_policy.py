@@ -140,7 +140,7 @@ def test_should_save_fn_policy_composes_with_orbax_policies():
   context = policies.DecisionContext(is_saving_in_progress=False, reached_preemption=False,
                                      multiprocessing_options=None)
   def info(step):  # a PolicyCheckpointInfo of a RAM step
-    return save_policy._StepInfo(step, save_policy._at(0.0))
+    return save_policy.step_info(step, 0.0)
   assert [s for s in range(21) if policy.should_save(info(s), [], context=context)] == [
       0, 7, 10, 20]
 

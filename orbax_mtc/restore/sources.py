@@ -182,9 +182,7 @@ class HostFolders:
     """
     source = self._source(kind, rank, step, count, digest_value)
     manifest, data = source.read()
-    if (manifest.process_count, manifest.process_index) != (count, rank) or \
-        digest(manifest) != digest_value:
-      raise local_format.ManifestError(f"{source.path}: not saved rank {rank} of this save")
+    _check_identity(source, manifest, rank, count, digest_value)
     return Folder(manifest, data, str(source.path), primary=source.primary)
 
 
@@ -193,10 +191,16 @@ class HostFolders:
     read or verified: for sending, the receiver checks). Raises as `load`."""
     source = self._source(kind, rank, step, count, digest_value)
     manifest = source.manifest()
-    if (manifest.process_count, manifest.process_index) != (count, rank) or \
-        digest(manifest) != digest_value:
-      raise local_format.ManifestError(f"{source.path}: not saved rank {rank} of this save")
+    _check_identity(source, manifest, rank, count, digest_value)
     return Located(manifest, str(source.path), source.locate())
+
+
+def _check_identity(source: Source, manifest: StepManifest, rank: int, count: int,
+                    digest_value: int) -> None:
+  """ManifestError unless `manifest` is saved rank `rank` of the save (count, digest)."""
+  if (manifest.process_count, manifest.process_index) != (count, rank) or \
+      digest(manifest) != digest_value:
+    raise local_format.ManifestError(f"{source.path}: not saved rank {rank} of this save")
 
 
 def _ref(folder: Path, step: int, source: int | None
