@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import shutil
 import stat
 import sys
 import uuid
@@ -93,3 +94,26 @@ def assert_private(root: pathlib.Path, *, skip: tuple[str, ...] = (),
         f"{path} has mode {stat.S_IMODE(info.st_mode):o}, expected {want:o}")
     checked += 1
   return checked
+
+
+def saved_run(request, tmp_path_factory, tag: str, save_args: list[str]
+              ) -> tuple[pathlib.Path, pathlib.Path]:
+  """A finished 2-process `save` job over steps 0-10 (its folders removed with the fixture
+  that asked for it): (root of its RAM folders, its persistent directory)."""
+  src = new_root(tag)
+  request.addfinalizer(lambda: shutil.rmtree(src, ignore_errors=True))
+  persistent = tmp_path_factory.mktemp(f"{tag}-persistent") / "ckpt"
+  result, out = run_job(["save", "--steps", "11", "--persistent-dir", str(persistent),
+                         *save_args], 2, src)
+  assert_ok(result, out)
+  return src, persistent
+
+
+def clone_run(run: tuple[pathlib.Path, pathlib.Path], root: pathlib.Path,
+              tmp_path: pathlib.Path) -> pathlib.Path:
+  """A copy of a `saved_run` at `root` (links kept as links); returns its persistent copy."""
+  src, src_persistent = run
+  shutil.copytree(src, root, symlinks=True)
+  persistent = tmp_path / "persistent"
+  shutil.copytree(src_persistent, persistent, symlinks=True)
+  return persistent

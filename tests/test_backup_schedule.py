@@ -3,6 +3,8 @@ backups taken from steps committed in RAM."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from conftest import abstract_of, assert_trees_equal, make_state
 
@@ -202,6 +204,19 @@ def _hold_orbax(mgr, shm_dir):
   return release, released
 
 
+@contextlib.contextmanager
+def _held_after_step_0(shm_dir, mesh, options, states):
+  """A manager that has backed up step 0, with Orbax then held (`_hold_orbax`):
+  yields (manager, release, released)."""
+  import orbax.checkpoint as ocp
+
+  with mtc.CheckpointManager(shm_dir / "l", shm_dir / "p", mesh, abstract_of(states[0]),
+                             options=options) as mgr:
+    mgr.save(0, args=ocp.args.Composite(state=ocp.args.PyTreeSave(states[0])))
+    mgr.wait_until_finished()
+    yield (mgr, *_hold_orbax(mgr, shm_dir))
+
+
 @pytest.mark.parametrize("skip", [False, True], ids=["wait", "skip"])
 def test_every_due_step_is_backed_up_unless_skipping_is_asked_for(shm_dir, mesh, monkeypatch,
                                                                   caplog, skip):
@@ -218,11 +233,7 @@ def test_every_due_step_is_backed_up_unless_skipping_is_asked_for(shm_dir, mesh,
 
   options = _options(save_interval_steps=4, skip_backups_when_busy=skip)
   states = {step: make_state(mesh, step) for step in range(13)}
-  with mtc.CheckpointManager(shm_dir / "l", shm_dir / "p", mesh, abstract_of(states[0]),
-                             options=options) as mgr:
-    mgr.save(0, args=ocp.args.Composite(state=ocp.args.PyTreeSave(states[0])))
-    mgr.wait_until_finished()
-    release, released = _hold_orbax(mgr, shm_dir)
+  with _held_after_step_0(shm_dir, mesh, options, states) as (mgr, release, released):
     make_room = backup_scheduler.BackupScheduler._make_room
     waited_at: list[int] = []
 
@@ -270,11 +281,7 @@ def test_a_storage_write_that_hangs_past_orbax_timeout_is_not_waited_for(shm_dir
   options = dataclasses.replace(_options(save_interval_steps=4),
                                 async_options=ocp.AsyncOptions(timeout_secs=1))
   states = {step: make_state(mesh, step) for step in range(13)}
-  with mtc.CheckpointManager(shm_dir / "l", shm_dir / "p", mesh, abstract_of(states[0]),
-                             options=options) as mgr:
-    mgr.save(0, args=ocp.args.Composite(state=ocp.args.PyTreeSave(states[0])))
-    mgr.wait_until_finished()
-    release, _ = _hold_orbax(mgr, shm_dir)
+  with _held_after_step_0(shm_dir, mesh, options, states) as (mgr, release, _):
     try:
       for step in range(1, 13):  # returns although the write never ends meanwhile
         mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(states[step])))

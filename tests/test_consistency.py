@@ -23,7 +23,17 @@ import pathlib
 import shutil
 
 import pytest
-from mp_helpers import assert_ok, assert_results, mp_events, new_root, run_job, started_job, tail
+from mp_helpers import (
+    assert_ok,
+    assert_results,
+    clone_run,
+    mp_events,
+    new_root,
+    run_job,
+    saved_run,
+    started_job,
+    tail,
+)
 
 from orbax_mtc.local.format import MANIFEST, MANIFEST_CRC_KEY, manifest_checksum
 from orbax_mtc.local.read import verify_step
@@ -121,21 +131,7 @@ def dp_run(request, tmp_path_factory):
 def mixed_run(request, tmp_path_factory):
   """2 processes, each holding different shards (no twins): RAM {8, 10}, persistent
   {0, 4, 8}, each node's step held as a copy by the other."""
-  src = new_root("mixed-run")
-  request.addfinalizer(lambda: shutil.rmtree(src, ignore_errors=True))
-  persistent = tmp_path_factory.mktemp("mixed-persistent") / "ckpt"
-  result, out = run_job(["save", "--steps", "11", "--persistent-dir", str(persistent), *TWO],
-                        2, src)
-  assert_ok(result, out)
-  return src, persistent
-
-
-def _clone(run, root: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
-  src, src_persistent = run
-  shutil.copytree(src, root, symlinks=True)
-  persistent = tmp_path / "persistent"
-  shutil.copytree(src_persistent, persistent, symlinks=True)
-  return persistent
+  return saved_run(request, tmp_path_factory, "mixed-run", TWO)
 
 
 # ----------------------------------------------------------------------------- 2. mismatch
@@ -147,7 +143,7 @@ def test_a_target_with_another_mesh_layout_is_rebuilt_from_ram_bit_exact(
   """Same shapes, the mesh's device order reversed: every process's shards lie elsewhere than
   saved. Issue 27 made this an agreed error; the elastic restore (issue 31) now rebuilds the
   newest RAM step on the new layout, on every process, bit for bit."""
-  persistent = _clone(mixed_run, root, tmp_path)
+  persistent = clone_run(mixed_run, root, tmp_path)
   if not with_persistent:
     shutil.rmtree(persistent)
     persistent.mkdir()
@@ -194,7 +190,7 @@ def _corrupt(path: pathlib.Path, how: str) -> None:
 @pytest.mark.parametrize("how", ["null", "float33", "huge-size", "index"])
 def test_a_wrong_manifest_on_one_node_falls_back_to_the_twin_everywhere(
     dp_run, root, tmp_path, how):
-  persistent = _clone(dp_run, root, tmp_path)
+  persistent = clone_run(dp_run, root, tmp_path)
   _corrupt(root / "node1" / "10" / MANIFEST, how)
   result, out = run_job(["restore", "--layout", "dp", "--persistent-dir", str(persistent),
                          *TWO], 2, root)
@@ -208,7 +204,7 @@ def test_a_wrong_manifest_on_one_node_falls_back_to_the_twin_everywhere(
 
 
 def test_a_wrong_manifest_without_a_twin_falls_back_to_the_peer_copy(mixed_run, root, tmp_path):
-  persistent = _clone(mixed_run, root, tmp_path)
+  persistent = clone_run(mixed_run, root, tmp_path)
   _corrupt(root / "node1" / "10" / MANIFEST, "null")
   result, out = run_job(["restore", "--persistent-dir", str(persistent), *TWO], 2, root)
   assert_ok(result, out)
@@ -250,7 +246,7 @@ def test_a_fault_on_one_process_ends_the_same_way_on_every_process(
     mixed_run, root, tmp_path, phase):
   step, restore_first, outcome = FAULTS[phase]
   if restore_first:
-    persistent = _clone(mixed_run, root, tmp_path)
+    persistent = clone_run(mixed_run, root, tmp_path)
     if phase == "writeback":
       shutil.rmtree(root / "node1")  # node 1 recovers from its peer copy, then writes it back
     if phase == "persistent-read":

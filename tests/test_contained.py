@@ -19,7 +19,16 @@ import shutil
 import subprocess
 
 import pytest
-from mp_helpers import assert_ok, mp_events, new_root, run_job, started_job, tail
+from mp_helpers import (
+    assert_ok,
+    clone_run,
+    mp_events,
+    new_root,
+    run_job,
+    saved_run,
+    started_job,
+    tail,
+)
 
 from orbax_mtc import distributed
 
@@ -41,28 +50,14 @@ def root():
 
 
 @pytest.fixture(scope="module")
-def saved_run(request, tmp_path_factory):
+def contained_run(request, tmp_path_factory):
   """2 processes: RAM {8, 10}, persistent {0, 4, 8}."""
-  src = new_root("contained-run")
-  request.addfinalizer(lambda: shutil.rmtree(src, ignore_errors=True))
-  persistent = tmp_path_factory.mktemp("contained-persistent") / "ckpt"
-  result, out = run_job(["save", "--steps", "11", "--persistent-dir", str(persistent), *TWO],
-                        2, src)
-  assert_ok(result, out)
-  return src, persistent
+  return saved_run(request, tmp_path_factory, "contained-run", TWO)
 
 
-def _clone(run, root, tmp_path):
-  src, src_persistent = run
-  shutil.copytree(src, root, symlinks=True)
-  persistent = tmp_path / "persistent"
-  shutil.copytree(src_persistent, persistent, symlinks=True)
-  return persistent
-
-
-def test_delete_of_a_step_one_view_lacks_is_entered_by_every_process(saved_run, root,
+def test_delete_of_a_step_one_view_lacks_is_entered_by_every_process(contained_run, root,
                                                                      tmp_path):
-  persistent = _clone(saved_run, root, tmp_path)
+  persistent = clone_run(contained_run, root, tmp_path)
   result, out = run_job(["delete", "--step", "4", "--lag-process", "1", "--persistent-dir",
                          str(persistent), *TWO], 2, root, timeout_s=120)
   assert not result.timed_out, f"a process was left waiting: {result}\n{tail(out)}"
@@ -82,9 +77,9 @@ def test_delete_of_a_step_one_view_lacks_is_entered_by_every_process(saved_run, 
 
 @pytest.mark.parametrize("lag_process, backed_up", [(1, False), (0, True)],
                          ids=["process-1-lags", "process-0-lags"])
-def test_backups_by_minutes_run_on_one_agreed_clock(saved_run, root, tmp_path, lag_process,
-                                                    backed_up):
-  persistent = _clone(saved_run, root, tmp_path)
+def test_backups_by_minutes_run_on_one_agreed_clock(contained_run, root, tmp_path,
+                                                    lag_process, backed_up):
+  persistent = clone_run(contained_run, root, tmp_path)
   result, out = run_job(["clock", "--step", "12", "--lag-process", str(lag_process),
                          "--backup-minutes", "30", "--persistent-dir", str(persistent),
                          *TWO[:4], *AGREE], 2, root, timeout_s=120)

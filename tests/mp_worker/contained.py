@@ -114,18 +114,15 @@ def cmd_policies(args) -> int:
   mesh = make_mesh()
   me = jax.process_index()
   local_root = pathlib.Path(args.local_dir or distributed.local_directory())
-  for name in policies.policies():
-    held = policies.run(
-        args.tier, name, local_root / f"{args.tier}-{name}",
-        pathlib.Path(args.persistent_dir) / f"{args.tier}-{name}", mesh,
-        abstract_state(mesh, args.rows), lambda step: make_state(mesh, args.rows, args.seed, step))
-    emit(f"POLICY process={me} tier={args.tier} name={name} steps={fmt(held)}")
-  for name in policies.preservations():
-    held = policies.run_preservation(
-        args.tier, name, local_root / f"{args.tier}-keep-{name}",
-        pathlib.Path(args.persistent_dir) / f"{args.tier}-keep-{name}", mesh,
-        abstract_state(mesh, args.rows), lambda step: make_state(mesh, args.rows, args.seed, step))
-    emit(f"KEPT process={me} tier={args.tier} name={name} steps={fmt(held)}")
+  for kind, table, run in (("POLICY", policies.policies(), policies.run),
+                           ("KEPT", policies.preservations(), policies.run_preservation)):
+    for name in table:
+      folder = f"{args.tier}-{kind.lower()}-{name}"
+      held = run(args.tier, name, local_root / folder,
+                 pathlib.Path(args.persistent_dir) / folder, mesh,
+                 abstract_state(mesh, args.rows),
+                 lambda step: make_state(mesh, args.rows, args.seed, step))
+      emit(f"{kind} process={me} tier={args.tier} name={name} steps={fmt(held)}")
   emit("DONE")
   return 0
 
