@@ -24,7 +24,7 @@ from orbax_mtc.local.format import (
     ManifestError,
     MissingItemError,
 )
-from orbax_mtc.local.lock import LocalDirectoryInUseError
+from orbax_mtc.local.lock import LocalDirectoryInUseError, LocalDirectoryTakenOverError
 from orbax_mtc.managed.manager import ReplicatorCheckpointManager
 from orbax_mtc.managed.options import ReplicatorCheckpointManagerOptions
 from orbax_mtc.managed.protocol import ReplicatorError
@@ -55,6 +55,7 @@ __all__ = [
     "CorruptStepError",
     "LocalCheckpointOptions",
     "LocalDirectoryInUseError",
+    "LocalDirectoryTakenOverError",
     "LocalTierError",
     "ManifestError",
     "ManagedOptions",

@@ -39,7 +39,7 @@ MULTI_TIER_SIGNATURE = _signature(
     [("local_directory", _REQUIRED), ("persistent_directory", _REQUIRED),
      ("global_mesh", _REQUIRED), ("abstract_state", _REQUIRED)],
     [("options", None), ("metadata", None), ("logger", None), ("item_handlers", None),
-     ("handler_registry", None)])
+     ("handler_registry", None), ("persistent_non_replicated_directory", None)])
 PARENT_STYLE_SIGNATURE = _signature(
     [("directory", _REQUIRED), ("checkpointers", None), ("options", None), ("metadata", None),
      ("item_names", None), ("item_handlers", None), ("logger", None),
@@ -65,7 +65,7 @@ def choose_form(args: tuple[Any, ...], kwargs: dict[str, Any], mtc_options_type:
   Returns:
     `MULTI_TIER` or `PARENT_STYLE`.
   """
-  if "persistent_directory" in kwargs:
+  if "persistent_directory" in kwargs or "persistent_non_replicated_directory" in kwargs:
     return MULTI_TIER
   if any(name in kwargs for name in _PARENT_ONLY):
     return PARENT_STYLE
@@ -94,15 +94,6 @@ def bind(args: tuple[Any, ...], kwargs: dict[str, Any],
   Raises:
     TypeError: If the call does not fit the signature of its form; the message shows both.
   """
-  if "persistent_non_replicated_directory" in kwargs:
-    # Orbax's emergency manager saves a `dataset` item there (persistent only).
-    raise TypeError(
-        "orbax_mtc.CheckpointManager has no persistent_non_replicated_directory: per-process "
-        "items are kept in every tier (RAM, peers, and the persistent step itself). Save the "
-        "data iterator as an item of the same Composite, e.g. dataset=grain.checkpoint."
-        "CheckpointSave(iterator) or orbax_mtc.ProcessJsonSave(position), restore it with "
-        "CheckpointRestore(iterator) / ProcessJsonRestore(), and drop this argument "
-        "(docs/iterators.md).")
   form = choose_form(args, kwargs, mtc_options_type)
   signature = MULTI_TIER_SIGNATURE if form == MULTI_TIER else PARENT_STYLE_SIGNATURE
   try:

@@ -23,6 +23,36 @@ DEFAULT_ITEM = "default"  # Orbax's folder name for a single-item checkpoint
 STATE_ITEM = "state"  # the item name a restore without args builds from abstract_state
 
 
+# Orbax's emergency manager keeps its own per-process metadata under this item name and
+# refuses it from users; code written for that manager must meet the same answer here.
+RESERVED_ITEM = "process_metadata"
+
+
+def save_args_of(items: Any, args: Any) -> Any:
+  """A multi-tier save's args (Orbax's older `items` form converted).
+
+  Raises:
+    ValueError: neither given, or an item named `process_metadata` (as Orbax's emergency
+      manager).
+  """
+  if args is None:
+    if items is None:
+      raise ValueError("Must provide `args` for `save`.")
+    args = items if isinstance(items, ocp.args.CheckpointArgs) else ocp.args.PyTreeSave(items)
+  if isinstance(args, ocp.args.Composite) and RESERVED_ITEM in args.keys():
+    raise ValueError(
+        f"{RESERVED_ITEM!r} is a reserved item name (Orbax's emergency CheckpointManager "
+        "keeps its per-process metadata under it): give the item another name.")
+  return args
+
+
+def restore_args_of(items: Any, args: Any) -> Any:
+  """A restore's args (Orbax's older `items` form converted)."""
+  if items is not None and args is None:
+    return items if isinstance(items, ocp.args.CheckpointArgs) else ocp.args.PyTreeRestore(items)
+  return args
+
+
 def named_items(args: Any) -> dict[str, Any]:
   """Item name -> args of one item (a single-item call is Orbax's default item)."""
   return dict(args.items()) if isinstance(args, ocp.args.Composite) else {DEFAULT_ITEM: args}

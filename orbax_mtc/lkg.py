@@ -1,6 +1,9 @@
 """Last-known-good links: `<job>-s<step>-n<node_rank>-w<worker_index>.restore`.
 
-The link lives in the node's local directory and points at the newest committed step folder.
+The link lives in the node's local directory and points at the newest committed step folder's
+manifest (`<step>/manifest.json`, written last): a link to a file, so a tool that walks the
+folder and treats every directory in it as a step (`shutil.rmtree` of each, Orbax's
+`test_utils.empty_directory`, `du`, `cp -r`) never meets the step a second time through it.
 Standalone mode keeps it up to date after each local commit; managed mode reads the entries a
 GKE replicator writes (where a zero-size regular file with step 0 means "nothing to restore").
 
@@ -17,6 +20,8 @@ import re
 import threading
 import uuid
 from pathlib import Path
+
+from orbax_mtc.local.format import MANIFEST
 
 RESTORE_SUFFIX = ".restore"
 _RESTORE_RE = re.compile(r"^(?P<job>.+)-s(?P<step>\d+)-n(?P<node>\d+)-w(?P<worker>\d+)\.restore$")
@@ -41,6 +46,11 @@ class LkgEntry:
 
 def link_name(job_name: str, step: int, node_rank: int, worker_index: int) -> str:
   return f"{job_name}-s{step}-n{node_rank}-w{worker_index}{RESTORE_SUFFIX}"
+
+
+def link_target(step: int) -> str:
+  """What this node's link for `step` holds: relative, as the folder may be mounted elsewhere."""
+  return f"{step}/{MANIFEST}"
 
 
 def parse_link_name(name: str) -> LkgEntry:
@@ -112,7 +122,7 @@ def cleanup_temporary(directory: Path, job_name: str, node_rank: int,
 
 
 def update(directory: Path, job_name: str, step: int, node_rank: int, worker_index: int) -> Path:
-  """Points this node's LKG link at `<directory>/<step>` and drops its older links (and
+  """Points this node's LKG link at `<directory>/<step>` (its manifest) and drops its older links (and
   temporary links a killed process left).
 
   The new link is made under a temporary name and renamed into place, so a reader always sees
@@ -124,7 +134,7 @@ def update(directory: Path, job_name: str, step: int, node_rank: int, worker_ind
   with _lock:
     _remove_temporary(directory, job_name, node_rank, worker_index)
     tmp = directory / f".{name}.{uuid.uuid4().hex}.tmp"
-    os.symlink(str(step), tmp)  # relative: the local directory may be mounted elsewhere later
+    os.symlink(link_target(step), tmp)
     try:
       os.replace(tmp, final)
     except BaseException:

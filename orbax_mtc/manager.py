@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
@@ -39,6 +38,7 @@ from orbax_mtc import (
   constructor,
   distributed,
   item_args,
+  non_replicated,
   preemption,
   save_policy,
   wiring,
@@ -67,6 +67,7 @@ class CheckpointManager(ocp.CheckpointManager):
   """
 
   _OWNS_SIGTERM = True  # without jax.distributed (the parent-style form keeps Orbax's)
+  _non_replicated = non_replicated.NONE  # Orbax's `dataset` item folder (multi-tier form)
 
   def __new__(cls, *args: Any, **kwargs: Any):
     # The form is chosen once, by the arguments: the parent-style form is its own subclass.
@@ -82,7 +83,8 @@ class CheckpointManager(ocp.CheckpointManager):
 
     multi-tier: `CheckpointManager(local_directory, persistent_directory, global_mesh,
     abstract_state, *, options=orbax_mtc.CheckpointManagerOptions(...), metadata=None,
-    logger=None, item_handlers=None, handler_registry=None)`.
+    logger=None, item_handlers=None, handler_registry=None,
+    persistent_non_replicated_directory=None)` (the last as in Orbax's emergency manager).
 
     parent-style: `ocp.CheckpointManager`'s signature (`directory, checkpointers=None,
     options=None, metadata=None, item_names=None, item_handlers=None, logger=None,
@@ -101,7 +103,8 @@ class CheckpointManager(ocp.CheckpointManager):
     self._init_multi_tier(**params)
 
   def _init_multi_tier(self, local_directory, persistent_directory, global_mesh, abstract_state,
-                       options, metadata, logger, item_handlers, handler_registry) -> None:
+                       options, metadata, logger, item_handlers, handler_registry,
+                       persistent_non_replicated_directory) -> None:
     options = constructor.check_multi_tier(local_directory, persistent_directory, global_mesh,
                                            options, CheckpointManagerOptions)
     minutes = options.persistent.backup_interval_minutes
@@ -114,6 +117,9 @@ class CheckpointManager(ocp.CheckpointManager):
       super().__init__(persistent_directory, options=options.persistent_manager_options(),
                        metadata=metadata, logger=logger, item_handlers=item_handlers,
                        handler_registry=handler_registry)
+    self._non_replicated = non_replicated.NonReplicatedItems(
+        persistent_non_replicated_directory, options.persistent_manager_options(),
+        metadata=metadata, item_handlers=item_handlers, handler_registry=handler_registry)
     self._ready()
     if self._managed:
       # The first restore(None) honours the replicator's entry; 0 = it has nothing.
@@ -152,8 +158,8 @@ class CheckpointManager(ocp.CheckpointManager):
     self._local, self._store, self._directory_lock = parts.local, parts.store, parts.lock
     self._writer, self._ledger, self._peers = parts.writer, parts.ledger, parts.peers
     self._backups, self._ram, self._ondemand = parts.backups, parts.ram, parts.ondemand
-    self._schedule, self._tiers, self._delete_local = parts.schedule, parts.tiers, \
-        parts.delete_local
+    self._schedule, self._tiers = parts.schedule, parts.tiers
+    self._delete_local = parts.delete_local
 
   def _ready(self) -> None:
     """After the parent's __init__: the overrides take over from here."""
@@ -200,8 +206,7 @@ class CheckpointManager(ocp.CheckpointManager):
   replica_axis = Reported("_peers", "replica_axis", "The mesh axis that indexes replicas.")
   topology = Reported("_peers", "topology",
                       "Replicas, twins and peers of this job (None in a single process).")
-  last_restore = Reported("_tiers", "last", "Where the last `restore` came from.",
-                          settable=True)
+  last_restore = Reported("_tiers", "last", "Where the last `restore` came from.", settable=True)
   last_ondemand = Reported("_ondemand", "last", "The newest on-demand save, and its times.")
   last_save_blocking_seconds = Reported("_ram", "last_blocking_seconds",
                                         "How long the newest RAM save blocked the caller.")
@@ -266,17 +271,14 @@ class CheckpointManager(ocp.CheckpointManager):
       Whether any tier saved the step (the same on every process).
 
     Raises:
-      ValueError: a negative step, or different steps on different processes.
+      ValueError: a negative step, different steps on different processes, or an item named
+        `process_metadata` (reserved, as in Orbax's emergency manager).
       StepAlreadyExistsError: the step is in a tier already.
       CheckpointError: an earlier RAM write failed on some process.
     """
-    if args is None:
-      if items is None:
-        raise ValueError("Must provide `args` for `save`.")
-      args = items if isinstance(items, ocp.args.CheckpointArgs) else ocp.args.PyTreeSave(items)
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-      raise ValueError(f"step must be a non-negative int, got {step!r}.")
-    step = int(step)
+    args = item_args.save_args_of(items, args)
+    step = save_policy.checked_step(step)
+    args = self._non_replicated.save(step, args, force=bool(force), custom_metadata=custom_metadata)
     # An error of an earlier write is not raised here, on this process alone: it travels in
     # the next agreement, so every process raises it together (rule 9).
     self._backups.poll()
@@ -310,20 +312,17 @@ class CheckpointManager(ocp.CheckpointManager):
     return True
 
   def wait_until_local_finished(self) -> None:
-    """Waits for this process's own work in flight: its RAM write and its part of the backup
-    Orbax writes. No collective (peer copies wait for the next save), so a process may call
-    it alone. A failure is raised by the next save or `wait_until_finished`, on every
-    process alike."""
+    """Waits for this process's own RAM write and its part of the backup in flight. No
+    collective (peer copies wait for the next save): a process may call it alone. A failure
+    is raised by the next save or `wait_until_finished`, on every process alike."""
     self._writer.wait()
     self._backups.poll(block=True)
 
   @persistent_view_when_nested
   def replicate_pending(self) -> None:
-    """Sends the newest local step to its peers now, blocking until the bytes are out.
-
-    Every process must call it at the same point (it issues collectives). `save()` already
-    does this a few chunks at a time; call it before a planned stop to protect the last step.
-    """
+    """Sends the newest local step to its peers now, blocking until the bytes are out. Every
+    process calls it at the same point (collectives). `save()` already does this a few chunks
+    at a time; call it before a planned stop to protect the last step."""
     self._peers.finish()
 
   # ------------------------------------------------------------------ restore
@@ -339,15 +338,13 @@ class CheckpointManager(ocp.CheckpointManager):
         deleted).
       LocalTierError: `step` is in RAM everywhere but unusable, and not persistent.
     """
-    if items is not None and args is None:
-      args = items if isinstance(items, ocp.args.CheckpointArgs) else \
-          ocp.args.PyTreeRestore(items)
+    args = item_args.restore_args_of(items, args)
     if directory is not None:  # an explicit folder is a plain Orbax restore
       with self._persistent_view():
         return super().restore(step, directory=directory, args=args)
     self._writer.wait()
     self._backups.drop_pending("a restore")
-    return self._tiers.restore(step, *item_args.restore_targets(args, self._abstract_state))
+    return self._non_replicated.restore(step, args, self._tiers, self._abstract_state)
 
   # ------------------------------------------------------------------ steps and metadata
 
@@ -409,6 +406,7 @@ class CheckpointManager(ocp.CheckpointManager):
     self._writer.wait()
     self._peers.finish()
     self._backups.flush(self._agree)
+    self._non_replicated.wait_until_finished()
     self._ledger.agree_steps(what, backup_error=self._backups.take_error if report_backup
                              else None)
 
@@ -420,8 +418,7 @@ class CheckpointManager(ocp.CheckpointManager):
 
     Raises:
       CheckpointError: on every process alike, for a failed RAM write on any of them.
-      BackupError: else, if the newest backup failed (once per failure; the RAM tier still
-        holds the step).
+      BackupError: else, if the newest backup failed (once; the RAM tier still has the step).
     """
     self._finish_all("wait_until_finished", report_backup=True)
 
@@ -434,6 +431,7 @@ class CheckpointManager(ocp.CheckpointManager):
       with self._persistent_view():
         return super().check_for_errors()
     self._backups.poll()
+    self._non_replicated.check_for_errors()
     error = self._backups.take_error()
     if error is not None:
       raise error
@@ -444,7 +442,8 @@ class CheckpointManager(ocp.CheckpointManager):
       return
     self._closed = True
     try:
-      self.wait_until_finished()
+      if not getattr(self._directory_lock, "taken_over", False):  # else finished at takeover
+        self.wait_until_finished()
     finally:
       self._writer.shutdown()
       self._local.close()
@@ -452,6 +451,7 @@ class CheckpointManager(ocp.CheckpointManager):
         self._directory_lock.release()
       if self._own_sigterm_handler:
         preemption.detach()
+      self._non_replicated.close()
       with self._persistent_view():
         super().close()
 

@@ -42,6 +42,7 @@ class RamWriter:
     self.executor = concurrent.futures.ThreadPoolExecutor(
         1, thread_name_prefix="mtc-local-write")
     self._in_flight: concurrent.futures.Future | None = None
+    self._retired: Exception | None = None
 
   @property
   def in_flight(self) -> bool:
@@ -69,6 +70,7 @@ class RamWriter:
         synchronous write is waited for (its error kept for the next agreement).
       replace: how a committed folder of the step is set aside (`LocalTier.write`).
     """
+    self._refuse_if_retired()
     if background if background is not None else self._asynchronous:
       self._in_flight = self.executor.submit(self._write, staged, replace)
       return
@@ -96,6 +98,7 @@ class RamWriter:
 
   def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
     """Runs `fn(*args)` on the writer thread, after everything issued before it."""
+    self._refuse_if_retired()
     return self.executor.submit(fn, *args)
 
   def drain(self) -> None:
@@ -104,6 +107,16 @@ class RamWriter:
 
   def shutdown(self) -> None:
     self.executor.shutdown(wait=True)
+
+  def retire(self, error: Exception) -> None:
+    """Runs everything issued so far, then refuses any further work with `error` (the
+    folder now belongs to another writer)."""
+    self._retired = error
+    self.shutdown()
+
+  def _refuse_if_retired(self) -> None:
+    if self._retired is not None:
+      raise self._retired
 
   def _write(self, staged: local_staging.StagedStep, replace: str | None = None) -> None:
     try:

@@ -20,9 +20,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 from orbax.checkpoint import checkpoint_managers as policies
 from orbax.checkpoint import options as ocp_options
 from orbax.checkpoint.checkpoint_manager import CheckpointInfo
+
+
+def checked_step(step: Any) -> int:
+  """`step` as an int; ValueError unless it is a non-negative integer."""
+  if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+    raise ValueError(f"step must be a non-negative int, got {step!r}.")
+  return int(step)
 
 
 def step_info(step: int, seconds: float, metrics: Any = None) -> CheckpointInfo:

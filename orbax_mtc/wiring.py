@@ -96,8 +96,19 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
   """
   managed = options.mode == "managed"
 
+  # Set once a manager made later in this process takes the RAM folder over: from then on
+  # this manager neither writes into it nor joins a collective (its peers' managers are the
+  # newer ones).
+  taken_over: list[Exception] = []
+
   def allgather(row: np.ndarray, what: str) -> np.ndarray:
+    if taken_over:
+      raise taken_over[0]
     return collectives.allgather(row, what, process_count, options.agreement_timeout_seconds)
+
+  def retire() -> None:
+    taken_over.append(local_lock.LocalDirectoryTakenOverError(local_directory))
+    writer.retire(taken_over[0])
 
   agree = agree_with(allgather)
   links = lkg.LinkKeeper(local_directory, options.job_name, process_index, worker_index,
@@ -117,7 +128,8 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
   local.keep = store.keep = retention.kept
   lock = claim.claim_local_directory(
       local_directory, job_name=options.job_name, process_index=process_index,
-      worker_index=worker_index, local=local, store=store, managed=managed, agree=agree)
+      worker_index=worker_index, local=local, store=store, managed=managed, agree=agree,
+      on_takeover=retire)
   asynchronous = options.enable_async_checkpointing
   # The writer's errors wait in the ledger for the next agreement (bound once it exists).
   writer = RamWriter(local, process_index, process_count, asynchronous=asynchronous,

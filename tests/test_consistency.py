@@ -332,7 +332,7 @@ def test_a_forced_save_of_an_older_step_leaves_ram_and_links_on_the_newest_step(
   assert sorted(forced) == [0, 1], tail(out)
   for node, fields in forced.items():
     assert fields["saved"] == "1" and fields["all"] == "0,5,7,8,9", (node, fields)
-    assert fields["links"] == "9->9", (node, fields)
+    assert fields["links"] == "9->9/manifest.json", (node, fields)
     assert local_steps(root, node) == [7, 8, 9]
   assert persistent_steps(persistent) == [0, 5]
   result, out = run_job(["restore", "--persistent-dir", str(persistent), *args], 2, root)

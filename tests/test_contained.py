@@ -182,7 +182,8 @@ def test_every_orbax_save_policy_gives_one_answer_in_two_processes(tier, root, t
 @pytest.mark.parametrize("failing", [None, 1], ids=["all-restore", "one-leaves"])
 def test_emptied_local_directories_under_a_live_manager(root, tmp_path, failing):
   """Orbax's emergency suite empties each process's local directory under a live manager
-  (lock, links and steps included) and restores: every process restores the persistent step
+  (lock, LKG links and steps included, as its test_utils.empty_directory does: rmtree of every
+  entry is_dir() calls a folder) and restores: every process restores the persistent step
   bit for bit. When one process's own code fails there instead and it leaves the manager
   (close() agrees) while the others restore, the two agreements never meet: every process
   ends with an error naming the other side within the agreement timeout (it used to enter

@@ -122,17 +122,37 @@ def test_a_second_process_is_refused_with_the_holders_name(tmp_path):
     _kill(proc)
 
 
-def test_a_second_claim_in_the_same_process_is_refused_and_the_first_holds(tmp_path):
+def test_a_second_claim_in_the_same_process_takes_over_and_other_processes_stay_refused(
+    tmp_path):
   local = tmp_path / "local"
-  lock = LocalDirectoryLock.claim(local, job_name="run1", process_index=0)
+  calls = []
+  first = LocalDirectoryLock.claim(local, job_name="run1", process_index=0,
+                                   on_takeover=lambda: calls.append(first.held))
+  second = LocalDirectoryLock.claim(local, job_name="run2", process_index=0)
   try:
-    with pytest.raises(LocalDirectoryInUseError, match="this very process"):
-      LocalDirectoryLock.claim(local, job_name="run1", process_index=0)
-    # The refused claim closed its own descriptor; flock (unlike fcntl locks) stays held.
+    # The first holder was told while it still held the folder, then lost it.
+    assert calls == [True]
+    assert first.taken_over and not first.held
+    assert second.held and not second.taken_over
+    assert read_holder(local) == second.holder
+    # The claim never left the process: another process is still refused.
     assert _try_in_subprocess(local).startswith("REFUSED")
-    assert read_holder(local) == lock.holder
+    first.release()  # a taken-over claim releases nothing
+    assert _try_in_subprocess(local).startswith("REFUSED")
   finally:
-    lock.release()
+    second.release()
+  assert _try_in_subprocess(local) == "CLAIMED"
+
+
+def test_a_failing_takeover_callback_does_not_refuse_the_newer_claim(tmp_path):
+  local = tmp_path / "local"
+
+  def broken():
+    raise OSError("the old writer failed")
+
+  first = LocalDirectoryLock.claim(local, job_name="run1", process_index=0, on_takeover=broken)
+  with LocalDirectoryLock.claim(local, job_name="run2", process_index=0) as second:
+    assert second.held and first.taken_over
   assert _try_in_subprocess(local) == "CLAIMED"
 
 

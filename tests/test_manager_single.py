@@ -227,8 +227,9 @@ def test_retention_and_lkg(open_manager, dirs, mesh):
     names = [p.name for p in dirs[0].iterdir()]
     assert len([n for n in names if n.startswith(".spare-")]) <= 1
     assert not [n for n in names if n.startswith(".tmp-")]
-    assert _links(dirs[0]) == {lkg.link_name("orbax", last, 0, 0): str(last)}
-    assert (dirs[0] / lkg.link_name("orbax", last, 0, 0)).resolve() == dirs[0] / str(last)
+    assert _links(dirs[0]) == {lkg.link_name("orbax", last, 0, 0): lkg.link_target(last)}
+    assert ((dirs[0] / lkg.link_name("orbax", last, 0, 0)).resolve()
+            == dirs[0] / str(last) / MANIFEST)
   assert _persistent_steps(dirs[1]) == [8, 12]
   assert mgr.all_steps() == [8, 10, 12]
 
@@ -647,11 +648,11 @@ def _lkg_consistent(local_dir):
   committed = committed_steps(local_dir)
   links = _links(local_dir)
   for name, target in links.items():
-    assert (local_dir / target / MANIFEST).is_file(), \
+    assert (local_dir / target).is_file(), \
         f"LKG link {name} -> {target} points at no committed step (committed: {committed})"
-    assert lkg.parse_link_name(name).step == int(target)
+    assert target == lkg.link_target(lkg.parse_link_name(name).step)
   if committed:
-    assert list(links.values()) == [str(committed[-1])]
+    assert list(links.values()) == [lkg.link_target(committed[-1])]
 
 
 def test_lkg_follows_delete_of_newest(open_manager, dirs, mesh):
@@ -754,7 +755,7 @@ def test_a_forced_save_of_an_older_step_keeps_the_newest_ram_steps_and_valid_lin
   assert 5 in _persistent_steps(persistent_dir)
   links = lkg.list_entries(local_dir)
   assert [e.step for e in links] == [9]
-  assert os.readlink(local_dir / links[0].name) == "9"
+  assert os.readlink(local_dir / links[0].name) == lkg.link_target(9)
   assert mgr.all_steps()[-1] == 9 and 5 in mgr.all_steps()
   assert_trees_equal(mgr.restore(5).state, old)
   mgr.close()
@@ -775,9 +776,54 @@ def test_manager_folders_and_files_are_private(open_manager, dirs, mesh):
     assert (step_dir / name).stat().st_mode & 0o777 == 0o600, name
 
 
-def test_a_second_manager_on_a_claimed_local_directory_is_refused(open_manager, dirs):
-  from orbax_mtc.local.lock import LocalDirectoryInUseError
+def test_a_second_manager_in_the_same_process_takes_the_local_directory_over(
+    open_manager, dirs, mesh):
+  """As with Orbax's managers, a second manager on the same folders works: the first one's
+  write in flight is finished at the takeover, after which it refuses work; close() on it is
+  quiet."""
+  first = open_manager(_options(local_every=1, persistent_every=1000))
+  states, _ = _save_range(first, mesh, range(0, 3))
+  states[3] = make_state(mesh, 3)
+  first.save(3, args=_composite(states[3]))  # in flight while the second manager opens
+  second = open_manager(_options(local_every=1, persistent_every=1000))
+  assert second.all_steps() == [0, 2, 3]  # 0: persistent
+  with pytest.raises(mtc.LocalDirectoryTakenOverError, match="made later in this process"):
+    first.save(4, args=_composite(make_state(mesh, 4)), force=True)
+  with pytest.raises(mtc.LocalDirectoryTakenOverError):
+    first.restore(3)
+  first.close()
+  assert_trees_equal(second.restore(3).state, states[3])
+  assert second.save(4, args=_composite(make_state(mesh, 4)))
+  second.wait_until_finished()
+  assert committed_steps(dirs[0]) == [3, 4]
 
-  open_manager()
-  with pytest.raises(LocalDirectoryInUseError, match="own local directory"):
-    open_manager()
+
+def test_persistent_non_replicated_directory_keeps_the_dataset_item_as_orbax_does(
+    dirs, mesh, tmp_path):
+  """Orbax's emergency manager's third folder: the `dataset` item of each save goes to a plain
+  Orbax manager there, on the persistent schedule; restore brings it back beside the state
+  (from RAM or persistent)."""
+  dataset_dir = tmp_path / "dataset"
+  with mtc.CheckpointManager(dirs[0], dirs[1], mesh, abstract_of(make_state(mesh)),
+                             options=_options(local_every=1, persistent_every=2),
+                             persistent_non_replicated_directory=dataset_dir) as mgr:
+    states = {}
+    for step in range(4):
+      states[step] = make_state(mesh, step)
+      mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(states[step]),
+                                             dataset=ocp.args.JsonSave({"position": step})))
+    mgr.wait_until_finished()
+    assert mgr.all_steps() == [0, 2, 3]  # RAM keeps 2 and 3; 0 and 2 are persistent
+    assert ocp.CheckpointManager(dataset_dir).all_steps() == [0, 2]
+    assert not any("dataset" in p.name for p in (dirs[0] / "2").iterdir())
+    both = ocp.args.Composite(state=ocp.args.PyTreeRestore(), dataset=ocp.args.JsonRestore())
+    restored = mgr.restore(2, args=both)
+    assert mgr.last_restore.tier == "local"
+    assert_trees_equal(restored.state, states[2])
+    assert restored.dataset == {"position": 2}
+    restored = mgr.restore(0, args=both)
+    assert mgr.last_restore.tier == "persistent"
+    assert_trees_equal(restored.state, states[0])
+    assert restored.dataset == {"position": 0}
+    # Without a dataset target the state alone comes back, as from Orbax's manager.
+    assert set(mgr.restore(3).keys()) == {"state"}

@@ -75,9 +75,10 @@ def lkg_problems(node_dir: pathlib.Path) -> list[str]:
   for entry in lkg.list_entries(node_dir):
     link = node_dir / entry.name
     target = os.readlink(link) if link.is_symlink() else None
-    if target is None or not target.isdigit() or int(target) not in steps:
+    folder = None if target is None else target.removesuffix("/manifest.json")
+    if folder is None or not folder.isdigit() or int(folder) not in steps:
       problems.append(f"{entry.name} -> {target}: not a committed step (committed: {steps})")
-    elif not steps or entry.step != steps[-1] or int(target) != steps[-1]:
+    elif not steps or entry.step != steps[-1] or int(folder) != steps[-1]:
       problems.append(f"{entry.name} -> {target}: newest committed step is {steps[-1]}")
   return problems
 

@@ -56,10 +56,6 @@ DIFFERENCES: dict[tuple[str, str], tuple[str, str]] = {
         "extra", "bound on every agreement (multiprocessing_options sets it too)"),
     ("CheckpointManagerOptions", "mode"): ("extra", "standalone or managed (GKE replicator)"),
     ("CheckpointManagerOptions", "managed"): ("extra", "managed mode's handshake options"),
-    ("CheckpointManager.__init__", "persistent_non_replicated_directory"): (
-        "absent", "per-process items (a Grain iterator, ProcessJsonSave) are kept in every "
-        "tier and in the persistent step itself, not in a second directory (docs/iterators.md); "
-        "passing it raises a TypeError that says so"),
     ("ReplicatorCheckpointManager.__init__", "mtc_options"): (
         "extra", "job name, replica axis and handshake options of the managed manager"),
     ("ReplicatorCheckpointManager.__init__", "_distributed_to_device_ids_fn"): (
@@ -170,15 +166,6 @@ def test_constructor_signatures_match_orbax():
     shared = [n for n, _ in mine if n in dict(orbax)]
     assert shared == [n for n, _ in orbax if n in dict(mine)], owner
   _assert_positions_taken(found, {owner for owner, _, _ in cases})
-
-
-def test_persistent_non_replicated_directory_is_refused_with_the_way_instead(tmp_path):
-  import orbax_mtc as mtc
-
-  with pytest.raises(TypeError, match="per-process items are kept in every tier.*ProcessJsonSave"):
-    mtc.CheckpointManager(tmp_path / "local", tmp_path / "persistent", None, None,
-                          persistent_non_replicated_directory=tmp_path / "dataset")
-  assert not (tmp_path / "local").exists() and not (tmp_path / "persistent").exists()
 
 
 def test_replicator_manager_has_every_public_method_of_orbax_with_its_signature():

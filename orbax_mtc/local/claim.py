@@ -22,7 +22,8 @@ from orbax_mtc.peers import store as peer_store
 def claim_local_directory(local_path: Path, *, job_name: str, process_index: int,
                           worker_index: int, local: local_store.LocalTier,
                           store: peer_store.PeerStore, managed: bool,
-                          agree: Callable[[Any, str], list[Any]]
+                          agree: Callable[[Any, str], list[Any]],
+                          on_takeover: Callable[[], None] | None = None
                           ) -> local_lock.LocalDirectoryLock | None:
   """Claims `local_path` for this process (a lock naming the holder) and prepares it.
 
@@ -35,6 +36,7 @@ def claim_local_directory(local_path: Path, *, job_name: str, process_index: int
     store: the peer copies in it.
     managed: GKE's replicator owns the LKG links (left alone).
     agree: gathers one agreement record from every process.
+    on_takeover: runs when a manager made later in this process claims the same folder.
 
   Returns:
     The lock (released by the manager's `close`).
@@ -56,7 +58,8 @@ def claim_local_directory(local_path: Path, *, job_name: str, process_index: int
       files.check_owner(local_path, "local_directory")
     try:
       lock = local_lock.LocalDirectoryLock.claim(local_path, job_name=job_name,
-                                                 process_index=process_index)
+                                                 process_index=process_index,
+                                                 on_takeover=on_takeover)
     except OSError as e:
       if not existed:
         raise ValueError(f"Cannot create local_directory {local_path}: {e.strerror}. Choose "

@@ -7,8 +7,11 @@ process index, host, pid) for the error the second process raises.
 
 The kernel drops a `flock` when its last file descriptor closes, so a process killed by
 SIGKILL leaves no claim: a restart takes over the stale `.lock` file. Locks belong to the
-open file description, so a second claim in the same process fails too. The file is never
-removed: a process that opened it just before the removal would lock a file no one else sees.
+open file description, so a second claim in the same process would fail too: instead, as two
+Orbax managers on one directory both work, a second claim in the same process takes the
+directory over from the first (the first lock's `on_takeover` runs first: the manager that held
+it finishes its file writes and stops using the folder). The file is never removed: a process
+that opened it just before the removal would lock a file no one else sees.
 """
 
 from __future__ import annotations
@@ -19,13 +22,21 @@ import fcntl
 import json
 import os
 import socket
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from absl import logging
 
 LOCK_FILE = ".lock"
 _MAX_READ = 64 << 10
 # The holder writes its JSON just after it takes the lock: a loser may read an empty file.
 _READ_RETRY_S = 0.5
+# The claims this process holds, by the directory's (device, inode): a second claim of one of
+# them in this process takes it over instead of failing on its own flock.
+_held_here: dict[tuple[int, int], LocalDirectoryLock] = {}
+_held_lock = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +88,18 @@ class LocalDirectoryInUseError(RuntimeError):
         "process one.")
 
 
+class LocalDirectoryTakenOverError(RuntimeError):
+  """A CheckpointManager made later in this process took this one's local directory over."""
+
+  def __init__(self, directory: Path):
+    self.directory = directory
+    super().__init__(
+        f"local directory {directory} was taken over by a CheckpointManager made later in this "
+        "process: this manager no longer saves, restores or deletes (its committed steps are "
+        "the newer manager's now). Use the newer manager; close() on this one releases the "
+        "rest.")
+
+
 def read_holder(directory: Path) -> LockHolder | None:
   """What `<directory>/.lock` says; None if it is absent, empty or unreadable."""
   try:
@@ -92,51 +115,78 @@ def read_holder(directory: Path) -> LockHolder | None:
 
 
 class LocalDirectoryLock:
-  """An exclusive claim on one local directory, held until `release` or process exit."""
+  """An exclusive claim on one local directory, held until `release`, process exit, or a later
+  claim of the same directory in this process (`taken_over` is then True)."""
 
-  def __init__(self, directory: Path, fd: int, holder: LockHolder):
+  def __init__(self, directory: Path, fd: int, holder: LockHolder, key: tuple[int, int],
+               on_takeover: Callable[[], None] | None):
     self.directory = directory
     self.holder = holder
+    self.taken_over = False
     self._fd: int | None = fd
+    self._key = key
+    self._on_takeover = on_takeover
 
   @classmethod
-  def claim(cls, directory: Path, *, job_name: str, process_index: int) -> LocalDirectoryLock:
-    """Claims `directory` (created with mode 0700 if missing); raises LocalDirectoryInUseError
-    naming the holder when a live process, or another claim of this one, has it."""
+  def claim(cls, directory: Path, *, job_name: str, process_index: int,
+            on_takeover: Callable[[], None] | None = None) -> LocalDirectoryLock:
+    """Claims `directory` (created with mode 0700 if missing).
+
+    Args:
+      directory: the local directory.
+      job_name: the job's name (in the lock file).
+      process_index: this process (in the lock file).
+      on_takeover: runs when a later claim in this process takes the directory over, before
+        that claim returns (the holder stops writing into the folder).
+
+    Raises:
+      LocalDirectoryInUseError: naming the holder, when another live process has it.
+    """
     directory = Path(directory)
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path = directory / LOCK_FILE
-    # O_NOFOLLOW: a `.lock` symlink must not make us truncate a file elsewhere.
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-      try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-      except OSError as e:
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-          raise
-        raise LocalDirectoryInUseError(directory, _wait_for_holder(directory)) from None
-      holder = LockHolder(job_name=job_name, process_index=process_index,
-                          host=socket.gethostname(), pid=os.getpid())
-      if os.fstat(fd).st_mode & 0o777 != 0o600:
+    holder = LockHolder(job_name=job_name, process_index=process_index,
+                        host=socket.gethostname(), pid=os.getpid())
+    with _held_lock:
+      info = directory.stat()
+      key = (info.st_dev, info.st_ino)
+      previous = _held_here.get(key)
+      if previous is not None and previous.held and previous.holder.pid == os.getpid():
+        fd = previous._hand_over()
+        _write_holder(fd, holder)
+      else:
+        fd = _flock(directory)
         try:
-          os.fchmod(fd, 0o600)  # a stale file another tool made: the holder's pid is private
-        except OSError:
-          pass  # not ours to change; the claim holds all the same
-      os.ftruncate(fd, 0)
-      os.pwrite(fd, holder.to_json().encode(), 0)
-      os.fsync(fd)
-    except BaseException:
-      os.close(fd)  # drops the flock if we took it
-      raise
-    return cls(directory, fd, holder)
+          _write_holder(fd, holder)
+        except BaseException:
+          os.close(fd)  # drops the flock
+          raise
+      lock = cls(directory, fd, holder, key, on_takeover)
+      _held_here[key] = lock
+    return lock
+
+  def _hand_over(self) -> int:
+    """Ends this claim in favour of a later one in this process; returns its descriptor."""
+    if self._on_takeover is not None:
+      try:
+        self._on_takeover()
+      except Exception as e:  # noqa: BLE001 - the holder's trouble must not refuse the newer
+        logging.warning("orbax-mtc: finishing the work of the manager whose local directory "
+                        "%s is taken over failed: %s: %s", self.directory, type(e).__name__, e)
+    fd, self._fd = self._fd, None
+    assert fd is not None
+    self.taken_over = True
+    return fd
 
   @property
   def held(self) -> bool:
     return self._fd is not None
 
   def release(self) -> None:
-    """Gives the directory up; idempotent."""
-    fd, self._fd = self._fd, None
+    """Gives the directory up; idempotent (and a no-op once taken over)."""
+    with _held_lock:
+      fd, self._fd = self._fd, None
+      if _held_here.get(self._key) is self:
+        del _held_here[self._key]
     if fd is None:
       return
     try:
@@ -155,6 +205,32 @@ class LocalDirectoryLock:
   def __repr__(self) -> str:
     return (f"LocalDirectoryLock({str(self.directory)!r}, holder={self.holder!r}, "
             f"held={self.held})")
+
+
+def _flock(directory: Path) -> int:
+  """The lock file's descriptor, flock-ed; LocalDirectoryInUseError when another holds it."""
+  # O_NOFOLLOW: a `.lock` symlink must not make us truncate a file elsewhere.
+  fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+               0o600)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError as e:
+    os.close(fd)
+    if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+      raise
+    raise LocalDirectoryInUseError(directory, _wait_for_holder(directory)) from None
+  return fd
+
+
+def _write_holder(fd: int, holder: LockHolder) -> None:
+  if os.fstat(fd).st_mode & 0o777 != 0o600:
+    try:
+      os.fchmod(fd, 0o600)  # a stale file another tool made: the holder's pid is private
+    except OSError:
+      pass  # not ours to change; the claim holds all the same
+  os.ftruncate(fd, 0)
+  os.pwrite(fd, holder.to_json().encode(), 0)
+  os.fsync(fd)
 
 
 def _wait_for_holder(directory: Path) -> LockHolder | None:

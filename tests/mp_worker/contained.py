@@ -134,6 +134,7 @@ def cmd_empty_restore(args) -> int:
   instead of restoring, so it leaves the manager (close) while the others restore."""
   import pathlib
   import shutil
+  import time
 
   import jax
   import orbax.checkpoint as ocp
@@ -152,8 +153,10 @@ def cmd_empty_restore(args) -> int:
         mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(
             make_state(mesh, args.rows, args.seed, step))))
       mgr.wait_until_finished()
-      for entry in local.iterdir():  # everything, as the suite's test_utils.empty_directory
-        if entry.is_dir() and not entry.is_symlink():
+      # Everything, exactly as the suite's test_utils.empty_directory: rmtree of whatever
+      # is_dir() calls a folder (rmtree refuses a symlink to one: the LKG links must not be).
+      for entry in local.iterdir():
+        if entry.is_dir():
           shutil.rmtree(entry)
         else:
           entry.unlink()
@@ -166,6 +169,14 @@ def cmd_empty_restore(args) -> int:
            f"ok={int(not problems)} leaves=0 detail={'; '.join(problems)[:300] or '-'}")
   except Exception as e:  # noqa: BLE001 - reported to the test
     raised(e)
+    # The launcher kills every process once one exits non-zero: stay until every process
+    # has reported (a marker each, in the shared folder; bounded), so none is cut short.
+    reported = pathlib.Path(args.persistent_dir).parent / "raised"
+    reported.mkdir(exist_ok=True)
+    (reported / str(me)).touch()
+    deadline = time.monotonic() + 60
+    while len(list(reported.iterdir())) < jax.process_count() and time.monotonic() < deadline:
+      time.sleep(0.05)
     emit("DONE")
     return EXIT_RAISED
   emit("DONE")
