@@ -25,7 +25,7 @@ from conftest import flip_byte
 
 from orbax_mtc.local.format import DATA
 from orbax_mtc.local.store import read_manifest
-from orbax_mtc.tools import cli, inspection, size
+from orbax_mtc.tools import cli, console, inspection, size
 from orbax_mtc.tools import gc as persistent_gc
 
 pytestmark = pytest.mark.timeout(180)
@@ -286,7 +286,7 @@ class _Terminal(io.StringIO):
 def test_progress_draws_on_a_terminal_only_and_never_when_disabled():
   for stream, enabled, drawn in ((_Terminal(), True, True), (io.StringIO(), True, False),
                                  (_Terminal(), False, False)):
-    with cli.progress(total=3, desc="work", unit="step", enabled=enabled, file=stream,
+    with console.progress(total=3, desc="work", unit="step", enabled=enabled, file=stream,
                       delay=0, mininterval=0) as bar:
       for _ in range(3):
         bar.update(1)
@@ -296,7 +296,7 @@ def test_progress_draws_on_a_terminal_only_and_never_when_disabled():
 
 
 class _Recorder:
-  """Stands in for cli.progress: records how each bar was made and advanced."""
+  """Stands in for console.progress: records how each bar was made and advanced."""
 
   def __init__(self):
     self.bars = []
@@ -332,7 +332,7 @@ def test_verify_advances_a_bar_over_the_bytes_and_none_in_json_mode(saved, monke
                                                                      capsys):
   local, persistent = saved
   recorder = _Recorder()
-  monkeypatch.setattr(cli, "progress", recorder)
+  monkeypatch.setattr(console, "progress", recorder)
   for directory in (local, persistent):
     assert cli.main(["verify", str(directory)]) == 0
     bar = recorder.bars[-1]
@@ -346,7 +346,7 @@ def test_verify_advances_a_bar_over_the_bytes_and_none_in_json_mode(saved, monke
 def test_gc_delete_advances_a_bar_per_step_and_none_in_json_mode(orbax_dir, monkeypatch,
                                                                  capsys):
   recorder = _Recorder()
-  monkeypatch.setattr(cli, "progress", recorder)
+  monkeypatch.setattr(console, "progress", recorder)
   assert cli.main(["gc", str(orbax_dir), "--keep-latest", "4", "--delete"]) == 0
   (bar,) = recorder.bars
   assert (bar.enabled, bar.total, bar.n, bar.desc) == (True, 1, 1, "gc: deleting")

@@ -14,52 +14,17 @@ else, and no progress bar is drawn.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+
+# The output helpers every verb shares (re-exported: `cli.progress` and the others).
+from orbax_mtc.tools.console import PROGRESS_DELAY_S, error, print_json, progress, version
+
+__all__ = ["PROGRESS_DELAY_S", "error", "main", "print_json", "progress", "size_main",
+           "version"]
 
 # Verbs whose arguments are parsed by their own module.
 _PASSTHROUGH = ("launch", "demo", "bench", "gc", "size")
-# Seconds of work before a progress bar is drawn, so that quick runs draw none (a line
-# printed above a bar with bar.write draws it at once).
-PROGRESS_DELAY_S = 1.0
-
-
-def version() -> str | None:
-  """The installed orbax-mtc version, or None when the package is not installed."""
-  from importlib import metadata
-
-  try:
-    return metadata.version("orbax-mtc")
-  except metadata.PackageNotFoundError:
-    return None
-
-
-def progress(*, total: float | None, desc: str, unit: str = "it", enabled: bool = True,
-             file=None, delay: float = PROGRESS_DELAY_S, **kwargs):
-  """A tqdm progress bar on stderr (or `file`).
-
-  Off when `enabled` is false (--json, --quiet); silent when the stream is not a terminal
-  (tqdm's disable=None), so logs and pipes never get bar characters.
-  """
-  from tqdm import tqdm  # only verbs that draw a bar pay for the import
-
-  return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr if file is None else file,
-              disable=None if enabled else True, delay=delay, leave=False,
-              dynamic_ncols=True, **kwargs)
-
-
-def print_json(document: dict[str, Any]) -> None:
-  """Writes one JSON document (a --json result) to stdout."""
-  sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
-  sys.stdout.flush()
-
-
-def error(prog: str, message: str) -> None:
-  """Prints `prog: error: message` to stderr, as argparse does for usage errors."""
-  print(f"{prog}: error: {message}", file=sys.stderr)
-
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(

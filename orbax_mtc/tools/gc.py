@@ -21,7 +21,7 @@ from etils import epath
 from orbax.checkpoint import path as ocp_path
 
 from orbax_mtc import retention
-from orbax_mtc.tools import cli
+from orbax_mtc.tools import console
 
 _PROG = "orbax-mtc gc"
 
@@ -132,21 +132,21 @@ def main(argv: Sequence[str]) -> int:
                                        hourly=args.hourly, daily=args.daily,
                                        weekly=args.weekly)
   except ValueError as e:
-    cli.error(_PROG, str(e))
+    console.error(_PROG, str(e))
     return 2
   if policy.is_empty:
-    cli.error(_PROG, "no retention rule given; name at least one of --keep-latest, "
+    console.error(_PROG, "no retention rule given; name at least one of --keep-latest, "
               "--keep-every, --hourly, --daily, --weekly.")
     return 2
   try:
     directory = epath.Path(args.directory)
     exists = directory.is_dir()
   except ImportError as e:
-    cli.error(_PROG, f"{args.directory}: reading it needs the GCS extra: pip install "
+    console.error(_PROG, f"{args.directory}: reading it needs the GCS extra: pip install "
               f"'orbax-mtc[gcs]' ({e})")
     return 2
   if not exists:
-    cli.error(_PROG, f"{args.directory} is not a directory (or there is no access to it).")
+    console.error(_PROG, f"{args.directory} is not a directory (or there is no access to it).")
     return 2
   now = (dt.datetime.fromisoformat(args.now) if args.now
          else dt.datetime.now(tz=dt.UTC))
@@ -161,7 +161,7 @@ def main(argv: Sequence[str]) -> int:
   failure = None
   if args.delete and decision.delete:
     # Each step on gs:// is one listing and a request per object: minutes for large steps.
-    with cli.progress(total=len(decision.delete), desc="gc: deleting", unit="step",
+    with console.progress(total=len(decision.delete), desc="gc: deleting", unit="step",
                       enabled=not args.json) as bar:
       for step in decision.delete:
         try:
@@ -174,9 +174,9 @@ def main(argv: Sequence[str]) -> int:
         if not args.json:
           bar.write(f"deleted step {step}", file=sys.stdout)
   if args.json:
-    cli.print_json(document(args.directory, policy, now, records, decision,
+    console.print_json(document(args.directory, policy, now, records, decision,
                             dry_run=not args.delete, deleted=deleted, error=failure))
   if failure is not None:
-    cli.error(_PROG, f"{failure}; {len(deleted)} of {len(decision.delete)} step(s) deleted")
+    console.error(_PROG, f"{failure}; {len(deleted)} of {len(decision.delete)} step(s) deleted")
     return 1
   return 0

@@ -21,7 +21,7 @@ from orbax_mtc import backup, lkg
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import read as local_read
 from orbax_mtc.local import store as local_store
-from orbax_mtc.tools import cli
+from orbax_mtc.tools import console
 
 _STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax writes it when it finalizes a step
 
@@ -247,10 +247,10 @@ def status_main(directory: str, *, as_json: bool = False) -> int:
   try:
     kind, reports = reports_for(directory, check=False)
   except InspectionError as e:
-    cli.error("orbax-mtc status", str(e))
+    console.error("orbax-mtc status", str(e))
     return 2
   if as_json:
-    cli.print_json(document("status", kind, directory, reports))
+    console.print_json(document("status", kind, directory, reports))
   else:
     _print(kind, directory, reports)
   return 0
@@ -260,17 +260,17 @@ def verify_main(directory: str, *, as_json: bool = False) -> int:
   """`orbax-mtc verify`: 0 when every step verified, 1 on a corrupt or partial entry, 2 when
   nothing was verified (the directory cannot be read or holds no step)."""
   try:
-    with cli.progress(total=None, desc="verify", unit="B", unit_scale=True,
+    with console.progress(total=None, desc="verify", unit="B", unit_scale=True,
                       unit_divisor=1024, enabled=not as_json) as bar:
       kind, reports = reports_for(directory, check=True, bar=bar)
   except InspectionError as e:
-    cli.error("orbax-mtc verify", str(e))
+    console.error("orbax-mtc verify", str(e))
     return 2
   if not reports:  # an empty or mistyped directory must not pass for a verified one
-    cli.error("orbax-mtc verify", f"nothing to verify: {directory} holds no checkpoint step")
+    console.error("orbax-mtc verify", f"nothing to verify: {directory} holds no checkpoint step")
     return 2
   if as_json:
-    cli.print_json(document("verify", kind, directory, reports))
+    console.print_json(document("verify", kind, directory, reports))
   else:
     _print(kind, directory, reports)
   bad = [r for r in reports if r.state in ("corrupt", "partial")]

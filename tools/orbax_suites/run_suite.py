@@ -179,7 +179,11 @@ class _Recorder:
       self.counter.reset()
 
   def pytest_runtest_logreport(self, report):
-    self._reports[report.nodeid][report.when] = report
+    phases = self._reports[report.nodeid]
+    # A test with subtests reports 'call' once per subtest and once for itself: a failed
+    # subtest fails the test (the test's own later 'call' must not hide it).
+    if report.when not in phases or not phases[report.when].failed:
+      phases[report.when] = report
 
   def pytest_runtest_logfinish(self, nodeid, location):
     del location

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from orbax_mtc.tools import cli
+from orbax_mtc.tools import console
 from orbax_mtc.tools.bench.suite_report import markdown as markdown
 from orbax_mtc.tools.bench.suite_report import plot as plot
 
@@ -342,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   # One unit per size measured and per on-demand job: a size whose job failed skips its
   # on-demand jobs too, so the bar still ends at its total.
   per_size = 1 + args.ondemand_reps
-  with cli.progress(total=per_size * sum(len(sizes) for sizes in runs.values()),
+  with console.progress(total=per_size * sum(len(sizes) for sizes in runs.values()),
                     desc="bench suite", unit="run", enabled=not args.quiet) as bar:
     for n, sizes in sorted(runs.items()):
       if not args.quiet:
