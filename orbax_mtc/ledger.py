@@ -30,6 +30,8 @@ class StepLedger:
     persistent_steps: the persistent steps this process sees.
     listing_groups: which processes hold the same shards (twins), or None.
     keep: the RAM tier's retention: `keep(steps, floor)`, the steps kept.
+    listing_allgather: the all-gather of `agree_steps` (default: `allgather`); it still runs
+      once a newer manager took the RAM folder over, so this one can list and reload.
   """
 
   def __init__(self, *, process_count: int,
@@ -38,9 +40,11 @@ class StepLedger:
                copies: Callable[[list[int]], list[tuple[int, int]]],
                persistent_steps: Callable[[], list[int]],
                listing_groups: Callable[[], list[int] | None],
-               keep: Callable[[Sequence[int], int | None], set[int]]):
+               keep: Callable[[Sequence[int], int | None], set[int]],
+               listing_allgather: Callable[[np.ndarray, str], np.ndarray] | None = None):
     self.process_count = process_count
     self._allgather = allgather
+    self._listing_allgather = listing_allgather or allgather
     self._own_steps = own_steps
     self._copies = copies
     self._persistent_steps = persistent_steps
@@ -63,6 +67,11 @@ class StepLedger:
   def agree(self, record: Any, what: str) -> list[Any]:
     """Every process's record of this call, index = process (one all-gather; rule 8)."""
     return agreement.gather(record, lambda row: self._allgather(row, what))
+
+  def agree_listing(self, record: Any, what: str) -> list[Any]:
+    """As `agree`, for the agreements that only list steps (still run by a manager whose RAM
+    folder a newer manager took over)."""
+    return agreement.gather(record, lambda row: self._listing_allgather(row, what))
 
   def inventory(self, own_steps: list[int] | None = None,
                 persistent_steps: list[int] | None = None) -> agreement.Inventory:
@@ -173,6 +182,7 @@ class StepLedger:
       failed_backup = backup_error()
       if failed_backup is not None:
         fault = agreement.Fault.of(failed_backup.cause, backup_step=failed_backup.step)
-    records = self.agree(agreement.FinishRecord(fault=fault, inventory=self.inventory()), what)
+    records = self.agree_listing(
+        agreement.FinishRecord(fault=fault, inventory=self.inventory()), what)
     self.adopt([r.inventory for r in records])
     self.raise_agreed_faults(records, what, own_backup_error=failed_backup)

@@ -70,7 +70,6 @@ class CheckpointManager(ocp.CheckpointManager):
   _non_replicated = non_replicated.NONE  # Orbax's `dataset` item folder (multi-tier form)
 
   def __new__(cls, *args: Any, **kwargs: Any):
-    # The form is chosen once, by the arguments: the parent-style form is its own subclass.
     if cls is CheckpointManager:
       form, _ = constructor.bind(args, kwargs, CheckpointManagerOptions)
       if form == constructor.PARENT_STYLE:
@@ -370,15 +369,17 @@ class CheckpointManager(ocp.CheckpointManager):
 
   @persistent_view_when_nested
   def delete(self, step: int):
-    """Deletes `step` from this node's RAM tier and from the persistent tier."""
+    """Deletes `step` from both tiers; a read-only tier keeps it (as Orbax's read-only one)."""
     # Neither the local writer nor Orbax's finalize thread may still be writing the step.
     self._finish_all(f"delete({step})")
-    if step in self._local.steps():
-      self._delete_local([step])
-    self._store.delete_step(step)
+    writable = not self._mtc_options.local.read_only
+    if writable:
+      self._delete_local([step] if step in self._local.steps() else [])
+      self._store.delete_step(step)
     if step in self._ledger.persistent_seen:  # agreed: every process enters, or none (rule 8)
       self._persistent.delete(step, self._agree)
-    self._ledger.forget(step)
+    if writable:
+      self._ledger.forget(step)
 
   @persistent_view_when_nested
   def item_metadata(self, step: int) -> Any:
@@ -426,8 +427,7 @@ class CheckpointManager(ocp.CheckpointManager):
   def check_for_errors(self):
     """Raises `BackupError` for a failed newest backup (once), on this process. A failed RAM
     write is raised by the next save or `wait_until_finished`, on every process alike."""
-    if threading.current_thread() is not self._owner_thread:
-      # Orbax's finalize thread asks too: it means the persistent tier's own errors.
+    if threading.current_thread() is not self._owner_thread:  # Orbax's finalize thread asks
       with self._persistent_view():
         return super().check_for_errors()
     self._backups.poll()

@@ -97,14 +97,17 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
   managed = options.mode == "managed"
 
   # Set once a manager made later in this process takes the RAM folder over: from then on
-  # this manager neither writes into it nor joins a collective (its peers' managers are the
-  # newer ones).
+  # this manager only lists and reloads (the listing agreement); it neither writes into the
+  # folder nor saves, restores or deletes.
   taken_over: list[Exception] = []
+
+  def listing_allgather(row: np.ndarray, what: str) -> np.ndarray:
+    return collectives.allgather(row, what, process_count, options.agreement_timeout_seconds)
 
   def allgather(row: np.ndarray, what: str) -> np.ndarray:
     if taken_over:
       raise taken_over[0]
-    return collectives.allgather(row, what, process_count, options.agreement_timeout_seconds)
+    return listing_allgather(row, what)
 
   def retire() -> None:
     taken_over.append(local_lock.LocalDirectoryTakenOverError(local_directory))
@@ -143,7 +146,7 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
       copies=lambda own: store.servable(own) if peers.enabled else [],
       persistent_steps=persistent.steps,
       listing_groups=lambda: peers.listing_groups(abstract_state, item_args.is_array_target),
-      keep=retention.kept)
+      keep=retention.kept, listing_allgather=listing_allgather)
   backups = BackupScheduler(
       persistent, writer, local, policy=backup_policy,
       timeout_secs=(options.async_options or ocp.AsyncOptions()).timeout_secs,
@@ -171,6 +174,8 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
 
   def delete_local(steps: list[int]) -> None:
     """Removes RAM steps (main thread, no write in flight) and re-points the LKG link."""
+    if taken_over:
+      raise taken_over[0]
     for step in steps:
       local.delete(step)
     if steps:

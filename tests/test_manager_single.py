@@ -779,8 +779,8 @@ def test_manager_folders_and_files_are_private(open_manager, dirs, mesh):
 def test_a_second_manager_in_the_same_process_takes_the_local_directory_over(
     open_manager, dirs, mesh):
   """As with Orbax's managers, a second manager on the same folders works: the first one's
-  write in flight is finished at the takeover, after which it refuses work; close() on it is
-  quiet."""
+  write in flight is finished at the takeover, after which it lists and reloads but refuses to
+  save, restore or delete; close() on it is quiet."""
   first = open_manager(_options(local_every=1, persistent_every=1000))
   states, _ = _save_range(first, mesh, range(0, 3))
   states[3] = make_state(mesh, 3)
@@ -791,6 +791,11 @@ def test_a_second_manager_in_the_same_process_takes_the_local_directory_over(
     first.save(4, args=_composite(make_state(mesh, 4)), force=True)
   with pytest.raises(mtc.LocalDirectoryTakenOverError):
     first.restore(3)
+  with pytest.raises(mtc.LocalDirectoryTakenOverError):
+    first.delete(2)
+  assert committed_steps(dirs[0]) == [2, 3]
+  first.reload()  # listing still works: it lists what the newer manager holds
+  assert first.all_steps() == [0, 2, 3]
   first.close()
   assert_trees_equal(second.restore(3).state, states[3])
   assert second.save(4, args=_composite(make_state(mesh, 4)))

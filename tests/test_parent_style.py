@@ -278,3 +278,23 @@ def test_harness_variable_adds_a_ram_tier(shm_dir, mesh, managers, monkeypatch):
   mgr.save(0, args=ocp.args.PyTreeSave(state))
   mgr.wait_until_finished()
   assert _ram_steps(expected) == [0]
+
+
+def test_a_read_only_manager_deletes_nothing_as_orbax(shm_dir, mesh, managers):
+  """Orbax's read-only manager skips delete: the step stays in both tiers and in all_steps,
+  also when the read-only manager took the RAM folder over from a writer in this process."""
+  options = ocp.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=3)
+  writer = managers(mtc.CheckpointManager(shm_dir / "p", options=options,
+                                          local_directory=shm_dir / "ram"))
+  state = _array_state(mesh, 0)
+  assert writer.save(0, args=ocp.args.PyTreeSave(state))
+  writer.wait_until_finished()
+  reader = managers(mtc.CheckpointManager(
+      shm_dir / "p", options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+      local_directory=shm_dir / "ram"))
+  reader.delete(0)
+  assert reader.all_steps() == [0]
+  assert _ram_steps(shm_dir / "ram") == [0] and (shm_dir / "p" / "0").is_dir()
+  restored = reader.restore(0, args=ocp.args.PyTreeRestore(abstract_of(state)))
+  assert reader.last_restore.tier == "local"
+  assert_trees_equal(restored, state)

@@ -95,9 +95,9 @@ class LocalDirectoryTakenOverError(RuntimeError):
     self.directory = directory
     super().__init__(
         f"local directory {directory} was taken over by a CheckpointManager made later in this "
-        "process: this manager no longer saves, restores or deletes (its committed steps are "
-        "the newer manager's now). Use the newer manager; close() on this one releases the "
-        "rest.")
+        "process: this manager no longer saves, restores or deletes (it still lists and "
+        "reloads; its committed steps are the newer manager's now). Use the newer manager; "
+        "close() on this one releases the rest.")
 
 
 def read_holder(directory: Path) -> LockHolder | None:

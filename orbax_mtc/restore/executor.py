@@ -29,6 +29,7 @@ treats resharding as the general case:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import orbax.checkpoint as ocp
@@ -246,8 +247,8 @@ class RamRestore:
             "iterators yourself, or call restore(None), which takes the newest step that "
             "still has them.", names[0])
 
-  def _agree_coverage(self, candidates: list[restore_plan.Candidate],
-                      excluded: Sources) -> list[bool]:
+  def _agree_coverage(self, candidates: list[restore_plan.Candidate], excluded: Sources, *,
+                      agree: Callable[[Any, str], list[Any]] | None = None) -> list[bool]:
     known = covered = 0
     for i, candidate in enumerate(candidates):
       manifest = self._layout_of(candidate, excluded)
@@ -256,8 +257,8 @@ class RamRestore:
       known |= 1 << i
       if restore_plan.covered(tiles.holder_sets(manifest), candidate.available):
         covered |= 1 << i
-    records = self._ledger.agree(CoverRecord(known=known, covered=covered),
-                                 "planning a restore")
+    records = (agree or self._ledger.agree)(CoverRecord(known=known, covered=covered),
+                                            "planning a restore")
     return [any(r.known >> i & 1 for r in records) and
             all(r.covered >> i & 1 for r in records if r.known >> i & 1)
             for i in range(len(candidates))]
@@ -282,14 +283,15 @@ class RamRestore:
     `all_steps()` lists besides the steps of this job's own layout, so that
     `restore(latest_step())` finds them as `restore(None)` does.
     """
-    records = self._ledger.agree(agreement.ReportRecord(report=self.folders.safe_report().encode()),
-                                 "listing RAM steps saved on another layout")
+    records = self._ledger.agree_listing(
+        agreement.ReportRecord(report=self.folders.safe_report().encode()),
+        "listing RAM steps saved on another layout")
     reports = decode_reports([r.report for r in records])
     foreign = [c for c in restore_plan.candidates(reports)
                if c.count != self.count][:_MAX_CANDIDATES]
     if not foreign:
       return []
-    covered = self._agree_coverage(foreign, set())
+    covered = self._agree_coverage(foreign, set(), agree=self._ledger.agree_listing)
     return sorted({c.step for c, ok in zip(foreign, covered, strict=True) if ok})
 
   def _settle(self, step: int, restored: dict[str, Any]) -> dict[str, Any]:
