@@ -122,8 +122,8 @@ def cleanup_temporary(directory: Path, job_name: str, node_rank: int,
 
 
 def update(directory: Path, job_name: str, step: int, node_rank: int, worker_index: int) -> Path:
-  """Points this node's LKG link at `<directory>/<step>` (its manifest) and drops its older links (and
-  temporary links a killed process left).
+  """Points this node's LKG link at `<directory>/<step>` (its manifest) and drops its older
+  links (and temporary links a killed process left).
 
   The new link is made under a temporary name and renamed into place, so a reader always sees
   either the old link or the new one.
