@@ -131,8 +131,8 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
   local.keep = store.keep = retention.kept
   lock = claim.claim_local_directory(
       local_directory, job_name=options.job_name, process_index=process_index,
-      worker_index=worker_index, local=local, store=store, managed=managed, agree=agree,
-      on_takeover=retire)
+      worker_index=worker_index, prepare=lambda: (local.prepare(), store.prepare()),
+      managed=managed, agree=agree, on_takeover=retire)
   asynchronous = options.enable_async_checkpointing
   # The writer's errors wait in the ledger for the next agreement (bound once it exists).
   writer = RamWriter(local, process_index, process_count, asynchronous=asynchronous,

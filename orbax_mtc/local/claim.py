@@ -15,13 +15,10 @@ from typing import Any
 
 from orbax_mtc import agreement, files, lkg
 from orbax_mtc.local import lock as local_lock
-from orbax_mtc.local import store as local_store
-from orbax_mtc.peers import store as peer_store
 
 
 def claim_local_directory(local_path: Path, *, job_name: str, process_index: int,
-                          worker_index: int, local: local_store.LocalTier,
-                          store: peer_store.PeerStore, managed: bool,
+                          worker_index: int, prepare: Callable[[], None], managed: bool,
                           agree: Callable[[Any, str], list[Any]],
                           on_takeover: Callable[[], None] | None = None
                           ) -> local_lock.LocalDirectoryLock | None:
@@ -32,8 +29,8 @@ def claim_local_directory(local_path: Path, *, job_name: str, process_index: int
     job_name: the job's name (in the lock and the LKG links).
     process_index: this process.
     worker_index: this process's index inside its host.
-    local: the RAM tier on that folder.
-    store: the peer copies in it.
+    prepare: readies what the folder holds once it is claimed (the RAM tier's and the peer
+      copies' leftovers), raising OSError or ValueError.
     managed: GKE's replicator owns the LKG links (left alone).
     agree: gathers one agreement record from every process.
     on_takeover: runs when a manager made later in this process claims the same folder.
@@ -67,8 +64,7 @@ def claim_local_directory(local_path: Path, *, job_name: str, process_index: int
       raise ValueError(f"local_directory {local_path} is not writable by this process (uid "
                        f"{os.getuid()}): {e.strerror}. Fix its permissions or choose another "
                        "folder.") from e
-    local.prepare()
-    store.prepare()
+    prepare()
     if not managed:
       lkg.cleanup_temporary(local_path, job_name, process_index, worker_index)
   except (local_lock.LocalDirectoryInUseError, ValueError, OSError) as e:
