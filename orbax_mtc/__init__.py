@@ -14,20 +14,22 @@ Public API::
 """
 
 from orbax_mtc import distributed
-from orbax_mtc.agreement import CheckpointError
-from orbax_mtc.backup import BackupError, BackupInfo, BackupIntervalPolicy
-from orbax_mtc.collectives import AgreementTimeoutError
-from orbax_mtc.local.format import (
+from orbax_mtc.backup import BackupInfo, BackupIntervalPolicy
+from orbax_mtc.errors import (
     AbstractStateMismatchError,
+    AgreementTimeoutError,
+    BackupError,
+    CheckpointError,
     CorruptStepError,
+    LocalDirectoryInUseError,
+    LocalDirectoryTakenOverError,
     LocalTierError,
     ManifestError,
     MissingItemError,
+    ReplicatorError,
 )
-from orbax_mtc.local.lock import LocalDirectoryInUseError, LocalDirectoryTakenOverError
 from orbax_mtc.managed.manager import ReplicatorCheckpointManager
 from orbax_mtc.managed.options import ReplicatorCheckpointManagerOptions
-from orbax_mtc.managed.protocol import ReplicatorError
 from orbax_mtc.managed.setup import initialize_multi_tier_checkpointing
 from orbax_mtc.manager import CheckpointManager, RestoreInfo
 from orbax_mtc.ondemand import OnDemandSave

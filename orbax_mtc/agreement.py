@@ -18,6 +18,8 @@ import enum
 from collections.abc import Collection, Sequence
 from typing import Any
 
+# Re-exported: this error lived here before errors.py; other modules name it through this one.
+from orbax_mtc.errors import CheckpointError as CheckpointError
 from orbax_mtc.row_codec import (
   Blob,
   Bool,
@@ -335,24 +337,6 @@ class FinishRecord:
 
 
 # ----------------------------------------------------------------------------- decisions
-
-
-class CheckpointError(RuntimeError):
-  """A checkpoint operation failed on one or more processes; raised on every process alike.
-
-  Args:
-    what: The operation that failed, named in the message.
-    origins: Each failing process -> its error, as "<type>: <message>".
-
-  Attributes:
-    origins: A copy of `origins`.
-  """
-
-  def __init__(self, what: str, origins: dict[int, str]):
-    listed = "; ".join(f"process {p}: {cause}" for p, cause in sorted(origins.items()))
-    super().__init__(f"orbax-mtc: {what} failed on process(es) {sorted(origins)}: {listed}. "
-                     "Every process raises this error; committed steps are untouched.")
-    self.origins = dict(origins)
 
 
 def faults(records: Sequence[Any]) -> dict[int, Fault]:

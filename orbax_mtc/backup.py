@@ -31,28 +31,10 @@ from orbax.checkpoint import checkpoint_managers as policies
 from orbax_mtc import files, process_state
 from orbax_mtc.agreement import Status
 
+# Re-exported: this error lived here before errors.py; other modules name it through this one.
+from orbax_mtc.errors import BackupError as BackupError
+
 _DEFAULT_ITEM = "default"
-
-
-class BackupError(RuntimeError):
-  """The newest persistent backup failed; the RAM tier (and peers) still hold the step.
-
-  Args:
-    step: The step whose backup failed.
-    cause: The error the backup raised.
-
-  Attributes:
-    step: The step whose backup failed.
-    cause: The error the backup raised.
-  """
-
-  def __init__(self, step: int, cause: BaseException):
-    super().__init__(
-        f"orbax-mtc: persistent backup of step {step} failed: {type(cause).__name__}: {cause}. "
-        "The step is still in the RAM tier; the next scheduled backup tries again. Check that "
-        "the persistent directory is reachable and writable.")
-    self.step = step
-    self.cause = cause
 
 
 @dataclasses.dataclass(frozen=True)

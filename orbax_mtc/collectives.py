@@ -14,15 +14,14 @@ import re
 import numpy as np
 from jax.experimental import multihost_utils
 
+# Re-exported: this error lived here before errors.py; other modules name it through this one.
+from orbax_mtc.errors import AgreementTimeoutError as AgreementTimeoutError
+
 # Barrier ids must be the same on every process and never reused in one job: every process
 # makes the same agreements in the same order, so one counter per process numbers them alike.
 _sequence = itertools.count()
 # How the coordination service names the tasks that never reached a barrier.
 _MISSING = re.compile(r"timed out task names:\s*([\d,\s]+)")
-
-
-class AgreementTimeoutError(TimeoutError):
-  """Some processes did not reach an agreement in time (they failed, hang or were killed)."""
 
 
 def _client():

@@ -34,6 +34,14 @@ import google_crc32c
 import jax.numpy as jnp
 import numpy as np
 
+# Re-exported: these errors lived here before errors.py, and other modules name them
+# through this one.
+from orbax_mtc.errors import AbstractStateMismatchError as AbstractStateMismatchError
+from orbax_mtc.errors import CorruptStepError as CorruptStepError
+from orbax_mtc.errors import LocalTierError as LocalTierError
+from orbax_mtc.errors import ManifestError as ManifestError
+from orbax_mtc.errors import MissingItemError as MissingItemError
+
 FORMAT = "orbax-mtc/local/2"
 MANIFEST_CRC_KEY = "manifest_crc32c"
 MANIFEST = "manifest.json"
@@ -52,34 +60,6 @@ _MAX_PROCESSES = 1 << 24
 _MAX_LEAF_BYTES = 1 << 62
 
 Index = tuple[tuple[int, int], ...]
-
-
-class LocalTierError(RuntimeError):
-  """A local step cannot be used (missing, partial, corrupt): restore falls back."""
-
-
-class CorruptStepError(LocalTierError):
-  """Bytes on the RAM disk do not match their checksum."""
-
-
-class ManifestError(LocalTierError):
-  """A manifest is unreadable, inconsistent, or does not belong where it was found."""
-
-
-class AbstractStateMismatchError(ValueError):
-  """The target tree does not match what was saved (names the leaf and both specs)."""
-
-
-class MissingItemError(AbstractStateMismatchError):
-  """The restore asks for an item the step was saved without.
-
-  Attributes:
-    item: The item's name.
-  """
-
-  def __init__(self, message: str, item: str):
-    super().__init__(message)
-    self.item = item
 
 
 def agreed_mismatch(process: int, message: str, step: int) -> AbstractStateMismatchError:

@@ -29,6 +29,11 @@ from pathlib import Path
 
 from absl import logging
 
+# Re-exported: these errors lived here before errors.py, and other modules name them
+# through this one.
+from orbax_mtc.errors import LocalDirectoryInUseError as LocalDirectoryInUseError
+from orbax_mtc.errors import LocalDirectoryTakenOverError as LocalDirectoryTakenOverError
+
 LOCK_FILE = ".lock"
 _MAX_READ = 64 << 10
 # The holder writes its JSON just after it takes the lock: a loser may read an empty file.
@@ -66,38 +71,6 @@ class LockHolder:
 
 def _is_int(value: object) -> bool:
   return isinstance(value, int) and not isinstance(value, bool)
-
-
-class LocalDirectoryInUseError(RuntimeError):
-  """Another process (or another claim in this one) holds the local directory."""
-
-  def __init__(self, directory: Path, holder: LockHolder | None):
-    self.directory = directory
-    self.holder = holder
-    if holder is None:
-      who = "another process (its .lock does not say which)"
-    else:
-      who = (f"process {holder.process_index} of job {holder.job_name!r} on host "
-             f"{holder.host} (pid {holder.pid})")
-      if holder.pid == os.getpid() and holder.host == socket.gethostname():
-        who += (" - this very process: close the CheckpointManager that uses it before making "
-                "another")
-    super().__init__(
-        f"local directory {directory} is already used by {who}: every process needs its own "
-        "local directory (e.g. /dev/shm/ckpt/<process index>); orbax-mtc launch gives each "
-        "process one.")
-
-
-class LocalDirectoryTakenOverError(RuntimeError):
-  """A CheckpointManager made later in this process took this one's local directory over."""
-
-  def __init__(self, directory: Path):
-    self.directory = directory
-    super().__init__(
-        f"local directory {directory} was taken over by a CheckpointManager made later in this "
-        "process: this manager no longer saves, restores or deletes (it still lists and "
-        "reloads; its committed steps are the newer manager's now). Use the newer manager; "
-        "close() on this one releases the rest.")
 
 
 def read_holder(directory: Path) -> LockHolder | None:

@@ -38,6 +38,9 @@ import yaml
 from absl import logging
 
 from orbax_mtc import files, lkg
+
+# Re-exported: this error lived here before errors.py; other modules name it through this one.
+from orbax_mtc.errors import ReplicatorError as ReplicatorError
 from orbax_mtc.local import aside
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import store as local_store
@@ -58,10 +61,6 @@ _PEERS = "peers"
 
 _KEYS = ("job-name", "framework", "assume-data-parallelism", "node-rank", "nodes",
          "peer-ranks", "peers-per-node", "backup-interval-minutes", "backup-interval-steps")
-
-
-class ReplicatorError(RuntimeError):
-  """The replicator reported a fatal error, or its files break the protocol."""
 
 
 def _is_int(value: Any) -> bool:
