@@ -28,7 +28,6 @@ from orbax_mtc.errors import (
     MissingItemError,
     ReplicatorError,
 )
-from orbax_mtc.managed.manager import ReplicatorCheckpointManager
 from orbax_mtc.managed.options import ReplicatorCheckpointManagerOptions
 from orbax_mtc.managed.setup import initialize_multi_tier_checkpointing
 from orbax_mtc.manager import CheckpointManager, RestoreInfo
@@ -42,6 +41,7 @@ from orbax_mtc.options import (
     ReplicationOptions,
 )
 from orbax_mtc.process_state import ProcessJsonHandler, ProcessJsonRestore, ProcessJsonSave
+from orbax_mtc.replicator_manager import ReplicatorCheckpointManager
 
 __version__ = "0.1.0"
 

@@ -369,7 +369,7 @@ def test_replicator_manager_args_are_checked_as_orbax_checks_them():
   import numpy as np
   import orbax.checkpoint as ocp
 
-  from orbax_mtc.managed import manager as replicator_manager
+  from orbax_mtc import replicator_manager
 
   state = ocp.args.PyTreeSave({"x": np.zeros(2)})
   with pytest.raises(ValueError, match="must be a Composite"):
@@ -390,8 +390,8 @@ def test_restore_args_without_item_become_saved_leaf_targets(mesh):
   import orbax.checkpoint as ocp
   from jax.sharding import NamedSharding, PartitionSpec
 
+  from orbax_mtc import replicator_manager
   from orbax_mtc.local.read import SavedLeaf
-  from orbax_mtc.managed import manager as replicator_manager
 
   sharding = NamedSharding(mesh, PartitionSpec("data"))
   item = replicator_manager.ram_restore_item(ocp.args.PyTreeRestore(restore_args={
@@ -408,7 +408,7 @@ def test_replicator_manager_options_map_onto_managed_mode(mesh, monkeypatch, war
   import orbax.checkpoint as ocp
 
   import orbax_mtc as mtc
-  from orbax_mtc.managed.manager import _manager_options
+  from orbax_mtc.replicator_manager import _manager_options
 
   monkeypatch.setenv("JOBSET_NAME", "js")
   fn = lambda step, last: step % 3 == 0  # noqa: E731

@@ -4,6 +4,8 @@
             `replicator.errors` / `replicator.failed`, the `*.restore` entries, `ReplicatorError`
   setup     `initialize_multi_tier_checkpointing`: joins `jax.distributed` and makes the
             `replicator.yaml` handshake (as Orbax's function of that name)
-  manager   `ReplicatorCheckpointManager`: Orbax's replicator manager signature, built on
-            `orbax_mtc.CheckpointManager` in managed mode
+  options   `ReplicatorCheckpointManagerOptions`
+
+`ReplicatorCheckpointManager` itself composes `orbax_mtc.CheckpointManager`, which uses this
+package, so it lives above both: `orbax_mtc/replicator_manager.py`.
 """
