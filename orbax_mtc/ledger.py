@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from orbax_mtc import agreement, backup
-from orbax_mtc.restore import listing as restore_plan
+from orbax_mtc import step_listing as restore_plan
 
 
 class StepLedger:

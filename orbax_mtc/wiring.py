@@ -129,10 +129,16 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
       options.local.max_to_keep, None if isinstance(policy, LatestN) else policy,
       saved_at=lambda step: ram.saved_at(step), metrics=lambda step: ram.metrics_of(step))
   local.keep = store.keep = retention.kept
+  def prepare_folder() -> None:
+    """Clears what a killed process left in the claimed folder."""
+    local.prepare()
+    store.prepare()
+    if not managed:  # the replicator owns the links in managed mode
+      lkg.cleanup_temporary(local_directory, options.job_name, process_index, worker_index)
+
   lock = claim.claim_local_directory(
       local_directory, job_name=options.job_name, process_index=process_index,
-      worker_index=worker_index, prepare=lambda: (local.prepare(), store.prepare()),
-      managed=managed, agree=agree, on_takeover=retire)
+      prepare=prepare_folder, agree=agree, on_takeover=retire)
   asynchronous = options.enable_async_checkpointing
   # The writer's errors wait in the ledger for the next agreement (bound once it exists).
   writer = RamWriter(local, process_index, process_count, asynchronous=asynchronous,

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orbax_mtc import agreement
+from orbax_mtc import step_listing as restore_plan
 from orbax_mtc.agreement import Status
-from orbax_mtc.restore import listing as restore_plan
 
 steps = st.lists(st.integers(0, 2**31 - 1), max_size=40)
 pairs = st.lists(st.tuples(st.integers(0, 4095), st.integers(0, 2**31 - 1)), max_size=40)

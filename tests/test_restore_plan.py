@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orbax_mtc.restore import listing as rp
+from orbax_mtc import step_listing as rp
 
 pytestmark = pytest.mark.timeout(60)
 

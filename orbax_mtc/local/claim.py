@@ -13,25 +13,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from orbax_mtc import agreement, files, lkg
+from orbax_mtc import agreement, files
 from orbax_mtc.local import lock as local_lock
 
 
 def claim_local_directory(local_path: Path, *, job_name: str, process_index: int,
-                          worker_index: int, prepare: Callable[[], None], managed: bool,
-                          agree: Callable[[Any, str], list[Any]],
+                          prepare: Callable[[], None], agree: Callable[[Any, str], list[Any]],
                           on_takeover: Callable[[], None] | None = None
                           ) -> local_lock.LocalDirectoryLock | None:
   """Claims `local_path` for this process (a lock naming the holder) and prepares it.
 
   Args:
     local_path: this process's RAM folder.
-    job_name: the job's name (in the lock and the LKG links).
+    job_name: the job's name (in the lock).
     process_index: this process.
-    worker_index: this process's index inside its host.
-    prepare: readies what the folder holds once it is claimed (the RAM tier's and the peer
-      copies' leftovers), raising OSError or ValueError.
-    managed: GKE's replicator owns the LKG links (left alone).
+    prepare: readies what the folder holds once it is claimed (the leftovers of the RAM tier,
+      the peer copies and the LKG links), raising OSError or ValueError.
     agree: gathers one agreement record from every process.
     on_takeover: runs when a manager made later in this process claims the same folder.
 
@@ -65,8 +62,6 @@ def claim_local_directory(local_path: Path, *, job_name: str, process_index: int
                        f"{os.getuid()}): {e.strerror}. Fix its permissions or choose another "
                        "folder.") from e
     prepare()
-    if not managed:
-      lkg.cleanup_temporary(local_path, job_name, process_index, worker_index)
   except (local_lock.LocalDirectoryInUseError, ValueError, OSError) as e:
     error = e
   records = agree(agreement.StartRecord(fault=agreement.Fault.of(error)),

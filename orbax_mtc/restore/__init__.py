@@ -7,6 +7,5 @@
   plan        which save to restore and who serves each saved rank (pure)
   tiles       a save's layout, the tile streams, new shards from saved tiles (no collectives)
   boxes       box geometry of saved tiles (pure)
-  listing     which steps the step lists offer: own folders, twins, peer copies (pure)
   persistent  the persistent tier's restore through Orbax
 """
