@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from orbax_mtc.retention import RetentionPolicy, StepRecord, decide, describe
+from orbax_mtc.tools.retention import RetentionPolicy, StepRecord, decide, describe
 
 UTC = dt.UTC
 NOW = dt.datetime(2026, 11, 22, 12, 30, tzinfo=UTC)  # a Sunday

@@ -273,7 +273,7 @@ class LocalTier:
                dir_mode: int = 0o700, file_mode: int = 0o600):
     self.directory = Path(directory)
     self.max_to_keep = max_to_keep
-    # `keep(steps, floor)`: the steps kept, when retention follows a policy (retention.py).
+    # `keep(steps, floor)`: the steps kept, when retention follows a policy (ram_retention.py).
     self.keep: Callable[[Sequence[int], int | None], set[int]] | None = None
     self._on_commit = on_commit
     # False when another program (GKE's replicator) may still be copying a retired step:

@@ -20,8 +20,7 @@ from typing import Any
 from etils import epath
 from orbax.checkpoint import path as ocp_path
 
-from orbax_mtc import retention
-from orbax_mtc.tools import console
+from orbax_mtc.tools import console, retention
 
 _PROG = "orbax-mtc gc"
 
