@@ -27,9 +27,12 @@ import orbax.checkpoint as ocp
 from etils import epath, epy
 from orbax.checkpoint import abstract_checkpoint_manager
 
+from orbax_mtc.item_args import RESERVED_ITEM as PROCESS_METADATA_ITEM
+from orbax_mtc.item_args import STATE_ITEM
 from orbax_mtc.local import read as local_read
 from orbax_mtc.managed.options import ReplicatorCheckpointManagerOptions
 from orbax_mtc.manager import CheckpointManager
+from orbax_mtc.non_replicated import DATASET_ITEM
 from orbax_mtc.option_checks import warn_once
 from orbax_mtc.options import (
   CheckpointManagerOptions,
@@ -38,9 +41,6 @@ from orbax_mtc.options import (
   ReplicationOptions,
 )
 
-STATE_ITEM = "state"
-PROCESS_METADATA_ITEM = "process_metadata"
-DATASET_ITEM = "dataset"
 # The managed manager underneath needs a persistent folder of its own; it writes nothing there
 # (the replicator backs up), so it is an empty folder in the local directory.
 UNUSED_PERSISTENT_FOLDER = ".orbax-mtc-persistent"

@@ -125,14 +125,13 @@ class LocalDirectoryLock:
       previous = _held_here.get(key)
       if previous is not None and previous.held and previous.holder.pid == os.getpid():
         fd = previous._hand_over()
-        _write_holder(fd, holder)
       else:
         fd = _flock(directory)
-        try:
-          _write_holder(fd, holder)
-        except BaseException:
-          os.close(fd)  # drops the flock
-          raise
+      try:
+        _write_holder(fd, holder)
+      except BaseException:
+        os.close(fd)  # drops the flock: no descriptor may hold it unowned
+        raise
       lock = cls(directory, fd, holder, key, on_takeover)
       _held_here[key] = lock
     return lock
