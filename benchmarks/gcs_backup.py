@@ -33,7 +33,7 @@ def _bandwidth(mib: int, reps: int, state, mesh, bucket: str) -> dict[str, list[
   import orbax.checkpoint as ocp
 
   import orbax_mtc as mtc
-  from orbax_mtc.backup_scheduler import BackupScheduler
+  from orbax_mtc.save.backup_scheduler import BackupScheduler
 
   phases: dict[str, list[float]] = {"plain": [], "upload": [], "end_to_end": []}
   started: list[float] = []

@@ -14,7 +14,6 @@ Public API::
 """
 
 from orbax_mtc import distributed
-from orbax_mtc.backup import BackupInfo, BackupIntervalPolicy
 from orbax_mtc.errors import (
     AbstractStateMismatchError,
     AgreementTimeoutError,
@@ -31,7 +30,6 @@ from orbax_mtc.errors import (
 from orbax_mtc.managed.options import ReplicatorCheckpointManagerOptions
 from orbax_mtc.managed.setup import initialize_multi_tier_checkpointing
 from orbax_mtc.manager import CheckpointManager, RestoreInfo
-from orbax_mtc.ondemand import OnDemandSave
 from orbax_mtc.options import (
     CheckpointManagerOptions,
     LocalCheckpointOptions,
@@ -42,6 +40,8 @@ from orbax_mtc.options import (
 )
 from orbax_mtc.process_state import ProcessJsonHandler, ProcessJsonRestore, ProcessJsonSave
 from orbax_mtc.replicator_manager import ReplicatorCheckpointManager
+from orbax_mtc.save.backup import BackupInfo, BackupIntervalPolicy
+from orbax_mtc.save.ondemand import OnDemandSave
 
 __version__ = "0.1.0"
 

@@ -14,8 +14,31 @@ from typing import Any
 
 import numpy as np
 
-from orbax_mtc import agreement, backup
+from orbax_mtc import agreement
 from orbax_mtc import step_listing as restore_plan
+from orbax_mtc.errors import BackupError
+
+
+class UnreportedError:
+  """One slot for a writer-thread error until an agreement carries it (rule 9).
+
+  The RAM writer offers its errors here; the ledger takes the one held into the next
+  agreement. A further error while one is held is refused (its writer only logs it).
+  """
+
+  def __init__(self) -> None:
+    self._error: BaseException | None = None
+
+  def offer(self, error: BaseException) -> bool:
+    """Keeps `error`; False when one is already kept."""
+    if self._error is not None:
+      return False
+    self._error = error
+    return True
+
+  def take(self) -> BaseException | None:
+    error, self._error = self._error, None
+    return error
 
 
 class StepLedger:
@@ -32,6 +55,9 @@ class StepLedger:
     keep: the RAM tier's retention: `keep(steps, floor)`, the steps kept.
     listing_allgather: the all-gather of `agree_steps` (default: `allgather`); it still runs
       once a newer manager took the RAM folder over, so this one can list and reload.
+    unreported: where the RAM writer leaves its errors for the next agreement.
+    before_local_raise: called before an agreed local fault is raised (every process is
+      there): lets a backup in flight finish.
   """
 
   def __init__(self, *, process_count: int,
@@ -41,7 +67,9 @@ class StepLedger:
                persistent_steps: Callable[[], list[int]],
                listing_groups: Callable[[], list[int] | None],
                keep: Callable[[Sequence[int], int | None], set[int]],
-               listing_allgather: Callable[[np.ndarray, str], np.ndarray] | None = None):
+               listing_allgather: Callable[[np.ndarray, str], np.ndarray] | None = None,
+               unreported: UnreportedError | None = None,
+               before_local_raise: Callable[[], None] = lambda: None):
     self.process_count = process_count
     self._allgather = allgather
     self._listing_allgather = listing_allgather or allgather
@@ -53,10 +81,9 @@ class StepLedger:
     self.ram: tuple[int, ...] = ()  # RAM steps the cluster can assemble
     self.persistent: tuple[int, ...] = ()  # persistent steps every process sees
     self.persistent_seen: tuple[int, ...] = ()  # persistent steps some process sees
-    self._local_error: BaseException | None = None  # not yet handed to an agreement
+    self._unreported = unreported or UnreportedError()  # not yet handed to an agreement
     self._fault_cause: BaseException | None = None  # handed, not yet raised
-    # Called before a local fault is raised (every process is there): let a backup finish.
-    self.before_local_raise: Callable[[], None] = lambda: None
+    self._before_local_raise = before_local_raise
 
   # --------------------------------------------------------------------- gathering
 
@@ -123,16 +150,13 @@ class StepLedger:
   # --------------------------------------------------------------------- faults
 
   def note_local_error(self, error: BaseException) -> bool:
-    """Keeps a writer-thread error for the next agreement. Returns False when one is already
-    kept (the caller logs the further one)."""
-    if self._local_error is not None:
-      return False
-    self._local_error = error
-    return True
+    """Keeps an error of this process for the next agreement. Returns False when one is
+    already kept (the caller logs the further one)."""
+    return self._unreported.offer(error)
 
   def take_fault(self) -> agreement.Fault:
     """This process's unreported error, handed to the next agreement."""
-    error, self._local_error = self._local_error, None
+    error = self._unreported.take()
     if error is not None:
       self._fault_cause = error
     return agreement.Fault.of(error)
@@ -142,12 +166,12 @@ class StepLedger:
     self._fault_cause = None
 
   def raise_agreed_faults(self, records: Sequence[Any], what: str, *,
-                          own_backup_error: backup.BackupError | None = None) -> None:
+                          own_backup_error: BackupError | None = None) -> None:
     """Raises the same error on every process when any reported one (rule 9).
 
     Raises:
       agreement.CheckpointError: a local fault on any process.
-      backup.BackupError: else, a failed backup on any process.
+      BackupError: else, a failed backup on any process.
     """
     cause, self._fault_cause = self._fault_cause, None
     found = agreement.faults(records)
@@ -158,17 +182,17 @@ class StepLedger:
       # This error usually ends the program: let the backup in flight finish first (every
       # process is here), or the interpreter stops under it and leaves a half-written
       # `<step>.orbax-checkpoint-tmp` behind ("cannot schedule new futures after shutdown").
-      self.before_local_raise()
+      self._before_local_raise()
       raise agreement.CheckpointError(
           what, {p: f"{f.kind}: {f.message}" for p, f in local.items()}) from cause
     if own_backup_error is not None:
       raise own_backup_error
     p, fault = min(found.items())
-    raise backup.BackupError(fault.backup_step, RuntimeError(
+    raise BackupError(fault.backup_step, RuntimeError(
         f"on process {p}: {fault.kind}: {fault.message}"))
 
   def agree_steps(self, what: str, *,
-                  backup_error: Callable[[], backup.BackupError | None] | None = None) -> None:
+                  backup_error: Callable[[], BackupError | None] | None = None) -> None:
     """Agrees the step lists and raises, on every process alike, the errors any process
     still holds (collective).
 

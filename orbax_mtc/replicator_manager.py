@@ -32,7 +32,6 @@ from orbax_mtc.item_args import STATE_ITEM
 from orbax_mtc.local import read as local_read
 from orbax_mtc.managed.options import ReplicatorCheckpointManagerOptions
 from orbax_mtc.manager import CheckpointManager
-from orbax_mtc.non_replicated import DATASET_ITEM
 from orbax_mtc.option_checks import warn_once
 from orbax_mtc.options import (
   CheckpointManagerOptions,
@@ -40,6 +39,7 @@ from orbax_mtc.options import (
   PersistentCheckpointOptions,
   ReplicationOptions,
 )
+from orbax_mtc.persistent.non_replicated import DATASET_ITEM
 
 # The managed manager underneath needs a persistent folder of its own; it writes nothing there
 # (the replicator backs up), so it is an empty folder in the local directory.

@@ -16,8 +16,8 @@ import json
 import os
 from pathlib import Path
 
-from orbax_mtc.ram_save import RamSaver
 from orbax_mtc.restore.executor import RamRestore
+from orbax_mtc.save.ram import RamSaver
 
 _counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 _current = ["<outside a test>"]

@@ -120,7 +120,7 @@ def test_restorable_steps_need_a_source_for_every_node():
 
 
 def test_retained_steps_follow_ram_retention():
-  from orbax_mtc.ram_retention import RamRetention
+  from orbax_mtc.save.retention import RamRetention
 
   assert RamRetention(2).kept([4, 6, 8, 10]) == {8, 10}
   assert RamRetention(2).kept([4, 6, 8, 10], 6) == {6, 8, 10}

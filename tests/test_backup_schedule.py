@@ -9,7 +9,8 @@ import pytest
 from conftest import abstract_of, assert_trees_equal, make_state
 
 import orbax_mtc as mtc
-from orbax_mtc import backup
+from orbax_mtc.persistent import orbax_internals
+from orbax_mtc.save import backup
 
 T0 = 1_800_000_000.0  # seconds since the epoch
 
@@ -155,7 +156,7 @@ def test_orbax_busy_with_a_metadata_write_defers_the_next_backup(shm_dir, mesh, 
     os.mkfifo(hung)
     store.write(hung, {"hung": True})  # blocks in open() until the FIFO is read
     try:
-      assert backup.orbax_writes_running(mgr._checkpointer)
+      assert orbax_internals.orbax_writes_running(mgr._checkpointer)
       assert mgr.is_saving_in_progress()
       for step in (1, 2, 3):
         save(mgr, step)  # returns: nothing waits for the hung write
@@ -175,13 +176,13 @@ def test_orbax_busy_with_a_metadata_write_defers_the_next_backup(shm_dir, mesh, 
     assert written == b'{"hung": true}'
     store.write(shm_dir / "missing" / "_CHECKPOINT_METADATA", {})  # fails at once
     store._single_thread_executor.submit(lambda: None).result()  # both writes are over
-    assert not backup.orbax_writes_running(mgr._checkpointer)
+    assert not orbax_internals.orbax_writes_running(mgr._checkpointer)
     save(mgr, 6)  # the waiting backup of step 2 starts; 4, then 6, follow
     mgr.wait_until_finished()
     assert [(i.step, i.state) for i in mgr.backup_history] == [
         (0, "done"), (2, "done"), (4, "done"), (6, "done")]
     assert sorted(ocp.utils.checkpoint_steps(mgr.directory)) == [0, 2, 4, 6]
-    assert backup.collect_orbax_errors(mgr._checkpointer) == []  # the failure was consumed
+    assert orbax_internals.collect_orbax_errors(mgr._checkpointer) == []  # the failure was consumed
 
 
 def _hold_orbax(mgr, shm_dir):
@@ -228,7 +229,7 @@ def test_every_due_step_is_backed_up_unless_skipping_is_asked_for(shm_dir, mesh,
   status`."""
   import orbax.checkpoint as ocp
 
-  from orbax_mtc import backup_scheduler
+  from orbax_mtc.save import backup_scheduler
   from orbax_mtc.tools import inspection
 
   options = _options(save_interval_steps=4, skip_backups_when_busy=skip)

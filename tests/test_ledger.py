@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orbax_mtc import agreement, backup
+from orbax_mtc import agreement
 from orbax_mtc.ledger import StepLedger
-from orbax_mtc.ram_retention import RamRetention
+from orbax_mtc.save import backup
+from orbax_mtc.save.retention import RamRetention
 
 
 class _Cluster:
@@ -17,12 +18,14 @@ class _Cluster:
   def __init__(self, process_count: int, *, own=(), copies=(), persistent=(), groups=None,
                max_to_keep=None):
     self.others: list[object] = []
+    self.waited: list[bool] = []
     self.whats: list[str] = []
     self.own, self.persistent = list(own), list(persistent)
     self.ledger = StepLedger(
         process_count=process_count, allgather=self._allgather, own_steps=lambda: self.own,
         copies=lambda own: list(copies), persistent_steps=lambda: self.persistent,
-        listing_groups=lambda: groups, keep=RamRetention(max_to_keep).kept)
+        listing_groups=lambda: groups, keep=RamRetention(max_to_keep).kept,
+        before_local_raise=lambda: self.waited.append(True))
 
   def _allgather(self, row: np.ndarray, what: str) -> np.ndarray:
     self.whats.append(what)
@@ -59,12 +62,10 @@ def test_a_local_fault_anywhere_is_raised_everywhere_naming_the_process():
   cluster = _Cluster(3)
   boom = agreement.Fault(kind="OSError", message="No space left on device")
   cluster.others = [_finish(), _finish(fault=boom)]
-  waited = []
-  cluster.ledger.before_local_raise = lambda: waited.append(True)
   with pytest.raises(agreement.CheckpointError, match=r"process\(es\) \[2\].*No space") as e:
     cluster.ledger.agree_steps("wait_until_finished")
   assert e.value.origins == {2: "OSError: No space left on device"}
-  assert waited == [True]  # a backup in flight finishes before the error ends the program
+  assert cluster.waited == [True]  # a backup in flight finishes before the error ends the program
 
 
 def test_this_process_writer_error_travels_in_the_next_agreement_once():

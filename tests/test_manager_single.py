@@ -19,7 +19,7 @@ import pytest
 from conftest import abstract_of, assert_host_equal, assert_trees_equal, make_state
 
 import orbax_mtc as mtc
-from orbax_mtc import lkg
+from orbax_mtc.local import restore_links as lkg
 from orbax_mtc.local.format import DATA, MANIFEST
 from orbax_mtc.local.read import verify_step
 from orbax_mtc.local.store import LocalTier, committed_steps, read_manifest

@@ -38,7 +38,7 @@ from mp_helpers import (
   tail,
 )
 
-from orbax_mtc import lkg
+from orbax_mtc.local import restore_links as lkg
 from orbax_mtc.local.format import DATA, CorruptStepError
 from orbax_mtc.local.read import verify_step
 from orbax_mtc.local.store import committed_steps, read_manifest

@@ -10,7 +10,7 @@ import pytest
 from conftest import abstract_of, make_state
 
 import orbax_mtc as mtc
-from orbax_mtc import lkg
+from orbax_mtc.local import restore_links as lkg
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -146,7 +146,7 @@ def test_constructor_signatures_match_orbax():
   import orbax.checkpoint as ocp
 
   import orbax_mtc as mtc
-  from orbax_mtc import constructor
+  from orbax_mtc.forms import arguments as constructor
 
   emergency, replicator = _orbax()
   cases = [

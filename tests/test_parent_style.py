@@ -17,7 +17,7 @@ import pytest
 from conftest import flip_byte
 
 import orbax_mtc as mtc
-from orbax_mtc import constructor
+from orbax_mtc.forms import arguments as constructor
 from orbax_mtc.local.format import DATA, MANIFEST
 from orbax_mtc.testing import abstract_of, assert_trees_equal, example_state
 

@@ -15,10 +15,10 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import abstract_of, assert_trees_equal, make_state
 
-from orbax_mtc import preemption
-from orbax_mtc.backup_scheduler import BackupScheduler
 from orbax_mtc.local.lock import LocalDirectoryLock
 from orbax_mtc.local.store import committed_steps
+from orbax_mtc.save import preemption
+from orbax_mtc.save.backup_scheduler import BackupScheduler
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Pure save decisions (orbax_mtc.save_policy): plain numbers in, a decision out."""
+"""Pure save decisions (orbax_mtc.save.policy): plain numbers in, a decision out."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from orbax.checkpoint import checkpoint_managers as policies
 
-from orbax_mtc import save_policy
 from orbax_mtc.options import LocalCheckpointOptions, PersistentCheckpointOptions
-from orbax_mtc.save_policy import SaveAction, SaveDecision
+from orbax_mtc.save import policy as save_policy
+from orbax_mtc.save.policy import SaveAction, SaveDecision
 
 
 def _never() -> bool:

@@ -260,6 +260,8 @@ class LocalTier:
     directory: this process's local directory, on the RAM disk.
     max_to_keep: committed steps kept (besides `keep_floor`); None keeps all.
     on_commit: called by `write` with the newest committed step.
+    keep: `keep(steps, floor)`, the steps kept, when retention follows a policy
+      (ram_retention.py); else the newest `max_to_keep`.
     reuse_files: whether a retired step's data file is overwritten by the next save.
     process_index: when given, `manifest` checks it.
     process_count: when given, `manifest` checks it.
@@ -268,13 +270,14 @@ class LocalTier:
   """
 
   def __init__(self, directory: Path, *, max_to_keep: int | None,
-               on_commit: Callable[[int], None] | None = None, reuse_files: bool = True,
+               on_commit: Callable[[int], None] | None = None,
+               keep: Callable[[Sequence[int], int | None], set[int]] | None = None,
+               reuse_files: bool = True,
                process_index: int | None = None, process_count: int | None = None,
                dir_mode: int = 0o700, file_mode: int = 0o600):
     self.directory = Path(directory)
     self.max_to_keep = max_to_keep
-    # `keep(steps, floor)`: the steps kept, when retention follows a policy (ram_retention.py).
-    self.keep: Callable[[Sequence[int], int | None], set[int]] | None = None
+    self.keep = keep
     self._on_commit = on_commit
     # False when another program (GKE's replicator) may still be copying a retired step:
     # its files must then never be overwritten in place.

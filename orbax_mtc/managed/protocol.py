@@ -37,12 +37,13 @@ from typing import Any
 import yaml
 from absl import logging
 
-from orbax_mtc import files, lkg
+from orbax_mtc import files
 
 # Re-exported: this error lived here before errors.py; other modules name it through this one.
 from orbax_mtc.errors import ReplicatorError as ReplicatorError
 from orbax_mtc.local import aside
 from orbax_mtc.local import format as local_format
+from orbax_mtc.local import restore_links as lkg
 from orbax_mtc.local import store as local_store
 
 REPLICATOR_FILE = "replicator.yaml"

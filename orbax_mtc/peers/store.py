@@ -216,10 +216,11 @@ class PeerStore:
   """
 
   def __init__(self, local_directory: Path, *, max_to_keep: int | None,
+               keep: Callable[[Sequence[int], int | None], set[int]] | None = None,
                dir_mode: int = 0o700, file_mode: int = 0o600):
     self.root = Path(local_directory) / PEERS
     self.max_to_keep = max_to_keep
-    self.keep: Callable[[Sequence[int], int | None], set[int]] | None = None  # as LocalTier
+    self.keep = keep  # as LocalTier
     self.dir_mode = dir_mode
     self.file_mode = file_mode
 

@@ -40,9 +40,9 @@ from orbax_mtc.agreement import CoverRecord, Status
 from orbax_mtc.ledger import StepLedger
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import store as local_store
+from orbax_mtc.local.writer import RamWriter
 from orbax_mtc.peers import store as peer_store
 from orbax_mtc.peers.copies import PeerCopies
-from orbax_mtc.ram_writer import RamWriter
 from orbax_mtc.restore import plan as restore_plan
 from orbax_mtc.restore import tiles
 from orbax_mtc.restore.attempt import Exclude, Lacking, Sources, StepAttempt

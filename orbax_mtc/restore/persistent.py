@@ -21,7 +21,7 @@ from orbax_mtc import agreement, item_args, process_state
 from orbax_mtc.agreement import Status
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import specs as local_specs
-from orbax_mtc.persistent import PersistentTier
+from orbax_mtc.persistent.tier import PersistentTier
 
 
 def restore(persistent: PersistentTier, step: int, targets: dict[str, Any],
@@ -71,8 +71,8 @@ def restore(persistent: PersistentTier, step: int, targets: dict[str, Any],
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
 
   if single:
-    return persistent.call("restore", step, args=restore_arg(targets[item_args.DEFAULT_ITEM]))
-  return persistent.call("restore", step, args=ocp.args.Composite(
+    return persistent.restore(step, restore_arg(targets[item_args.DEFAULT_ITEM]))
+  return persistent.restore(step, ocp.args.Composite(
       **{name: restore_arg(t) for name, t in targets.items()}))
 
 

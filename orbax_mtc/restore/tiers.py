@@ -19,10 +19,10 @@ from absl import logging
 from orbax_mtc.ledger import StepLedger
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import store as local_store
+from orbax_mtc.local.writer import RamWriter
 from orbax_mtc.managed import hookup
 from orbax_mtc.peers import store as peer_store
-from orbax_mtc.persistent import PersistentTier
-from orbax_mtc.ram_writer import RamWriter
+from orbax_mtc.persistent.tier import PersistentTier
 from orbax_mtc.restore import persistent as persistent_restore
 from orbax_mtc.restore.executor import RamRestore, RamRestoreResult
 

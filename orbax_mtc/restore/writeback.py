@@ -19,8 +19,8 @@ from absl import logging
 
 from orbax_mtc.local import aside
 from orbax_mtc.local import staging as local_staging
+from orbax_mtc.local.writer import RamWriter
 from orbax_mtc.peers.copies import PeerCopies
-from orbax_mtc.ram_writer import RamWriter
 from orbax_mtc.restore.tiles import BuiltStep
 
 

@@ -17,10 +17,11 @@ from typing import Any
 from etils import epath
 from orbax.checkpoint import path as ocp_path
 
-from orbax_mtc import backup, lkg
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import read as local_read
+from orbax_mtc.local import restore_links as lkg
 from orbax_mtc.local import store as local_store
+from orbax_mtc.save import backup
 from orbax_mtc.tools import console
 
 _STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax writes it when it finalizes a step

@@ -23,14 +23,14 @@ def cmd_delete(args) -> int:
     if me == args.lag_process:
       mgr._checkpoints.delete_if(lambda info: info.step == args.step)  # Orbax's cache
     emit(f"BEFORE process={me} all={fmt(mgr.all_steps())} "
-         f"orbax={fmt(mgr._persistent.steps())} primary={int(mgr.in_primary_slice)}")
+         f"orbax={fmt(mgr._form.persistent.steps())} primary={int(mgr.in_primary_slice)}")
     try:
       mgr.delete(args.step)
     except Exception as e:  # noqa: BLE001 - reported to the test
       raised(e)
       return EXIT_RAISED
     emit(f"DELETED process={me} all={fmt(mgr.all_steps())} "
-         f"orbax={fmt(mgr._persistent.steps())}")
+         f"orbax={fmt(mgr._form.persistent.steps())}")
   emit("DONE")
   return 0
 
@@ -59,7 +59,7 @@ def cmd_clock(args) -> int:
     except Exception as e:  # noqa: BLE001 - reported to the test
       raised(e)
       return EXIT_RAISED
-    emit(f"CLOCK process={me} saved={int(saved)} persistent={fmt(mgr._persistent.steps())}")
+    emit(f"CLOCK process={me} saved={int(saved)} persistent={fmt(mgr._form.persistent.steps())}")
   emit("DONE")
   return 0
 

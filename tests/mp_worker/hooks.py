@@ -121,7 +121,7 @@ def small_replication_calls(nbytes: int = 1 << 20) -> None:
 
 def _wait_for_notice(timeout_s: float = HOOK_WAIT_S) -> float | None:
   """Polls `preemption.notice_time()` until the job's SIGTERM is known, at most `timeout_s`."""
-  from orbax_mtc import preemption
+  from orbax_mtc.save import preemption
 
   deadline = time.monotonic() + timeout_s
   while True:
@@ -200,10 +200,10 @@ def install_fault(args, mgr, me: int) -> Callable[[], None]:
     What to call once the restore is over: it undoes a restore-read fault (the saves after
     it read nothing back); a no-op for the other phases.
   """
-  from orbax_mtc.backup_scheduler import BackupScheduler
-  from orbax_mtc.lkg import LinkKeeper
   from orbax_mtc.local.format import CorruptStepError
+  from orbax_mtc.local.restore_links import LinkKeeper
   from orbax_mtc.peers import stream as peer_stream
+  from orbax_mtc.save.backup_scheduler import BackupScheduler
 
   def nothing() -> None:
     pass
@@ -212,7 +212,7 @@ def install_fault(args, mgr, me: int) -> Callable[[], None]:
     return nothing
   phase, at = args.phase, args.fault_step
   if phase == "kill":
-    from orbax_mtc.ram_writer import RamWriter
+    from orbax_mtc.local.writer import RamWriter
 
     issue = RamWriter.write
 

@@ -48,7 +48,7 @@ def run(tier: str, name: str, local_dir, persistent_dir, mesh, abstract, state_o
       if mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state_of(step)))):
         saved.append(step)
       mgr.wait_until_finished()
-    held = mgr._local.steps() if tier == "ram" else mgr._persistent.steps()
+    held = mgr._form.local.steps() if tier == "ram" else mgr._form.persistent.steps()
   assert held == saved, (tier, name, held, saved)
   return held
 
@@ -104,4 +104,4 @@ def run_preservation(tier: str, name: str, local_dir, persistent_dir, mesh, abst
       mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state_of(step))),
                metrics={"score": step})
       mgr.wait_until_finished()
-    return mgr._local.steps() if tier == "ram" else mgr._persistent.steps()
+    return mgr._form.local.steps() if tier == "ram" else mgr._form.persistent.steps()

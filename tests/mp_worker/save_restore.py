@@ -152,7 +152,8 @@ def cmd_force_old(args) -> int:
   import jax
   import orbax.checkpoint as ocp
 
-  from orbax_mtc import distributed, lkg
+  from orbax_mtc import distributed
+  from orbax_mtc.local import restore_links as lkg
 
   distributed.initialize()
   mesh = make_mesh()

@@ -17,15 +17,16 @@ from typing import Any
 import orbax.checkpoint as ocp
 from absl import logging
 
-from orbax_mtc import agreement, files, preemption
-from orbax_mtc.backup_scheduler import BackupScheduler
+from orbax_mtc import agreement, files
 from orbax_mtc.ledger import StepLedger
 from orbax_mtc.local import specs as local_specs
 from orbax_mtc.local import store as local_store
+from orbax_mtc.local.writer import RamWriter
 from orbax_mtc.peers.copies import PeerCopies
-from orbax_mtc.persistent import PersistentTier
-from orbax_mtc.ram_save import RamSaver
-from orbax_mtc.ram_writer import RamWriter
+from orbax_mtc.persistent.tier import PersistentTier
+from orbax_mtc.save import preemption
+from orbax_mtc.save.backup_scheduler import BackupScheduler
+from orbax_mtc.save.ram import RamSaver
 
 ONDEMAND_FILE = "ondemand.json"  # in an on-demand step's local folder: its time breakdown
 ONDEMAND_METADATA_KEY = "orbax_mtc_ondemand"  # in custom_metadata of the persistent step

@@ -16,13 +16,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from orbax_mtc import agreement, item_args
-from orbax_mtc.backup_scheduler import BackupScheduler
 from orbax_mtc.ledger import StepLedger
 from orbax_mtc.local import staging as local_staging
 from orbax_mtc.local import store as local_store
+from orbax_mtc.local.writer import RamWriter
 from orbax_mtc.peers.copies import PeerCopies
-from orbax_mtc.persistent import PersistentTier
-from orbax_mtc.ram_writer import RamWriter
+from orbax_mtc.persistent.tier import PersistentTier
+from orbax_mtc.save.backup_scheduler import BackupScheduler
+from orbax_mtc.save.retention import RamRetention
 
 
 class RamSaver:
@@ -35,6 +36,7 @@ class RamSaver:
     backups: the persistent backup scheduler.
     peers: the peer copies.
     persistent: the persistent tier.
+    retention: the RAM tier's retention (records each step's save time and metrics).
     asynchronous: writes run in the background (else `save` returns with every tier done).
     device_copy: stage accelerator shards as device-side copies
       (`LocalCheckpointOptions.device_copy`).
@@ -42,7 +44,7 @@ class RamSaver:
 
   def __init__(self, *, local: local_store.LocalTier, writer: RamWriter, ledger: StepLedger,
                backups: BackupScheduler, peers: PeerCopies, persistent: PersistentTier,
-               asynchronous: bool, device_copy: bool = False):
+               retention: RamRetention, asynchronous: bool, device_copy: bool = False):
     self._local = local
     self._writer = writer
     self._ledger = ledger
@@ -51,19 +53,8 @@ class RamSaver:
     self._persistent = persistent
     self._asynchronous = asynchronous
     self._device_copy = device_copy
-    self._saved_at: dict[int, float] = {}  # RAM step -> the agreed clock when it was saved
-    self._metrics: dict[int, Any] = {}  # RAM step -> the metrics it was saved with
+    self._retention = retention
     self.last_blocking_seconds: float | None = None
-
-  def saved_at(self, step: int) -> float:
-    """When RAM step `step` was saved (seconds since the epoch): the agreed clock of its
-    save, the same on every process; 0 (as old as can be) for a step of an earlier run,
-    whose manifests' times differ between processes (retention must be one answer)."""
-    return self._saved_at.get(step, 0.0)
-
-  def metrics_of(self, step: int) -> Any:
-    """The metrics RAM step `step` was saved with in this run (None otherwise)."""
-    return self._metrics.get(step)
 
   def save(self, step: int, args: Any, *, backup_wanted: bool = False, metrics: Any = None,
            custom_metadata: dict[str, Any] | None = None, parent_saved: bool = False,
@@ -157,12 +148,9 @@ class RamSaver:
       # the RAM footprint stays at max_to_keep committed steps plus the one being written.
       self._local.apply_retention()
     # Before retention asks for them (a preservation policy reads both).
-    self._saved_at[step] = records[0].clock_ms / 1000
-    self._metrics[step] = metrics
+    self._retention.record(step, records[0].clock_ms / 1000, metrics)
     ledger.adopt(inventories, saved=step, floor=floor)
-    held = {step, *own, *ledger.ram}
-    self._saved_at = {s: t for s, t in self._saved_at.items() if s in held}
-    self._metrics = {s: m for s, m in self._metrics.items() if s in held}
+    self._retention.forget_others({step, *own, *ledger.ram})
     # Not whether this process still writes a backup: each process learns that on its own,
     # so it can differ between processes, and this answer decides whether the step is
     # backed up.

@@ -174,60 +174,66 @@ def decide_save(step: int, *, force: bool, preempted: bool, read_only: bool, man
   return SaveDecision(SaveAction.PERSISTENT_ONLY, backup=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class AgreedState:
+  """What the schedule decides from, read once per call (agreed on every process but for
+  `write_in_flight`, which only a continuous policy asks, on its primary alone)."""
+
+  ram: tuple[int, ...] = ()  # the RAM steps every process agreed on
+  persistent: tuple[int, ...] = ()  # the persistent steps every process sees
+  preempted: bool = False  # the agreed preemption answer for this step
+  write_in_flight: bool = False  # a RAM write still runs
+  backup_in_progress: bool = False  # a backup chosen or still written
+  last_backup_attempt: int | None = None  # the newest backup attempt's step
+
+
 class SaveSchedule:
-  """The policies above, asked with the manager's agreed state.
+  """The policies above, asked with an `AgreedState`.
 
   Args:
     options: the manager's `CheckpointManagerOptions`.
     managed: GKE's replicator backs the RAM tier up.
-    agreed_ram: the agreed RAM steps, now.
-    agreed_persistent: the agreed persistent steps, now.
-    write_in_flight: whether a RAM write still runs, now.
-    saved_at: when a RAM step was saved (seconds since the epoch).
     backup_by_minutes: backups are decided by minutes, at RAM saves (not per step).
-    last_backup_attempt: the newest backup attempt's step, if any, now.
-    orbax_says: Orbax's own persistent policy, `orbax_says(step)`.
+    saved_at: when a RAM step was saved (seconds since the epoch).
+    persistent_policy: Orbax's own persistent policy, `persistent_policy(step, agreed
+      persistent steps, preempted=..., saving=...)` (PersistentTier.policy_says).
   """
 
-  def __init__(self, options: Any, *, managed: bool,
-               agreed_ram: Callable[[], Sequence[int]],
-               agreed_persistent: Callable[[], Sequence[int]],
-               write_in_flight: Callable[[], bool], backup_by_minutes: bool,
+  def __init__(self, options: Any, *, managed: bool, backup_by_minutes: bool,
                saved_at: Callable[[int], float] = lambda step: 0.0,
-               last_backup_attempt: Callable[[], int | None],
-               orbax_says: Callable[[int], bool]):
+               persistent_policy: Callable[..., bool]):
     self._options = options
     self._managed = managed
-    self._agreed_ram = agreed_ram
-    self._agreed_persistent = agreed_persistent
-    self._write_in_flight = write_in_flight
     self._saved_at = saved_at
     self._backup_by_minutes = backup_by_minutes
-    self._last_backup_attempt = last_backup_attempt
-    self._orbax_says = orbax_says
+    self._persistent_policy = persistent_policy
 
-  def ram_due(self, step: int) -> bool:
+  def ram_due(self, step: int, state: AgreedState) -> bool:
     """Whether the RAM tier's schedule asks for `step`."""
-    return ram_should_save(step, self._agreed_ram(), self._options.local,
-                           write_in_flight=self._write_in_flight(), now=time.time(),
+    return ram_should_save(step, state.ram, self._options.local,
+                           write_in_flight=state.write_in_flight, now=time.time(),
                            saved_at=self._saved_at)
 
-  def persistent_due(self, step: int) -> bool:
+  def persistent_due(self, step: int, state: AgreedState) -> bool:
     """Whether the persistent tier's schedule asks for `step`."""
     if self._managed or self._backup_by_minutes:
       return False  # GKE's replicator backs up; by minutes: decided at RAM saves
     schedule = self._options.persistent
-    attempt = self._last_backup_attempt()
-    if attempt is not None and schedule.save_decision_policy is None and \
-        not self._agreed_persistent():
+    attempt = state.last_backup_attempt
+    if attempt is not None and schedule.save_decision_policy is None and not state.persistent:
       return first_backup_due(step, attempt, schedule)
-    return self._orbax_says(step)
+    return self._persistent_policy(step, state.persistent, preempted=state.preempted,
+                                   saving=state.backup_in_progress)
 
-  def decide(self, step: int, *, force: bool, preempted: bool,
+  def should_save(self, step: int, state: AgreedState) -> bool:
+    """`should_save(step)`: the preemption step, or a tier's schedule."""
+    return state.preempted or self.ram_due(step, state) or self.persistent_due(step, state)
+
+  def decide(self, step: int, state: AgreedState, *, force: bool,
              ondemand_step: int | None) -> SaveDecision:
     """`decide_save` for one `save(step)` call."""
     return decide_save(
-        step, force=force, preempted=preempted, read_only=self._options.local.read_only,
-        managed=self._managed, agreed_ram=self._agreed_ram(),
-        agreed_persistent=self._agreed_persistent(), ondemand_step=ondemand_step,
-        ram_due=lambda: self.ram_due(step), persistent_due=lambda: self.persistent_due(step))
+        step, force=force, preempted=state.preempted, read_only=self._options.local.read_only,
+        managed=self._managed, agreed_ram=state.ram, agreed_persistent=state.persistent,
+        ondemand_step=ondemand_step, ram_due=lambda: self.ram_due(step, state),
+        persistent_due=lambda: self.persistent_due(step, state))

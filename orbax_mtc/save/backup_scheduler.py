@@ -21,12 +21,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from orbax_mtc import agreement, backup
+from orbax_mtc import agreement
 from orbax_mtc.agreement import Status
 from orbax_mtc.local import read as local_read
 from orbax_mtc.local import store as local_store
-from orbax_mtc.persistent import PersistentTier
-from orbax_mtc.ram_writer import RamWriter
+from orbax_mtc.local.writer import RamWriter
+from orbax_mtc.persistent.tier import PersistentTier
+from orbax_mtc.save import backup
 
 
 class BackupScheduler:

@@ -26,29 +26,25 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import LatestN
 
-from orbax_mtc import (
-  agreement,
-  backup,
-  collectives,
-  item_args,
-  lkg,
-  save_policy,
-)
-from orbax_mtc.backup_scheduler import BackupScheduler
-from orbax_mtc.ledger import StepLedger
+from orbax_mtc import agreement, collectives, item_args
+from orbax_mtc.ledger import StepLedger, UnreportedError
 from orbax_mtc.local import claim
 from orbax_mtc.local import lock as local_lock
+from orbax_mtc.local import restore_links as lkg
 from orbax_mtc.local import store as local_store
-from orbax_mtc.ondemand import OnDemandSaver
+from orbax_mtc.local.writer import RamWriter
 from orbax_mtc.options import CheckpointManagerOptions
 from orbax_mtc.peers import store as peer_store
 from orbax_mtc.peers.copies import PeerCopies
-from orbax_mtc.persistent import PersistentTier
-from orbax_mtc.ram_retention import RamRetention
-from orbax_mtc.ram_save import RamSaver
-from orbax_mtc.ram_writer import RamWriter
+from orbax_mtc.persistent.tier import PersistentTier
 from orbax_mtc.restore.executor import RamRestore
 from orbax_mtc.restore.tiers import TieredRestore
+from orbax_mtc.save import backup
+from orbax_mtc.save import policy as save_policy
+from orbax_mtc.save.backup_scheduler import BackupScheduler
+from orbax_mtc.save.ondemand import OnDemandSaver
+from orbax_mtc.save.ram import RamSaver
+from orbax_mtc.save.retention import RamRetention
 
 
 @dataclasses.dataclass
@@ -74,7 +70,7 @@ class Parts:
 def build(*, options: CheckpointManagerOptions, local_directory: Path,
           abstract_state: Any, process_index: int, process_count: int, worker_index: int,
           persistent: PersistentTier, backup_policy: backup.BackupIntervalPolicy | None,
-          peers_optional: bool, orbax_says: Callable[[int], bool]) -> Parts:
+          peers_optional: bool) -> Parts:
   """Opens the RAM tier on `local_directory` (collective: claimed on every process) and
   builds every part around it.
 
@@ -85,10 +81,9 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
     process_index: this process.
     process_count: processes in the job.
     worker_index: this process's index inside its host.
-    persistent: the persistent tier (the parent manager; used lazily).
+    persistent: the persistent tier.
     backup_policy: back up by minutes, or None.
     peers_optional: a mesh without replicas means no peer copies (instead of an error).
-    orbax_says: Orbax's own persistent save policy, `orbax_says(step)`.
 
   Raises:
     LocalDirectoryInUseError, ValueError, OSError, CheckpointError: the RAM folder cannot be
@@ -117,18 +112,17 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
   links = lkg.LinkKeeper(local_directory, options.job_name, process_index, worker_index,
                          managed=managed)
   modes = {"dir_mode": options.local.directory_mode, "file_mode": options.local.file_mode}
-  local = local_store.LocalTier(local_directory, max_to_keep=options.local.max_to_keep,
-                               on_commit=lambda step: links.committed(step), reuse_files=not managed,
-                               process_index=process_index, process_count=process_count,
-                               **modes)
-  store = peer_store.PeerStore(local_directory, max_to_keep=options.local.max_to_keep, **modes)
   # One retention for the step lists, the folders and the copies (an Orbax preservation
   # policy asked with each step's save time and metrics, recorded by the RAM saver).
   policy = options.local.preservation_policy
-  retention = RamRetention(
-      options.local.max_to_keep, None if isinstance(policy, LatestN) else policy,
-      saved_at=lambda step: ram.saved_at(step), metrics=lambda step: ram.metrics_of(step))
-  local.keep = store.keep = retention.kept
+  retention = RamRetention(options.local.max_to_keep,
+                           None if isinstance(policy, LatestN) else policy)
+  local = local_store.LocalTier(local_directory, max_to_keep=options.local.max_to_keep,
+                               on_commit=links.committed, keep=retention.kept,
+                               reuse_files=not managed, process_index=process_index,
+                               process_count=process_count, **modes)
+  store = peer_store.PeerStore(local_directory, max_to_keep=options.local.max_to_keep,
+                               keep=retention.kept, **modes)
   def prepare_folder() -> None:
     """Clears what a killed process left in the claimed folder."""
     local.prepare()
@@ -140,26 +134,27 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
       local_directory, job_name=options.job_name, process_index=process_index,
       prepare=prepare_folder, agree=agree, on_takeover=retire)
   asynchronous = options.enable_async_checkpointing
-  # The writer's errors wait in the ledger for the next agreement (bound once it exists).
+  # The writer's errors wait for the next agreement, which the ledger makes.
+  unreported = UnreportedError()
   writer = RamWriter(local, process_index, process_count, asynchronous=asynchronous,
-                     on_error=lambda error: ledger.note_local_error(error))
+                     on_error=unreported.offer)
   peers = PeerCopies(options, process_index, process_count, local=local, store=store,
                      writer=writer,
                      allgather=lambda row: allgather(row, "the peer copies of a step"),
                      send=not managed, optional=peers_optional)
+  backups = BackupScheduler(
+      persistent, writer, local, policy=backup_policy,
+      timeout_secs=(options.async_options or ocp.AsyncOptions()).timeout_secs,
+      skip_when_busy=options.persistent.skip_backups_when_busy)
   ledger = StepLedger(
       process_count=process_count, allgather=allgather, own_steps=local.steps,
       copies=lambda own: store.servable(own) if peers.enabled else [],
       persistent_steps=persistent.steps,
       listing_groups=lambda: peers.listing_groups(abstract_state, item_args.is_array_target),
-      keep=retention.kept, listing_allgather=listing_allgather)
-  backups = BackupScheduler(
-      persistent, writer, local, policy=backup_policy,
-      timeout_secs=(options.async_options or ocp.AsyncOptions()).timeout_secs,
-      skip_when_busy=options.persistent.skip_backups_when_busy)
-  ledger.before_local_raise = lambda: backups.poll(block=True)
+      keep=retention.kept, listing_allgather=listing_allgather, unreported=unreported,
+      before_local_raise=lambda: backups.poll(block=True))
   ram = RamSaver(local=local, writer=writer, ledger=ledger, backups=backups, peers=peers,
-                 persistent=persistent, asynchronous=asynchronous,
+                 persistent=persistent, retention=retention, asynchronous=asynchronous,
                  device_copy=options.local.device_copy)
   chunks = dict(chunk_bytes=options.replication.chunk_bytes,
                 window=options.replication.chunks_in_flight)
@@ -170,13 +165,8 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
       managed=managed, local=local, writer=writer, ram=ram, peers=peers, backups=backups,
       persistent=persistent, ledger=ledger)
   schedule = save_policy.SaveSchedule(
-      options, managed=managed, agreed_ram=lambda: ledger.ram,
-      agreed_persistent=lambda: ledger.persistent, write_in_flight=lambda: writer.writing,
-      saved_at=ram.saved_at,
-      backup_by_minutes=backup_policy is not None,
-      last_backup_attempt=lambda: None if backups.last_attempt is None else
-      backups.last_attempt[0],
-      orbax_says=orbax_says)
+      options, managed=managed, saved_at=retention.saved_at,
+      backup_by_minutes=backup_policy is not None, persistent_policy=persistent.policy_says)
 
   def delete_local(steps: list[int]) -> None:
     """Removes RAM steps (main thread, no write in flight) and re-points the LKG link."""
@@ -200,35 +190,3 @@ def agree_with(allgather: Callable[[np.ndarray, str], np.ndarray]
   def agree(record: Any, what: str) -> list[Any]:
     return agreement.gather(record, lambda row: allgather(row, what))
   return agree
-
-
-class Reported:
-  """A manager attribute read from one of its parts: `Reported("_backups", "last_backup")`.
-
-  It is `default` while the part does not exist (before the parts are built, or in the
-  parent-style form without a RAM tier).
-
-  Args:
-    part: the manager's attribute holding the part.
-    attribute: the part's attribute.
-    doc: the docstring.
-    default: the value without the part.
-    settable: assignments go to the part's attribute (else AttributeError).
-  """
-
-  def __init__(self, part: str, attribute: str, doc: str, *, default: Any = None,
-               settable: bool = False):
-    self._part, self._attribute, self._default = part, attribute, default
-    self._settable = settable
-    self.__doc__ = doc
-
-  def __get__(self, manager: Any, owner: Any = None) -> Any:
-    if manager is None:
-      return self
-    part = manager.__dict__.get(self._part)
-    return self._default if part is None else getattr(part, self._attribute)
-
-  def __set__(self, manager: Any, value: Any) -> None:
-    if not self._settable:
-      raise AttributeError(f"{self._attribute} is read-only")
-    setattr(manager.__dict__[self._part], self._attribute, value)
