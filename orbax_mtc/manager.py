@@ -85,8 +85,7 @@ class CheckpointManager(ocp.CheckpointManager):
     form = self.__dict__.get("_form")
     if form is None or not name.startswith("_") or name.startswith("__"):
       raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-    return getattr(form.orbax if isinstance(form, OrbaxOnlyForm) else form.persistent.orbax,
-                   name)
+    return getattr(form.persistent.orbax, name)
 
   # ------------------------------------------------------------------ public state
 

@@ -18,6 +18,10 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
+# Fixtures shared by the modules a long test file was split into.
+pytest_plugins = ["cli_support", "configs_support", "manager_support", "manifest_support",
+                  "maxtext_patch_support", "maxtext_real_support", "orbax_parity_support"]
+
 SHM_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
 
 

@@ -6,6 +6,8 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
+from orbax_mtc.persistent.tier import PersistentTier
+
 
 class OrbaxOnlyForm:
   """Orbax's `CheckpointManager`, called as is; the RAM tier's reports stay empty.
@@ -30,6 +32,7 @@ class OrbaxOnlyForm:
   last_replication_bytes = 0
 
   def __init__(self, orbax: ocp.CheckpointManager):
+    self.persistent = PersistentTier(orbax)
     self.orbax = orbax
 
   @property
@@ -38,7 +41,7 @@ class OrbaxOnlyForm:
 
   @property
   def user_options(self) -> ocp.CheckpointManagerOptions:
-    return self.orbax._options
+    return self.persistent.orbax_options
 
   def should_exit(self) -> bool:
     return False  # Orbax's manager asks JAX's sync point; training loops ask it too

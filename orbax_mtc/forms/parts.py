@@ -118,7 +118,7 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
   retention = RamRetention(options.local.max_to_keep,
                            None if isinstance(policy, LatestN) else policy)
   local = local_store.LocalTier(local_directory, max_to_keep=options.local.max_to_keep,
-                               on_commit=links.committed, keep=retention.kept,
+                               on_commit=lambda step: links.committed(step), keep=retention.kept,
                                reuse_files=not managed, process_index=process_index,
                                process_count=process_count, **modes)
   store = peer_store.PeerStore(local_directory, max_to_keep=options.local.max_to_keep,

@@ -1,0 +1,399 @@
+"""`peers/copies.PeerCopies` on its own: its decisions, with fakes for the writer, the
+all-gather and (for more than one process) the mesh.
+
+One process cannot run a real multi-process job, but `PeerCopies` takes the process index and
+count as arguments and reads only `axis_names`, `shape` and each device's `process_index` of
+the mesh: a fake mesh whose devices name processes 0..3 reaches the topology and the
+`Replicator`. The all-gather is a fake that stacks one row per process (every process says
+what this one says, or rows the test chose); the writer is a fake that records its calls.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import types
+
+import jax
+import numpy as np
+import pytest
+
+import orbax_mtc as mtc
+from orbax_mtc import agreement, row_codec, topology
+from orbax_mtc.agreement import Status
+from orbax_mtc.local import store as local_store
+from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers.copies import PeerCopies
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FakeWriter:
+  """The RAM writer as PeerCopies and Replicator use it; records every call."""
+
+  def __init__(self, status: Status = Status.WRITING):
+    self.status = status
+    self.calls: list[tuple] = []
+    self.executor = types.SimpleNamespace(submit=self._submit)
+
+  def _submit(self, fn, *args):
+    self.calls.append(("submit", fn))
+    raise AssertionError("nothing is handed to the writer thread in these tests")
+
+  def wait(self) -> None:
+    self.calls.append(("wait",))
+
+  def drain(self) -> None:
+    self.calls.append(("drain",))
+
+  def status_of(self, step: int) -> Status:
+    self.calls.append(("status_of", step))
+    return self.status
+
+
+class FakeAllgather:
+  """Stacks `count` rows: this process's row, unless `rows(row)` gives other rows."""
+
+  def __init__(self, count: int, rows=None):
+    self.count = count
+    self.rows = rows
+    self.seen: list[np.ndarray] = []
+
+  def __call__(self, row: np.ndarray) -> np.ndarray:
+    self.seen.append(np.asarray(row).copy())
+    if self.rows is not None:
+      return np.stack(self.rows(np.asarray(row)))
+    return np.stack([np.asarray(row)] * self.count)
+
+
+class FakeStore:
+  """The peer store's calls PeerCopies makes once a step's copies are out."""
+
+  def __init__(self):
+    self.calls: list[tuple] = []
+
+  def drop_sources(self, keep):
+    self.calls.append(("drop_sources", tuple(keep)))
+
+  def drop_other_counts(self, count):
+    self.calls.append(("drop_other_counts", count))
+
+
+class FakeDevice:
+  """A device of process `process_index` (hashable, as sharding maps need)."""
+
+  def __init__(self, process_index: int):
+    self.process_index = process_index
+
+
+def fake_mesh(grid, axis_names=("data", "model")):
+  """A mesh whose device at `grid[idx]` belongs to process `grid[idx]`."""
+  grid = np.asarray(grid)
+  devices = np.empty(grid.shape, dtype=object)
+  for idx, rank in np.ndenumerate(grid):
+    devices[idx] = FakeDevice(int(rank))
+  return types.SimpleNamespace(devices=devices, axis_names=tuple(axis_names),
+                               shape=dict(zip(axis_names, grid.shape, strict=True)))
+
+
+GRID_2X2 = [[0, 1], [2, 3]]  # replicas (0, 1) and (2, 3) along "data"
+
+
+def make(options=None, *, index=0, count=1, local=None, store=None, writer=None,
+         allgather=None, send=True, optional=False):
+  writer = writer or FakeWriter()
+  allgather = allgather or FakeAllgather(count)
+  peers = PeerCopies(options or mtc.CheckpointManagerOptions(), index, count,
+                     local=local, store=store, writer=writer, allgather=allgather,
+                     send=send, optional=optional)
+  return peers, writer, allgather
+
+
+@pytest.fixture
+def tiers(tmp_path):
+  local = local_store.LocalTier(tmp_path / "local", max_to_keep=1)
+  local.prepare()
+  yield local, peer_store.PeerStore(tmp_path / "local", max_to_keep=1)
+  local.close()
+
+
+# ------------------------------------------------------------------ one process, real mesh
+
+
+def test_before_set_mesh_nothing_is_known(tiers):
+  peers, writer, allgather = make(local=tiers[0], store=tiers[1])
+  assert (peers.mesh, peers.replica_axis, peers.topology, peers.replicator) == (None,) * 4
+  assert not peers.enabled and peers.in_primary_slice
+  assert peers.pending_step is None and peers.last_bytes_sent == 0
+  assert writer.calls == [] and allgather.seen == []
+
+
+def test_single_process_names_the_axis_but_sends_nothing(mesh, tiers):
+  peers, writer, allgather = make(local=tiers[0], store=tiers[1])
+  peers.set_mesh(mesh)
+  assert peers.mesh is mesh
+  assert peers.replica_axis == "data"  # replica_axis_index 0: the first axis
+  assert peers.topology is None and peers.replicator is None
+  assert not peers.enabled and peers.in_primary_slice
+  state = {"w": jax.device_put(np.arange(8.0), jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec("data")))}
+  peers.schedule(3, {"state": state})
+  peers.progress(block=False)
+  peers.progress(block=True)
+  peers.schedule_recovery(3, [frozenset()], [0])
+  peers.finish()
+  assert peers.pending_step is None and peers.last_bytes_sent == 0
+  assert peers.listing_groups({"w": state["w"]}, lambda leaf: True) is None
+  # With no peers, nothing waits for, drains or asks the writer; nothing is gathered.
+  assert writer.calls == [] and allgather.seen == []
+
+
+@pytest.mark.parametrize("replication, index, want", [
+    (mtc.ReplicationOptions(replica_axis="model"), 0, "model"),
+    (mtc.ReplicationOptions(), 1, "model"),
+    (mtc.ReplicationOptions(), None, "data"),
+])
+def test_single_process_replica_axis_choice(mesh, replication, index, want):
+  options = mtc.CheckpointManagerOptions(replication=replication, replica_axis_index=index)
+  peers, _, _ = make(options)
+  peers.set_mesh(mesh)
+  assert peers.replica_axis == want and not peers.enabled
+
+
+def test_single_process_accepts_a_mesh_without_data_axis(mesh):
+  other = jax.make_mesh((2, 2), ("fsdp", "model"), devices=jax.devices()[:4])
+  peers, _, _ = make(mtc.CheckpointManagerOptions(replica_axis_index=None))
+  peers.set_mesh(other)
+  assert peers.replica_axis == "fsdp" and peers.topology is None
+
+
+def test_unknown_replica_axis_raises_unless_optional(mesh):
+  options = mtc.CheckpointManagerOptions(
+      replication=mtc.ReplicationOptions(replica_axis="nope"))
+  peers, _, _ = make(options)
+  with pytest.raises(ValueError, match="'nope' is not an axis"):
+    peers.set_mesh(mesh)
+  optional, _, _ = make(options, optional=True)
+  optional.set_mesh(mesh)  # a warning, no copies
+  assert optional.mesh is mesh and optional.replica_axis is None
+  assert optional.topology is None and not optional.enabled and optional.in_primary_slice
+
+
+def test_a_topology_that_does_not_fit_raises_even_when_optional(mesh):
+  # Every device of the real mesh is process 0's, in both replicas, and process 1 of 2 owns
+  # none. `optional` only forgives a mesh that names no replicas, not one that cannot fit.
+  peers, _, _ = make(index=0, count=2, optional=True)
+  with pytest.raises(topology.TopologyError, match="splits process 0's devices"):
+    peers.set_mesh(mesh)
+  assert peers.topology is None and not peers.enabled
+
+
+def test_shard_sets_are_cached_per_sharding(mesh):
+  peers, _, _ = make()
+  spec = jax.sharding.PartitionSpec
+  by_data = {"w": jax.device_put(np.arange(8.0), jax.sharding.NamedSharding(mesh, spec("data")))}
+  sets = peers.shard_sets({"state": by_data})
+  assert len(sets) == 1 and len(sets[0]) == 2  # one process holds both halves
+  same = {"w": jax.device_put(np.ones(8), jax.sharding.NamedSharding(mesh, spec("data")))}
+  assert peers.shard_sets({"state": same}) is sets  # other values, same shardings
+  by_model = {"w": jax.device_put(np.arange(8.0),
+                                  jax.sharding.NamedSharding(mesh, spec("model")))}
+  assert peers.shard_sets({"state": by_model}) is not sets
+
+
+# ------------------------------------------------------------------ four processes, fake mesh
+
+
+@pytest.mark.parametrize("index, primary", [(0, True), (1, True), (2, False), (3, False)])
+def test_two_replicas_topology_and_replicator(index, primary):
+  options = mtc.CheckpointManagerOptions(
+      replication=mtc.ReplicationOptions(chunk_mib=2, chunks_in_flight=3))
+  peers, writer, allgather = make(options, index=index, count=4)
+  peers.set_mesh(fake_mesh(GRID_2X2))
+  topo = peers.topology
+  assert peers.replica_axis == "data"
+  assert topo.replicas == ((0, 1), (2, 3)) and topo.twins[index] == ((index + 2) % 4,)
+  assert topo.peers == ((2,), (3,), (0,), (1,))  # the twin in the next replica
+  assert peers.in_primary_slice is primary and peers.enabled
+  replicator = peers.replicator
+  assert replicator.topology is topo and replicator.me == index
+  assert replicator._allgather is allgather and replicator._writer is writer.executor
+  assert (replicator._chunk_bytes, replicator._window) == (2 << 20, 3)
+  assert peers.pending_step is None and peers.last_bytes_sent == 0
+  assert writer.calls == [] and allgather.seen == []  # set_mesh moves nothing
+
+
+def test_one_replica_is_the_primary_slice_everywhere():
+  peers, _, _ = make(index=3, count=4)
+  peers.set_mesh(fake_mesh([[0, 1, 2, 3]]))
+  assert peers.topology.replicas == ((0, 1, 2, 3),) and peers.in_primary_slice
+  assert peers.topology.peers[3] == (0,)  # a ring
+
+
+def test_managed_mode_builds_the_topology_but_sends_nothing():
+  peers, writer, allgather = make(index=2, count=4, send=False)
+  peers.set_mesh(fake_mesh(GRID_2X2))
+  assert peers.topology.replicas == ((0, 1), (2, 3)) and not peers.in_primary_slice
+  assert peers.replicator is None and not peers.enabled
+  peers.schedule(5, {})
+  peers.finish()
+  assert peers.pending_step is None and peers.last_bytes_sent == 0
+  assert writer.calls == [] and allgather.seen == []
+
+
+def test_no_peers_per_node_means_no_replicator():
+  options = mtc.CheckpointManagerOptions(replication=mtc.ReplicationOptions(peers_per_node=0))
+  peers, _, _ = make(options, index=0, count=4)
+  peers.set_mesh(fake_mesh(GRID_2X2))
+  assert peers.topology.edges == () and not peers.enabled
+
+
+def test_multi_process_mesh_without_data_axis():
+  options = mtc.CheckpointManagerOptions(replica_axis_index=None)
+  mesh = fake_mesh(GRID_2X2, ("fsdp", "model"))
+  strict, _, _ = make(options, index=0, count=4)
+  with pytest.raises(ValueError, match="no axis named 'data'"):
+    strict.set_mesh(mesh)
+  optional, _, _ = make(options, index=0, count=4, optional=True)
+  optional.set_mesh(mesh)
+  assert optional.replica_axis is None and optional.topology is None
+  assert not optional.enabled and optional.in_primary_slice
+
+
+class FakeLeaf:
+  """An abstract leaf whose shards sit on processes: `where[p]` is process p's index."""
+
+  def __init__(self, shape, where):
+    self.shape, self.dtype = shape, np.float32
+    devices = {FakeDevice(p): index for p, index in enumerate(where)}
+    self.sharding = types.SimpleNamespace(devices_indices_map=lambda shape: devices)
+
+
+def test_listing_groups_are_twin_groups_cached_per_state():
+  peers, _, _ = make(index=0, count=4)
+  assert peers.listing_groups({"w": 1}, lambda leaf: True) is None  # no topology yet
+  peers.set_mesh(fake_mesh(GRID_2X2))
+  assert peers.listing_groups(None, lambda leaf: True) is None
+  low, high = (slice(0, 2),), (slice(2, 4),)
+  state = {"w": FakeLeaf((4,), [low, high, low, high])}  # sharded over "model" only
+  asked = []
+
+  def is_array(leaf):
+    asked.append(leaf)
+    return isinstance(leaf, FakeLeaf)
+
+  groups = peers.listing_groups(state, is_array)
+  assert groups == [0, 1, 0, 1]  # 0 and 2 are twins, 1 and 3
+  assert peers.listing_groups(state, is_array) is groups and len(asked) == 1  # cached
+  other = {"w": FakeLeaf((4,), [low, high, high, low])}
+  assert peers.listing_groups(other, is_array) == [0, 1, 1, 0]
+  assert peers.listing_groups({"w": 1, "v": state["w"]}, is_array) is None  # not all arrays
+  assert peers.listing_groups({}, is_array) is None  # no leaves
+
+
+def send_rows(statuses):
+  """Rows of `statuses` (one per process) for a SendRecord exchange, sizes all 0."""
+  def rows(row):
+    width = row_codec.row_size(agreement.SendRecord)
+    return [np.concatenate([agreement.encode(agreement.SendRecord(status=s)), row[width:]])
+            for s in statuses]
+  return rows
+
+
+def scheduled(statuses):
+  """Process 0 of 4, step 7 scheduled; the other processes' rows say `statuses[1:]`."""
+  writer, allgather, store = FakeWriter(), FakeAllgather(4, send_rows(statuses)), FakeStore()
+  peers, _, _ = make(index=0, count=4, writer=writer, allgather=allgather, store=store)
+  peers.set_mesh(fake_mesh(GRID_2X2))
+  peers.schedule(7, {})
+  assert peers.pending_step == 7 and writer.calls == [] and allgather.seen == []
+  return peers, writer, allgather, store
+
+
+def test_progress_waits_while_a_process_still_writes():
+  peers, writer, allgather, store = scheduled([Status.WRITING, Status.COMMITTED,
+                                               Status.COMMITTED, Status.COMMITTED])
+  peers.progress(block=False)
+  assert writer.calls == [("status_of", 7)]  # no wait for the local write
+  assert len(allgather.seen) == 1
+  assert agreement.decode(agreement.SendRecord, allgather.seen[0][:-4]).status == Status.WRITING
+  assert list(allgather.seen[0][-4:]) == [0, 0, 0, 0]  # one size per copy edge, none sent
+  assert peers.pending_step == 7 and peers.last_bytes_sent == 0
+  with pytest.raises(RuntimeError, match="still pending"):
+    peers.schedule(8, {})
+  peers.progress(block=True)
+  assert writer.calls[1:] == [("wait",), ("status_of", 7)]  # the local write first
+  assert peers.pending_step == 7 and store.calls == []
+
+
+def test_progress_drops_the_step_when_a_process_failed():
+  peers, writer, _, store = scheduled([Status.WRITING, Status.FAILED,
+                                       Status.COMMITTED, Status.COMMITTED])
+  peers.progress(block=False)
+  assert peers.pending_step is None and peers.replicator.finished_steps == 0
+  assert store.calls == []  # stale copies stay until a step's copies are out (rule 10)
+  peers.finish()  # nothing pending: the received copies are only drained
+  assert writer.calls[-1] == ("drain",) and ("wait",) not in writer.calls
+
+
+def test_stale_sources_dropped_once_after_the_first_copies_are_out():
+  # Explicit peers where process 0 sends nothing and process 1 sends it 0 bytes: every
+  # stream is empty, so the exchange finishes without moving a chunk.
+  options = mtc.CheckpointManagerOptions(
+      replication=mtc.ReplicationOptions(peer_ranks=((), (0,), (3,), (2,))))
+  writer, store = FakeWriter(Status.COMMITTED), FakeStore()
+  # The local tier as the sender reads it: never read here, as process 0 sends nothing.
+  local = types.SimpleNamespace(directory=pathlib.Path("unused"), manifest=lambda step: None,
+                                keep_floor=None)
+  peers, _, allgather = make(options, index=0, count=4, local=local, store=store,
+                             writer=writer)
+  peers.set_mesh(fake_mesh(GRID_2X2))
+  assert peers.topology.held_by(0) == (1,)
+  for step in (4, 6):
+    peers.schedule(step, {})
+    peers.finish()
+    assert peers.pending_step is None and peers.last_bytes_sent == 0
+  assert peers.replicator.finished_steps == 2
+  assert store.calls == [("drop_sources", (1,)), ("drop_other_counts", 4)]
+  first_drop = writer.calls.index(("drain",))
+  assert writer.calls[:first_drop] == [("wait",), ("status_of", 4)]  # copies committed first
+  assert not any(call[0] == "submit" for call in writer.calls)
+
+
+def test_recovery_copies_only_the_edges_of_recovered_nodes():
+  width = row_codec.row_size(agreement.SendRecord)
+  for recovered, edges in (([1], 2), ([0, 1], 4), ([], None)):
+    allgather = FakeAllgather(4, send_rows([Status.WRITING] * 4))
+    peers, _, _ = make(index=0, count=4, allgather=allgather, store=FakeStore())
+    peers.set_mesh(fake_mesh(GRID_2X2))
+    peers.schedule_recovery(9, [frozenset()] * 4, recovered)
+    peers.progress(block=False)
+    if edges is None:  # no edge touches a recovered node: nothing is scheduled
+      assert peers.pending_step is None and allgather.seen == []
+    else:  # [1]: edges (1, 3) and (3, 1) only; [0, 1]: all four
+      assert peers.pending_step == 9 and allgather.seen[-1].size == width + edges
+
+
+# ------------------------------------------------------------------ the pure decisions
+
+
+def test_replica_axis_name_single_versus_multi_process():
+  options = mtc.CheckpointManagerOptions(replica_axis_index=None)
+  assert topology.replica_axis_name(options, ("a", "b"), multi_process=False) == "a"
+  assert topology.replica_axis_name(options, ("a", "data"), multi_process=True) == "data"
+  with pytest.raises(ValueError, match="no axis named 'data'"):
+    topology.replica_axis_name(options, ("a", "b"), multi_process=True)
+  with pytest.raises(ValueError, match="out of range"):
+    topology.replica_axis_name(mtc.CheckpointManagerOptions(replica_axis_index=2), ("a", "b"))
+
+
+def test_topology_from_plain_numbers():
+  grid = np.array([[0, 1], [2, 3]])
+  topo = topology.build_topology(grid, ("data", "model"), "data", num_processes=4)
+  assert topo.replica_of == (0, 0, 1, 1) and topo.position_of == (0, 1, 0, 1)
+  assert topo.edges == ((0, 2), (1, 3), (2, 0), (3, 1))
+  assert [topo.held_by(r) for r in range(4)] == [(2,), (3,), (0,), (1,)]
+  single = topology.build_topology(np.array([[0]]), ("data", "model"), "data", num_processes=1)
+  assert single.edges == () and single.peers == ((),)
+  assert topology.build_topology(grid, ("data", "model"), "data", num_processes=4,
+                                 peers_per_node=0).edges == ()
+
