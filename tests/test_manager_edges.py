@@ -29,6 +29,7 @@ from manager_support import (
 import orbax_mtc as mtc
 from orbax_mtc.local import restore_links as lkg
 from orbax_mtc.local.format import DATA, MANIFEST
+from orbax_mtc.local.lock import read_holder
 from orbax_mtc.local.store import LocalTier, committed_steps
 
 pytestmark = pytest.mark.timeout(120)
@@ -93,6 +94,22 @@ def test_local_directory_is_a_file(open_manager, shm_dir):
 def test_same_local_and_persistent_directory(open_manager, shm_dir):
   with pytest.raises(ValueError, match="different"):
     open_manager(local=shm_dir / "same", persistent=shm_dir / "same")
+
+
+def test_a_mesh_that_does_not_fit_leaves_nothing_claimed(dirs, mesh):
+  local, persistent = dirs
+  bad = mtc.CheckpointManagerOptions(replication=mtc.ReplicationOptions(replica_axis="nope"))
+  with pytest.raises(ValueError, match="nope"):
+    mtc.CheckpointManager(local, persistent, mesh, abstract_of(make_state(mesh)), options=bad)
+  # The refused manager released the RAM folder (a released claim names no holder) and
+  # closed its Orbax manager; a good one then saves and restores as usual.
+  assert read_holder(local) is None
+  with mtc.CheckpointManager(local, persistent, mesh, abstract_of(make_state(mesh))) as mgr:
+    assert read_holder(local).pid == os.getpid()
+    mgr.save(0, args=ocp.args.Composite(state=ocp.args.PyTreeSave(make_state(mesh))))
+    mgr.wait_until_finished()
+    assert_trees_equal(mgr.restore(0).state, make_state(mesh))
+    assert mgr.last_restore.tier == "local"
 
 
 def test_local_directory_not_writable_read_only_mount(tmpfs_mount, open_manager):

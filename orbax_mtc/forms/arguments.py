@@ -160,3 +160,9 @@ def check_multi_tier(local_directory: Any, persistent_directory: Any, global_mes
   if local_directory is None or persistent_directory is None:
     raise ValueError("Both local_directory (RAM disk) and persistent_directory are required.")
   return options
+
+
+def check_distinct(local_directory: Any, persistent_directory: Any) -> None:
+  """Raises ValueError when the RAM tier's folder is the persistent one."""
+  if str(Path(str(local_directory))) == str(persistent_directory):
+    raise ValueError("local_directory and persistent_directory must be different folders.")

@@ -20,7 +20,7 @@ from etils import epath
 from orbax_mtc import distributed, item_args
 from orbax_mtc.forms import arguments, parts
 from orbax_mtc.local import specs as local_specs
-from orbax_mtc.managed import hookup
+from orbax_mtc.managed import handshake
 from orbax_mtc.options import CheckpointManagerOptions
 from orbax_mtc.persistent import non_replicated
 from orbax_mtc.persistent.tier import AgreedPreemptionManager, PersistentTier
@@ -35,6 +35,7 @@ def open_multi_tier(local_directory, persistent_directory, global_mesh, abstract
   """The multi-tier form (arguments as `CheckpointManager`'s multi-tier signature)."""
   options = arguments.check_multi_tier(local_directory, persistent_directory, global_mesh,
                                        options, CheckpointManagerOptions)
+  arguments.check_distinct(local_directory, persistent_directory)
   minutes = options.persistent.backup_interval_minutes
   persistent_options = options.persistent_manager_options()
   form = MultiTierForm(
@@ -50,7 +51,7 @@ def open_multi_tier(local_directory, persistent_directory, global_mesh, abstract
       item_handlers=item_handlers, handler_registry=handler_registry)
   if form.managed:
     # The first restore(None) honours the replicator's entry; 0 = it has nothing.
-    form.tiers.replicator_entry = hookup.connect(
+    form.tiers.replicator_entry = handshake.connect(
         form.local.directory, options, form.peers.topology, form.process_index,
         form.process_count, form.worker_index, form.ledger.agree)
   form.start()
@@ -64,7 +65,8 @@ class MultiTierForm:
     local_directory: this process's RAM folder (claimed on every process: collective).
     options: orbax-mtc options.
     abstract_state: the state's abstract tree (restore targets), or None.
-    orbax: builds the Orbax manager on the persistent directory.
+    orbax: builds the Orbax manager on the persistent directory (not `local_directory`:
+      forms/arguments.check_distinct).
     backup_policy: back up by minutes, or None.
     peers_optional: a mesh without replicas means no peer copies (instead of an error).
     own_sigterm: this form agrees the preemption step itself (else the Orbax manager's
@@ -82,11 +84,8 @@ class MultiTierForm:
     self.worker_index = (options.worker_index if options.worker_index is not None
                          else distributed.worker_index())
     self.managed = options.mode == "managed"
-    self.persistent = PersistentTier(orbax())
     local_path = Path(str(local_directory))
-    if str(local_path) == str(self.persistent.directory):
-      self.persistent.close()
-      raise ValueError("local_directory and persistent_directory must be different folders.")
+    self.persistent = PersistentTier(orbax())
     try:
       built = parts.build(options=options, local_directory=local_path,
                           abstract_state=abstract_state, process_index=self.process_index,
@@ -103,7 +102,11 @@ class MultiTierForm:
     self._delete_local = built.delete_local
     self.non_replicated = non_replicated.NONE
     if mesh is not None:
-      self.peers.set_mesh(mesh)
+      try:
+        self.peers.set_mesh(mesh)
+      except BaseException:
+        self._release()  # a mesh that does not fit: nothing stays claimed or open
+        raise
     # Only the thread that built the manager (the training loop) creates preemption ids.
     self._owner_thread = threading.current_thread()
     self.sync_point = preemption.SyncPoint(self._owner_thread) if own_sigterm else None
@@ -359,12 +362,16 @@ class MultiTierForm:
       if not getattr(self._directory_lock, "taken_over", False):  # else finished at takeover
         self.wait_until_finished()
     finally:
-      self.writer.shutdown()
-      self.local.close()
-      if self._directory_lock is not None:
-        self._directory_lock.release()
       if self._own_sigterm_handler:
         preemption.detach()
       self.non_replicated.close()
-      self.persistent.close()
+      self._release()
+
+  def _release(self) -> None:
+    """Stops the writer, releases the RAM folder and closes the Orbax manager."""
+    self.writer.shutdown()
+    self.local.close()
+    if self._directory_lock is not None:
+      self._directory_lock.release()
+    self.persistent.close()
 

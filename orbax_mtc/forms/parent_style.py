@@ -75,6 +75,7 @@ def open_parent_style(directory, checkpointers, options, metadata, item_names, i
         "with args=ocp.args.Composite(...), as Orbax recommends.")
   if global_mesh is not None and not isinstance(global_mesh, jax.sharding.Mesh):
     raise TypeError(f"global_mesh must be a jax.sharding.Mesh, got {type(global_mesh)}.")
+  arguments.check_distinct(local_directory, directory)
   parent_options = options or ocp.CheckpointManagerOptions()
   if parent_options.read_only:
     local_options = local_options or LocalCheckpointOptions(read_only=True)
@@ -93,19 +94,22 @@ def open_parent_style(directory, checkpointers, options, metadata, item_names, i
       local_directory, mtc_options, abstract_state,
       orbax=lambda: ocp.CheckpointManager(*parent_args), backup_policy=None,
       peers_optional=from_env or replication_options is None, own_sigterm=False,
-      mesh=global_mesh)
-  # Without its own schedule the RAM tier keeps a copy of each step Orbax saves.
-  form.mirror_orbax_saves = local_options is None
+      mesh=global_mesh, mirror_orbax_saves=local_options is None)
   form.start()
   return form
 
 
 class ParentStyleForm(MultiTierForm):
-  """The RAM tier in front of Orbax's own manager, driven by Orbax's save calls."""
+  """The RAM tier in front of Orbax's own manager, driven by Orbax's save calls.
 
-  def __init__(self, *args: Any, **kwargs: Any):
+  Args (besides MultiTierForm's):
+    mirror_orbax_saves: the RAM tier keeps a copy of each step Orbax saves (no schedule of
+      its own).
+  """
+
+  def __init__(self, *args: Any, mirror_orbax_saves: bool, **kwargs: Any):
     super().__init__(*args, **kwargs)
-    self.mirror_orbax_saves = True
+    self.mirror_orbax_saves = mirror_orbax_saves
     self._saved_with: dict[str, type] = {}
     self._warned: set[str] = set()
 

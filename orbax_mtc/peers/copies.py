@@ -67,6 +67,7 @@ class PeerCopies:
     along the replica axis (always, with one replica or one process)."""
     topo = self.topology
     return topo is None or len(topo.replicas) == 1 or topo.replica_of[self._process_index] == 0
+
   def set_mesh(self, mesh: jax.sharding.Mesh) -> None:
     """Replica axis, topology and replicator from the job's global mesh.
 
@@ -75,24 +76,26 @@ class PeerCopies:
         the topology does not fit it.
     """
     options = self._options
-    self.mesh = mesh
     try:
-      self.replica_axis = topology.replica_axis_name(options, mesh.axis_names,
-                                            multi_process=self._process_count > 1,
-                                            axis_sizes=dict(mesh.shape))
+      replica_axis = topology.replica_axis_name(options, mesh.axis_names,
+                                                multi_process=self._process_count > 1,
+                                                axis_sizes=dict(mesh.shape))
     except ValueError as e:
       if not self._optional:
         raise
       logging.warning("orbax-mtc: RAM tier without peer copies: %s", e)
+      self.mesh = mesh
       return
-    if self._process_count <= 1:
-      return
-    self.topology = topology.build_topology(
-        topology.process_grid(mesh), mesh.axis_names, self.replica_axis,
-        num_processes=self._process_count,
-        peers_per_node=options.replication.peers_per_node,
-        peer_ranks=options.replication.peer_ranks)
-    if not self._send or not self.topology.edges:
+    topo = None
+    if self._process_count > 1:
+      topo = topology.build_topology(
+          topology.process_grid(mesh), mesh.axis_names, replica_axis,
+          num_processes=self._process_count,
+          peers_per_node=options.replication.peers_per_node,
+          peer_ranks=options.replication.peer_ranks)
+    # Only a mesh that fits is kept: after a refused one, the next call checks again.
+    self.mesh, self.replica_axis, self.topology = mesh, replica_axis, topo
+    if topo is None or not self._send or not topo.edges:
       return
     self.replicator = replication.Replicator(
         self.topology, self._process_index, self._local, self._store, self._writer.executor,

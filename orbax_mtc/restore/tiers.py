@@ -20,7 +20,7 @@ from orbax_mtc.ledger import StepLedger
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import store as local_store
 from orbax_mtc.local.writer import RamWriter
-from orbax_mtc.managed import hookup
+from orbax_mtc.managed import handshake
 from orbax_mtc.peers import store as peer_store
 from orbax_mtc.persistent.tier import PersistentTier
 from orbax_mtc.restore import persistent as persistent_restore
@@ -123,7 +123,7 @@ class TieredRestore:
                              started: float) -> Any:
     """Managed mode, first restore(None): the step the replicator's entries name."""
     mine, self.replicator_entry = self.replicator_entry, None
-    entry = hookup.entry_step(mine, self._local.steps(), self._agree)
+    entry = handshake.entry_step(mine, self._local.steps(), self._agree)
     if entry:
       result = self._from_ram(entry, targets, single, started, tier="replicator",
                               drop_newer=False)

@@ -17,6 +17,7 @@ import orbax.checkpoint as ocp
 
 from orbax_mtc import agreement, item_args
 from orbax_mtc.ledger import StepLedger
+from orbax_mtc.local import aside
 from orbax_mtc.local import staging as local_staging
 from orbax_mtc.local import store as local_store
 from orbax_mtc.local.writer import RamWriter
@@ -128,12 +129,7 @@ class RamSaver:
       if not self._asynchronous:
         self._backups.flush(ledger.agree)
       return
-    if ondemand and in_ram.any():
-      # The on-demand step is in some folders only (an earlier save of it failed elsewhere):
-      # those write it again with the others, from the same state.
-      if step in own:
-        self._local.delete(step)
-    elif not parent_saved and not ondemand and (in_ram.any() or in_persistent.any()):
+    if not parent_saved and not ondemand and (in_ram.any() or in_persistent.any()):
       # As Orbax: a step is never silently replaced (the tiers would then disagree on it).
       where = "" if in_ram.all() or not in_ram.any() else \
           f" of process(es) {np.flatnonzero(in_ram).tolist()} only"
@@ -141,6 +137,12 @@ class RamSaver:
           f"Step {step} already exists (RAM tier {self._local.directory}{where} or persistent "
           f"tier {self._persistent.directory}). Delete it first with mgr.delete({step}) on "
           "every process to save it again.")
+    # Staged before the step is listed anywhere: a state that cannot be staged (the same on
+    # every process) leaves the lists and folders as they were.
+    started = time.perf_counter()
+    staged = local_staging.stage(step, trees, jsons, default_item=default_item,
+                                 process_items=processes, device_copy=self._device_copy)
+    self.last_blocking_seconds = time.perf_counter() - started
     if ledger.process_count > 1:
       # The newest step all nodes hold: kept beyond max_to_keep.
       self._local.keep_floor = floor
@@ -158,18 +160,17 @@ class RamSaver:
     now = records[0].clock_ms / 1000
     if not backup_wanted:
       backup_wanted = self._backups.interval_due(step, now, saving_anywhere)
-    started = time.perf_counter()
-    staged = local_staging.stage(step, trees, jsons, default_item=default_item,
-                                 process_items=processes, device_copy=self._device_copy)
-    self.last_blocking_seconds = time.perf_counter() - started
-    self._writer.write(staged)
+    # The on-demand step in some folders only (an earlier save of it failed elsewhere) is
+    # written again everywhere, from the same state; a folder of it here is set aside at
+    # the commit instant, not deleted first (rule 10).
+    self._writer.write(staged, replace=aside.REPLACED if ondemand and step in own else None)
     if backup_wanted:
       self._backups.schedule(step, args, trees, jsons, metrics, custom_metadata, now,
                              ledger.agree)
       if not self._asynchronous:
         self._backups.flush(ledger.agree)  # synchronous: both tiers hold the step on return
     self._peers.schedule(step, trees)
-    if not self._asynchronous:
+    if not self._asynchronous and not ondemand:  # on demand: raised after the backup
       self._peers.progress(block=True)
       # Synchronous mode: the write is done, and its outcome is raised on every process alike.
       ledger.agree_steps(f"the save of step {step}")

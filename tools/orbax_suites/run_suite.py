@@ -31,7 +31,6 @@ Usage:
 import argparse
 import collections
 import datetime
-import functools
 import importlib
 import importlib.abc
 import importlib.util
@@ -42,8 +41,9 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
+
+from construction_counter import ConstructionCounter  # beside this script
 
 # Modules the test needs that the PyPI wheel does not ship, mapped to their
 # path relative to --suite-dir.
@@ -224,34 +224,6 @@ def _short_reason(rep):
   return (lines[0] if lines else '')[:400]
 
 
-class _ConstructionCounter:
-  """Counts CheckpointManager constructions, split by class under test."""
-
-  def __init__(self, base, cls):
-    self.base, self.cls = base, cls
-    self._lock = threading.Lock()
-    self.reset()
-    orig = base.__init__
-
-    @functools.wraps(orig)
-    def counting_init(mgr, *a, **kw):
-      # Count only the outermost __init__ of each object.
-      if not getattr(mgr, '_suite_runner_counted', False):
-        object.__setattr__(mgr, '_suite_runner_counted', True)
-        with self._lock:
-          key = 'under_test' if isinstance(mgr, cls) else 'other'
-          self._counts[key] += 1
-      return orig(mgr, *a, **kw)
-
-    base.__init__ = counting_init
-
-  def reset(self):
-    self._counts = {'under_test': 0, 'other': 0}
-
-  def snapshot(self):
-    return dict(self._counts)
-
-
 def worker_main(args):
   rank, n = args.worker_rank, args.num_processes
   out_dir = args.out
@@ -274,7 +246,7 @@ def worker_main(args):
   cls = _resolve_class(args.cm) if args.cm else None
   counter = None
   if args.count_constructions:
-    counter = _ConstructionCounter(ocp.CheckpointManager,
+    counter = ConstructionCounter(ocp.CheckpointManager,
                                    cls or ocp.CheckpointManager)
   for name in OVERLAY_MODULES:
     mod = importlib.import_module(name)
