@@ -297,3 +297,29 @@ def test_no_module_or_class_grows_past_the_limits():
                 and node.end_lineno - node.lineno + 1 > CLASS_LINES]
   assert not too_long, f"modules over {MODULE_LINES} lines (split them): {too_long}"
   assert not too_big, f"classes over {CLASS_LINES} lines: {too_big}"
+
+
+# ----------------------------------------------------------------------------- design rules
+
+_RULE_CITATION = re.compile(r"\brules? (\d+)((?:(?:, | and | or )\d+)*)")
+
+
+def _design_rules() -> set[int]:
+  """The numbers of docs/design.md's "Rules that keep it correct"."""
+  text = (REPO / "docs" / "design.md").read_text()
+  section = text.split("## Rules that keep it correct", 1)[1].split("\n## ", 1)[0]
+  return {int(n) for n in re.findall(r"(?m)^(\d+)\. \*\*", section)}
+
+
+def test_every_rule_the_code_cites_is_numbered_in_the_design_notes():
+  rules = _design_rules()
+  assert set(range(1, 13)) <= rules
+  cited = []
+  for path in _python_files():
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+      for match in _RULE_CITATION.finditer(line):
+        numbers = [int(match.group(1))] + [int(n) for n in re.findall(r"\d+", match.group(2))]
+        cited += [(f"{path.relative_to(REPO)}:{lineno}", n) for n in numbers]
+  assert len(cited) > 20  # the code does cite them
+  unknown = [f"{where}: rule {n}" for where, n in cited if n not in rules]
+  assert not unknown, f"rules cited but not in docs/design.md: {unknown}"

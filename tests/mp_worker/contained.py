@@ -43,7 +43,7 @@ def cmd_clock(args) -> int:
   import orbax.checkpoint as ocp
 
   from orbax_mtc import distributed
-  from orbax_mtc.persistent import PersistentTier
+  from orbax_mtc.persistent.tier import PersistentTier
 
   distributed.initialize()
   mesh = make_mesh()
