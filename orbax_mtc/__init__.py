@@ -27,7 +27,7 @@ from orbax_mtc.errors import (
     MissingItemError,
     ReplicatorError,
 )
-from orbax_mtc.managed.options import ReplicatorCheckpointManagerOptions
+from orbax_mtc.managed.replicator_options import ReplicatorCheckpointManagerOptions
 from orbax_mtc.managed.setup import initialize_multi_tier_checkpointing
 from orbax_mtc.manager import CheckpointManager, RestoreInfo
 from orbax_mtc.options import (

@@ -30,7 +30,7 @@ from orbax.checkpoint import abstract_checkpoint_manager
 from orbax_mtc.item_args import RESERVED_ITEM as PROCESS_METADATA_ITEM
 from orbax_mtc.item_args import STATE_ITEM
 from orbax_mtc.local import read as local_read
-from orbax_mtc.managed.options import ReplicatorCheckpointManagerOptions
+from orbax_mtc.managed.replicator_options import ReplicatorCheckpointManagerOptions
 from orbax_mtc.manager import CheckpointManager
 from orbax_mtc.option_checks import warn_once
 from orbax_mtc.options import (

@@ -35,7 +35,7 @@ from orbax_mtc.local.read import (
 from orbax_mtc.local.specs import item_metadata
 from orbax_mtc.local.staging import stage
 from orbax_mtc.local.store import LocalTier, read_manifest
-from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers import copy_store as peer_store
 from orbax_mtc.peers import stream as peer_stream
 
 STEP = 3

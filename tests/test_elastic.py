@@ -20,7 +20,7 @@ from mp_helpers import assert_ok, assert_results, mp_events, new_root, tail
 
 from orbax_mtc.local.format import DATA, MANIFEST
 from orbax_mtc.local.store import read_manifest
-from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers import copy_store as peer_store
 
 pytestmark = pytest.mark.timeout(400)
 TIMEOUT_S = 150

@@ -25,7 +25,7 @@ from mp_worker import iterators
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import read as local_read
 from orbax_mtc.local import store as local_store
-from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers import copy_store as peer_store
 
 pytest.importorskip("grain")
 

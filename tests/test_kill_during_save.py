@@ -44,7 +44,7 @@ from orbax_mtc import step_listing as restore_plan
 from orbax_mtc.local.format import TMP_PREFIX, LocalTierError
 from orbax_mtc.local.read import verify_step
 from orbax_mtc.local.store import committed_steps
-from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers import copy_store as peer_store
 from orbax_mtc.tools import launch
 
 LAUNCH_TIMEOUT_S = 90

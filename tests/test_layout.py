@@ -98,7 +98,7 @@ def test_the_core_never_imports_the_tools():
     ("from . import tools", "orbax_mtc/manager.py"),
     ("from . import tools", "orbax_mtc/__init__.py"),
     ("from .tools import cli", "orbax_mtc/manager.py"),
-    ("from ..tools.size import GIB", "orbax_mtc/peers/store.py"),
+    ("from ..tools.size import GIB", "orbax_mtc/peers/copy_store.py"),
     ("import importlib\nimportlib.import_module('orbax_mtc.tools.cli')", "orbax_mtc/manager.py"),
 ])
 def test_every_spelling_of_a_tools_import_is_caught(source, where):

@@ -17,7 +17,7 @@ from orbax_mtc.local.format import DATA, MANIFEST, LocalTierError
 from orbax_mtc.local.read import aligned_empty, read_data, verify_step
 from orbax_mtc.local.staging import stage
 from orbax_mtc.local.store import LocalTier, committed_steps, read_manifest
-from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers import copy_store as peer_store
 from orbax_mtc.peers import stream as peer_stream
 
 pytestmark = pytest.mark.timeout(120)

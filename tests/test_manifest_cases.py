@@ -62,7 +62,7 @@ from orbax_mtc.local.read import (
 )
 from orbax_mtc.local.specs import item_metadata
 from orbax_mtc.local.store import LocalTier, committed_steps, is_step_name, read_manifest
-from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers import copy_store as peer_store
 from orbax_mtc.peers import stream as peer_stream
 
 pytestmark = pytest.mark.timeout(300)

@@ -21,7 +21,7 @@ import orbax_mtc as mtc
 from orbax_mtc import agreement, row_codec, topology
 from orbax_mtc.agreement import Status
 from orbax_mtc.local import store as local_store
-from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers import copy_store as peer_store
 from orbax_mtc.peers.copies import PeerCopies
 
 pytestmark = pytest.mark.timeout(60)

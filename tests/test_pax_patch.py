@@ -26,7 +26,7 @@ from mp_helpers import REPO_ROOT, child_env, mp_events, tail
 
 import pax_patch
 from orbax_mtc.local.store import committed_steps
-from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers import copy_store as peer_store
 from orbax_mtc.tools import launch
 from pax_patch import example_executor
 from pax_patch import main as pax_main

@@ -25,7 +25,7 @@ from mp_helpers import assert_ok, mp_events, new_root, tail
 from orbax_mtc.local.format import DATA
 from orbax_mtc.local.read import manifest_entries, verify_step
 from orbax_mtc.local.store import committed_steps, read_manifest
-from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers import copy_store as peer_store
 
 LAUNCH_TIMEOUT_S = 120
 NPROCS = 4

@@ -47,7 +47,7 @@ from mp_helpers import (
 
 from orbax_mtc.local.read import verify_step
 from orbax_mtc.local.store import committed_steps
-from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers import copy_store as peer_store
 from orbax_mtc.tools import launch
 
 LAUNCH_TIMEOUT_S = 90  # each job's own limit: a hang shows as a failed job ...

@@ -29,7 +29,7 @@ from mp_helpers import assert_ok, mp_events, tail
 
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import store as local_store
-from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers import copy_store as peer_store
 
 pytestmark = pytest.mark.timeout(600)  # above four jobs' TIMEOUT_S
 TIMEOUT_S = 120

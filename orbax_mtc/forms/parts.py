@@ -34,7 +34,7 @@ from orbax_mtc.local import restore_links as lkg
 from orbax_mtc.local import store as local_store
 from orbax_mtc.local.writer import RamWriter
 from orbax_mtc.options import CheckpointManagerOptions
-from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers import copy_store as peer_store
 from orbax_mtc.peers.copies import PeerCopies
 from orbax_mtc.persistent.tier import PersistentTier
 from orbax_mtc.restore.executor import RamRestore

@@ -55,7 +55,7 @@ JAX_INIT_INFO_FILE = "jax-init-info.txt"
 # directory: a restore entry may point at a folder directly in one of these. This is the test
 # simulator's choice; GKE's daemon does not document its own.
 STAGING_FOLDERS = (".replicator/restore",)
-# The names of local.format.MANIFEST and peers.store.PEERS, not imported: those modules pull in
+# The names of local.format.MANIFEST and peers.copy_store.PEERS, not imported: those modules pull in
 # jax and numpy, and this file protocol needs neither.
 _MANIFEST = "manifest.json"
 _PEERS = "peers"

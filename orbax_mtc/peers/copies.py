@@ -20,8 +20,8 @@ from orbax_mtc import topology
 from orbax_mtc.local import store as local_store
 from orbax_mtc.local.writer import RamWriter
 from orbax_mtc.options import CheckpointManagerOptions
+from orbax_mtc.peers import copy_store as peer_store
 from orbax_mtc.peers import replication
-from orbax_mtc.peers import store as peer_store
 
 
 class PeerCopies:

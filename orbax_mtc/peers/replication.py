@@ -33,8 +33,8 @@ from orbax_mtc.local import format as local_format
 from orbax_mtc.local import read as local_read
 from orbax_mtc.local import specs as local_specs
 from orbax_mtc.local import store as local_store
+from orbax_mtc.peers import copy_store as peer_store
 from orbax_mtc.peers import exchange
-from orbax_mtc.peers import store as peer_store
 from orbax_mtc.peers import stream as peer_stream
 from orbax_mtc.topology import Topology
 

@@ -2,7 +2,7 @@
 
 A stream is `[8-byte header length][JSON header][zero padding to 64][shards, each 64-aligned]`.
 The header names the source, the step's manifest and where each shard lies. A peer copy is
-such a stream of the shards the receiver does not hold itself (peers/store.py keeps it as
+such a stream of the shards the receiver does not hold itself (peers/copy_store.py keeps it as
 received); the same framing carries a whole step from a twin or a peer to a node that lost
 its folder (restore/executor.py).
 

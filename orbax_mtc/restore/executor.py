@@ -41,7 +41,7 @@ from orbax_mtc.ledger import StepLedger
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import store as local_store
 from orbax_mtc.local.writer import RamWriter
-from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers import copy_store as peer_store
 from orbax_mtc.peers.copies import PeerCopies
 from orbax_mtc.restore import plan as restore_plan
 from orbax_mtc.restore import tiles

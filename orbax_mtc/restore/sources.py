@@ -25,7 +25,7 @@ from orbax_mtc.local import format as local_format
 from orbax_mtc.local import read as local_read
 from orbax_mtc.local import store as local_store
 from orbax_mtc.local.format import StepManifest
-from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers import copy_store as peer_store
 from orbax_mtc.restore.plan import ASIDE, COPY, OWN, FolderRef, HostReport
 from orbax_mtc.restore.tiles import Folder, Located, digest
 
@@ -57,7 +57,7 @@ class OwnFolder:
 @dataclasses.dataclass(frozen=True)
 class PeerCopy:
   """A copy of another node's step held here; shards it shares with an own folder of the
-  same save are read from that folder (`peers.store`)."""
+  same save are read from that folder (`peers.copy_store`)."""
 
   store: peer_store.PeerStore
   source: int

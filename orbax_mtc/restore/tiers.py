@@ -21,7 +21,7 @@ from orbax_mtc.local import format as local_format
 from orbax_mtc.local import store as local_store
 from orbax_mtc.local.writer import RamWriter
 from orbax_mtc.managed import handshake
-from orbax_mtc.peers import store as peer_store
+from orbax_mtc.peers import copy_store as peer_store
 from orbax_mtc.persistent.tier import PersistentTier
 from orbax_mtc.restore import persistent as persistent_restore
 from orbax_mtc.restore.executor import RamRestore, RamRestoreResult

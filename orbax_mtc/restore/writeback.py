@@ -6,7 +6,7 @@ the restored step into its own folder, and the peer copies involving it are sent
 10: nothing goes first. The folder it replaces is set aside at the new one's commit
 (`local.aside`: a replaced layout keeps serving while the step is kept, a damaged folder is
 never read again); old copies are replaced by new ones or dropped once the new layout's first
-copies are out (`PeerCopies`); a re-sent copy never replaces a richer one (`peers.store`). A
+copies are out (`PeerCopies`); a re-sent copy never replaces a richer one (`peers.copy_store`). A
 restore that read only some items writes nothing back: that would drop the others.
 """
 

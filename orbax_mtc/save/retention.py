@@ -2,7 +2,7 @@
 `PreservationPolicy` other than `LatestN`, the steps the policy preserves, asked with each
 step's save time and metrics. The newest step and the floor every node holds are always kept
 (a restore needs them). The same answer feeds the agreed step lists (`ledger`), the RAM
-folders (`local.store`) and the peer copies (`peers.store`), so they never disagree.
+folders (`local.store`) and the peer copies (`peers.copy_store`), so they never disagree.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ uses the manager's public API:
                         streams copy_stream returns (their read raises EIO); chunk-place:
                         the module function orbax_mtc.transport.place (replaced, failing
                         while Replicator.progress moves the fault step); receive:
-                        orbax_mtc.peers.store.IncomingCopy.write (replaced: writing a
+                        orbax_mtc.peers.copy_store.IncomingCopy.write (replaced: writing a
                         received chunk fails, ENOSPC); persistent-read:
                         the module function orbax_mtc.restore.persistent.check_item
                         (replaced: reading the step's metadata fails); restore-plan: the
@@ -103,7 +103,7 @@ def persistent_steps(mgr) -> list[int]:
 
 def peer_copies(mgr) -> list[tuple[int, int]]:
   """(source, step) of the peer copies this node holds."""
-  from orbax_mtc.peers.store import PeerStore
+  from orbax_mtc.peers.copy_store import PeerStore
 
   return list(PeerStore(mgr.local_directory, max_to_keep=None).copies())
 
@@ -295,7 +295,7 @@ def install_fault(args, mgr, me: int) -> Callable[[], None]:
     transport.place = failing_place
     Replicator.progress = armed_progress
   elif phase == "receive":
-    from orbax_mtc.peers import store as peer_store
+    from orbax_mtc.peers import copy_store as peer_store
 
     write_chunk = peer_store.IncomingCopy.write
 
