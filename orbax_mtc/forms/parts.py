@@ -3,7 +3,7 @@
 The parts, and what depends on what::
 
   LocalTier, PeerStore  <- the RAM folder (claimed on every process: local/claim.py)
-  RamWriter             <- LocalTier; its errors go to the StepLedger
+  RamWriter             <- LocalTier; its errors wait in an UnreportedError for the ledger
   StepLedger            <- the all-gather; own steps (LocalTier), copies (PeerStore),
                            persistent steps (PersistentTier), twin groups (PeerCopies)
   PeerCopies            <- LocalTier, PeerStore, RamWriter, the all-gather
@@ -11,7 +11,8 @@ The parts, and what depends on what::
   RamSaver              <- all of the above
   RamRestore            <- LocalTier, PeerStore, RamWriter, StepLedger, PeerCopies
   OnDemandSaver         <- RamSaver, PeerCopies, BackupScheduler, PersistentTier, StepLedger
-  SaveSchedule          <- StepLedger, RamWriter, BackupScheduler, Orbax's own policy
+  SaveSchedule          <- RamRetention's save times, PersistentTier's policy; it decides
+                           from an AgreedState the form reads from the ledger and writer
   TieredRestore         <- RamRestore, PersistentTier, LocalTier, PeerStore, StepLedger
 """
 
@@ -123,6 +124,7 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
                                process_count=process_count, **modes)
   store = peer_store.PeerStore(local_directory, max_to_keep=options.local.max_to_keep,
                                keep=retention.kept, **modes)
+
   def prepare_folder() -> None:
     """Clears what a killed process left in the claimed folder."""
     local.prepare()
@@ -133,40 +135,46 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
   lock = claim.claim_local_directory(
       local_directory, job_name=options.job_name, process_index=process_index,
       prepare=prepare_folder, agree=agree, on_takeover=retire)
-  asynchronous = options.enable_async_checkpointing
-  # The writer's errors wait for the next agreement, which the ledger makes.
-  unreported = UnreportedError()
-  writer = RamWriter(local, process_index, process_count, asynchronous=asynchronous,
-                     on_error=unreported.offer)
-  peers = PeerCopies(options, process_index, process_count, local=local, store=store,
-                     writer=writer,
-                     allgather=lambda row: allgather(row, "the peer copies of a step"),
-                     send=not managed, optional=peers_optional)
-  backups = BackupScheduler(
-      persistent, writer, local, policy=backup_policy,
-      timeout_secs=(options.async_options or ocp.AsyncOptions()).timeout_secs,
-      skip_when_busy=options.persistent.skip_backups_when_busy)
-  ledger = StepLedger(
-      process_count=process_count, allgather=allgather, own_steps=local.steps,
-      copies=lambda own: store.servable(own) if peers.enabled else [],
-      persistent_steps=persistent.steps,
-      listing_groups=lambda: peers.listing_groups(abstract_state, item_args.is_array_target),
-      keep=retention.kept, listing_allgather=listing_allgather, unreported=unreported,
-      before_local_raise=lambda: backups.poll(block=True))
-  ram = RamSaver(local=local, writer=writer, ledger=ledger, backups=backups, peers=peers,
-                 persistent=persistent, retention=retention, asynchronous=asynchronous,
-                 device_copy=options.local.device_copy)
-  chunks = dict(chunk_bytes=options.replication.chunk_bytes,
-                window=options.replication.chunks_in_flight)
-  restorer = RamRestore(me=process_index, count=process_count, local=local, store=store,
-                        writer=writer, ledger=ledger, peers=peers, **chunks)
-  ondemand = OnDemandSaver(
-      grace_seconds=options.ondemand_grace_seconds, read_only=options.local.read_only,
-      managed=managed, local=local, writer=writer, ram=ram, peers=peers, backups=backups,
-      persistent=persistent, ledger=ledger)
-  schedule = save_policy.SaveSchedule(
-      options, managed=managed, saved_at=retention.saved_at,
-      backup_by_minutes=backup_policy is not None, persistent_policy=persistent.policy_says)
+  try:
+    asynchronous = options.enable_async_checkpointing
+    # The writer's errors wait for the next agreement, which the ledger makes.
+    unreported = UnreportedError()
+    writer = RamWriter(local, process_index, process_count, asynchronous=asynchronous,
+                       on_error=unreported.offer)
+    peers = PeerCopies(options, process_index, process_count, local=local, store=store,
+                       writer=writer,
+                       allgather=lambda row: allgather(row, "the peer copies of a step"),
+                       send=not managed, optional=peers_optional)
+    backups = BackupScheduler(
+        persistent, writer, local, policy=backup_policy,
+        timeout_secs=(options.async_options or ocp.AsyncOptions()).timeout_secs,
+        skip_when_busy=options.persistent.skip_backups_when_busy)
+    ledger = StepLedger(
+        process_count=process_count, allgather=allgather, own_steps=local.steps,
+        copies=lambda own: store.servable(own) if peers.enabled else [],
+        persistent_steps=persistent.steps,
+        listing_groups=lambda: peers.listing_groups(abstract_state, item_args.is_array_target),
+        keep=retention.kept, listing_allgather=listing_allgather, unreported=unreported,
+        before_local_raise=lambda: backups.poll(block=True))
+    ram = RamSaver(local=local, writer=writer, ledger=ledger, backups=backups, peers=peers,
+                   persistent=persistent, retention=retention, asynchronous=asynchronous,
+                   device_copy=options.local.device_copy)
+    chunks = dict(chunk_bytes=options.replication.chunk_bytes,
+                  window=options.replication.chunks_in_flight)
+    restorer = RamRestore(me=process_index, count=process_count, local=local, store=store,
+                          writer=writer, ledger=ledger, peers=peers, **chunks)
+    ondemand = OnDemandSaver(
+        grace_seconds=options.ondemand_grace_seconds, read_only=options.local.read_only,
+        managed=managed, local=local, writer=writer, ram=ram, peers=peers, backups=backups,
+        persistent=persistent, ledger=ledger)
+    schedule = save_policy.SaveSchedule(
+        options, managed=managed, saved_at=retention.saved_at,
+        backup_by_minutes=backup_policy is not None, persistent_policy=persistent.policy_says)
+
+  except BaseException:
+    if lock is not None:
+      lock.release()  # nothing stays claimed by a manager that was never built
+    raise
 
   def delete_local(steps: list[int]) -> None:
     """Removes RAM steps (main thread, no write in flight) and re-points the LKG link."""
