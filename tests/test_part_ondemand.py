@@ -6,7 +6,6 @@ copies and the persistent tier."""
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import os
 import stat
@@ -17,6 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from conftest import make_state
+from part_fakes import LoggedTier
 
 from orbax_mtc import agreement
 from orbax_mtc.agreement import Status
@@ -56,21 +56,6 @@ class _Cluster:
 
   def votes(self) -> list[agreement.OnDemandRecord]:
     return [r for _, r in self.sent if isinstance(r, agreement.OnDemandRecord)]
-
-
-class _Tier(LocalTier):
-  """The real RAM tier, its writes logged; `fail` makes the next write fail."""
-
-  def __init__(self, directory: Path, log: list, **kwargs):
-    super().__init__(directory, **kwargs)
-    self.log, self.fail = log, False
-
-  def write(self, staged, process_index, process_count, **kwargs):
-    self.log.append(("local.write", staged.step))
-    if self.fail:
-      self.fail = False
-      raise OSError(errno.ENOSPC, "No space left on device")
-    return super().write(staged, process_index, process_count, **kwargs)
 
 
 class _Persistent:
@@ -145,7 +130,7 @@ class _Rig:
   saver: ondemand.OnDemandSaver
   ram: RamSaver
   cluster: _Cluster
-  local: _Tier
+  local: LoggedTier
   backups: _Backups
   peers: _Peers
   persistent: _Persistent
@@ -165,7 +150,7 @@ def rig(shm_dir, mesh, monkeypatch):
             peers=True, me=0) -> _Rig:
     log: list = []
     retention = RamRetention(None)
-    local = _Tier(shm_dir / f"local{len(made)}", log, max_to_keep=None, keep=retention.kept,
+    local = LoggedTier(shm_dir / f"local{len(made)}", log, max_to_keep=None, keep=retention.kept,
                   process_index=me, process_count=2)
     local.prepare()
     cluster = _Cluster(me, log)

@@ -5,7 +5,6 @@ small fakes for the backup scheduler, the peer copies and the persistent tier.""
 from __future__ import annotations
 
 import dataclasses
-import errno
 import types
 from pathlib import Path
 
@@ -13,12 +12,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from conftest import make_state
+from part_fakes import LoggedTier
 
 from orbax_mtc import agreement
 from orbax_mtc.agreement import Status
 from orbax_mtc.ledger import StepLedger, UnreportedError
 from orbax_mtc.local import aside
-from orbax_mtc.local.store import LocalTier
 from orbax_mtc.local.writer import RamWriter
 from orbax_mtc.process_state import ProcessJsonSave
 from orbax_mtc.save.ram import RamSaver
@@ -47,27 +46,6 @@ class _Cluster:
             for c in changes]
     rows.insert(self.me, row)
     return np.stack(rows)
-
-
-class _Tier(LocalTier):
-  """The real RAM tier, its writes and deletes logged; `fail` makes the next write fail."""
-
-  def __init__(self, directory: Path, log: list, **kwargs):
-    super().__init__(directory, **kwargs)
-    self.log, self.fail = log, False
-
-  def write(self, staged, process_index, process_count, **kwargs):
-    self.log.append(("local.write", staged.step))
-    if kwargs.get("replace") is not None:
-      self.log.append(("local.replace", staged.step, kwargs["replace"]))
-    if self.fail:
-      self.fail = False
-      raise OSError(errno.ENOSPC, "No space left on device")
-    return super().write(staged, process_index, process_count, **kwargs)
-
-  def delete(self, step):
-    self.log.append(("local.delete", step))
-    super().delete(step)
 
 
 class _Backups:
@@ -137,7 +115,7 @@ def rig(shm_dir):
   def build(*, count=2, me=0, asynchronous=False, max_to_keep=None) -> _Rig:
     log: list = []
     retention = RamRetention(max_to_keep)
-    local = _Tier(shm_dir / f"local{len(made)}", log, max_to_keep=max_to_keep,
+    local = LoggedTier(shm_dir / f"local{len(made)}", log, max_to_keep=max_to_keep,
                   keep=retention.kept, process_index=me, process_count=count)
     local.prepare()
     cluster = _Cluster(count, me, log)
