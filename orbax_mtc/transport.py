@@ -199,6 +199,11 @@ class Transfer:
     _SPARES.update(placed)
 
   @property
+  def remaining_chunks(self) -> int:
+    """Chunks not yet issued (the same number on every process)."""
+    return len(self._chunks)
+
+  @property
   def issued(self) -> bool:
     """True once every chunk has been issued (the same moment on every process)."""
     return not self._chunks

@@ -22,6 +22,7 @@ from orbax_mtc import agreement, row_codec, topology
 from orbax_mtc.agreement import Status
 from orbax_mtc.local import store as local_store
 from orbax_mtc.peers import copy_store as peer_store
+from orbax_mtc.peers import replication
 from orbax_mtc.peers.copies import PeerCopies
 
 pytestmark = pytest.mark.timeout(60)
@@ -397,3 +398,26 @@ def test_topology_from_plain_numbers():
   assert topology.build_topology(grid, ("data", "model"), "data", num_processes=4,
                                  peers_per_node=0).edges == ()
 
+
+
+def test_chunks_per_call_spreads_a_step_over_the_interval():
+  per_call = replication.chunks_per_call
+  assert per_call(100, None, 8) == 8  # no interval seen yet: the floor
+  assert per_call(100, 1, 8) == 8  # a local save every call: the next save flushes anyway
+  assert per_call(100, 21, 2) == 5  # 21 calls, one kept as slack: 5 chunks in each other
+  assert per_call(10, 21, 8) == 8  # a small step: never below the floor
+  assert per_call(101, 6, 2) == 21  # rounded up: out within the interval
+
+
+def test_the_calls_between_local_saves_size_the_next_copies():
+  peers, _, _, _ = scheduled([Status.WRITING] * 4)  # step 7: no call seen before it
+  assert peers.replicator._job.calls_between_saves is None
+  peers.replicator._job = None  # as if its copies were out
+  for _ in range(5):
+    peers.progress(block=False)  # one per save() call; nothing pending: no collective
+  peers.progress(block=True)  # the local save's own flush is not a call of the loop
+  peers.schedule(8, {})
+  assert peers.replicator._job.calls_between_saves == 5
+  peers.replicator._job = None
+  peers.schedule(9, {})  # no call in between: the floor again
+  assert peers.replicator._job.calls_between_saves is None

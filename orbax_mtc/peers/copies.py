@@ -59,6 +59,7 @@ class PeerCopies:
     self._sets_cache: tuple[Any, list] | None = None
     self._listing_cache: dict[int, list[int] | None] = {}
     self._stale_sources = False  # copies of nodes no longer held: dropped after the first copy
+    self._calls_since_schedule = 0  # non-blocking progress calls since the last local save
 
 
   @property
@@ -159,9 +160,11 @@ class PeerCopies:
       self._store.drop_other_counts(self._process_count)
 
   def schedule(self, step: int, trees: dict[str, Any]) -> None:
-    """Queues the copies of a step just saved (sent by the next `progress` calls)."""
+    """Queues the copies of a step just saved (sent by the next `progress` calls, sized so
+    that they are out before the next local save: replication.chunks_per_call)."""
+    calls, self._calls_since_schedule = self._calls_since_schedule, 0
     if self.replicator is not None:
-      self.replicator.schedule(step, self.shard_sets(trees))
+      self.replicator.schedule(step, self.shard_sets(trees), calls_between_saves=calls or None)
 
   def schedule_recovery(self, step: int, sets: list, recovered: Sequence[int]) -> None:
     """Queues the copies that involve nodes which got `step` back from elsewhere."""
@@ -173,6 +176,8 @@ class PeerCopies:
 
   def progress(self, *, block: bool) -> None:
     """Moves pending copies forward (collectives: every process calls this in step)."""
+    if not block:
+      self._calls_since_schedule += 1  # one per save() call: the local interval, in calls
     replicator = self.replicator
     if replicator is None or replicator.pending_step is None:
       return

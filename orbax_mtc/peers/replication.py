@@ -40,8 +40,28 @@ from orbax_mtc.topology import Topology
 
 ShardKey = tuple[str, str, local_format.Index]  # (item, leaf path, global index)
 
-# Bytes a non-blocking `progress()` issues per call (the replication share of one training step).
+# Bytes a non-blocking `progress()` issues per call at least (the replication share of one
+# training step); more when a step would otherwise not be out before the next local save.
 _BYTES_PER_CALL = 128 << 20
+
+
+def chunks_per_call(total_chunks: int, calls_between_saves: int | None, floor: int) -> int:
+  """Chunks one non-blocking `progress()` issues, so that a step's copies are out before the
+  next local save rather than flushed, blocking, by it (pure; the same on every process).
+
+  Args:
+    total_chunks: the chunks of the step's transfer (its plan is the same everywhere).
+    calls_between_saves: the non-blocking calls (one per `save()`) seen between the last two
+      local saves, the estimate of the coming interval; None before there is one.
+    floor: the chunks of `_BYTES_PER_CALL`, at least the window.
+
+  Returns:
+    At least `floor`; else the transfer spread over the interval's calls, less one (the
+    first call may find a process still writing the step).
+  """
+  if not calls_between_saves or calls_between_saves <= 1:
+    return floor
+  return max(floor, -(-total_chunks // (calls_between_saves - 1)))
 
 
 def shard_sets(trees: dict[str, Any], process_count: int) -> list[frozenset[ShardKey]]:
@@ -138,6 +158,8 @@ class _StepCopies:
   step: int
   edges: tuple[tuple[int, int], ...]
   receivers: dict[int, frozenset[ShardKey]]
+  calls_between_saves: int | None = None  # the interval's estimate (chunks_per_call)
+  chunks_per_call: int = 0  # set once the transfer is planned
   transfer: transport.Transfer | None = None
   incoming: dict[int, peer_store.IncomingCopy] = dataclasses.field(default_factory=dict)
   sent_bytes: int = 0
@@ -158,8 +180,8 @@ class Replicator:
     self._allgather = allgather
     self._chunk_bytes = chunk_bytes
     self._window = window
-    # Chunks issued per non-blocking call (at most `window` in flight at once): about
-    # _BYTES_PER_CALL, so a step of a few hundred MiB is out within a few training steps.
+    # Chunks issued per non-blocking call at least (at most `window` in flight at once):
+    # about _BYTES_PER_CALL; more for a step too big to be out within the interval.
     self._chunks_per_call = max(window, _BYTES_PER_CALL // max(1, chunk_bytes))
     self._job: _StepCopies | None = None
     self._commits: list[tuple[int, int, concurrent.futures.Future]] = []
@@ -172,8 +194,10 @@ class Replicator:
     return self._job.step if self._job is not None else None
 
   def schedule(self, step: int, shard_sets_by_process: Sequence[frozenset[ShardKey]],
-               edges: Sequence[tuple[int, int]] | None = None) -> None:
-    """Queues `step` for replication on `edges` (default: every copy edge of the topology)."""
+               edges: Sequence[tuple[int, int]] | None = None, *,
+               calls_between_saves: int | None = None) -> None:
+    """Queues `step` for replication on `edges` (default: every copy edge of the topology);
+    `calls_between_saves` sizes the non-blocking calls (`chunks_per_call`)."""
     self.reap_commits()
     chosen = tuple(sorted(self.topology.edges if edges is None else edges))
     if not chosen:
@@ -181,7 +205,7 @@ class Replicator:
     if self._job is not None:
       raise RuntimeError("replication of the previous step is still pending; finish it first")
     receivers = {dst: shard_sets_by_process[dst] for src, dst in chosen if src == self.me}
-    self._job = _StepCopies(step, chosen, receivers)
+    self._job = _StepCopies(step, chosen, receivers, calls_between_saves)
 
   def progress(self, status: int, *, block: bool) -> None:
     """Moves the pending replication forward; every process calls it at the same point.
@@ -201,7 +225,7 @@ class Replicator:
         job.transfer.run()
       else:
         job.transfer.retire_ready()
-        job.transfer.advance(self._chunks_per_call)
+        job.transfer.advance(job.chunks_per_call)
         job.transfer.retire_ready()
       if job.transfer.issued:  # the same call on every process
         job.transfer.retire_finished()
@@ -265,6 +289,8 @@ class Replicator:
     if agreed.transfer is None:
       return False
     job.transfer = agreed.transfer
+    job.chunks_per_call = chunks_per_call(agreed.transfer.remaining_chunks,
+                                          job.calls_between_saves, self._chunks_per_call)
     job.sent_bytes = sum(s.nbytes for s in outgoing.values())
     return True
 
