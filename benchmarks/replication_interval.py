@@ -1,0 +1,107 @@
+"""`save()` blocking per step while peer copies go out, against the local save interval.
+
+A training loop whose step is `--step-ms` of idle host time (as while an accelerator
+computes) calls `save()` every step; the RAM tier saves every `--interval` steps and each
+saved step's copies go to the next process (one replica, a ring). Run it under the launcher
+(one CPU device per process):
+
+  orbax-mtc launch --nprocs 2 --devices-per-process 1 --local-root /dev/shm/ri -- \
+      python benchmarks/replication_interval.py --mib 512 --intervals 1 5 20
+
+Prints, per interval, the slowest process's `save()` blocking time per step (p50, p99, max),
+how many local saves found the previous step's copies still pending (flushed, blocking, by
+that save), and the raw ring `ppermute` bandwidth of the same bytes in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+import orbax_mtc as mtc
+from orbax_mtc import distributed
+from orbax_mtc.tools.bench import limits
+
+
+def _slowest(values: np.ndarray) -> np.ndarray:
+  return multihost_utils.process_allgather(np.asarray(values, np.float64)).max(axis=0)
+
+
+def run_interval(interval: int, state: jax.Array, mesh: jax.sharding.Mesh, root: Path,
+                 persistent: Path, step_ms: float, intervals: int) -> dict:
+  options = mtc.CheckpointManagerOptions(
+      local=mtc.LocalCheckpointOptions(save_interval_steps=interval, max_to_keep=2),
+      persistent=mtc.PersistentCheckpointOptions(should_save_fn=lambda step, last: False))
+  local = root / f"interval-{interval}"
+  abstract = {"w": jax.ShapeDtypeStruct(state.shape, state.dtype, sharding=state.sharding)}
+  blocking, flushed = [], 0
+  with mtc.CheckpointManager(local, persistent / f"interval-{interval}", mesh, abstract,
+                             options=options) as mgr:
+    for step in range(interval * intervals + 1):
+      time.sleep(step_ms / 1000)  # the accelerator's step: idle host time
+      if step % interval == 0 and step > 0:
+        flushed += mgr._form.peers.pending_step is not None  # noqa: SLF001 - the measure
+      started = time.perf_counter()
+      mgr.save(step, args=ocp.args.Composite(w=ocp.args.PyTreeSave(state)))
+      blocking.append(time.perf_counter() - started)
+    mgr.wait_until_finished()
+  shutil.rmtree(local, ignore_errors=True)
+  per_step = _slowest(np.asarray(blocking))[1:]  # step 0 includes the first transfer's set-up
+  return {"interval": interval, "steps": len(per_step), "p50_s": float(np.median(per_step)),
+          "p99_s": float(np.quantile(per_step, 0.99)), "max_s": float(per_step.max()),
+          "local_saves": intervals, "flushed_at_local_save": int(flushed)}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--mib", type=int, default=512, help="state MiB per process")
+  parser.add_argument("--intervals", type=int, nargs="+", default=[1, 5, 20])
+  parser.add_argument("--local-saves", type=int, default=3, help="local saves per interval")
+  parser.add_argument("--step-ms", type=float, default=50.0)
+  parser.add_argument("--persistent", default="/tmp/replication-interval")
+  parser.add_argument("--json", help="also write the results here (process 0)")
+  args = parser.parse_args()
+  distributed.initialize()
+  me, n = jax.process_index(), jax.process_count()
+  mesh = jax.sharding.Mesh(np.array(sorted(jax.devices(), key=lambda d: d.process_index))
+                           .reshape(1, n), ("data", "model"))
+  rows = (args.mib << 20) // (4 * 1024)
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("model"))
+  state = jax.make_array_from_callback(
+      (rows * n, 1024), sharding,
+      lambda index: np.random.default_rng(me).random((rows, 1024), dtype=np.float32))
+  ring = limits.RingPermute(args.mib << 20)
+  seconds = []
+  for _ in range(3):
+    multihost_utils.sync_global_devices("ring")
+    started = time.perf_counter()
+    ring()
+    seconds.append(float(_slowest(np.asarray([time.perf_counter() - started]))[0]))
+  ppermute_gbps = (args.mib << 20) / np.median(seconds) / 1e9
+  root = Path(distributed.local_directory())
+  results = [run_interval(i, state, mesh, root, Path(args.persistent), args.step_ms,
+                          args.local_saves) for i in args.intervals]
+  if me == 0:
+    print(f"{args.mib} MiB per process, {n} processes, step {args.step_ms:.0f} ms, ring "
+          f"ppermute {ppermute_gbps:.2f} GB/s (same run)")
+    print("| local interval | save() p50 | p99 | max | local saves that flushed pending copies |")
+    print("|---|---|---|---|---|")
+    for r in results:
+      print(f"| {r['interval']} | {r['p50_s'] * 1000:.1f} ms | {r['p99_s'] * 1000:.1f} ms | "
+            f"{r['max_s'] * 1000:.1f} ms | {r['flushed_at_local_save']} of {r['local_saves']} |")
+    if args.json:
+      Path(args.json).write_text(json.dumps({"mib": args.mib, "processes": n,
+                                             "ppermute_gbps": ppermute_gbps,
+                                             "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+  main()
