@@ -400,13 +400,15 @@ def test_topology_from_plain_numbers():
 
 
 
-def test_chunks_per_call_spreads_a_step_over_the_interval():
+def test_chunks_per_call_spreads_what_is_left_over_the_calls_left():
   per_call = replication.chunks_per_call
-  assert per_call(100, None, 8) == 8  # no interval seen yet: the floor
-  assert per_call(100, 1, 8) == 8  # a local save every call: the next save flushes anyway
-  assert per_call(100, 21, 2) == 5  # 21 calls, one kept as slack: 5 chunks in each other
-  assert per_call(10, 21, 8) == 8  # a small step: never below the floor
-  assert per_call(101, 6, 2) == 21  # rounded up: out within the interval
+  assert per_call(100, None, 1, 8) == 8  # no interval seen yet: the floor
+  assert per_call(100, 1, 1, 8) == 8  # a local save every call: the next save flushes anyway
+  assert per_call(100, 21, 1, 2) == 5  # 20 calls before the next local save's: 5 chunks each
+  assert per_call(100, 21, 5, 2) == 7  # a late start (a process still writing): more each
+  assert per_call(10, 21, 1, 8) == 8  # a small step: never below the floor
+  assert per_call(101, 6, 1, 2) == 21  # rounded up: out within the interval
+  assert per_call(100, 6, 6, 2) == 2  # the local save's own call, or past the estimate: floor
 
 
 def test_the_calls_between_local_saves_size_the_next_copies():

@@ -45,23 +45,28 @@ ShardKey = tuple[str, str, local_format.Index]  # (item, leaf path, global index
 _BYTES_PER_CALL = 128 << 20
 
 
-def chunks_per_call(total_chunks: int, calls_between_saves: int | None, floor: int) -> int:
+def chunks_per_call(remaining_chunks: int, calls_between_saves: int | None, calls_seen: int,
+                    floor: int) -> int:
   """Chunks one non-blocking `progress()` issues, so that a step's copies are out before the
   next local save rather than flushed, blocking, by it (pure; the same on every process).
 
   Args:
-    total_chunks: the chunks of the step's transfer (its plan is the same everywhere).
+    remaining_chunks: the chunks of the step's transfer not yet issued (its plan is the same
+      everywhere).
     calls_between_saves: the non-blocking calls (one per `save()`) seen between the last two
       local saves, the estimate of the coming interval; None before there is one.
+    calls_seen: the non-blocking calls since the step was saved, this one included (the
+      first ones may have found a process still writing it).
     floor: the chunks of `_BYTES_PER_CALL`, at least the window.
 
   Returns:
-    At least `floor`; else the transfer spread over the interval's calls, less one (the
-    first call may find a process still writing the step).
+    At least `floor`; else what is left spread over the calls left before the one that comes
+    with the next local save (which would flush it, blocking). Past the estimate, `floor`.
   """
-  if not calls_between_saves or calls_between_saves <= 1:
+  calls_left = (calls_between_saves or 0) - calls_seen
+  if calls_left <= 0:
     return floor
-  return max(floor, -(-total_chunks // (calls_between_saves - 1)))
+  return max(floor, -(-remaining_chunks // calls_left))
 
 
 def shard_sets(trees: dict[str, Any], process_count: int) -> list[frozenset[ShardKey]]:
@@ -159,7 +164,7 @@ class _StepCopies:
   edges: tuple[tuple[int, int], ...]
   receivers: dict[int, frozenset[ShardKey]]
   calls_between_saves: int | None = None  # the interval's estimate (chunks_per_call)
-  chunks_per_call: int = 0  # set once the transfer is planned
+  calls_seen: int = 0  # non-blocking progress calls since the step was scheduled
   transfer: transport.Transfer | None = None
   incoming: dict[int, peer_store.IncomingCopy] = dataclasses.field(default_factory=dict)
   sent_bytes: int = 0
@@ -217,6 +222,8 @@ class Replicator:
     job = self._job
     if job is None:
       return
+    if not block:
+      job.calls_seen += 1
     if job.transfer is None and not self._start(job, status):
       return
     assert job.transfer is not None
@@ -225,7 +232,9 @@ class Replicator:
         job.transfer.run()
       else:
         job.transfer.retire_ready()
-        job.transfer.advance(job.chunks_per_call)
+        job.transfer.advance(chunks_per_call(
+            job.transfer.remaining_chunks, job.calls_between_saves, job.calls_seen,
+            self._chunks_per_call))
         job.transfer.retire_ready()
       if job.transfer.issued:  # the same call on every process
         job.transfer.retire_finished()
@@ -289,8 +298,6 @@ class Replicator:
     if agreed.transfer is None:
       return False
     job.transfer = agreed.transfer
-    job.chunks_per_call = chunks_per_call(agreed.transfer.remaining_chunks,
-                                          job.calls_between_saves, self._chunks_per_call)
     job.sent_bytes = sum(s.nbytes for s in outgoing.values())
     return True
 
