@@ -1,26 +1,58 @@
 #!/usr/bin/env bash
-# `orbax-mtc bench suite` with the state on one GPU, one process. (One GPU per process: NCCL
-# does not put two ranks on one GPU, so the multi-process rows need a host with more GPUs.)
+# Every GPU figure of the project, in one call on one GPU, one process. (One GPU per process:
+# NCCL does not put two ranks on one GPU, so the multi-process rows need a host with more GPUs.)
 #
-#   benchmarks/gpu_suite.sh OUT_DIR [more `orbax-mtc bench suite` options]
+#   benchmarks/gpu_suite.sh OUT_DIR [PHASE...]      PHASE: staging suite every-step (default: all)
+#
+# staging:    benchmarks/gpu_staging.py: the save-then-donate bit-exact check, device-to-host
+#             pinned vs pageable bandwidth, RAM-disk write with 1 and 4 threads.
+# suite:      `orbax-mtc bench suite` at 1 GiB and 4 GiB (save / raw write, restore / raw read,
+#             blocking, loop overhead; against plain Orbax on the same RAM disk).
+# every-step: `orbax-mtc bench every-step`, one process, 256 MiB and 1 GiB.
 #
 # Needs jax with CUDA, orbax-checkpoint, tensorstore and the project's other dependencies.
-# Wheels in .whl/ are installed first (for a machine without a package index). The arrays go on the GPU, so the suite's --fresh-state auto
-# saves a fresh device copy each time and holds the blocking time to a device-to-host copy.
-set -euo pipefail
-out=${1:?usage: benchmarks/gpu_suite.sh OUT_DIR [suite options]}
+# Wheels in .whl/ are installed first (for a machine without a package index). Each phase is
+# bounded by its own timeout and a failed phase does not stop the next: its log says why.
+set -uo pipefail
+out=${1:?usage: benchmarks/gpu_suite.sh OUT_DIR [PHASE...]}
 shift
+phases=${*:-staging suite every-step}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 if compgen -G "$repo/.whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/orbax-mtc-site "$repo"/.whl/*.whl
   export PYTHONPATH=/tmp/orbax-mtc-site
 fi
-export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
+export JAX_PLATFORMS=cuda
 mkdir -p "$out"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   nproc; free -g; df -h /dev/shm
-  python3 -c 'import jax, orbax.checkpoint as o; print(jax.__version__, o.__version__, jax.devices())'
-} > "$out/machine.txt" 2>&1 || true
-JAX_PLATFORMS=cuda python3 -m orbax_mtc bench suite --procs 1 --out "$out" "$@"
+  python3 -c 'import jax, orbax.checkpoint as o, importlib.metadata as m; print(jax.__version__, o.__version__, m.version("tensorstore"), jax.devices())'
+  python3 -c 'import orbax_mtc; print("orbax_mtc imports")'
+} > "$out/machine.txt" 2>&1
+status=0
+run() {  # run NAME SECONDS COMMAND...: the phase's output in OUT/NAME.log
+  local name=$1 seconds=$2
+  shift 2
+  echo "== $name: $*"
+  timeout -k 10 "$seconds" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc"
+  tail -n 25 "$out/$name.log"
+  [ $rc -eq 0 ] || status=1
+}
+for phase in $phases; do
+  case $phase in
+    staging) run staging 150 python3 "$repo/benchmarks/gpu_staging.py" --mib 1024 8192 \
+               --reps 2 --out "$out" ;;
+    suite) run suite 330 python3 -m orbax_mtc bench suite --procs 1 --sizes 1024 4096 --reps 2 \
+             --ondemand-reps 1 --contenders limits orbax mtc loop --timeout-s 300 --quiet \
+             --out "$out" ;;
+    every-step) run every-step 300 bash -c "python3 -m orbax_mtc bench every-step --procs 1 \
+                  --mib 256 1024 --reps 2 --json > $out/every-step.json" ;;
+    *) echo "unknown phase $phase"; status=2 ;;
+  esac
+done
+exit $status

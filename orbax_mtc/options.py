@@ -52,10 +52,9 @@ class LocalCheckpointOptions:
       by default). Widen them only for a helper that runs as another user, such as a
       replicator that must read the steps.
     file_mode: Permissions of the RAM tier's files (0o600 by default); as `directory_mode`.
-    device_copy: On accelerators, `save()` copies the state's shards on the device and the
-      writer thread moves the copy to host memory, so `save()` returns after a device-side
-      copy instead of the device-to-host transfer. Needs one more state-sized buffer of
-      device memory while a save is in flight.
+    device_copy: On accelerators, `save()` does not wait for the device-to-host transfer:
+      on GPUs it starts it into pinned host memory (as Orbax does), elsewhere it copies the
+      shards on the device; either holds one more state-sized buffer while a save runs.
       False: `save()` waits for the transfer itself (no extra device memory). Arrays on CPU
       are never copied (the RAM tier reads their buffers directly).
 

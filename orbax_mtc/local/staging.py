@@ -3,14 +3,17 @@
 `stage` copies this node's unique shards (and its host values) into host memory and lays
 them out as data.bin will hold them; the background writer (`store.LocalTier.write`) then
 writes, checksums and commits them without touching the devices again. With `device_copy`,
-shards on an accelerator are copied on the device instead and reach host memory on the
-writer thread (`StagedStep.to_host`), so the save blocks for a device-side copy only. A typed
-PRNG key leaf is staged as its key data (see `format`).
+the save does not wait for shards on an accelerator: on a GPU their transfer into pinned host
+memory starts (the copy engine moves pinned memory at PCIe speed, pageable memory several
+times slower) and the writer reads the pinned buffers in place; elsewhere they are copied on
+the device and reach host memory on the writer thread (`StagedStep.to_host`). A typed PRNG
+key leaf is staged as its key data (see `format`).
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
 import dataclasses
 import functools
 import json
@@ -39,6 +42,7 @@ class _PendingShard:
   index: Index
   dtype: np.dtype
   shape: tuple[int, ...]
+  pinned: bool = False  # `source` is a copy in pinned host memory, in flight until ready
 
 
 @dataclasses.dataclass
@@ -61,7 +65,8 @@ class StagedStep:
     if not on_device:
       return
     for piece in on_device:  # every transfer started before any is awaited
-      piece.source.copy_to_host_async()
+      if not piece.pinned:
+        piece.source.copy_to_host_async()
     self.pieces = [(start, _host_bytes(piece) if isinstance(piece, _PendingShard) else piece)
                    for start, piece in self.pieces]
 
@@ -231,8 +236,12 @@ def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any], *
       if device_copy and _copied_on_device(p.source):
         # A new buffer, ordered on the device before anything later done to the original
         # (a donating training step included): its bytes are the state as saved.
-        p.source = jax.device_put(p.source, p.source.sharding, may_alias=False)
-        deferred.add(id(p))  # its transfer starts on the writer thread: it can block (CUDA)
+        pinned = _pinned_host(p.source)
+        if pinned is not None:  # the transfer starts now and runs beside the next step
+          p.source, p.pinned = jax.device_put(p.source, pinned), True
+        else:  # its transfer starts on the writer thread: it can block (CUDA)
+          p.source = jax.device_put(p.source, p.source.sharding, may_alias=False)
+        deferred.add(id(p))
       else:
         # Start every device->host transfer before waiting on any (no-op on CPU).
         p.source.copy_to_host_async()
@@ -241,8 +250,23 @@ def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any], *
                     default_item=default_item)
 
 
-# Tests set this to exercise the device-copy path with CPU devices.
+# Tests set these to exercise the device-copy and pinned-host paths with CPU devices.
 COPY_ON_CPU = False
+PIN_ON_CPU = False
+# Where a save stages through pinned host memory, as Orbax does (`enable_pinned_host_transfer`
+# defaults to GPUs only): a TPU's host transfers are fast from device memory already.
+_PINNED_PLATFORMS = ("gpu", "cuda", "rocm")
+_PINNED = "pinned_host"
+
+
+def _pinned_host(array: jax.Array) -> jax.sharding.Sharding | None:
+  """Pinned host memory of the one device holding `array`, where saves stage through it."""
+  (device,) = array.devices()
+  if not (PIN_ON_CPU or device.platform in _PINNED_PLATFORMS):
+    return None
+  if not any(m.kind == _PINNED for m in device.addressable_memories()):
+    return None
+  return jax.sharding.SingleDeviceSharding(device, memory_kind=_PINNED)
 
 
 def _copied_on_device(array: jax.Array) -> bool:
@@ -253,6 +277,10 @@ def _copied_on_device(array: jax.Array) -> bool:
 
 def _host_bytes(shard: _PendingShard) -> np.ndarray:
   """One staged shard as C-ordered uint8 that nothing changes until the write is done."""
+  if shard.pinned:
+    view = _pinned_view(shard.source, shard.nbytes)
+    if view is not None:
+      return view
   if isinstance(shard.source, jax.Array):
     host = np.asarray(shard.source)
   else:
@@ -261,3 +289,28 @@ def _host_bytes(shard: _PendingShard) -> np.ndarray:
     raise TypeError(f"a shard of dtype {host.dtype} shape {host.shape} was staged as "
                     f"{shard.dtype} {shard.shape}")
   return np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+
+
+def _pinned_view(array: jax.Array, nbytes: int) -> np.ndarray | None:
+  """The bytes of a pinned-host copy, read in place once its transfer is done (np.asarray
+  would copy them again into fresh, never-touched pages: the slow part on a GPU host).
+
+  The view is valid while `array` lives: the staged step keeps it through the write, via the
+  view's base. None where the buffer is not plain row-major bytes of the expected size (a
+  tiled host layout): the caller then copies."""
+  array.block_until_ready()
+  try:
+    layout = array.format.layout
+    row_major = tuple(layout.major_to_minor) == tuple(range(array.ndim))
+    if not row_major or getattr(layout, "tiling", None) or nbytes != array.nbytes:
+      return None
+    address = array.unsafe_buffer_pointer()
+  except (AttributeError, NotImplementedError, TypeError, ValueError, RuntimeError):
+    return None
+  if nbytes == 0:
+    return np.zeros(0, np.uint8)
+  buffer = (ctypes.c_uint8 * nbytes).from_address(address)
+  buffer.owner = array  # the view's base holds the array, so its memory outlives the view
+  view = np.frombuffer(buffer, dtype=np.uint8)
+  view.flags.writeable = False
+  return view
