@@ -212,18 +212,18 @@ class ReplicationOptions:
     peer_ranks: The explicit list of holders per node (one list per process), instead of
       `peers_per_node`; mutually exclusive, as in the GKE replicator's replicator.yaml.
       Stored as a tuple of tuples.
-    chunk_mib: Transfers move in chunks of this many MiB, so replication holds at most
-      2 x chunk_mib x chunks_in_flight MiB of extra host or device memory per process
-      (default 32 MiB). On CPU (gloo) 4-16 MiB chunks moved a 64 MiB step about 1.2x faster
-      than 64 MiB chunks (benchmarks/transport_chunks.py).
-    chunks_in_flight: At most this many chunks are in flight at once.
+    chunk_mib: Transfers move in chunks of this many MiB (on CPU, 4-16 MiB chunks moved a
+      64 MiB step 1.2x faster than 64 MiB chunks: benchmarks/transport_chunks.py).
+    chunks_in_flight: Chunks in flight at once while a call waits for a step's copies.
+    in_flight_mib: MiB of chunks a `save()` may leave in flight when it returns, so copies
+      move while training goes on (each chunk holds a send and a receive buffer).
 
   Raises:
     ValueError: If `replica_axis` is empty or not a string, both `peers_per_node` and
       `peer_ranks` are set, `peers_per_node` is not an int >= 0, `peer_ranks` is not one list
-      of int ranks per node or names a node as its own peer, or `chunk_mib` /
-      `chunks_in_flight` is not positive.
-    TypeError: If `chunk_mib` or `chunks_in_flight` is not an int.
+      of int ranks per node or names a node as its own peer, or `chunk_mib`,
+      `chunks_in_flight` or `in_flight_mib` is not positive.
+    TypeError: If one of them is not an int.
   """
 
   replica_axis: str | None = None
@@ -231,6 +231,7 @@ class ReplicationOptions:
   peer_ranks: Sequence[Sequence[int]] | None = None
   chunk_mib: int = 8
   chunks_in_flight: int = 2
+  in_flight_mib: int = 256
 
   def __post_init__(self):
     if self.replica_axis is not None and (
@@ -259,7 +260,7 @@ class ReplicationOptions:
           raise ValueError(f"ReplicationOptions.peer_ranks[{node}] names node {node} as its own "
                            "peer: a copy on the same node dies with it. Choose other nodes.")
       self.peer_ranks = tuple(tuple(r) for r in self.peer_ranks)
-    for name in ("chunk_mib", "chunks_in_flight"):
+    for name in ("chunk_mib", "chunks_in_flight", "in_flight_mib"):
       check_interval("ReplicationOptions", name, getattr(self, name), allow_none=False)
 
   @property

@@ -41,6 +41,10 @@ _MIN_CHUNK = 4096
 Reader = Callable[[int, np.ndarray], None]
 # Receives one chunk of an incoming stream: (offset, bytes as a uint8 numpy array).
 Sink = Callable[[int, np.ndarray], None]
+# An outgoing stream's bytes [offset, offset + nbytes) in place, aligned, zero past its end,
+# for sending without a copy into a send buffer; None where it has none (the Reader then
+# fills one).
+Viewer = Callable[[int, int], "np.ndarray | None"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +128,7 @@ class Transfer:
     window: Most chunks in flight at once (at least 1).
     allgather: The collective all-gather of one int64 row, to agree on placing spare chunk
       buffers of lengths no earlier transfer used (None: this process alone decides).
+    viewer_for: Returns the `Viewer` of a stream this process sends, if it has one.
 
   Attributes:
     failures: What failed on this process while the bytes moved ("<what>: <type>: <message>");
@@ -138,7 +143,8 @@ class Transfer:
 
   def __init__(self, streams: Sequence[Stream], *, me: int, reader_for: Callable[[Stream], Reader],
                sink_for: Callable[[Stream], Sink], chunk_limit: int, window: int = 2,
-               allgather: Callable[[np.ndarray], np.ndarray] | None = None):
+               allgather: Callable[[np.ndarray], np.ndarray] | None = None,
+               viewer_for: Callable[[Stream], Viewer | None] | None = None):
     streams = [s for s in streams if s.nbytes > 0]
     by_edge = {(s.source, s.destination): s for s in streams}
     if len(by_edge) != len(streams):
@@ -146,6 +152,7 @@ class Transfer:
     self._me = me
     self._window = max(1, window)
     self._readers: dict[Stream, Reader] = {}
+    self._viewers: dict[Stream, Viewer] = {}
     self._sinks: dict[Stream, Sink] = {}
     self._chunks: collections.deque[_Chunk] = collections.deque()
     for round_edges in topology.transfer_rounds(list(by_edge)):
@@ -156,6 +163,9 @@ class Transfer:
       receive = next((s for s in round_streams if s.destination == me), None)
       if send is not None:
         self._readers[send] = reader_for(send)
+        viewer = viewer_for(send) if viewer_for is not None else None
+        if viewer is not None:
+          self._viewers[send] = viewer
       if receive is not None:
         self._sinks[receive] = sink_for(receive)
       for offset in range(0, largest, length):
@@ -163,7 +173,8 @@ class Transfer:
         # manifest must not cost a whole chunk on the wire.
         size = min(length, _chunk_bytes_for(largest - offset, chunk_limit))
         self._chunks.append(_Chunk(tuple(round_edges), size, send, receive, offset))
-    self._in_flight: collections.deque[tuple[_Chunk, jax.Array, np.ndarray]] = \
+    # (chunk, its collective's output, the send buffer to reuse or None for a stream's view)
+    self._in_flight: collections.deque[tuple[_Chunk, jax.Array, np.ndarray | None]] = \
         collections.deque()
     self._free: list[np.ndarray] = []
     self.failures: list[str] = []
@@ -226,12 +237,18 @@ class Transfer:
         return self._free.pop(i)
     return local_read.aligned_empty(length)
 
-  def _issue(self, chunk: _Chunk) -> None:
-    mesh = _node_mesh()
+  def _read_chunk(self, chunk: _Chunk) -> tuple[np.ndarray, bool]:
+    """The bytes this process sends in `chunk`, and whether the buffer is its own to reuse
+    (a stream read ahead lends its own bytes, without a copy)."""
+    sending = chunk.send is not None and chunk.offset < chunk.send.nbytes and \
+        chunk.send not in self._broken
+    if sending and chunk.send in self._viewers:
+      view = self._viewers[chunk.send](chunk.offset, chunk.length)
+      if view is not None:
+        return view, False
     local = self._send_buffer(chunk.length)
     n = 0
-    if chunk.send is not None and chunk.offset < chunk.send.nbytes and \
-        chunk.send not in self._broken:
+    if sending:
       n = min(chunk.length, chunk.send.nbytes - chunk.offset)
       try:
         self._readers[chunk.send](chunk.offset, local[:n])
@@ -240,20 +257,33 @@ class Transfer:
         self._broken.add(chunk.send)
         n = 0
     local[n:] = 0
+    return local, True
+
+  def _issue(self, chunk: _Chunk) -> None:
+    mesh = _node_mesh()
+    local, owned = self._read_chunk(chunk)
     device = mesh.devices[self._me]
     sharding = NamedSharding(mesh, PartitionSpec(_AXIS))
     try:
       placed = place(local, device)
+      if device.platform == "cpu":
+        # JAX's CPU client runs a computation whose inputs are all ready inline, on the
+        # calling thread, to its end; the chunk adopted in place above is ready. A copy on
+        # the device is not ready yet when the collective is dispatched, so the collective is
+        # queued behind it and `advance` returns while the bytes move.
+        placed = jax.device_put(placed, device, may_alias=False)
     except Exception as e:  # noqa: BLE001 - the spare goes instead; agreed after the transfer
       self._fail(f"placing a chunk of {chunk.length} bytes", e)
       placed = _SPARES[(device.id, chunk.length)]
     global_in = jax.make_array_from_single_device_arrays(
         (chunk.length * mesh.size,), sharding, [placed])
-    self._in_flight.append((chunk, _permute_fn(chunk.pairs)(global_in), local))
+    out = _permute_fn(chunk.pairs)(global_in)
+    self._in_flight.append((chunk, out, local if owned else None))
 
   def _retire(self) -> None:
     chunk, out, local = self._in_flight.popleft()
-    self._free.append(local)
+    if local is not None:
+      self._free.append(local)
     receive = chunk.receive
     if receive is None or chunk.offset >= receive.nbytes or receive in self._broken:
       out.block_until_ready()  # this chunk's collective is over: its buffer may be reused
@@ -266,7 +296,7 @@ class Transfer:
       self._fail(f"receiving the stream from process {receive.source}", e)
       self._broken.add(receive)
 
-  def advance(self, max_chunks: int | None = None) -> None:
+  def advance(self, max_chunks: int | None = None, *, window: int | None = None) -> None:
     """Issues up to `max_chunks` more chunks, keeping at most `window` in flight.
 
     Every process must call this with the same arguments at the same point of its program.
@@ -274,10 +304,13 @@ class Transfer:
 
     Args:
       max_chunks: How many chunks to issue at most; None issues all that remain.
+      window: Most chunks in flight during this call (default: the transfer's window); a
+        caller that leaves chunks running while training goes on allows more.
     """
+    limit = self._window if window is None else max(1, window)
     issued = 0
     while self._chunks and (max_chunks is None or issued < max_chunks):
-      while len(self._in_flight) >= self._window:
+      while len(self._in_flight) >= limit:
         self._retire()
       self._issue(self._chunks.popleft())
       issued += 1
@@ -285,7 +318,8 @@ class Transfer:
   def retire_ready(self) -> None:
     """Hands the chunks that have already arrived to their sinks, in order, without waiting.
 
-    On CPU a chunk is complete when its dispatch returns; elsewhere this frees the window.
+    JAX dispatches a chunk asynchronously (on CPU too), so a chunk issued at one `save()` is
+    usually done by the next.
     """
     while self._in_flight and self._in_flight[0][1].is_ready():
       self._retire()

@@ -10,6 +10,8 @@ what this one says, or rows the test chose); the writer is a fake that records i
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pathlib
 import types
 
@@ -34,11 +36,17 @@ class FakeWriter:
   def __init__(self, status: Status = Status.WRITING):
     self.status = status
     self.calls: list[tuple] = []
+    self.prepared: list[int] = []  # steps whose streams were queued for reading ahead
     self.executor = types.SimpleNamespace(submit=self._submit)
 
-  def _submit(self, fn, *args):
+  def _submit(self, fn, *args, **kwargs):
+    if getattr(fn, "__name__", "") == "_outgoing":
+      # The read-ahead of a scheduled step's streams: left pending (never run), so the
+      # sender reads them itself when the copies start.
+      self.prepared.append(args[0].step)
+      return concurrent.futures.Future()
     self.calls.append(("submit", fn))
-    raise AssertionError("nothing is handed to the writer thread in these tests")
+    raise AssertionError("nothing else is handed to the writer thread in these tests")
 
   def wait(self) -> None:
     self.calls.append(("wait",))
@@ -372,6 +380,63 @@ def test_recovery_copies_only_the_edges_of_recovered_nodes():
       assert peers.pending_step is None and allgather.seen == []
     else:  # [1]: edges (1, 3) and (3, 1) only; [0, 1]: all four
       assert peers.pending_step == 9 and allgather.seen[-1].size == width + edges
+
+
+def test_a_local_save_leaves_the_previous_copies_moving_and_agrees_them_at_the_next():
+  """`issue` (at the end of a local save) sends every chunk and returns: the step is still
+  pending, nothing is agreed about its outcome yet; `settle` (at the next save) agrees it."""
+  options = mtc.CheckpointManagerOptions(
+      replication=mtc.ReplicationOptions(peer_ranks=((), (0,), (3,), (2,))))
+  writer, store = FakeWriter(Status.COMMITTED), FakeStore()
+  local = types.SimpleNamespace(directory=pathlib.Path("unused"), manifest=lambda step: None,
+                                keep_floor=None, steps=lambda: [4])
+  peers, _, allgather = make(options, index=0, count=4, local=local, store=store,
+                             writer=writer)
+  peers.set_mesh(fake_mesh(GRID_2X2))
+  peers.schedule(4, {})
+  assert writer.prepared == [4]  # its streams are read ahead behind its write
+  peers.issue()
+  replicator = peers.replicator
+  assert replicator.pending_step == 4 and replicator.unissued_step is None
+  assert len(allgather.seen) == 1  # the streams' exchange only: no outcome agreed yet
+  assert replicator.finished_steps == 0 and store.calls == []
+  assert ("wait",) not in writer.calls  # the new step's write goes on meanwhile
+  peers.schedule(6, {})  # the next step may be scheduled while 4 lands
+  peers.settle()
+  assert len(allgather.seen) == 2 and replicator.finished_steps == 1
+  assert replicator.pending_step == 6 and replicator.unissued_step == 6
+  assert store.calls == [("drop_sources", (1,)), ("drop_other_counts", 4)]
+
+
+def test_a_read_ahead_stream_lends_its_bytes_in_place(tmp_path):
+  """A prefetched stream gives the same bytes as reading it, padded with zeros to the chunk
+  multiple, as views of one aligned buffer; past the padding it has none."""
+  from orbax_mtc.local import staging
+  from orbax_mtc.peers import stream as peer_stream
+
+  tier = local_store.LocalTier(tmp_path / "local", max_to_keep=2)
+  tier.prepare()
+  try:
+    state = {"a": np.arange(3000, dtype=np.float32), "b": np.arange(17, dtype=np.int8)}
+    tier.write(staging.stage(3, {"state": state}, {}, default_item=False), 0, 2)
+    manifest = tier.manifest(3)
+    reference = peer_stream.copy_stream(tier.directory / "3", manifest, 0, skip=set())
+    stream = peer_stream.copy_stream(tier.directory / "3", manifest, 0, skip=set())
+    assert stream.view(0, 4096) is None  # not read ahead yet
+    stream.prefetch(4096)
+    padded = -(-stream.nbytes // 4096) * 4096
+    assert stream.prefetched.nbytes == padded and stream.prefetched.ctypes.data % 4096 == 0
+    want = np.zeros(stream.nbytes, np.uint8)
+    reference.read(0, want)
+    whole = stream.view(0, padded)
+    assert np.array_equal(whole[:stream.nbytes], want) and not whole[stream.nbytes:].any()
+    assert np.shares_memory(stream.view(4096, 4096), stream.prefetched)
+    assert stream.view(padded - 4096, 8192) is None
+    part = np.zeros(100, np.uint8)
+    stream.read(50, part)  # reading is served from memory too
+    assert np.array_equal(part, want[50:150])
+  finally:
+    tier.close()
 
 
 # ------------------------------------------------------------------ the pure decisions

@@ -84,6 +84,12 @@ class _Peers:
   def progress(self, *, block):
     self.log.append(("peers.progress", block))
 
+  def settle(self):
+    self.log.append("peers.settle")
+
+  def issue(self):
+    self.log.append("peers.issue")
+
   def schedule(self, step, trees):
     self.log.append(("peers.schedule", step))
     self.trees[step] = trees
@@ -159,10 +165,13 @@ def test_the_save_agreement_carries_the_step_and_this_process_facts(rig, mesh):
   assert record.wants_backup and record.orbax_busy and record.clock_ms > 0
   assert record.backup_state == Status.READING  # the scheduler gets both processes' figures:
   assert r.backups.advanced[-1] == ([Status.READING] * 2, [True, True])
-  # The previous step's copies are out and the read-back is done before the agreement.
+  # The outcome of the copies issued earlier and the read-back are done before the
+  # agreement; the previous step's copies go out after it, once the new write is issued.
   agreed = r.log.index(("agree", "the save of step 4"))
-  assert r.log.index(("peers.progress", True)) < agreed
+  assert r.log.index("peers.settle") < agreed
   assert r.log.index("backups.wait_for_read") < agreed
+  assert r.log.index(("local.write", 4)) < r.log.index("peers.issue") < \
+      r.log.index(("peers.schedule", 4))
 
 
 def test_processes_saving_different_steps_raise_naming_each_and_write_nothing(rig, mesh):

@@ -230,12 +230,15 @@ class MultiTierForm:
     # An error of an earlier write is not raised here, on this process alone: it travels in
     # the next agreement, so every process raises it together (rule 9).
     self.backups.poll()
-    self.peers.progress(block=False)
     last_ondemand = self.ondemand.last
     decision = self.schedule.decide(
         step, self.agreed_state(self.reached_preemption(step)), force=force,
         ondemand_step=last_ondemand.step if last_ondemand is not None else None)
     action = decision.action
+    if action is not save_policy.SaveAction.LOCAL:
+      # Pending copies move on (a local save moves them itself, after its own collectives:
+      # JAX runs collectives in order, so chunks issued first would hold up its agreement).
+      self.peers.progress(block=False)
     if action is save_policy.SaveAction.SKIP:
       return False
     if action is save_policy.SaveAction.ONDEMAND:

@@ -17,6 +17,7 @@ import numpy as np
 from absl import logging
 
 from orbax_mtc import topology
+from orbax_mtc.agreement import Status
 from orbax_mtc.local import store as local_store
 from orbax_mtc.local.writer import RamWriter
 from orbax_mtc.options import CheckpointManagerOptions
@@ -101,7 +102,8 @@ class PeerCopies:
     self.replicator = replication.Replicator(
         self.topology, self._process_index, self._local, self._store, self._writer.executor,
         self._allgather, chunk_bytes=options.replication.chunk_bytes,
-        window=options.replication.chunks_in_flight)
+        window=options.replication.chunks_in_flight,
+        in_flight_bytes=options.replication.in_flight_mib << 20)
     # Copies of nodes this node no longer holds copies for are dropped at the first copy
     # sent, not now: after a change of mesh or process count, an elastic restore reads them.
     self._stale_sources = True
@@ -183,9 +185,35 @@ class PeerCopies:
       return
     if block:
       self._writer.wait()
-    replicator.progress(self._writer.status_of(replicator.pending_step), block=block)
-    if replicator.pending_step is None and replicator.finished_steps:
+    replicator.progress(self._status(replicator), block=block)
+    if replicator.finished_steps:
       self._drop_stale_sources()
+
+  def settle(self) -> None:
+    """At a local save, before its agreement: the outcome of the copies issued earlier
+    (collective; their chunks have had a training step to arrive)."""
+    replicator = self.replicator
+    if replicator is not None:
+      replicator.settle()
+      if replicator.finished_steps:
+        self._drop_stale_sources()
+
+  def issue(self) -> None:
+    """At a local save, after its collectives and the new step's write was issued: every
+    chunk of the previous step's copies, left moving (their outcome: at the next call).
+
+    The previous step's write was waited for at the start of the save; its folder outlives
+    the reads, as the newest step every node holds (`LocalTier.keep_floor`)."""
+    replicator = self.replicator
+    step = None if replicator is None else replicator.unissued_step
+    if step is None:
+      return
+    replicator.issue(Status.COMMITTED if step in self._local.steps() else Status.FAILED)
+
+  def _status(self, replicator: replication.Replicator) -> int:
+    """Where this node is with the step whose chunks are still to issue (any, if none)."""
+    step = replicator.unissued_step
+    return self._writer.status_of(step) if step is not None else Status.COMMITTED
 
   def finish(self) -> None:
     """Sends the pending copies now and returns once received copies are committed."""

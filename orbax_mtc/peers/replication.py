@@ -6,9 +6,11 @@ reaches in the same order (`save()`, `replicate_pending()`, `wait_until_finished
 1. `schedule(step, edges)` after a local save (or a recovery) was issued;
 2. `progress()`: one tiny all-gather of "is the step committed here, and how many bytes do I
    send on each edge"; once every node has committed, the streams are fixed;
-3. then each `progress()` hands the chunks that have arrived to the writer and issues up to
-   128 MiB more (at most `window` chunks in flight; those still running when it returns run
-   while training goes on), so a step's copies are out within a few training steps;
+3. then each `progress()` hands the chunks that have arrived to the writer and issues at
+   least 128 MiB more, so a step's copies are out before the next local save; the next local
+   save issues what is left (`issue`). Chunks are dispatched asynchronously and up to
+   `in_flight_mib` of them are left running when the call returns: they move while training
+   goes on, and the step's outcome is agreed at the next call (`settle`);
 4. received chunks are written to `<local>/peers/<source>/.tmp-*` by the writer thread, which
    commits the copy by renaming it once the last chunk is in.
 
@@ -168,6 +170,8 @@ class _StepCopies:
   transfer: transport.Transfer | None = None
   incoming: dict[int, peer_store.IncomingCopy] = dataclasses.field(default_factory=dict)
   sent_bytes: int = 0
+  # The outgoing streams, read ahead on the writer thread once the step is committed.
+  prepared: concurrent.futures.Future | None = None
 
 
 class Replicator:
@@ -176,7 +180,7 @@ class Replicator:
   def __init__(self, topo: Topology, me: int, local: local_store.LocalTier,
                store: peer_store.PeerStore, writer: concurrent.futures.Executor,
                allgather: Callable[[np.ndarray], np.ndarray], *, chunk_bytes: int,
-               window: int = 2):
+               window: int = 2, in_flight_bytes: int = 0):
     self.topology = topo
     self.me = me
     self._local = local
@@ -188,7 +192,13 @@ class Replicator:
     # Chunks issued per non-blocking call at least (at most `window` in flight at once):
     # about _BYTES_PER_CALL; more for a step too big to be out within the interval.
     self._chunks_per_call = max(window, _BYTES_PER_CALL // max(1, chunk_bytes))
+    # Chunks a call may leave running when it returns (they overlap the training steps).
+    self._overlap_window = max(window, in_flight_bytes // max(1, chunk_bytes))
+    self._in_flight_bytes = in_flight_bytes
     self._job: _StepCopies | None = None
+    # A step whose chunks are all issued, some maybe still moving: its outcome is agreed at
+    # the next call, when they have had a training step's time to arrive.
+    self._landing: _StepCopies | None = None
     self._commits: list[tuple[int, int, concurrent.futures.Future]] = []
     self.last_bytes_sent = 0
     self.finished_steps = 0  # steps whose copies all went out
@@ -196,6 +206,14 @@ class Replicator:
 
   @property
   def pending_step(self) -> int | None:
+    """The step whose copies are not all out yet (issued or not)."""
+    if self._job is not None:
+      return self._job.step
+    return self._landing.step if self._landing is not None else None
+
+  @property
+  def unissued_step(self) -> int | None:
+    """The step whose copies still have chunks to issue (their source folder is read)."""
     return self._job.step if self._job is not None else None
 
   def schedule(self, step: int, shard_sets_by_process: Sequence[frozenset[ShardKey]],
@@ -210,15 +228,33 @@ class Replicator:
     if self._job is not None:
       raise RuntimeError("replication of the previous step is still pending; finish it first")
     receivers = {dst: shard_sets_by_process[dst] for src, dst in chosen if src == self.me}
-    self._job = _StepCopies(step, chosen, receivers, calls_between_saves)
+    self._job = job = _StepCopies(step, chosen, receivers, calls_between_saves)
+    # Queued behind the step's write on the writer thread (one thread: in order).
+    job.prepared = self._writer.submit(self._outgoing, job, prefetch=True)
+
+  def _outgoing(self, job: _StepCopies, *, prefetch: bool = False
+                ) -> dict[int, peer_stream.OutgoingStream]:
+    """This node's stream to each receiver of the committed step (file I/O only); with
+    `prefetch`, read ahead into memory when they fit `in_flight_mib`, so that sending does
+    not read the RAM disk on the main thread."""
+    step_dir = self._local.directory / str(job.step)
+    manifest = self._local.manifest(job.step)
+    outgoing = {dst: peer_stream.copy_stream(step_dir, manifest, self.me,
+                                             skip_ordinals(manifest, job.receivers[dst]))
+                for src, dst in job.edges if src == self.me}
+    if prefetch and sum(o.nbytes for o in outgoing.values()) <= self._in_flight_bytes:
+      for stream in outgoing.values():
+        stream.prefetch(self._chunk_bytes)
+    return outgoing
 
   def progress(self, status: int, *, block: bool) -> None:
     """Moves the pending replication forward; every process calls it at the same point.
 
     `status` says whether this node's step is WRITING, COMMITTED or FAILED. With `block`, the
     caller has waited for its local write, and this returns with the copies handed to the
-    writer thread.
+    writer thread. Without, it issues this call's share and leaves it moving.
     """
+    self.settle()
     job = self._job
     if job is None:
       return
@@ -234,22 +270,58 @@ class Replicator:
         job.transfer.retire_ready()
         job.transfer.advance(chunks_per_call(
             job.transfer.remaining_chunks, job.calls_between_saves, job.calls_seen,
-            self._chunks_per_call))
+            self._chunks_per_call), window=self._overlap_window)
         job.transfer.retire_ready()
-      if job.transfer.issued:  # the same call on every process
-        job.transfer.retire_finished()
     except BaseException:
       # Not a failure the transfer records (those are agreed below): a collective itself
       # failed, so no other process completes it either. Drop this step's copies.
       self._abort(job)
       raise
-    if job.transfer.issued:
-      self._finish(job)
+    if job.transfer.issued:  # the same call on every process
+      self._job = None
+      self._landing = job
+      if block:
+        self.settle()
+
+  def issue(self, status: int) -> None:
+    """Issues every chunk of the pending step's copies (its local write is over: `status`
+    says how), leaving up to `in_flight_mib` of them moving; the outcome is agreed at the
+    next call. Every process calls it at the same point."""
+    job = self._job
+    if job is None:
+      return
+    self.settle()  # one step landing at a time
+    if job.transfer is None and not self._start(job, status):
+      return
+    assert job.transfer is not None
+    try:
+      job.transfer.retire_ready()
+      job.transfer.advance(window=self._overlap_window)
+    except BaseException:
+      self._abort(job)  # a collective failed: see progress
+      raise
+    self._job = None
+    self._landing = job
+
+  def settle(self) -> None:
+    """Hands the landed step's last chunks to the writer (waiting for those still moving)
+    and agrees its outcome; every process calls it at the same point."""
+    job, self._landing = self._landing, None
+    if job is None:
+      return
+    assert job.transfer is not None
+    try:
+      job.transfer.retire_finished()
+    except BaseException:
+      self._abort(job)
+      raise
+    self._finish(job)
 
   def _abort(self, job: _StepCopies) -> None:
     for incoming in job.incoming.values():
       self._writer.submit(incoming.abort)
-    self._job = None
+    if self._job is job:
+      self._job = None
 
   def _start(self, job: _StepCopies, status: int) -> bool:
     """One stream exchange: once every process has committed the step, its copies' sizes
@@ -257,12 +329,11 @@ class Replicator:
     outgoing: dict[int, peer_stream.OutgoingStream] = {}
     if status == Status.COMMITTED:
       try:
-        step_dir = self._local.directory / str(job.step)
-        manifest = self._local.manifest(job.step)
-        for src, dst in job.edges:
-          if src == self.me:
-            skip = skip_ordinals(manifest, job.receivers[dst])
-            outgoing[dst] = peer_stream.copy_stream(step_dir, manifest, self.me, skip)
+        prepared = job.prepared
+        if prepared is not None and prepared.done() and prepared.exception() is None:
+          outgoing = prepared.result()
+        else:  # still reading ahead, or it failed: read as the chunks go
+          outgoing = self._outgoing(job)
       except Exception as e:  # noqa: BLE001 - agreed below: every process drops the step
         logging.warning("orbax-mtc: cannot send step %d to peers: %s: %s", job.step,
                         type(e).__name__, e)
@@ -322,7 +393,6 @@ class Replicator:
       self._commits.append((source, job.step, future))
     self.last_bytes_sent = job.sent_bytes
     self.finished_steps += 1
-    self._job = None
 
   def reap_commits(self) -> None:
     """Logs received copies whose commit failed on the writer thread (the copy is then

@@ -59,9 +59,34 @@ class OutgoingStream:
   nbytes: int
   segments: list[Segment]
   failures: list[tuple[Any, Exception]] | None = None
+  prefetched: np.ndarray | None = None  # the whole stream, read ahead (`prefetch`)
+
+  def prefetch(self, multiple: int) -> None:
+    """Reads the whole stream into one aligned buffer, zero-padded to a multiple of
+    `multiple` bytes, from which `view` hands out chunks without a copy (file I/O only: the
+    writer thread does it, so the main thread does not read the RAM disk when it sends)."""
+    padded = -(-self.nbytes // max(1, multiple)) * max(1, multiple)
+    buffer = local_read.aligned_empty(padded, align=4096)
+    self.read(0, buffer[:self.nbytes])
+    at = 0  # the alignment gaps and the padding as zeros, not whatever memory held before
+    for seg in sorted(self.segments, key=lambda seg: seg.offset):
+      buffer[at:seg.offset] = 0
+      at = max(at, seg.offset + seg.nbytes)
+    buffer[at:] = 0
+    self.prefetched = buffer
+
+  def view(self, offset: int, nbytes: int) -> np.ndarray | None:
+    """Stream bytes [offset, offset + nbytes) in place, past the end as zeros, once
+    prefetched; None otherwise (the caller then `read`s them)."""
+    if self.prefetched is None or offset + nbytes > self.prefetched.nbytes:
+      return None
+    return self.prefetched[offset:offset + nbytes]
 
   def read(self, offset: int, out: np.ndarray) -> None:
     """Fills `out` with stream bytes [offset, offset + out.nbytes); gaps stay as they are."""
+    if self.prefetched is not None and offset + out.nbytes <= self.prefetched.nbytes:
+      out[:] = self.prefetched[offset:offset + out.nbytes]
+      return
     stop = offset + out.nbytes
     fds: dict[Path, int] = {}
     try:

@@ -85,8 +85,10 @@ class RamSaver:
     trees, jsons, processes, default_item = item_args.split_save_args(
         args, on_process_error=self._ledger.note_local_error)
     self._writer.wait()  # one write in flight (as Orbax): steps commit in order
-    # The previous step's copies must be out before retention may retire its folder.
-    self._peers.progress(block=True)
+    # The copies issued at the previous save have had a training step to arrive: their
+    # outcome is agreed now. Those not yet issued go out at the end of this save, after its
+    # collectives (their step stays in RAM meanwhile: it is the floor every node holds).
+    self._peers.settle()
     self._backups.wait_for_read()
     # The save's one agreement (main thread, rule 2). It carries every per-process fact the
     # branches below read, so that every process takes the same ones (rule 8), and any error
@@ -169,6 +171,7 @@ class RamSaver:
                              ledger.agree)
       if not self._asynchronous:
         self._backups.flush(ledger.agree)  # synchronous: both tiers hold the step on return
+    self._peers.issue()  # the previous step's copies, left moving while training goes on
     self._peers.schedule(step, trees)
     if not self._asynchronous and not ondemand:  # on demand: raised after the backup
       self._peers.progress(block=True)
