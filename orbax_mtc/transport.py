@@ -225,6 +225,11 @@ class Transfer:
     self.failures.append(message)
 
   @property
+  def arrived(self) -> bool:
+    """Every chunk issued and complete on this process (a local view: no collective)."""
+    return not self._chunks and all(out.is_ready() for _, out, _ in self._in_flight)
+
+  @property
   def done(self) -> bool:
     """True once every chunk has been issued and handed to its sink."""
     return not self._chunks and not self._in_flight

@@ -401,6 +401,7 @@ def test_a_local_save_leaves_the_previous_copies_moving_and_agrees_them_at_the_n
   assert len(allgather.seen) == 1  # the streams' exchange only: no outcome agreed yet
   assert replicator.finished_steps == 0 and store.calls == []
   assert ("wait",) not in writer.calls  # the new step's write goes on meanwhile
+  assert not peers.moving  # empty streams: nothing is on its way
   peers.schedule(6, {})  # the next step may be scheduled while 4 lands
   peers.settle()
   assert len(allgather.seen) == 2 and replicator.finished_steps == 1

@@ -123,6 +123,11 @@ class PeerCopies:
     """The step whose copies are still going out."""
     return self.replicator.pending_step if self.replicator is not None else None
 
+  @property
+  def moving(self) -> bool:
+    """The previous step's copies are still on their way (this process's view)."""
+    return self.replicator is not None and self.replicator.moving
+
   def shard_sets(self, trees: dict[str, Any]) -> list:
     """Which shards every process holds under the shardings of `trees` (cached)."""
     key = tuple((name, tuple((leaf.sharding, tuple(leaf.shape))

@@ -212,6 +212,13 @@ class Replicator:
     return self._landing.step if self._landing is not None else None
 
   @property
+  def moving(self) -> bool:
+    """Chunks issued at an earlier save are still moving here (this process's view)."""
+    landing = self._landing
+    return landing is not None and landing.transfer is not None and \
+        not landing.transfer.arrived
+
+  @property
   def unissued_step(self) -> int | None:
     """The step whose copies still have chunks to issue (their source folder is read)."""
     return self._job.step if self._job is not None else None
