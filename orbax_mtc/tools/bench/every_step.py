@@ -67,7 +67,8 @@ def run_job(procs: int, args: argparse.Namespace, root: Path) -> list[dict[str, 
              "--mib", *map(str, args.mib), "--every", *map(str, args.every),
              "--continuous", "off" if args.no_continuous else "on",
              "--steps", str(args.steps), "--reps", str(args.reps),
-             "--idle-ms", str(args.idle_ms), "--persistent", str(root / "persistent")]
+             "--idle-ms", str(args.idle_ms), "--donate", "off" if args.no_donate else "on",
+             "--persistent", str(root / "persistent")]
   try:
     with launch.Job(command, procs, devices_per_process=1, local_root=root / "local",
                     env={"TF_CPP_MIN_LOG_LEVEL": "2"}, output=out).start() as job:
@@ -142,7 +143,8 @@ def markdown(results: list[dict[str, Any]], config: dict[str, Any]) -> str:
   """The table of every (procs, size, variant) row (pure)."""
   lines = [
       f"{config['steps']} timed steps of {config['idle_ms']:g} ms idle + a jitted update of "
-      f"the whole state (donated); medians of {config['reps']} repetitions, slowest process; "
+      f"the whole state ({'donated' if config.get('donate', True) else 'not donated'}); "
+      f"medians of {config['reps']} repetitions, slowest process; "
       "overhead against the baseline loop (no manager) run right before, same repetition. "
       "Per step: the time inside save(), and what the update and the idle sleep took beyond "
       "the baseline's (the update waits for a donated buffer a save still reads; a sleeper "
@@ -194,6 +196,9 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--idle-ms", type=float, default=200.0,
                       help="idle host time per step, standing for accelerator compute "
                       "(default: %(default)s)")
+  parser.add_argument("--no-donate", action="store_true",
+                      help="do not donate the state to the update (a new buffer each step; "
+                      "shows what reusing buffers costs) (default: donate)")
   parser.add_argument("--timeout", type=float, default=3600.0,
                       help="seconds one job may run before it is killed (default: %(default)s)")
   parser.add_argument("--json", action="store_true",
@@ -227,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1
   config = {"mib": args.mib, "procs": args.procs, "every": args.every,
             "continuous": not args.no_continuous, "steps": args.steps, "reps": args.reps,
-            "idle_ms": args.idle_ms}
+            "idle_ms": args.idle_ms, "donate": not args.no_donate}
   table = markdown(results, config)
   if args.json:
     console.print_json({

@@ -41,6 +41,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--reps", type=int, default=3)
   parser.add_argument("--idle-ms", type=float, default=200.0)
   parser.add_argument("--warm-saves", type=int, default=2)
+  parser.add_argument("--donate", choices=("on", "off"), default="on")
   parser.add_argument("--persistent", required=True)
   return parser.parse_args(argv)
 
@@ -76,7 +77,8 @@ class Loop:
     # The update touches every byte of the state, as an optimizer step does. The state is
     # donated: XLA writes the new values into the old buffers, so a save that still reads
     # them (the writer thread, a peer copy) is where the reuse shows.
-    self.update = jax.jit(lambda s: {"w": s["w"] * 0.5 + 1.0}, donate_argnums=0)
+    self.update = jax.jit(lambda s: {"w": s["w"] * 0.5 + 1.0},
+                          donate_argnums=0 if args.donate == "on" else ())
 
   def barrier(self) -> None:
     from jax.experimental import multihost_utils
@@ -274,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
           "procs": loop.n, "mib": mib, "bytes_per_process": nbytes,
           "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
           "peers": loop.n > 1, "steps": args.steps, "idle_ms": args.idle_ms,
+          "donate": args.donate == "on",
           "runs": runs}), flush=True)
   return 0
 
