@@ -68,6 +68,7 @@ def run_job(procs: int, args: argparse.Namespace, root: Path) -> list[dict[str, 
              "--continuous", "off" if args.no_continuous else "on",
              "--steps", str(args.steps), "--reps", str(args.reps),
              "--idle-ms", str(args.idle_ms), "--donate", "off" if args.no_donate else "on",
+             "--idle", "before-save" if args.idle_before_save else "after-save",
              "--persistent", str(root / "persistent")]
   try:
     with launch.Job(command, procs, devices_per_process=1, local_root=root / "local",
@@ -142,8 +143,9 @@ def _fmt(value: float | None, spec: str, unit: str = "") -> str:
 def markdown(results: list[dict[str, Any]], config: dict[str, Any]) -> str:
   """The table of every (procs, size, variant) row (pure)."""
   lines = [
-      f"{config['steps']} timed steps of {config['idle_ms']:g} ms idle + a jitted update of "
-      f"the whole state ({'donated' if config.get('donate', True) else 'not donated'}); "
+      f"{config['steps']} timed steps of a jitted update of the whole state "
+      f"({'donated' if config.get('donate', True) else 'not donated'}), save() and "
+      f"{config['idle_ms']:g} ms idle ({config.get('idle', 'after-save')}); "
       f"medians of {config['reps']} repetitions, slowest process; "
       "overhead against the baseline loop (no manager) run right before, same repetition. "
       "Per step: the time inside save(), and what the update and the idle sleep took beyond "
@@ -199,6 +201,10 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--no-donate", action="store_true",
                       help="do not donate the state to the update (a new buffer each step; "
                       "shows what reusing buffers costs) (default: donate)")
+  parser.add_argument("--idle-before-save", action="store_true",
+                      help="order a step update, idle, save instead of update, save, idle: the "
+                      "next update then donates the buffer the save just handed to its writer "
+                      "(default: idle after the save, as while an accelerator computes)")
   parser.add_argument("--timeout", type=float, default=3600.0,
                       help="seconds one job may run before it is killed (default: %(default)s)")
   parser.add_argument("--json", action="store_true",
@@ -232,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     return 1
   config = {"mib": args.mib, "procs": args.procs, "every": args.every,
             "continuous": not args.no_continuous, "steps": args.steps, "reps": args.reps,
-            "idle_ms": args.idle_ms, "donate": not args.no_donate}
+            "idle_ms": args.idle_ms, "donate": not args.no_donate,
+            "idle": "before-save" if args.idle_before_save else "after-save"}
   table = markdown(results, config)
   if args.json:
     console.print_json({

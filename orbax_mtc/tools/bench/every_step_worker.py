@@ -42,6 +42,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--idle-ms", type=float, default=200.0)
   parser.add_argument("--warm-saves", type=int, default=2)
   parser.add_argument("--donate", choices=("on", "off"), default="on")
+  parser.add_argument("--idle", choices=("after-save", "before-save"), default="after-save")
   parser.add_argument("--persistent", required=True)
   return parser.parse_args(argv)
 
@@ -96,6 +97,14 @@ class Loop:
       return [float(v) for v in mine]
     every = np.asarray(multihost_utils.process_allgather(mine)).reshape(self.n, -1)
     return [float(v) for v in every.max(axis=0)]
+
+  def idle(self) -> float:
+    """Idle host time: stands for the accelerator computing the step, while the host is free
+    (a save's background work runs here). Not a synchronisation. Returns the time slept: its
+    overrun (the sleeper woken late: a busy host, the GIL) is measured."""
+    began = time.perf_counter()
+    time.sleep(self.args.idle_ms / 1000)
+    return time.perf_counter() - began
 
   def make_state(self, mib: int) -> dict:
     import jax
@@ -176,30 +185,27 @@ class Loop:
     for _ in range(args.steps):
       step += 1
       began = time.perf_counter()
-      # Waits for the buffers too: a donated buffer that a save still reads is not reused
-      # until the save lets go of it (on CPU), which shows here.
+      # Waits for the buffers too: on CPU a donated buffer that a save still reads is not
+      # reused (XLA gives the update a fresh one), which shows here.
       state = jax.block_until_ready(self.update(state))
-      updated = time.perf_counter()
-      updates.append(updated - began)
-      # Idle host time: stands for the accelerator computing the step, while the host is
-      # free (the checkpoint's background work runs here). Not a synchronisation. Its
-      # overrun (the sleeper woken late: a busy host, the GIL) is measured.
-      time.sleep(args.idle_ms / 1000)
-      slept += time.perf_counter() - updated
-      if mgr is None:
-        continue
-      began = time.perf_counter()
-      did = save(step, state)
-      now = time.perf_counter()
-      calls.append(now - began)
-      if did:
-        saving_calls.append(now - began)
-        saved.append((step, now))
-      if replicator is not None:
-        out = replicator.finished_steps - finished_at_start
-        while len(protected) < min(out, len(saved)):
-          saved_step, saved_at = saved[len(protected)]
-          protected.append((step - saved_step, now - saved_at))
+      updates.append(time.perf_counter() - began)
+      if args.idle == "before-save":
+        slept += self.idle()
+      if mgr is not None:
+        began = time.perf_counter()
+        did = save(step, state)
+        now = time.perf_counter()
+        calls.append(now - began)
+        if did:
+          saving_calls.append(now - began)
+          saved.append((step, now))
+        if replicator is not None:
+          out = replicator.finished_steps - finished_at_start
+          while len(protected) < min(out, len(saved)):
+            saved_step, saved_at = saved[len(protected)]
+            protected.append((step - saved_step, now - saved_at))
+      if args.idle == "after-save":
+        slept += self.idle()
     loop_s = time.perf_counter() - start
     backups = 0
     if mgr is not None:
@@ -276,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
           "procs": loop.n, "mib": mib, "bytes_per_process": nbytes,
           "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
           "peers": loop.n > 1, "steps": args.steps, "idle_ms": args.idle_ms,
-          "donate": args.donate == "on",
+          "donate": args.donate == "on", "idle": args.idle,
           "runs": runs}), flush=True)
   return 0
 
