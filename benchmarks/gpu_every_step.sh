@@ -7,7 +7,8 @@
 # Needs jax with CUDA, orbax-checkpoint, tensorstore and the project's other dependencies;
 # wheels in .whl/ are installed first (for a machine without a package index). Writes
 # OUT_DIR/machine.txt, every-step-gpu.json (one process, arrays on the GPU) and
-# every-step-cpu-2procs.json (two processes, arrays on the CPU), tables in the .md beside each.
+# every-step-cpu-2procs.json (two processes x 256 MiB, arrays on the CPU, CPU_REPS repetitions,
+# default 3), tables in the .md beside each.
 set -euo pipefail
 out=${1:?usage: benchmarks/gpu_every_step.sh OUT_DIR [every-step options]}
 shift
@@ -26,5 +27,6 @@ mkdir -p "$out"
 } > "$out/machine.txt" 2>&1 || true
 JAX_PLATFORMS=cuda python3 -m orbax_mtc bench every-step --procs 1 --json --quiet "$@" \
   > "$out/every-step-gpu.json" 2> "$out/every-step-gpu.md"
-JAX_PLATFORMS=cpu python3 -m orbax_mtc bench every-step --procs 2 --mib 256 --json --quiet "$@" \
+JAX_PLATFORMS=cpu python3 -m orbax_mtc bench every-step --json --quiet "$@" --procs 2 --mib 256 \
+  --reps "${CPU_REPS:-3}" \
   > "$out/every-step-cpu-2procs.json" 2> "$out/every-step-cpu-2procs.md"
