@@ -47,7 +47,7 @@ def test_summary_pairs_each_variant_with_the_baseline_of_its_repetition():
   table = every_step.markdown([record], {"steps": 10, "idle_ms": 200.0, "reps": 2})
   assert "| 2 | 4 | cpu | every 1 | 3.70 s (3.00 s) | +30.0 % (+10.0..+50.0) |" in table
   assert row["update_extra_ms_per_step"] is None  # not measured in this record
-  assert "0.30 s (1 steps)" in table
+  assert "0.30 s (1 step)" in table
 
 
 def test_bench_lists_every_step(capsys):

@@ -162,7 +162,8 @@ def markdown(results: list[dict[str, Any]], config: dict[str, Any]) -> str:
       interval = ("-" if row["interval_steps"] is None else
                   f"{row['interval_steps']:g} / {row['interval_s']:.2f} s")
       peer = ("-" if row["peer_copy_out_s"] is None else
-              f"{row['peer_copy_out_s']:.2f} s ({row['peer_copy_out_steps']:g} steps)")
+              f"{row['peer_copy_out_s']:.2f} s ({row['peer_copy_out_steps']:g} "
+              f"step{'' if row['peer_copy_out_steps'] == 1 else 's'})")
       lines.append(
           f"| {result['procs']} | {result['mib']} | {result['backend']} | {row['variant']} | "
           f"{_fmt(row['loop_s'], '.2f', ' s')} ({_fmt(row['baseline_s'], '.2f', ' s')}) | "
