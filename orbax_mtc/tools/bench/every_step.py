@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -226,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.error("--every, --steps and --reps must be >= 1 and --idle-ms >= 0")
   if not args.every and args.no_continuous:
     parser.error("nothing to measure: no --every interval and --no-continuous")
+  if threading.current_thread() is threading.main_thread():
+    # A SIGTERM to this driver unwinds it like Ctrl-C, so the job's processes are killed
+    # (launch.Job's context) and their RAM folders removed.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
   base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
   root = base / f"orbax-mtc-every-step-{os.getpid()}"
   results = []
