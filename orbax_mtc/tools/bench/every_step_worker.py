@@ -168,6 +168,9 @@ class Loop:
         while step % every:
           step += 1
           state = jax.block_until_ready(self.update(state))
+    # "On a peer": the manager's replicator counts the steps whose copies all went out. It is
+    # private (no public API says when a step is protected), so read defensively: None, and
+    # no figure, where it is missing. Read after each save() call, so to the step.
     replicator = getattr(getattr(getattr(mgr, "_form", None), "peers", None), "replicator",
                          None)
     finished_at_start = replicator.finished_steps if replicator is not None else 0
