@@ -88,7 +88,7 @@ def _bench(argv: list[str]) -> int:
     print("usage: orbax-mtc bench {" + ",".join(_BENCHMARKS) + "} [--help | options]\n",
           file=out)
     for name, what in _BENCHMARKS.items():
-      print(f"  {name:10s} {what}", file=out)
+      print(f"  {name:13s} {what}", file=out)
     return 0 if argv else 2
   if argv[0] not in _BENCHMARKS:
     print(f"orbax-mtc bench: unknown benchmark {argv[0]!r}; available: "
