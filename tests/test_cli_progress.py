@@ -87,7 +87,8 @@ def test_bench_suite_draws_a_bar_on_a_terminal_and_keeps_stdout_clean(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["orbax_mtc.tools.demo", "orbax_mtc.tools.bench.suite",
-                                    "orbax_mtc.tools.bench.goodput"])
+                                    "orbax_mtc.tools.bench.goodput",
+                                    "orbax_mtc.tools.bench.every_step"])
 def test_every_demo_and_bench_option_has_help_with_its_default(module):
   import importlib
 

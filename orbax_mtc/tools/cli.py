@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
   )
   verbs.add_parser(
       "bench", add_help=False,
-      help="benchmarks: suite, goodput, ondemand, elastic-scale (orbax-mtc bench --help)")
+      help="benchmarks: suite, goodput, ondemand, elastic-scale, every-step "
+      "(orbax-mtc bench --help)")
   verbs.add_parser(
       "gc", add_help=False,
       help="apply a retention policy to a persistent directory (orbax-mtc gc --help)")
@@ -76,6 +77,7 @@ _BENCHMARKS = {
     "goodput": "one training job under seeded failures: orbax-mtc vs plain Orbax",
     "ondemand": "time from SIGTERM to a durable on-demand checkpoint",
     "elastic-scale": "elastic restore planning against host count (1k to 100k hosts)",
+    "every-step": "training-loop overhead of RAM saves every N steps and continuously",
 }
 
 
@@ -86,7 +88,7 @@ def _bench(argv: list[str]) -> int:
     print("usage: orbax-mtc bench {" + ",".join(_BENCHMARKS) + "} [--help | options]\n",
           file=out)
     for name, what in _BENCHMARKS.items():
-      print(f"  {name:10s} {what}", file=out)
+      print(f"  {name:13s} {what}", file=out)
     return 0 if argv else 2
   if argv[0] not in _BENCHMARKS:
     print(f"orbax-mtc bench: unknown benchmark {argv[0]!r}; available: "
@@ -98,6 +100,8 @@ def _bench(argv: list[str]) -> int:
     from orbax_mtc.tools.bench import goodput as module
   elif argv[0] == "elastic-scale":
     from orbax_mtc.tools.bench import elastic_scale as module
+  elif argv[0] == "every-step":
+    from orbax_mtc.tools.bench import every_step as module
   else:
     from orbax_mtc.tools.bench import ondemand as module
   return int(module.main(argv[1:]) or 0)

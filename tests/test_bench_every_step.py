@@ -1,0 +1,90 @@
+"""`orbax-mtc bench every-step`: a tiny grid through the real command (real processes, one
+and two) gives one JSON document with every variant, the saves each schedule asks for, and
+finite overheads; the summary and table are checked on a fixed record. Nothing here asserts a
+speed."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from orbax_mtc.tools import cli
+from orbax_mtc.tools.bench import every_step
+
+STEPS = 8
+
+
+def _figures(loop_s: float, saves: float | None, **more: float | None) -> dict:
+  base = {f: None for f in ("save_p50_s", "save_p99_s", "save_max_s", "in_save_s",
+                            "saving_p50_s", "interval_steps", "interval_s", "protected_s",
+                            "protected_steps", "protected_count", "backups",
+                            "update_p50_s", "update_sum_s", "sleep_sum_s")}
+  return {**base, "loop_s": loop_s, "saves": saves, **more}
+
+
+def test_summary_pairs_each_variant_with_the_baseline_of_its_repetition():
+  record = {"procs": 2, "mib": 4, "backend": "cpu", "steps": 10, "runs": [
+      {"rep": 0, "name": "every 1", "every": 1, "baseline": _figures(2.0, None),
+       "variant": _figures(3.0, 10, in_save_s=0.5, save_p50_s=0.04, interval_steps=1,
+                           interval_s=0.3, protected_s=0.2, protected_steps=1)},
+      {"rep": 1, "name": "every 1", "every": 1, "baseline": _figures(4.0, None),
+       "variant": _figures(4.4, 10, in_save_s=0.7, save_p50_s=0.06, interval_steps=1,
+                           interval_s=0.3, protected_s=0.4, protected_steps=1)},
+  ]}
+  (row,) = every_step.summarize(record)
+  # Per repetition: +50 % and +10 %; the median of those, not of the loop times.
+  assert row["overhead_pct"] == pytest.approx(30.0)
+  assert (row["overhead_pct_min"], row["overhead_pct_max"]) == pytest.approx((10.0, 50.0))
+  assert row["save_p50_ms"] == pytest.approx(50.0)
+  assert row["in_save_ms_per_step"] == pytest.approx(60.0)
+  assert row["peer_copy_out_s"] == pytest.approx(0.3) and row["saves"] == 10
+  assert row["save_p99_ms"] is None
+  record["summary"] = [row]
+  table = every_step.markdown([record], {"steps": 10, "idle_ms": 200.0, "reps": 2})
+  assert "| 2 | 4 | cpu | every 1 | 3.70 s (3.00 s) | +30.0 % (+10.0..+50.0) |" in table
+  assert row["update_extra_ms_per_step"] is None  # not measured in this record
+  assert "0.30 s (1 step)" in table
+
+
+def test_bench_lists_every_step(capsys):
+  assert cli.main(["bench", "--help"]) == 0
+  assert "every-step" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(240)
+def test_a_tiny_grid_runs_every_variant_and_prints_one_document():
+  result = subprocess.run(
+      [sys.executable, "-m", "orbax_mtc", "bench", "every-step", "--mib", "4", "--procs", "1",
+       "2", "--every", "1", "5", "--steps", str(STEPS), "--reps", "1", "--idle-ms", "20",
+       "--json"],
+      capture_output=True, text=True, timeout=200, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  doc = json.loads(result.stdout)  # one document, nothing else
+  assert doc["schema"] == every_step.SCHEMA
+  assert doc["config"]["steps"] == STEPS and doc["config"]["every"] == [1, 5]
+  assert "| procs | MiB/proc |" in result.stderr  # the table went to stderr
+  assert [(r["procs"], r["mib"]) for r in doc["results"]] == [(1, 4), (2, 4)]
+  for record in doc["results"]:
+    assert record["peers"] == (record["procs"] > 1)
+    assert record["bytes_per_process"] == 4 * 2**20
+    rows = {row["variant"]: row for row in record["summary"]}
+    assert list(rows) == ["every 1", "every 5", "continuous"]
+    assert len(record["runs"]) == 3
+    for run in record["runs"]:
+      assert run["baseline"]["saves"] is None and run["variant"]["backups"] == 0
+      assert math.isfinite(run["variant"]["loop_s"]) and run["variant"]["loop_s"] > 0
+    assert rows["every 1"]["saves"] == STEPS and rows["every 1"]["interval_steps"] == 1
+    assert rows["every 5"]["saves"] == STEPS // 5
+    continuous = rows["continuous"]
+    assert 1 <= continuous["saves"] <= STEPS
+    assert continuous["interval_steps"] is None or continuous["interval_steps"] >= 1
+    for row in rows.values():
+      assert math.isfinite(row["overhead_pct"])
+      assert math.isfinite(row["save_p50_ms"]) and row["save_p99_ms"] >= row["save_p50_ms"]
+      # The peer copies are timed only where there is a peer.
+      assert (row["peer_copy_out_s"] is not None) == (record["procs"] > 1) or \
+          row["saves"] == 1
