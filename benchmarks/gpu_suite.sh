@@ -2,13 +2,16 @@
 # Every GPU figure of the project, in one call on one GPU, one process. (One GPU per process:
 # NCCL does not put two ranks on one GPU, so the multi-process rows need a host with more GPUs.)
 #
-#   benchmarks/gpu_suite.sh OUT_DIR [PHASE...]      PHASE: staging suite every-step (default: all)
+#   benchmarks/gpu_suite.sh OUT_DIR [PHASE...]
+#       PHASE: staging suite every-step every-step-cpu2 (default: all)
 #
 # staging:    benchmarks/gpu_staging.py: the save-then-donate bit-exact check, device-to-host
 #             pinned vs pageable bandwidth, RAM-disk write with 1 and 4 threads.
 # suite:      `orbax-mtc bench suite` at 1 GiB and 4 GiB (save / raw write, restore / raw read,
 #             blocking, loop overhead; against plain Orbax on the same RAM disk).
-# every-step: `orbax-mtc bench every-step`, one process, 256 MiB and 1 GiB.
+# every-step: `orbax-mtc bench every-step`, one process, the state on the GPU, 256 MiB and 1 GiB.
+# every-step-cpu2: the same with two processes x 256 MiB on the machine's CPUs (peer copies;
+#             NCCL does not put two ranks on one GPU), on a quiet 16-core host.
 #
 # Needs jax with CUDA, orbax-checkpoint, tensorstore and the project's other dependencies.
 # Wheels in .whl/ are installed first (for a machine without a package index). Each phase is
@@ -16,7 +19,7 @@
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_suite.sh OUT_DIR [PHASE...]}
 shift
-phases=${*:-staging suite every-step}
+phases=${*:-staging suite every-step every-step-cpu2}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 if compgen -G "$repo/.whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -50,8 +53,11 @@ for phase in $phases; do
     suite) run suite 330 python3 -m orbax_mtc bench suite --procs 1 --sizes 1024 4096 --reps 2 \
              --ondemand-reps 1 --contenders limits orbax mtc loop --timeout-s 300 --quiet \
              --out "$out" ;;
-    every-step) run every-step 300 bash -c "python3 -m orbax_mtc bench every-step --procs 1 \
-                  --mib 256 1024 --reps 2 --json > $out/every-step.json" ;;
+    every-step) run every-step 150 bash -c "python3 -m orbax_mtc bench every-step --procs 1 \
+                  --mib 256 1024 --reps 1 --steps 30 --quiet --json > $out/every-step-gpu.json" ;;
+    every-step-cpu2) run every-step-cpu2 115 bash -c "JAX_PLATFORMS=cpu python3 -m orbax_mtc \
+                  bench every-step --procs 2 --mib 256 --reps 1 --steps 30 --quiet --json \
+                  > $out/every-step-cpu2.json" ;;
     *) echo "unknown phase $phase"; status=2 ;;
   esac
 done
