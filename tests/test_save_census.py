@@ -140,7 +140,8 @@ def test_the_census_is_one_round_when_the_agreed_lists_name_every_step():
 def test_a_lost_node_is_covered_by_a_twin_or_a_copy_in_a_second_round():
   own = [[10, 20]] * 3 + [[]]  # node 3 lost its folder
   copies = [[], [], [(3, 20)], []]  # node 2 holds node 3's copy of 20
-  records = [SaveRecord(step=30, inventory=Inventory.of(o, c, [])) for o, c in zip(own, copies)]
+  records = [SaveRecord(step=30, inventory=Inventory.of(o, c, [])) for o, c in
+             zip(own, copies, strict=True)]
   assert simulate(records, agreed=[10, 20])[0].ram == (20,)
   twins = simulate(records, groups=[0, 1, 0, 1], agreed=[10, 20])[0]
   assert twins.ram == (10, 20) and len(twins.rounds) == 2  # census, coverage

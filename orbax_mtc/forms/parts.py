@@ -27,7 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import LatestN
 
-from orbax_mtc import agreement, collectives, item_args
+from orbax_mtc import agreement, collectives, item_args, reduction
 from orbax_mtc.ledger import StepLedger, UnreportedError
 from orbax_mtc.local import claim
 from orbax_mtc.local import lock as local_lock
@@ -105,6 +105,11 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
       raise taken_over[0]
     return listing_allgather(row, what)
 
+  def allreduce(parts: reduction.Parts, what: str) -> reduction.Parts:
+    if taken_over:
+      raise taken_over[0]
+    return collectives.allreduce(parts, what, process_count, options.agreement_timeout_seconds)
+
   def retire() -> None:
     taken_over.append(local_lock.LocalDirectoryTakenOverError(local_directory))
     writer.retire(taken_over[0])
@@ -155,7 +160,8 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
         persistent_steps=persistent.steps,
         listing_groups=lambda: peers.listing_groups(abstract_state, item_args.is_array_target),
         keep=retention.kept, listing_allgather=listing_allgather, unreported=unreported,
-        before_local_raise=lambda: backups.poll(block=True))
+        before_local_raise=lambda: backups.poll(block=True), process_index=process_index,
+        allreduce=allreduce)
     ram = RamSaver(local=local, writer=writer, ledger=ledger, backups=backups, peers=peers,
                    persistent=persistent, retention=retention, asynchronous=asynchronous,
                    device_copy=options.local.device_copy)
