@@ -230,6 +230,16 @@ def census_bytes(slots: int, buckets: int = FIRST_BUCKETS) -> int:
   return 4 * (lay.add + lay.top)
 
 
+def bytes_per_process(processes: int, slots: int, lacking: int = 0) -> int:
+  """Bytes one process receives in a save agreement without faults: the census (one round
+  when the agreed lists name every step held), plus the coverage round when `lacking` steps
+  are missing from some nodes' own folders (one byte per node and step)."""
+  received = reduction.received_bytes(census_bytes(slots), processes)
+  if lacking:
+    received += reduction.received_bytes(lacking * processes, processes)
+  return received
+
+
 def seed(steps: Sequence[int], step: int) -> CensusShape:
   """The first census's shape: the newest `SEED_SLOTS` agreed steps and the step saved."""
   kept = sorted({int(s) for s in steps} | {int(step)}, reverse=True)[:SEED_SLOTS]
