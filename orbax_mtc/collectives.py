@@ -135,6 +135,10 @@ def _reduce_fn(shape: tuple[int, int, int]):
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 3))
 
 
+def _padded(size: int) -> int:
+  return max(8, 1 << (size - 1).bit_length())
+
+
 def allreduce(parts: Parts, what: str, process_count: int, timeout_s: float) -> Parts:
   """Sums `parts.add` and maxes `parts.top` and `parts.flags` over every process, after a
   bounded barrier: each process receives vectors of the size it sent, whatever the count.
@@ -159,10 +163,10 @@ def allreduce(parts: Parts, what: str, process_count: int, timeout_s: float) -> 
   mesh = _node_mesh()
   device = mesh.devices[jax.process_index()]
   sharding = NamedSharding(mesh, PartitionSpec(_AXIS))
-  # A zero-length block is padded to one value of the reduction's identity.
-  vectors = [np.ascontiguousarray(v if v.size else np.asarray([fill], v.dtype))
-             for v, fill in ((parts.add, 0), (parts.top, LOW),
-                             (parts.flags, 0))]
+  # Each vector is padded with the reduction's identity to a power of two (at least 8), so
+  # that the few shapes the rounds take share their compiled functions.
+  vectors = [np.concatenate([v, np.full(_padded(v.size) - v.size, fill, v.dtype)])
+             for v, fill in ((parts.add, 0), (parts.top, LOW), (parts.flags, 0))]
   inputs = [jax.make_array_from_single_device_arrays(
       (v.size * mesh.size,), sharding, [jax.device_put(v, device)]) for v in vectors]
   outputs = _reduce_fn(tuple(v.size for v in vectors))(*inputs)
