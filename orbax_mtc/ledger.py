@@ -62,8 +62,10 @@ class StepLedger:
     process_index: this process's index.
     allreduce: `allreduce(parts, what)`, the reduction of every process's vectors (a
       collective bounded by the agreement timeout, collectives.allreduce).
-    reduce: `reduce(round, what)`, in place of `allreduce` (a simulated cluster adds up its
-      processes' contributions to the round).
+    listing_allreduce: the reduction of `agree_steps` (default: `allreduce`); as
+      `listing_allgather`, it still runs once a newer manager took the RAM folder over.
+    reduce: `reduce(round, what)`, in place of both reductions (a simulated cluster adds up
+      its processes' contributions to the round).
   """
 
   def __init__(self, *, process_count: int,
@@ -78,17 +80,23 @@ class StepLedger:
                before_local_raise: Callable[[], None] = lambda: None,
                process_index: int = 0,
                allreduce: Callable[[Parts, str], Parts] | None = None,
+               listing_allreduce: Callable[[Parts, str], Parts] | None = None,
                reduce: Callable[[Round, str], Parts] | None = None):
     self.process_count = process_count
     self.process_index = process_index
-    if reduce is None:
-      def reduce(rnd: Round, what: str) -> Parts:
-        if allreduce is None:
+
+    def reducer(collective: Callable[[Parts, str], Parts] | None
+                ) -> Callable[[Round, str], Parts]:
+      def run(rnd: Round, what: str) -> Parts:
+        if collective is None:
           if process_count > 1:
             raise ValueError("a ledger of several processes needs `allreduce` or `reduce`")
           return rnd.parts()
-        return allreduce(rnd.parts(), what)
-    self._reduce = reduce
+        return collective(rnd.parts(), what)
+      return run
+
+    self._reduce = reduce or reducer(allreduce)
+    self._listing_reduce = reduce or reducer(listing_allreduce or allreduce)
     self._allgather = allgather
     self._listing_allgather = listing_allgather or allgather
     self._own_steps = own_steps
@@ -227,9 +235,10 @@ class StepLedger:
     raise BackupError(fault.backup_step, RuntimeError(
         f"on process {p}: {fault.kind}: {fault.message}"))
 
-  def raise_answer_faults(self, answer: save_census.SaveAnswer, what: str) -> None:
-    """As `raise_agreed_faults`, from a save agreement's answer: the lowest processes'
-    messages travel, the others are counted (rule 9)."""
+  def raise_answer_faults(self, answer: save_census.SaveAnswer, what: str, *,
+                          own_backup_error: BackupError | None = None) -> None:
+    """As `raise_agreed_faults`, from a census's answer: the lowest processes' messages
+    travel, the others are counted (rule 9)."""
     cause, self._fault_cause = self._fault_cause, None
     if answer.local_count:
       self._before_local_raise()  # as in raise_agreed_faults
@@ -238,6 +247,8 @@ class StepLedger:
         what = f"{what} ({answer.local_count} processes; the lowest {len(origins)} named)"
       raise agreement.CheckpointError(what, origins) from cause
     if answer.backup is not None:
+      if own_backup_error is not None:
+        raise own_backup_error
       p, fault = answer.backup
       raise BackupError(fault.backup_step, RuntimeError(
           f"on process {p}: {fault.kind}: {fault.message}"))
@@ -257,7 +268,12 @@ class StepLedger:
       failed_backup = backup_error()
       if failed_backup is not None:
         fault = agreement.Fault.of(failed_backup.cause, backup_step=failed_backup.step)
-    records = self.agree_listing(
-        agreement.FinishRecord(fault=fault, inventory=self.inventory()), what)
-    self.adopt([r.inventory for r in records])
-    self.raise_agreed_faults(records, what, own_backup_error=failed_backup)
+    # The census of a save, without a step (save_census: its size does not grow with the
+    # cluster); the step lists agreed so far seed its slots.
+    record = agreement.SaveRecord(step=-1, fault=fault, inventory=self.inventory())
+    answer = save_census.agree(
+        record, self.process_index, self.process_count, self._listing_groups(),
+        [*self.ram, *self.persistent_seen], self._persistent_steps(),
+        lambda rnd: self._listing_reduce(rnd, what))
+    self.adopt_answer(answer)
+    self.raise_answer_faults(answer, what, own_backup_error=failed_backup)

@@ -241,8 +241,9 @@ def bytes_per_process(processes: int, slots: int, lacking: int = 0) -> int:
 
 
 def seed(steps: Sequence[int], step: int) -> CensusShape:
-  """The first census's shape: the newest `SEED_SLOTS` agreed steps and the step saved."""
-  kept = sorted({int(s) for s in steps} | {int(step)}, reverse=True)[:SEED_SLOTS]
+  """The first census's shape: the newest `SEED_SLOTS` agreed steps and the step saved (none:
+  -1)."""
+  kept = sorted({int(s) for s in (*steps, step) if s >= 0}, reverse=True)[:SEED_SLOTS]
   return CensusShape(tuple(sorted(kept)))
 
 

@@ -60,8 +60,10 @@ class _Cluster:
     if not self.sent or self.sent[-1][1] is not mine:  # its first round
       self.sent.append((what, mine))
       self.log.append(("agree", what))
+    # A listing census (no step) stands for the FinishRecord agreement.
+    kind = agreement.FinishRecord if mine.step < 0 else type(mine)
     theirs = dataclasses.replace(mine, **{"fault": agreement.Fault(),
-                                          **self.other.get(type(mine), {})})
+                                          **self.other.get(kind, {})})
     records = [theirs]
     records.insert(self.me, mine)
     return reduction.combine(rnd.contribute(r, p) for p, r in enumerate(records))
@@ -308,7 +310,8 @@ def test_read_only_saves_to_the_persistent_tier_only(rig, caplog):
   caplog.set_level("WARNING")
   r = rig(read_only=True, peers=False)
   record = r.save()
-  assert not any(isinstance(rec, agreement.SaveRecord) for _, rec in r.cluster.sent)
+  assert not any(isinstance(rec, agreement.SaveRecord) and rec.step >= 0
+                 for _, rec in r.cluster.sent)
   assert ("local.write", 7) not in r.log and r.local.steps() == []
   assert "peers.finish" not in r.log  # no copies to finish
   assert [s for s, *_ in r.backups.started] == [7] and record.persistent

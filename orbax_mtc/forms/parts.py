@@ -105,10 +105,13 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
       raise taken_over[0]
     return listing_allgather(row, what)
 
+  def listing_allreduce(parts: reduction.Parts, what: str) -> reduction.Parts:
+    return collectives.allreduce(parts, what, process_count, options.agreement_timeout_seconds)
+
   def allreduce(parts: reduction.Parts, what: str) -> reduction.Parts:
     if taken_over:
       raise taken_over[0]
-    return collectives.allreduce(parts, what, process_count, options.agreement_timeout_seconds)
+    return listing_allreduce(parts, what)
 
   def retire() -> None:
     taken_over.append(local_lock.LocalDirectoryTakenOverError(local_directory))
@@ -161,7 +164,7 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
         listing_groups=lambda: peers.listing_groups(abstract_state, item_args.is_array_target),
         keep=retention.kept, listing_allgather=listing_allgather, unreported=unreported,
         before_local_raise=lambda: backups.poll(block=True), process_index=process_index,
-        allreduce=allreduce)
+        allreduce=allreduce, listing_allreduce=listing_allreduce)
     ram = RamSaver(local=local, writer=writer, ledger=ledger, backups=backups, peers=peers,
                    persistent=persistent, retention=retention, asynchronous=asynchronous,
                    device_copy=options.local.device_copy)
