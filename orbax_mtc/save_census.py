@@ -37,6 +37,7 @@ from orbax_mtc.reduction import LOW, Parts, Who
 SEED_SLOTS = 64  # agreed steps given a slot before the first census
 FIRST_BUCKETS = 16  # hashed buckets for steps outside the slots; x4 per further census
 MAX_BUCKETS = 4096
+MAX_CENSUSES = 16  # each names every step alone in its bucket: a few suffice
 NAMED_FAULTS = 4  # faults whose messages travel; the others are counted
 _FAULT_ROW = 2 * agreement.row_size(agreement.Fault)  # int32 values of one encoded Fault
 _STATES = len(Status)
@@ -462,11 +463,15 @@ def agree(record: SaveRecord, me: int, processes: int, groups: Sequence[int] | N
     return reduced
 
   shape = seed(agreed_steps, record.step)
-  while True:
+  for _ in range(MAX_CENSUSES):
     found = read_census(run(lambda r, p, s=shape: census(r, p, s)), shape, processes)
     if not found.unknown:
       break
     shape = next_shape(found)
+  else:  # agreed data: every process raises alike
+    raise RuntimeError(f"orbax-mtc: {found.unknown} steps held by the processes could not be "
+                       f"named in {MAX_CENSUSES} censuses (more distinct steps than "
+                       f"{MAX_BUCKETS} buckets can tell apart)")
   partial = partial_steps(found, processes)
   covered = run(lambda r, p: coverage(r, p, processes, groups, partial)) if partial else None
   steps_differ = found.steps[0] != found.steps[1]
