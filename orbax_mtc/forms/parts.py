@@ -152,6 +152,7 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
     peers = PeerCopies(options, process_index, process_count, local=local, store=store,
                        writer=writer,
                        allgather=lambda row: allgather(row, "the peer copies of a step"),
+                       allreduce=lambda parts: allreduce(parts, "the peer copies of a step"),
                        send=not managed, optional=peers_optional)
     backups = BackupScheduler(
         persistent, writer, local, policy=backup_policy,
