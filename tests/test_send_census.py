@@ -25,23 +25,25 @@ def reduce(contributions):
 def test_the_status_round_counts_and_names_the_lowest(states, failed, writing):
   votes = send_census.read_status(reduce(
       send_census.status(s, p, np.asarray([0, 10])) for p, s in enumerate(states)))
-  assert (votes.failed, votes.writing, votes.wide) == (failed, writing, False)
+  assert (votes.failed, votes.writing, votes.bits) == (failed, writing, 4)
 
 
-@pytest.mark.parametrize("big", [5, 2 ** 31 - 1, 2 ** 31, 3 << 40])
-def test_every_stream_size_is_its_senders_count(big):
+@pytest.mark.parametrize("big, per_stream", [
+    (5, 4), (2 ** 31 - 1, 4), (2 ** 31, 5), (3 << 30, 5), (2 ** 39 - 1, 5), (2 ** 39, 8),
+    (3 << 40, 8)])
+def test_every_stream_size_is_its_senders_count(big, per_stream):
   per_process = [np.asarray([n if src == p else 0 for n, (src, _) in
                              zip([big, 7, 0, 123], EDGES, strict=True)]) for p in range(3)]
   votes = send_census.read_status(reduce(
       send_census.status(Status.COMMITTED, p, per_process[p]) for p in range(3)))
-  assert votes.wide is (big >= 2 ** 31)
+  assert votes.bits == max(big.bit_length(), 123 .bit_length())
   agreed = send_census.read_sizes(reduce(
-      send_census.sizes(EDGES, p, per_process[p], votes.wide) for p in range(3)), EDGES,
-      votes.wide)
+      send_census.sizes(EDGES, p, per_process[p], votes.bits) for p in range(3)), EDGES,
+      votes.bits)
   assert agreed.tolist() == [big, 7, 0, 123]
-  # One int32 per stream, two when some stream is 2 GiB or more: nothing per process.
-  assert send_census.sizes(EDGES, 0, per_process[0], votes.wide).nbytes == \
-      4 * len(EDGES) * (2 if votes.wide else 1)
+  # 4 bytes a stream, 5 past 2 GiB, 8 past 512 GiB: nothing per process.
+  assert send_census.sizes(EDGES, 0, per_process[0], votes.bits).nbytes == \
+      per_stream * len(EDGES)
 
 
 def test_the_outcome_names_the_lowest_failed_process_and_its_words():

@@ -284,7 +284,7 @@ class Replicator:
     if votes.writing:
       return False
     agreed = send_census.read_sizes(self._reduce(
-        send_census.sizes(job.edges, self.me, sizes, votes.wide)), job.edges, votes.wide)
+        send_census.sizes(job.edges, self.me, sizes, votes.bits)), job.edges, votes.bits)
 
     def sink_for(stream: transport.Stream) -> transport.Sink:
       incoming = self._store.begin(stream.source, job.step, stream.nbytes)

@@ -10,6 +10,10 @@ the reduction in numpy, and checks the answer against the all-gather's decision 
 exact simulation is affordable (the coverage round adds up P contributions of P bytes: at
 100,000 hosts its answer is checked in bulk instead).
 
+Replication's agreements (`replication`): a status round at each `save()` call while a node
+still writes its step, one round of the bytes per copy edge once per step (before: an
+all-gather of every process's row of one size per edge, at every such call).
+
 The restore agreement (inventory, cover, reports) is still an all-gather of `RestoreRecord`
 rows: its figures are the same before and after.
 """
@@ -23,7 +27,8 @@ import numpy as np
 
 from orbax_mtc import agreement, reduction, save_census
 from orbax_mtc import step_listing as listing
-from orbax_mtc.agreement import Inventory, SaveRecord
+from orbax_mtc.agreement import Inventory, SaveRecord, Status
+from orbax_mtc.peers import send_census
 
 RAM_STEPS = (1000, 1100, 1200)
 PERSISTENT = (1000,)
@@ -100,8 +105,25 @@ def save_agreement(hosts: int, lost: Sequence[int]) -> dict[str, Any]:
     out[f"save_{case}_vector_bytes"] = sum(vectors)
     out[f"save_{case}_bytes"] = sum(reduction.received_bytes(v, hosts) for v in vectors)
     out[f"save_{case}_exact"] = exact
+  out.update(replication(hosts))
   restore_row = 8 * agreement.row_size(agreement.RestoreRecord)
   out["restore_row_bytes"] = restore_row
   out["restore_before_bytes"] = out["restore_after_bytes"] = reduction.gathered_bytes(
       restore_row, hosts)
   return out
+
+
+def replication(hosts: int) -> dict[str, Any]:
+  """Replication's agreements at `hosts` (one peer per host, a ring of copy edges): before, an
+  all-gather of a `SendRecord` row with one int64 size per edge at every call while a node
+  writes; after, a status round at each such call and one sizes round per step."""
+  edges = [(h, (h + 1) % hosts) for h in range(hosts)]
+  small = np.asarray([1 << 30 if src == 0 else 0 for src, _ in edges])  # 1 GiB a stream
+  row = 8 * (agreement.row_size(agreement.SendRecord) + len(edges))
+  status = send_census.status(Status.WRITING, 0, small).nbytes
+  narrow = send_census.sizes(edges, 0, small, bits=31).nbytes
+  wide = send_census.sizes(edges, 0, 3 * small, bits=32).nbytes  # 3 GiB a stream
+  return {"replication_before_bytes": reduction.gathered_bytes(row, hosts),
+          "replication_status_bytes": reduction.received_bytes(status, hosts),
+          "replication_sizes_bytes": reduction.received_bytes(narrow, hosts),
+          "replication_wide_sizes_bytes": reduction.received_bytes(wide, hosts)}

@@ -231,6 +231,15 @@ def markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
             "node for each such step. Rounds simulated in numpy and checked against the "
             f"all-gather's answer; above {agreement_scale.EXACT_UP_TO:,} hosts the coverage "
             "round's answer is computed in bulk."]
+  lines += ["", "Replication (one peer per host): at each save() call while a node still "
+            "writes the step, then once per step for the bytes per copy edge:", "",
+            "| hosts | before: all-gather, each call | after: status, each call "
+            "| after: sizes, once per step (past 2 GiB a stream) |", "|---:|---:|---:|---:|"]
+  for r in rows:
+    lines.append(
+        f"| {r['hosts']:,} | {_size(r['replication_before_bytes'])} | "
+        f"{_size(r['replication_status_bytes'])} | {_size(r['replication_sizes_bytes'])} "
+        f"({_size(r['replication_wide_sizes_bytes'])}) |")
   return "\n".join(lines) + "\n"
 
 
