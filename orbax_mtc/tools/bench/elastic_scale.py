@@ -267,6 +267,9 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> str | None:
              label="save reductions, 1% replaced")
   right.plot(hosts, [r["save_steady_bytes"] for r in rows], "C2:v",
              label="save reductions, steady")
+  right.plot(hosts, [r["replication_wide_sizes_bytes"] for r in rows], "C1-.x",
+             label="replication sizes, once per step")
+  right.axhline(1 << 20, color="k", linestyle="--", linewidth=0.8, label="1 MiB")
   right.set(xscale="log", yscale="log", xlabel="hosts (8 devices each)", ylabel="bytes",
             title="Agreement size")
   right.legend(fontsize=8)
