@@ -1,4 +1,4 @@
-"""The all-gather every agreement uses, behind a barrier that cannot wait forever.
+"""The all-gather and all-reduce the agreements use, behind a barrier that cannot wait forever.
 
 A process that raised, or was killed, before an agreement would leave the others blocked in the
 all-gather for good (gloo and NCCL collectives have no timeout of their own). So each agreement
@@ -8,14 +8,18 @@ that did arrive raises an error naming the processes that did not. Main thread o
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 
+import jax
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 # Re-exported: this error lived here before errors.py; other modules name it through this one.
 from orbax_mtc.errors import AgreementTimeoutError as AgreementTimeoutError
+from orbax_mtc.reduction import LOW, Parts
 
 # Barrier ids must be the same on every process and never reused in one job: every process
 # makes the same agreements in the same order, so one counter per process numbers them alike.
@@ -104,3 +108,67 @@ def allgather(row: np.ndarray, what: str, process_count: int, timeout_s: float) 
   halves = np.asarray(multihost_utils.process_allgather(row.view(np.int32)))
   return np.ascontiguousarray(halves, dtype=np.int32).view(np.int64).reshape(
       halves.shape[0], *row.shape)
+
+
+_AXIS = "processes"
+
+
+@functools.cache
+def _node_mesh() -> jax.sharding.Mesh:
+  """One device per process (its lowest id), ordered by process index: each process adds its
+  vectors once, however many devices it has."""
+  first: dict[int, jax.Device] = {}
+  for device in sorted(jax.devices(), key=lambda d: d.id):
+    first.setdefault(device.process_index, device)
+  return jax.sharding.Mesh(np.array([first[p] for p in sorted(first)]), (_AXIS,))
+
+
+@functools.lru_cache(maxsize=64)
+def _reduce_fn(shape: tuple[int, int, int]):
+  del shape  # one compiled function per vector sizes
+  mesh = _node_mesh()
+  spec = PartitionSpec(_AXIS)
+
+  def body(add, top, flags):
+    return (jax.lax.psum(add, _AXIS), jax.lax.pmax(top, _AXIS), jax.lax.pmax(flags, _AXIS))
+
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 3))
+
+
+def _padded(size: int) -> int:
+  return max(8, 1 << (size - 1).bit_length())
+
+
+def allreduce(parts: Parts, what: str, process_count: int, timeout_s: float) -> Parts:
+  """Sums `parts.add` and maxes `parts.top` and `parts.flags` over every process, after a
+  bounded barrier: each process receives vectors of the size it sent, whatever the count.
+
+  Args:
+    parts: This process's contribution; the same shape on every process.
+    what: What the agreement is for, named in a timeout error.
+    process_count: Number of processes in the job.
+    timeout_s: Longest wait at the barrier in seconds.
+
+  Returns:
+    The reduced vectors (the same on every process).
+
+  Raises:
+    AgreementTimeoutError: If not every process reached the barrier within `timeout_s`.
+  """
+  if process_count == 1:
+    return parts
+  add, top, flags = parts.shape
+  # The sizes tell the agreements' rounds apart (as a row's width does for the all-gather).
+  barrier(what, process_count, timeout_s, kind=f"r{add}-{top}-{flags}")
+  mesh = _node_mesh()
+  device = mesh.devices[jax.process_index()]
+  sharding = NamedSharding(mesh, PartitionSpec(_AXIS))
+  # Each vector is padded with the reduction's identity to a power of two (at least 8), so
+  # that the few shapes the rounds take share their compiled functions.
+  vectors = [np.concatenate([v, np.full(_padded(v.size) - v.size, fill, v.dtype)])
+             for v, fill in ((parts.add, 0), (parts.top, LOW), (parts.flags, 0))]
+  inputs = [jax.make_array_from_single_device_arrays(
+      (v.size * mesh.size,), sharding, [jax.device_put(v, device)]) for v in vectors]
+  outputs = _reduce_fn(tuple(v.size for v in vectors))(*inputs)
+  add_r, top_r, flags_r = (np.asarray(o.addressable_shards[0].data) for o in outputs)
+  return Parts(add_r[:add].copy(), top_r[:top].copy(), flags_r[:flags].copy())

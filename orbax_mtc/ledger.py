@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from orbax_mtc import agreement
+from orbax_mtc import agreement, save_census
 from orbax_mtc import step_listing as restore_plan
 from orbax_mtc.errors import BackupError
+from orbax_mtc.reduction import Parts, Round
 
 
 class UnreportedError:
@@ -58,6 +59,13 @@ class StepLedger:
     unreported: where the RAM writer leaves its errors for the next agreement.
     before_local_raise: called before an agreed local fault is raised (every process is
       there): lets a backup in flight finish.
+    process_index: this process's index.
+    allreduce: `allreduce(parts, what)`, the reduction of every process's vectors (a
+      collective bounded by the agreement timeout, collectives.allreduce).
+    listing_allreduce: the reduction of `agree_steps` (default: `allreduce`); as
+      `listing_allgather`, it still runs once a newer manager took the RAM folder over.
+    reduce: `reduce(round, what)`, in place of both reductions (a simulated cluster adds up
+      its processes' contributions to the round).
   """
 
   def __init__(self, *, process_count: int,
@@ -69,8 +77,26 @@ class StepLedger:
                keep: Callable[[Sequence[int], int | None], set[int]],
                listing_allgather: Callable[[np.ndarray, str], np.ndarray] | None = None,
                unreported: UnreportedError | None = None,
-               before_local_raise: Callable[[], None] = lambda: None):
+               before_local_raise: Callable[[], None] = lambda: None,
+               process_index: int = 0,
+               allreduce: Callable[[Parts, str], Parts] | None = None,
+               listing_allreduce: Callable[[Parts, str], Parts] | None = None,
+               reduce: Callable[[Round, str], Parts] | None = None):
     self.process_count = process_count
+    self.process_index = process_index
+
+    def reducer(collective: Callable[[Parts, str], Parts] | None
+                ) -> Callable[[Round, str], Parts]:
+      def run(rnd: Round, what: str) -> Parts:
+        if collective is None:
+          if process_count > 1:
+            raise ValueError("a ledger of several processes needs `allreduce` or `reduce`")
+          return rnd.parts()
+        return collective(rnd.parts(), what)
+      return run
+
+    self._reduce = reduce or reducer(allreduce)
+    self._listing_reduce = reduce or reducer(listing_allreduce or allreduce)
     self._allgather = allgather
     self._listing_allgather = listing_allgather or allgather
     self._own_steps = own_steps
@@ -99,6 +125,24 @@ class StepLedger:
     """As `agree`, for the agreements that only list steps (still run by a manager whose RAM
     folder a newer manager took over)."""
     return agreement.gather(record, lambda row: self._listing_allgather(row, what))
+
+  def agree_save(self, record: agreement.SaveRecord, what: str) -> save_census.SaveAnswer:
+    """A local save's agreement: reductions whose size does not grow with the cluster
+    (save_census; rule 8), the slots seeded by the step lists agreed so far."""
+    return save_census.agree(
+        record, self.process_index, self.process_count, self._listing_groups(),
+        [*self.ram, *self.persistent_seen], self._persistent_steps(),
+        lambda rnd: self._reduce(rnd, what))
+
+  def adopt_answer(self, answer: save_census.SaveAnswer, *, saved: int | None = None,
+                   floor: int | None = None) -> None:
+    """Takes the agreed step lists from a save agreement's answer (as `adopt` from rows)."""
+    ram = list(answer.ram)
+    if saved is not None:
+      ram = sorted(self._keep([*ram, saved], floor))
+    self.ram = tuple(ram)
+    self.persistent = answer.persistent
+    self.persistent_seen = answer.persistent_seen
 
   def inventory(self, own_steps: list[int] | None = None,
                 persistent_steps: list[int] | None = None) -> agreement.Inventory:
@@ -191,6 +235,24 @@ class StepLedger:
     raise BackupError(fault.backup_step, RuntimeError(
         f"on process {p}: {fault.kind}: {fault.message}"))
 
+  def raise_answer_faults(self, answer: save_census.SaveAnswer, what: str, *,
+                          own_backup_error: BackupError | None = None) -> None:
+    """As `raise_agreed_faults`, from a census's answer: the lowest processes' messages
+    travel, the others are counted (rule 9)."""
+    cause, self._fault_cause = self._fault_cause, None
+    if answer.local_count:
+      self._before_local_raise()  # as in raise_agreed_faults
+      origins = {p: f"{f.kind}: {f.message}" for p, f in answer.local.items()}
+      if answer.local_count > len(origins):
+        what = f"{what} ({answer.local_count} processes; the lowest {len(origins)} named)"
+      raise agreement.CheckpointError(what, origins) from cause
+    if answer.backup is not None:
+      if own_backup_error is not None:
+        raise own_backup_error
+      p, fault = answer.backup
+      raise BackupError(fault.backup_step, RuntimeError(
+          f"on process {p}: {fault.kind}: {fault.message}"))
+
   def agree_steps(self, what: str, *,
                   backup_error: Callable[[], BackupError | None] | None = None) -> None:
     """Agrees the step lists and raises, on every process alike, the errors any process
@@ -206,7 +268,12 @@ class StepLedger:
       failed_backup = backup_error()
       if failed_backup is not None:
         fault = agreement.Fault.of(failed_backup.cause, backup_step=failed_backup.step)
-    records = self.agree_listing(
-        agreement.FinishRecord(fault=fault, inventory=self.inventory()), what)
-    self.adopt([r.inventory for r in records])
-    self.raise_agreed_faults(records, what, own_backup_error=failed_backup)
+    # The census of a save, without a step (save_census: its size does not grow with the
+    # cluster); the step lists agreed so far seed its slots.
+    record = agreement.SaveRecord(step=-1, fault=fault, inventory=self.inventory())
+    answer = save_census.agree(
+        record, self.process_index, self.process_count, self._listing_groups(),
+        [*self.ram, *self.persistent_seen], self._persistent_steps(),
+        lambda rnd: self._listing_reduce(rnd, what))
+    self.adopt_answer(answer)
+    self.raise_answer_faults(answer, what, own_backup_error=failed_backup)

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from orbax_mtc import agreement
+from orbax_mtc import agreement, save_census
 from orbax_mtc.restore import plan as elastic_plan
-from orbax_mtc.tools.bench import elastic_scale
+from orbax_mtc.tools.bench import agreement_scale, elastic_scale
 
 
 def test_the_simulated_layout_is_one_saved_sharding_per_kind():
@@ -45,6 +45,20 @@ def test_measure_plans_the_newest_step_from_own_folders_and_copies(hosts):
   assert row["pieces_per_process"] >= 40
 
 
+@pytest.mark.parametrize("hosts", [8, 200, 1000])
+def test_the_save_agreement_bytes_per_process_follow_the_census_formula(hosts):
+  # The rounds are simulated process by process and their answer checked against the
+  # all-gather's (agreement_scale.save_agreement raises otherwise).
+  lost = list(range(0, hosts, 100))
+  row = agreement_scale.save_agreement(hosts, lost)
+  slots = 4  # 3 RAM steps and the step saved; the persistent step is one of them
+  assert row["save_before_bytes"] == 2_400 * (hosts - 1)
+  assert (row["save_steady_rounds"], row["save_lost_rounds"]) == (1, 2)
+  assert row["save_steady_bytes"] == save_census.bytes_per_process(hosts, slots)
+  assert row["save_lost_bytes"] == save_census.bytes_per_process(hosts, slots, lacking=3)
+  assert row["restore_after_bytes"] == row["restore_before_bytes"]
+
+
 def test_measure_refuses_an_odd_host_count():
   with pytest.raises(ValueError, match="even"):
     elastic_scale.measure(7, leaves=4, reps=1)
@@ -59,6 +73,7 @@ def test_the_command_writes_its_table_json_and_plot(tmp_path):
   assert result.returncode == 0, result.stderr
   table = (out / "elastic-scale.md").read_text()
   assert "| 8 | 1 |" in table and "| 64 | 1 |" in table
+  assert "| 64 | 147.7 KiB | 890 B (1) | 1.2 KiB (2) | 208.2 KiB |" in table
   document = json.loads((out / "elastic-scale.json").read_text())
   assert [r["hosts"] for r in document["rows"]] == [8, 64]
   assert all(len(r["plan_s_all"]) == 2 for r in document["rows"])

@@ -1,12 +1,12 @@
 """The agreed step lists and faults (orbax_mtc.ledger), with the other processes' records
-given as rows: no JAX, no collective."""
+given as rows or, for the reduced agreements, added up in numpy: no JAX, no collective."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from orbax_mtc import agreement
+from orbax_mtc import agreement, reduction
 from orbax_mtc.ledger import StepLedger
 from orbax_mtc.save import backup
 from orbax_mtc.save.retention import RamRetention
@@ -25,7 +25,19 @@ class _Cluster:
         process_count=process_count, allgather=self._allgather, own_steps=lambda: self.own,
         copies=lambda own: list(copies), persistent_steps=lambda: self.persistent,
         listing_groups=lambda: groups, keep=RamRetention(max_to_keep).kept,
-        before_local_raise=lambda: self.waited.append(True))
+        before_local_raise=lambda: self.waited.append(True), reduce=self._reduce)
+    self._current: tuple[object, list] | None = None  # this agreement: my record, theirs
+
+  def _reduce(self, rnd: reduction.Round, what: str) -> reduction.Parts:
+    """The other processes' queued records, added to this one's in every round of one
+    agreement (a listing census reads FinishRecord's fields from a SaveRecord)."""
+    if self._current is None or self._current[0] is not rnd.record:
+      self.whats.append(what)
+      others, self.others = self.others, []
+      self._current = (rnd.record, [agreement.SaveRecord(
+          step=rnd.record.step, fault=o.fault, inventory=o.inventory) for o in others])
+    records = [rnd.record, *self._current[1]]
+    return reduction.combine(rnd.contribute(r, p) for p, r in enumerate(records))
 
   def _allgather(self, row: np.ndarray, what: str) -> np.ndarray:
     self.whats.append(what)

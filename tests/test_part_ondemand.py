@@ -18,7 +18,7 @@ import pytest
 from conftest import make_state
 from part_fakes import LoggedTier
 
-from orbax_mtc import agreement
+from orbax_mtc import agreement, reduction
 from orbax_mtc.agreement import Status
 from orbax_mtc.ledger import StepLedger, UnreportedError
 from orbax_mtc.local.store import LocalTier
@@ -54,6 +54,20 @@ class _Cluster:
     rows.insert(self.me, row)
     return np.stack(rows)
 
+  def reduce(self, rnd: reduction.Round, what: str) -> reduction.Parts:
+    """The save agreement's rounds: both processes' contributions from their records."""
+    mine = rnd.record
+    if not self.sent or self.sent[-1][1] is not mine:  # its first round
+      self.sent.append((what, mine))
+      self.log.append(("agree", what))
+    # A listing census (no step) stands for the FinishRecord agreement.
+    kind = agreement.FinishRecord if mine.step < 0 else type(mine)
+    theirs = dataclasses.replace(mine, **{"fault": agreement.Fault(),
+                                          **self.other.get(kind, {})})
+    records = [theirs]
+    records.insert(self.me, mine)
+    return reduction.combine(rnd.contribute(r, p) for p, r in enumerate(records))
+
   def votes(self) -> list[agreement.OnDemandRecord]:
     return [r for _, r in self.sent if isinstance(r, agreement.OnDemandRecord)]
 
@@ -87,7 +101,7 @@ class _Backups:
   def pending_state(self):
     return Status.NONE
 
-  def advance(self, states, busy):
+  def advance(self, failed, busy, all_ready):
     return False
 
   def interval_due(self, step, now, saving_anywhere):
@@ -158,7 +172,8 @@ def rig(shm_dir, mesh, monkeypatch):
     writer = RamWriter(local, me, 2, asynchronous=asynchronous, on_error=unreported.offer)
     persistent = _Persistent()
     backups, copies = _Backups(log, persistent), _Peers(log, local, peers)
-    ledger = StepLedger(process_count=2, allgather=cluster.allgather, own_steps=local.steps,
+    ledger = StepLedger(process_count=2, allgather=cluster.allgather, process_index=me,
+                        reduce=cluster.reduce, own_steps=local.steps,
                         copies=lambda own: [], persistent_steps=persistent.steps,
                         listing_groups=lambda: None, keep=retention.kept,
                         unreported=unreported)
@@ -295,7 +310,8 @@ def test_read_only_saves_to_the_persistent_tier_only(rig, caplog):
   caplog.set_level("WARNING")
   r = rig(read_only=True, peers=False)
   record = r.save()
-  assert not any(isinstance(rec, agreement.SaveRecord) for _, rec in r.cluster.sent)
+  assert not any(isinstance(rec, agreement.SaveRecord) and rec.step >= 0
+                 for _, rec in r.cluster.sent)
   assert ("local.write", 7) not in r.log and r.local.steps() == []
   assert "peers.finish" not in r.log  # no copies to finish
   assert [s for s, *_ in r.backups.started] == [7] and record.persistent

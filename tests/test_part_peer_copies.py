@@ -11,7 +11,6 @@ what this one says, or rows the test chose); the writer is a fake that records i
 from __future__ import annotations
 
 import concurrent.futures
-
 import pathlib
 import types
 
@@ -20,11 +19,11 @@ import numpy as np
 import pytest
 
 import orbax_mtc as mtc
-from orbax_mtc import agreement, row_codec, topology
+from orbax_mtc import reduction, topology
 from orbax_mtc.agreement import Status
 from orbax_mtc.local import store as local_store
 from orbax_mtc.peers import copy_store as peer_store
-from orbax_mtc.peers import replication
+from orbax_mtc.peers import replication, send_census
 from orbax_mtc.peers.copies import PeerCopies
 
 pytestmark = pytest.mark.timeout(60)
@@ -74,6 +73,22 @@ class FakeAllgather:
     return np.stack([np.asarray(row)] * self.count)
 
 
+class FakeAllreduce:
+  """The reduction of `count` processes: each says what this one says, except in the status
+  round, where process p's state is `states[p]` when given (its sizes all 0)."""
+
+  def __init__(self, count: int, states=None):
+    self.count, self.states = count, states
+    self.seen: list[reduction.Parts] = []
+
+  def __call__(self, parts: reduction.Parts) -> reduction.Parts:
+    self.seen.append(parts)
+    if self.states is not None and parts.shape == (2, 2, 0):  # the status round
+      return reduction.combine(send_census.status(s, p, np.zeros(1))
+                               for p, s in enumerate(self.states))
+    return reduction.combine([parts] * self.count) if parts.shape == (2, 2, 0) else parts
+
+
 class FakeStore:
   """The peer store's calls PeerCopies makes once a step's copies are out."""
 
@@ -108,12 +123,13 @@ GRID_2X2 = [[0, 1], [2, 3]]  # replicas (0, 1) and (2, 3) along "data"
 
 
 def make(options=None, *, index=0, count=1, local=None, store=None, writer=None,
-         allgather=None, send=True, optional=False):
+         allgather=None, send=True, optional=False, allreduce=None):
   writer = writer or FakeWriter()
   allgather = allgather or FakeAllgather(count)
   peers = PeerCopies(options or mtc.CheckpointManagerOptions(), index, count,
                      local=local, store=store, writer=writer, allgather=allgather,
-                     send=send, optional=optional)
+                     send=send, optional=optional,
+                     allreduce=allreduce or FakeAllreduce(count))
   return peers, writer, allgather
 
 
@@ -299,33 +315,24 @@ def test_listing_groups_are_twin_groups_cached_per_state():
   assert peers.listing_groups({}, is_array) is None  # no leaves
 
 
-def send_rows(statuses):
-  """Rows of `statuses` (one per process) for a SendRecord exchange, sizes all 0."""
-  def rows(row):
-    width = row_codec.row_size(agreement.SendRecord)
-    return [np.concatenate([agreement.encode(agreement.SendRecord(status=s)), row[width:]])
-            for s in statuses]
-  return rows
-
-
 def scheduled(statuses):
-  """Process 0 of 4, step 7 scheduled; the other processes' rows say `statuses[1:]`."""
-  writer, allgather, store = FakeWriter(), FakeAllgather(4, send_rows(statuses)), FakeStore()
-  peers, _, _ = make(index=0, count=4, writer=writer, allgather=allgather, store=store)
+  """Process 0 of 4, step 7 scheduled; the other processes' states are `statuses[1:]`."""
+  writer, allreduce, store = FakeWriter(), FakeAllreduce(4, statuses), FakeStore()
+  peers, _, _ = make(index=0, count=4, writer=writer, allreduce=allreduce, store=store)
   peers.set_mesh(fake_mesh(GRID_2X2))
   peers.schedule(7, {})
-  assert peers.pending_step == 7 and writer.calls == [] and allgather.seen == []
-  return peers, writer, allgather, store
+  assert peers.pending_step == 7 and writer.calls == [] and allreduce.seen == []
+  return peers, writer, allreduce, store
 
 
 def test_progress_waits_while_a_process_still_writes():
-  peers, writer, allgather, store = scheduled([Status.WRITING, Status.COMMITTED,
+  peers, writer, allreduce, store = scheduled([Status.WRITING, Status.COMMITTED,
                                                Status.COMMITTED, Status.COMMITTED])
   peers.progress(block=False)
   assert writer.calls == [("status_of", 7)]  # no wait for the local write
-  assert len(allgather.seen) == 1
-  assert agreement.decode(agreement.SendRecord, allgather.seen[0][:-4]).status == Status.WRITING
-  assert list(allgather.seen[0][-4:]) == [0, 0, 0, 0]  # one size per copy edge, none sent
+  # Only the status round while a process writes: failed 0, writing 1; no size sent.
+  assert len(allreduce.seen) == 1
+  assert allreduce.seen[0].add.tolist() == [0, 1] and allreduce.seen[0].top[1] == 0
   assert peers.pending_step == 7 and peers.last_bytes_sent == 0
   with pytest.raises(RuntimeError, match="still pending"):
     peers.schedule(8, {})
@@ -369,17 +376,16 @@ def test_stale_sources_dropped_once_after_the_first_copies_are_out():
 
 
 def test_recovery_copies_only_the_edges_of_recovered_nodes():
-  width = row_codec.row_size(agreement.SendRecord)
   for recovered, edges in (([1], 2), ([0, 1], 4), ([], None)):
-    allgather = FakeAllgather(4, send_rows([Status.WRITING] * 4))
-    peers, _, _ = make(index=0, count=4, allgather=allgather, store=FakeStore())
+    allreduce = FakeAllreduce(4, [Status.WRITING] * 4)
+    peers, _, _ = make(index=0, count=4, allreduce=allreduce, store=FakeStore())
     peers.set_mesh(fake_mesh(GRID_2X2))
     peers.schedule_recovery(9, [frozenset()] * 4, recovered)
     peers.progress(block=False)
     if edges is None:  # no edge touches a recovered node: nothing is scheduled
-      assert peers.pending_step is None and allgather.seen == []
+      assert peers.pending_step is None and allreduce.seen == []
     else:  # [1]: edges (1, 3) and (3, 1) only; [0, 1]: all four
-      assert peers.pending_step == 9 and allgather.seen[-1].size == width + edges
+      assert peers.pending_step == 9 and len(peers.replicator._job.edges) == edges
 
 
 def test_a_local_save_leaves_the_previous_copies_moving_and_agrees_them_at_the_next():
@@ -390,21 +396,23 @@ def test_a_local_save_leaves_the_previous_copies_moving_and_agrees_them_at_the_n
   writer, store = FakeWriter(Status.COMMITTED), FakeStore()
   local = types.SimpleNamespace(directory=pathlib.Path("unused"), manifest=lambda step: None,
                                 keep_floor=None, steps=lambda: [4])
-  peers, _, allgather = make(options, index=0, count=4, local=local, store=store,
-                             writer=writer)
+  allreduce = FakeAllreduce(4, [Status.COMMITTED] * 4)
+  peers, _, _ = make(options, index=0, count=4, local=local, store=store, writer=writer,
+                     allreduce=allreduce)
   peers.set_mesh(fake_mesh(GRID_2X2))
   peers.schedule(4, {})
   assert writer.prepared == [4]  # its streams are read ahead behind its write
   peers.issue()
   replicator = peers.replicator
   assert replicator.pending_step == 4 and replicator.unissued_step is None
-  assert len(allgather.seen) == 1  # the streams' exchange only: no outcome agreed yet
+  rounds = len(allreduce.seen)  # the status and sizes rounds: no outcome agreed yet
+  assert rounds == 2
   assert replicator.finished_steps == 0 and store.calls == []
   assert ("wait",) not in writer.calls  # the new step's write goes on meanwhile
   assert not peers.moving  # empty streams: nothing is on its way
   peers.schedule(6, {})  # the next step may be scheduled while 4 lands
   peers.settle()
-  assert len(allgather.seen) == 2 and replicator.finished_steps == 1
+  assert len(allreduce.seen) == rounds + 1 and replicator.finished_steps == 1
   assert replicator.pending_step == 6 and replicator.unissued_step == 6
   assert store.calls == [("drop_sources", (1,)), ("drop_other_counts", 4)]
 

@@ -14,12 +14,13 @@ import pytest
 from conftest import make_state
 from part_fakes import LoggedTier
 
-from orbax_mtc import agreement
+from orbax_mtc import agreement, reduction
 from orbax_mtc.agreement import Status
 from orbax_mtc.ledger import StepLedger, UnreportedError
 from orbax_mtc.local import aside
 from orbax_mtc.local.writer import RamWriter
 from orbax_mtc.process_state import ProcessJsonSave
+from orbax_mtc.reduction import Who
 from orbax_mtc.save.ram import RamSaver
 from orbax_mtc.save.retention import RamRetention
 
@@ -47,6 +48,19 @@ class _Cluster:
     rows.insert(self.me, row)
     return np.stack(rows)
 
+  def reduce(self, rnd: reduction.Round, what: str) -> reduction.Parts:
+    """The save agreement's rounds: every process's contribution from its record."""
+    mine = rnd.record
+    if not self.sent or self.sent[-1][1] is not mine:  # its first round
+      self.sent.append((what, mine))
+      self.log.append(("agree", what))
+    # A listing census (no step) stands for the FinishRecord agreement.
+    kind = agreement.FinishRecord if mine.step < 0 else type(mine)
+    changes = self.others.get(kind, [{}] * (self.count - 1))
+    records = [dataclasses.replace(mine, **{"fault": agreement.Fault(), **c}) for c in changes]
+    records.insert(self.me, mine)
+    return reduction.combine(rnd.contribute(r, p) for p, r in enumerate(records))
+
 
 class _Backups:
   def __init__(self, log: list):
@@ -60,8 +74,8 @@ class _Backups:
   def pending_state(self):
     return self.state
 
-  def advance(self, states, busy):
-    self.advanced.append((states.tolist(), busy.tolist()))
+  def advance(self, failed, busy, all_ready):
+    self.advanced.append((failed, busy, all_ready))
     return self.starts
 
   def interval_due(self, step, now, saving_anywhere):
@@ -128,7 +142,8 @@ def rig(shm_dir):
     unreported = UnreportedError()
     writer = RamWriter(local, me, count, asynchronous=asynchronous, on_error=unreported.offer)
     persistent, backups, peers = _Persistent(), _Backups(log), _Peers(log)
-    ledger = StepLedger(process_count=count, allgather=cluster.allgather,
+    ledger = StepLedger(process_count=count, allgather=cluster.allgather, process_index=me,
+                        reduce=cluster.reduce,
                         own_steps=local.steps, copies=lambda own: [],
                         persistent_steps=persistent.steps, listing_groups=lambda: None,
                         keep=retention.kept, unreported=unreported)
@@ -146,7 +161,9 @@ def rig(shm_dir):
 
 
 def _save_records(r: _Rig) -> list:
-  return [(w, x) for w, x in r.cluster.sent if isinstance(x, agreement.SaveRecord)]
+  # A listing census (ledger.agree_steps) is a SaveRecord without a step.
+  return [(w, x) for w, x in r.cluster.sent
+          if isinstance(x, agreement.SaveRecord) and x.step >= 0]
 
 
 def test_the_save_agreement_carries_the_step_and_this_process_facts(rig, mesh):
@@ -164,7 +181,7 @@ def test_the_save_agreement_carries_the_step_and_this_process_facts(rig, mesh):
   assert not record.has_step_in_ram and not record.has_step_persistent
   assert record.wants_backup and record.orbax_busy and record.clock_ms > 0
   assert record.backup_state == Status.READING  # the scheduler gets both processes' figures:
-  assert r.backups.advanced[-1] == ([Status.READING] * 2, [True, True])
+  assert r.backups.advanced[-1] == (Who(0, -1), Who(2, 0), False)
   # The outcome of the copies issued earlier and the read-back are done before the
   # agreement; the previous step's copies go out after it, once the new write is issued.
   agreed = r.log.index(("agree", "the save of step 4"))
@@ -177,7 +194,7 @@ def test_the_save_agreement_carries_the_step_and_this_process_facts(rig, mesh):
 def test_processes_saving_different_steps_raise_naming_each_and_write_nothing(rig, mesh):
   r = rig(count=3)
   r.cluster.others[agreement.SaveRecord] = [{}, {"step": 5}]
-  with pytest.raises(ValueError, match=r"process 0: 4, process 1: 4, process 2: 5"):
+  with pytest.raises(ValueError, match=r"process 0 and 1 other process\(es\): 4, process 2: 5"):
     r.save(4, make_state(mesh))
   assert r.local.steps() == [] and ("local.write", 4) not in r.log
   assert r.peers.trees == {} and r.backups.advanced == []

@@ -27,7 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import LatestN
 
-from orbax_mtc import agreement, collectives, item_args
+from orbax_mtc import agreement, collectives, item_args, reduction
 from orbax_mtc.ledger import StepLedger, UnreportedError
 from orbax_mtc.local import claim
 from orbax_mtc.local import lock as local_lock
@@ -105,6 +105,14 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
       raise taken_over[0]
     return listing_allgather(row, what)
 
+  def listing_allreduce(parts: reduction.Parts, what: str) -> reduction.Parts:
+    return collectives.allreduce(parts, what, process_count, options.agreement_timeout_seconds)
+
+  def allreduce(parts: reduction.Parts, what: str) -> reduction.Parts:
+    if taken_over:
+      raise taken_over[0]
+    return listing_allreduce(parts, what)
+
   def retire() -> None:
     taken_over.append(local_lock.LocalDirectoryTakenOverError(local_directory))
     writer.retire(taken_over[0])
@@ -144,6 +152,7 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
     peers = PeerCopies(options, process_index, process_count, local=local, store=store,
                        writer=writer,
                        allgather=lambda row: allgather(row, "the peer copies of a step"),
+                       allreduce=lambda parts: allreduce(parts, "the peer copies of a step"),
                        send=not managed, optional=peers_optional)
     backups = BackupScheduler(
         persistent, writer, local, policy=backup_policy,
@@ -155,7 +164,8 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
         persistent_steps=persistent.steps,
         listing_groups=lambda: peers.listing_groups(abstract_state, item_args.is_array_target),
         keep=retention.kept, listing_allgather=listing_allgather, unreported=unreported,
-        before_local_raise=lambda: backups.poll(block=True))
+        before_local_raise=lambda: backups.poll(block=True), process_index=process_index,
+        allreduce=allreduce, listing_allreduce=listing_allreduce)
     ram = RamSaver(local=local, writer=writer, ledger=ledger, backups=backups, peers=peers,
                    persistent=persistent, retention=retention, asynchronous=asynchronous,
                    device_copy=options.local.device_copy)

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from orbax_mtc import topology
+from orbax_mtc import reduction, topology
 from orbax_mtc.agreement import Status
 from orbax_mtc.local import store as local_store
 from orbax_mtc.local.writer import RamWriter
@@ -39,11 +39,13 @@ class PeerCopies:
     send: this manager sends copies itself (False in managed mode).
     optional: a mesh that names no replicas means no copies, with a warning, instead of an
       error (the parent-style form when nobody asked for peers).
+    allreduce: the collective all-reduce of replication's agreements (`send_census`).
   """
 
   def __init__(self, options: CheckpointManagerOptions, process_index: int, process_count: int,
                *, local: local_store.LocalTier, store: peer_store.PeerStore, writer: RamWriter,
-               allgather: Callable[[np.ndarray], np.ndarray], send: bool, optional: bool):
+               allgather: Callable[[np.ndarray], np.ndarray], send: bool, optional: bool,
+               allreduce: Callable[[reduction.Parts], reduction.Parts] | None = None):
     self._options = options
     self._process_index = process_index
     self._process_count = process_count
@@ -51,6 +53,7 @@ class PeerCopies:
     self._store = store
     self._writer = writer
     self._allgather = allgather
+    self._allreduce = allreduce
     self._send = send
     self._optional = optional
     self.mesh: jax.sharding.Mesh | None = None
@@ -103,7 +106,7 @@ class PeerCopies:
         self.topology, self._process_index, self._local, self._store, self._writer.executor,
         self._allgather, chunk_bytes=options.replication.chunk_bytes,
         window=options.replication.chunks_in_flight,
-        in_flight_bytes=options.replication.in_flight_mib << 20)
+        in_flight_bytes=options.replication.in_flight_mib << 20, allreduce=self._allreduce)
     # Copies of nodes this node no longer holds copies for are dropped at the first copy
     # sent, not now: after a change of mesh or process count, an elastic restore reads them.
     self._stale_sources = True

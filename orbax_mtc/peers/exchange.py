@@ -40,7 +40,7 @@ def exchange(edges: Sequence[Edge], me: int, outgoing: dict[int, OutgoingStream]
              sizes: np.ndarray, record: R, allgather: Callable[[np.ndarray], np.ndarray], *,
              proceed: Callable[[list[R], np.ndarray], bool],
              sink_for: Callable[[transport.Stream], transport.Sink],
-             chunk_limit: int | Callable[[int], int], window: int) -> Exchange[R]:
+             chunk_limit: int, window: int) -> Exchange[R]:
   """Agrees the streams of `edges` and, if `proceed` says so, plans their transfer.
 
   Collective: every process calls it with the same edges.
@@ -55,8 +55,7 @@ def exchange(edges: Sequence[Edge], me: int, outgoing: dict[int, OutgoingStream]
     allgather: the collective all-gather of one int64 row.
     proceed: given every record and every edge's size, whether the bytes move.
     sink_for: where this process's incoming stream goes.
-    chunk_limit: largest chunk, in bytes, or a function of the largest agreed stream giving it
-      (agreed sizes only: the same on every process).
+    chunk_limit: largest chunk, in bytes.
     window: chunks in flight at once.
 
   Returns:
@@ -72,8 +71,6 @@ def exchange(edges: Sequence[Edge], me: int, outgoing: dict[int, OutgoingStream]
     return Exchange(records, agreed, None)
   streams = [transport.Stream(src, dst, int(n))
              for (src, dst), n in zip(edges, agreed, strict=True)]
-  if callable(chunk_limit):
-    chunk_limit = chunk_limit(max((s.nbytes for s in streams), default=0))
   transfer = transport.Transfer(streams, me=me,
                                 reader_for=lambda s: outgoing[s.destination].read,
                                 sink_for=sink_for, chunk_limit=chunk_limit, window=window,

@@ -4,8 +4,9 @@
 reaches in the same order (`save()`, `replicate_pending()`, `wait_until_finished()`):
 
 1. `schedule(step, edges)` after a local save (or a recovery) was issued;
-2. `progress()`: one tiny all-gather of "is the step committed here, and how many bytes do I
-   send on each edge"; once every node has committed, the streams are fixed;
+2. `progress()`: one tiny all-reduce of "is the step committed here" (`send_census`); once
+   every node has committed, one all-reduce of the bytes each sends on each edge fixes the
+   streams;
 3. then each `progress()` hands the chunks that have arrived to the writer and issues at
    least 128 MiB more, so a step's copies are out before the next local save; the next local
    save issues what is left (`issue`). Chunks are dispatched asynchronously and up to
@@ -29,14 +30,14 @@ import jax
 import numpy as np
 from absl import logging
 
-from orbax_mtc import agreement, transport
+from orbax_mtc import reduction, transport
 from orbax_mtc.agreement import Status
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import read as local_read
 from orbax_mtc.local import specs as local_specs
 from orbax_mtc.local import store as local_store
 from orbax_mtc.peers import copy_store as peer_store
-from orbax_mtc.peers import exchange
+from orbax_mtc.peers import exchange, send_census
 from orbax_mtc.peers import stream as peer_stream
 from orbax_mtc.topology import Topology
 
@@ -180,13 +181,15 @@ class Replicator:
   def __init__(self, topo: Topology, me: int, local: local_store.LocalTier,
                store: peer_store.PeerStore, writer: concurrent.futures.Executor,
                allgather: Callable[[np.ndarray], np.ndarray], *, chunk_bytes: int,
-               window: int = 2, in_flight_bytes: int = 0):
+               window: int = 2, in_flight_bytes: int = 0,
+               allreduce: Callable[[reduction.Parts], reduction.Parts] | None = None):
     self.topology = topo
     self.me = me
     self._local = local
     self._store = store
     self._writer = writer
-    self._allgather = allgather
+    self._allgather = allgather  # the transfer's agreement on placing spare chunks
+    self._allreduce = allreduce  # replication's own agreements (send_census)
     self._chunk_bytes = chunk_bytes
     self._window = window
     # Chunks issued per non-blocking call at least (at most `window` in flight at once):
@@ -346,15 +349,20 @@ class Replicator:
                         type(e).__name__, e)
         status = Status.FAILED
 
-    def proceed(records: list[agreement.SendRecord], _: np.ndarray) -> bool:
-      statuses = [record.status for record in records]
-      failed = [p for p, s in enumerate(statuses) if s == Status.FAILED]
-      if failed:
-        logging.warning("orbax-mtc: step %d is not replicated: process(es) %s did not commit "
-                        "it", job.step, failed)
-        self._job = None
-        return False
-      return Status.WRITING not in statuses
+    # While some node still writes the step, each call makes only the status round (a few
+    # counts, whatever the process count); the sizes round follows once all have committed.
+    sizes = exchange.outgoing_sizes(job.edges, self.me, outgoing)
+    votes = send_census.read_status(self._reduce(
+        send_census.status(Status(status), self.me, sizes)))
+    if votes.failed:
+      logging.warning("orbax-mtc: step %d is not replicated: process(es) %s did not commit "
+                      "it", job.step, votes.failed)
+      self._job = None
+      return False
+    if votes.writing:
+      return False
+    agreed = send_census.read_sizes(self._reduce(
+        send_census.sizes(job.edges, self.me, sizes, votes.bits)), job.edges, votes.bits)
 
     def sink_for(stream: transport.Stream) -> transport.Sink:
       incoming = self._store.begin(stream.source, job.step, stream.nbytes)
@@ -364,33 +372,38 @@ class Replicator:
         self._writer.submit(incoming.write, offset, data)
       return sink
 
+    streams = [transport.Stream(src, dst, int(n))
+               for (src, dst), n in zip(job.edges, agreed, strict=True)]
     try:
-      agreed = exchange.exchange(
-          job.edges, self.me, outgoing, exchange.outgoing_sizes(job.edges, self.me, outgoing),
-          agreement.SendRecord(status=status), self._allgather, proceed=proceed,
-          sink_for=sink_for, chunk_limit=self._chunk_bytes, window=self._window)
+      job.transfer = transport.Transfer(
+          streams, me=self.me, reader_for=lambda s: outgoing[s.destination].read,
+          sink_for=sink_for, chunk_limit=self._chunk_bytes, window=self._window,
+          allgather=self._allgather, viewer_for=lambda s: outgoing[s.destination].view)
     except transport.TransferError as e:  # agreed: the same on every process
       logging.warning("orbax-mtc: step %d is not replicated: %s", job.step, e)
       self._abort(job)
       return False
-    if agreed.transfer is None:
-      return False
-    job.transfer = agreed.transfer
     job.sent_bytes = sum(s.nbytes for s in outgoing.values())
     return True
+
+  def _reduce(self, parts: reduction.Parts) -> reduction.Parts:
+    if self._allreduce is None:
+      raise RuntimeError("replication between processes needs the all-reduce")
+    return self._allreduce(parts)
 
   def _finish(self, job: _StepCopies) -> None:
     """After the last chunk (collective): every copy is committed, or, when a read,
     placement or receive failed on any process, every copy of the step is dropped together
     (the next save's copies go out as usual)."""
     failures = job.transfer.failures if job.transfer is not None else []
-    records = agreement.gather(agreement.OutcomeRecord(
-        status=Status.FAILED if failures else Status.OK,
-        message=failures[0] if failures else ""), self._allgather)
-    failed = {p: r.message for p, r in enumerate(records) if r.status != Status.OK}
+    failed = send_census.read_outcome(self._reduce(send_census.outcome(bool(failures), self.me)))
     if failed:
-      logging.warning("orbax-mtc: the peer copies of step %d are dropped on every process: %s",
-                      job.step, "; ".join(f"process {p}: {m}" for p, m in sorted(failed.items())))
+      # Only then the lowest failed process's words (one more round, agreed to run).
+      words = send_census.read_message(self._reduce(send_census.message(
+          failures[0] if failures else "", self.me, failed.lowest)))
+      logging.warning("orbax-mtc: the peer copies of step %d are dropped on every process: "
+                      "process(es) %s failed (process %d: %s)", job.step, failed,
+                      failed.lowest, words)
       self._abort(job)
       self.failed_steps += 1
       return

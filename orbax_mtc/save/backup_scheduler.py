@@ -27,6 +27,7 @@ from orbax_mtc.local import read as local_read
 from orbax_mtc.local import store as local_store
 from orbax_mtc.local.writer import RamWriter
 from orbax_mtc.persistent.tier import PersistentTier
+from orbax_mtc.reduction import Who
 from orbax_mtc.save import backup
 
 
@@ -157,7 +158,7 @@ class BackupScheduler:
       states = np.asarray([r.state for r in records])
       # Starts the pending backup, or drops it when a read failed: either way the queued
       # one moves up. A process still writing keeps both in place.
-      self.advance(states, states == Status.WRITING)
+      self._advance_gathered(states, states == Status.WRITING)
     if self._queued is not None:
       stuck = self._queued.step
       self._queued = None
@@ -228,13 +229,14 @@ class BackupScheduler:
     if reads:
       concurrent.futures.wait(reads)
 
-  def advance(self, states: np.ndarray, busy: np.ndarray) -> bool:
+  def advance(self, failed: Who, busy: Who, all_ready: bool) -> bool:
     """Starts the pending backup once every process has read its copy and no earlier backup
     is being written on any.
 
     Args:
-      states: every process's `pending_state()`, from one all-gather.
-      busy: whether Orbax still writes an earlier backup, per process, from the same.
+      failed: the processes whose read-back failed (agreed: counted by a reduction).
+      busy: the processes where Orbax still writes an earlier backup (agreed).
+      all_ready: every process has read the pending backup back (agreed).
 
     Returns:
       Whether it started the backup (the same answer on every process).
@@ -242,19 +244,18 @@ class BackupScheduler:
     pending = self._pending
     if pending is None:
       return False
-    if (states == Status.FAILED).any():
+    if failed:
       self._next()
-      bad = [p for p, state in enumerate(states) if state == Status.FAILED]
       error = pending.read.exception() if pending.read is not None and pending.read.done() \
           else None
       logging.warning("orbax-mtc: no backup of step %d: its RAM copy could not be read on "
                       "process(es) %s%s; the next scheduled backup takes a newer step.",
-                      pending.step, bad, f" ({error})" if error is not None else "")
+                      pending.step, failed, f" ({error})" if error is not None else "")
       return False
-    if busy.any():
-      self._note_waiting(pending.step, np.flatnonzero(busy).tolist())
+    if busy:
+      self._note_waiting(pending.step, busy)
       return False
-    if not (states == Status.READY).all():
+    if not all_ready:
       return False
     self._next()
     values = pending.read.result()
@@ -262,7 +263,12 @@ class BackupScheduler:
     self.start(pending.step, args, pending.metrics, pending.custom_metadata)
     return True
 
-  def _note_waiting(self, step: int, busy: list[int]) -> None:
+  def _advance_gathered(self, states: np.ndarray, busy: np.ndarray) -> bool:
+    """`advance` from gathered states (the read-back agreements, still all-gathers)."""
+    return self.advance(Who.of(states == Status.FAILED), Who.of(busy),
+                        bool((states == Status.READY).all()))
+
+  def _note_waiting(self, step: int, busy: Who) -> None:
     """Warns once when due backups have waited longer than Orbax's timeout for an earlier one
     that still runs: a storage write hangs (Orbax's timeout does not cover its metadata
     write), and no backup starts until it ends."""
@@ -366,7 +372,7 @@ class BackupScheduler:
       records = agree(agreement.ReadBackRecord(state=pending.state()),
                       f"the backup of step {pending.step}")
       states = np.asarray([r.state for r in records])
-      self.advance(states, np.zeros(states.shape, dtype=bool))
+      self._advance_gathered(states, np.zeros(states.shape, dtype=bool))
     self.poll(block=True)
 
   def take_error(self) -> backup.BackupError | None:

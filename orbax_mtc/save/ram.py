@@ -1,7 +1,8 @@
 """One save to the RAM tier: the save's agreement, then stage, write, back up, copy.
 
 The path of a step: `CheckpointManager.save` -> `save_policy.decide_save` -> `RamSaver.save`
-(one all-gather of a `SaveRecord`: every branch below reads only gathered figures) ->
+(one agreement of a `SaveRecord` by reductions, save_census: every branch below reads only
+agreed figures) ->
 `local_staging.stage` (device to host: the blocking part) -> `RamWriter.write` (the writer
 thread writes and commits `<local>/<step>/`) -> `BackupScheduler.schedule` (read back for the
 persistent tier, when due) -> `PeerCopies.schedule` (copies go out during the next saves).
@@ -12,7 +13,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 import orbax.checkpoint as ocp
 
 from orbax_mtc import agreement, item_args
@@ -101,40 +101,34 @@ class RamSaver:
         has_step_in_ram=step in own, has_step_persistent=step in persistent,
         wants_backup=backup_wanted, backup_state=self._backups.pending_state(),
         orbax_busy=self._persistent.busy(), clock_ms=int(time.time() * 1000))
-    records = ledger.agree(record, f"the save of step {step}")
-    if len({r.step for r in records}) > 1:
-      raise ValueError(
-          "save() was called with different steps on different processes: " + ", ".join(
-              f"process {p}: {r.step}" for p, r in enumerate(records)) +
-          ". Every process must save the same step at the same point of the loop.")
-    inventories = [r.inventory for r in records]
-    newest = [max(inv.own_steps) if inv.own_steps else -1 for inv in inventories]
-    floor = min(newest) if ledger.process_count > 1 and min(newest) >= 0 else None
-    ledger.adopt(inventories)
-    ledger.raise_agreed_faults(records,
-                               f"the save of step {step} (or an earlier local write)")
-    in_ram = np.asarray([r.has_step_in_ram for r in records])
-    in_persistent = np.asarray([r.has_step_persistent for r in records])
-    backup_wanted = any(r.wants_backup for r in records)
-    # Here, on the gathered figures alone, so that every process starts it or none does.
-    backup_started = self._backups.advance(
-        np.asarray([r.backup_state for r in records]), np.asarray([r.orbax_busy for r in records]))
-    if ondemand and in_ram.all():
+    what = f"the save of step {step}"
+    answer = ledger.agree_save(record, what)
+    if answer.steps_error is not None:
+      raise ValueError(answer.steps_error)
+    census = answer.census
+    floor = answer.floor
+    ledger.adopt_answer(answer)
+    ledger.raise_answer_faults(answer, f"{what} (or an earlier local write)")
+    everywhere = census.in_ram.count == ledger.process_count
+    in_ram, in_persistent = census.in_ram, census.in_persistent > 0
+    backup_wanted = census.wants_backup
+    clock_s = census.clock_ms / 1000  # process 0's clock: backups by minutes count from it
+    # Here, on the agreed figures alone, so that every process starts it or none does.
+    backup_started = self._backups.advance(census.failed, census.busy, census.all_ready)
+    if ondemand and everywhere:
       return  # the preemption step is committed everywhere already
-    if not parent_saved and not ondemand and in_ram.all() and backup_wanted and \
-        not in_persistent.any():
+    if not parent_saved and not ondemand and everywhere and backup_wanted and \
+        not in_persistent:
       # Committed in RAM everywhere, not yet persistent (e.g. the final step, forced): back
       # up those RAM copies; `args` only describe them.
-      # The agreed clock (process 0's), as below: backups by minutes count from it.
-      self._backups.schedule(step, args, trees, jsons, metrics, custom_metadata,
-                             records[0].clock_ms / 1000, ledger.agree)
+      self._backups.schedule(step, args, trees, jsons, metrics, custom_metadata, clock_s,
+                             ledger.agree)
       if not self._asynchronous:
         self._backups.flush(ledger.agree)
       return
-    if not parent_saved and not ondemand and (in_ram.any() or in_persistent.any()):
+    if not parent_saved and not ondemand and (in_ram or in_persistent):
       # As Orbax: a step is never silently replaced (the tiers would then disagree on it).
-      where = "" if in_ram.all() or not in_ram.any() else \
-          f" of process(es) {np.flatnonzero(in_ram).tolist()} only"
+      where = "" if everywhere or not in_ram else f" of process(es) {in_ram} only"
       raise ocp.checkpoint_manager.StepAlreadyExistsError(
           f"Step {step} already exists (RAM tier {self._local.directory}{where} or persistent "
           f"tier {self._persistent.directory}). Delete it first with mgr.delete({step}) on "
@@ -152,14 +146,14 @@ class RamSaver:
       # the RAM footprint stays at max_to_keep committed steps plus the one being written.
       self._local.apply_retention()
     # Before retention asks for them (a preservation policy reads both).
-    self._retention.record(step, records[0].clock_ms / 1000, metrics)
-    ledger.adopt(inventories, saved=step, floor=floor)
+    self._retention.record(step, clock_s, metrics)
+    ledger.adopt_answer(answer, saved=step, floor=floor)
     self._retention.forget_others({step, *own, *ledger.ram})
     # Not whether this process still writes a backup: each process learns that on its own,
     # so it can differ between processes, and this answer decides whether the step is
     # backed up.
-    saving_anywhere = any(r.orbax_busy for r in records) or backup_started
-    now = records[0].clock_ms / 1000
+    saving_anywhere = bool(census.busy) or backup_started
+    now = clock_s
     if not backup_wanted:
       backup_wanted = self._backups.interval_due(step, now, saving_anywhere)
     # The on-demand step in some folders only (an earlier save of it failed elsewhere) is

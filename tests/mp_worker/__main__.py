@@ -20,8 +20,9 @@ Sub-commands:
                  training on real Grain data: the data iterator's position and a per-process
                  JSON item saved beside the state, restored with it (`iterators`); the
                  persistent step read back by a plain `ocp.CheckpointManager`.
-  transport, managed-init
-                 the chunked streams between processes, the GKE-style start (`plain`).
+  transport, managed-init, reduce
+                 the chunked streams between processes, the GKE-style start, the save
+                 agreement's reductions through the real all-reduce (`plain`).
   fault, mismatch, outage
                  one injected fault, a restore target of another layout, a GCS outage
                  (`faults`).
@@ -213,6 +214,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="on process 1, from its third chunk on: the reader, the placement or "
                  "the sink fails")
   p.set_defaults(fn=plain.cmd_transport)
+
+  p = sub.add_parser("reduce")
+  p.set_defaults(fn=plain.cmd_reduce)
 
   p = _common(sub.add_parser("outage"))
   p.add_argument("--control", required=True, help="file holding the phase the test sets")

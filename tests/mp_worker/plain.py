@@ -145,3 +145,48 @@ def cmd_managed_init(args) -> int:
     save_loop(args, mgr, mesh, 0 if step is None else step + 1, args.steps)
   emit("DONE")
   return 0 if ok else EXIT_MISMATCH
+
+
+def _census_records(n: int, case: str):
+  """Every process's save facts, the same on every process: node 1 lost its folder (a twin
+  or a copy covers it); in case `faults` two processes report an error."""
+  from orbax_mtc.agreement import Fault, Inventory, SaveRecord
+
+  records = []
+  for p in range(n):
+    own = [] if p == 1 else [10, 20, 2 ** 40]
+    inv = Inventory.of(own, [((p + 1) % n, 20)], [10] if p else [10, 5])
+    fault = Fault(kind="OSError", message=f"disk {p} full") if case == "faults" and p % 2 \
+        else Fault()
+    records.append(SaveRecord(step=30, fault=fault, inventory=inv, has_step_in_ram=p == 2,
+                              orbax_busy=p == 0, clock_ms=1_790_000_000_000 + p))
+  return records
+
+
+def cmd_reduce(args) -> int:
+  """The save agreement's rounds through the real all-reduce (one device per process of a
+  mesh of all of them): each process's answer equals the one simulated from every record."""
+  import jax
+
+  from orbax_mtc import collectives, distributed, reduction, save_census
+
+  distributed.initialize()
+  me, n = jax.process_index(), jax.process_count()
+  same = True
+  for case in ("plain", "faults"):
+    records = _census_records(n, case)
+    real = save_census.agree(
+        records[me], me, n, None, [10], [10],
+        lambda rnd: collectives.allreduce(rnd.parts(), "a test agreement", n, 60))
+    simulated = save_census.agree(
+        records[me], me, n, None, [10], [10],
+        lambda rnd, records=records: reduction.combine(
+            rnd.contribute(r, p) for p, r in enumerate(records)))
+    fields = ("ram", "floor", "persistent", "persistent_seen", "local", "local_count",
+              "backup", "steps_error")
+    same &= all(getattr(real, f) == getattr(simulated, f) for f in fields)
+    same &= real.census.clock_ms == 1_790_000_000_000 and real.census.busy.lowest == 0
+    emit(f"REDUCE process={me} case={case} devices={jax.local_device_count()} "
+         f"same={int(same)} rounds={len(real.rounds)} ram={list(real.ram)} "
+         f"faulty={sorted(real.local)}")
+  return 0 if same else EXIT_MISMATCH

@@ -1,0 +1,120 @@
+"""Replication's agreements as reductions (pure): what each process adds, and the answer.
+
+The copies of a step move once every node has committed it. Each `save()` call asks, while
+some node still writes, whether all have: one **status** round of a few counts (the
+processes that failed, those still writing, the lowest failed one, the widest stream size),
+the same size at any process count. Once all have, one **sizes** round agrees every copy
+stream's byte count, which the transfer's plan needs on every process: each stream's sender
+adds its count in the stream's slot and the others add 0, so the sum (or max) is the count:
+one int32 per stream (4 bytes); past 2 GiB its low 31 bits and a uint8 of the bits above
+(5 bytes, to 512 GiB a stream); beyond, two 31-bit halves (8 bytes). After the transfer, an
+**outcome** round counts the processes whose chunks failed and names the lowest, whose
+message follows in one more round only then.
+
+No I/O and no JAX: the collective is passed in (peers/replication.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from orbax_mtc import reduction, row_codec
+from orbax_mtc.agreement import Status
+from orbax_mtc.reduction import LOW, Parts, Who
+
+_NARROW = 31  # sizes of at most 31 bits travel as one int32
+_MEDIUM = 39  # up to 39 bits: 31 in an int32, 8 in a uint8 (maxed: only the sender adds one)
+_MESSAGE = row_codec.Text(1200)
+
+
+@dataclasses.dataclass(frozen=True)
+class Votes:
+  """The status round's answer.
+
+  Attributes:
+    failed: The processes that could not commit (or read) the step.
+    writing: How many processes still write it.
+    bits: The widest stream size's bit length (how the sizes travel).
+  """
+
+  failed: Who
+  writing: int
+  bits: int
+
+
+def status(state: Status, me: int, sizes: np.ndarray) -> Parts:
+  """This process's status: its state and the widest stream it sends."""
+  parts = Parts.empty(2, 2)
+  parts.add[:] = [state == Status.FAILED, state == Status.WRITING]
+  if state == Status.FAILED:
+    parts.top[0] = -me
+  parts.top[1] = max((int(n).bit_length() for n in np.asarray(sizes).reshape(-1)), default=0)
+  return parts
+
+
+def read_status(reduced: Parts) -> Votes:
+  """The answer of a reduced status round."""
+  failed = int(reduced.add[0])
+  return Votes(Who(failed, int(-reduced.top[0]) if failed else -1), int(reduced.add[1]),
+               int(reduced.top[1]))
+
+
+def sizes(edges: Sequence[tuple[int, int]], me: int, outgoing: np.ndarray, bits: int) -> Parts:
+  """Per stream, its byte count where this process sends it (0 elsewhere); `bits` is the
+  agreed widest size's bit length."""
+  low_mask = (1 << _NARROW) - 1
+  if bits <= _MEDIUM:
+    parts = Parts.empty(len(edges), 0, len(edges) if bits > _NARROW else 0)
+    for j, (source, _) in enumerate(edges):
+      if source == me:
+        n = int(outgoing[j])
+        parts.add[j] = n & low_mask
+        if parts.flags.size:
+          parts.flags[j] = n >> _NARROW
+    return parts
+  parts = Parts.empty(2 * len(edges), 0)
+  for j, (source, _) in enumerate(edges):
+    if source == me:
+      parts.add[2 * j:2 * j + 2] = reduction.split(int(outgoing[j]))
+  return parts
+
+
+def read_sizes(reduced: Parts, edges: Sequence[tuple[int, int]], bits: int) -> np.ndarray:
+  """Every stream's agreed byte count (int64, in the order of `edges`)."""
+  values = reduced.add.astype(np.int64)
+  if bits <= _MEDIUM:
+    if reduced.flags.size:
+      values = values | (reduced.flags.astype(np.int64) << _NARROW)
+    return values
+  pairs = values.reshape(len(edges), 2)
+  return np.asarray([reduction.join(h, lo) for h, lo in pairs], dtype=np.int64)
+
+
+def outcome(failed: bool, me: int) -> Parts:
+  """Whether this process's part of a transfer failed."""
+  parts = Parts.empty(1, 1)
+  parts.add[0] = int(failed)
+  parts.top[0] = -me if failed else LOW
+  return parts
+
+
+def read_outcome(reduced: Parts) -> Who:
+  """The processes whose part of the transfer failed."""
+  count = int(reduced.add[0])
+  return Who(count, int(-reduced.top[0]) if count else -1)
+
+
+def message(text: str, me: int, speaker: int) -> Parts:
+  """`text` in the one slot `speaker` fills (the others add zeros)."""
+  parts = Parts.empty(2 * _MESSAGE.size, 0)
+  if me == speaker:
+    parts.add[:] = np.asarray(_MESSAGE.encode(text), dtype=np.int64).view(np.int32)
+  return parts
+
+
+def read_message(reduced: Parts) -> str:
+  """The speaker's text."""
+  return _MESSAGE.decode(np.ascontiguousarray(reduced.add).view(np.int64))
