@@ -55,8 +55,8 @@ class LocalCheckpointOptions:
     device_copy: On accelerators, `save()` does not wait for the device-to-host transfer:
       on GPUs it starts it into pinned host memory (as Orbax does), elsewhere it copies the
       shards on the device; either holds one more state-sized buffer while a save runs.
-      False: `save()` waits for the transfer itself (no extra device memory). Arrays on CPU
-      are never copied (the RAM tier reads their buffers directly).
+      False: `save()` waits for the transfer itself. On CPU the writer copies the arrays'
+      buffers into one reused host buffer first (False: it writes from them directly).
 
   Raises:
     ValueError: If `save_interval_steps` is not positive, `max_to_keep` is < 1, both

@@ -156,3 +156,52 @@ def test_the_gpu_staging_benchmark_runs_here(tmp_path):
   assert done.stdout.count("bit-exact") == 7  # six restored steps and the table's line
   result = json.loads((tmp_path / "gpu-staging.json").read_text())
   assert result["check_ok"] is True and [r["mib"] for r in result["rows"]] == [2]
+
+
+def test_a_cpu_save_lets_go_of_the_arrays_buffers_before_it_writes(mesh):
+  """On CPU a save stages views of the arrays' own buffers (no copy in `save()`); the writer
+  copies them into a reused host buffer before writing and lets go of them, so a training step
+  that donates the state reuses its buffers (JAX does not donate a buffer a view holds)."""
+  donate = jax.jit(lambda a: a * 2, donate_argnums=0)
+  x = jax.device_put(jnp.arange(4096, dtype=jnp.float32))
+  want = np.asarray(x).copy()
+  staged = staging.stage(1, {"state": {"x": x}}, {}, default_item=False, device_copy=True)
+  assert staged.borrowed == frozenset({0})
+  pool = staging.HostPool()
+  buffer = pool.get(staged.size)
+  staged.release(buffer)
+  assert not staged.borrowed and pool.get(staged.size) is buffer  # reused, not reallocated
+  donate(x)
+  assert x.is_deleted()  # the step got the buffer
+  assert np.array_equal(staged.bytes_at(0, want.nbytes).view(np.float32), want)
+  kept = jax.device_put(jnp.arange(4096, dtype=jnp.float32))
+  held = staging.stage(1, {"state": {"x": kept}}, {}, default_item=False, device_copy=False)
+  assert not held.borrowed  # without device_copy the writer writes from the views
+  donate(kept)
+  assert not kept.is_deleted()
+
+
+def test_saving_every_step_before_a_donating_update_keeps_every_step_bit_exact(mesh, shm_dir):
+  """The loop the every-step bench runs: update (donating the state), save; each saved step
+  restored bit-exact (int32: numpy replays the update exactly)."""
+  update = jax.jit(lambda s: {"w": s["w"] * 3 + 1}, donate_argnums=0)
+  state = {"w": jax.device_put(jnp.arange(50_000, dtype=jnp.int32))}
+  host = {"w": np.arange(50_000, dtype=np.int32)}
+  abstract = arrays.abstract_tree(state)
+  options = mtc.CheckpointManagerOptions(
+      local=mtc.LocalCheckpointOptions(save_interval_steps=1, max_to_keep=5),
+      persistent=mtc.PersistentCheckpointOptions(save_interval_steps=10**6))
+  expected = {}
+  with mtc.CheckpointManager(shm_dir / "local", shm_dir / "persistent", mesh, abstract,
+                             options=options) as mgr:
+    for step in range(1, 6):
+      state = update(state)
+      host = {"w": host["w"] * 3 + 1}
+      expected[step] = host["w"]
+      mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)), force=True)
+    mgr.wait_until_finished()
+    for step, want in expected.items():
+      got = mgr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(item=abstract))).state
+      assert mgr.last_restore.tier == "local"
+      assert np.array_equal(np.asarray(got["w"]), want), step

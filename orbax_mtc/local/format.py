@@ -75,6 +75,17 @@ def align(n: int) -> int:
   return -(-n // ALIGN) * ALIGN
 
 
+def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
+  """A fresh uint8 buffer whose start is `align`-byte aligned.
+
+  JAX's CPU client adopts aligned host buffers without a copy, so the restored arrays live in
+  the very buffer the file was read into: one copy from the RAM disk, none after.
+  """
+  raw = np.empty(nbytes + align, dtype=np.uint8)
+  start = (-raw.ctypes.data) % align
+  return raw[start:start + nbytes]
+
+
 # ----------------------------------------------------------------------------- manifest
 
 

@@ -24,25 +24,25 @@ import numpy as np
 from orbax_mtc import process_state
 from orbax_mtc.local import checksum
 from orbax_mtc.local.format import (
-    ALIGN,
-    DATA,
-    AbstractStateMismatchError,
-    CorruptStepError,
-    Index,
-    ItemRecord,
-    LeafRecord,
-    LocalTierError,
-    MissingItemError,
-    ShardRecord,
-    StepManifest,
-    np_dtype,
+  DATA,
+  AbstractStateMismatchError,
+  CorruptStepError,
+  Index,
+  ItemRecord,
+  LeafRecord,
+  LocalTierError,
+  MissingItemError,
+  ShardRecord,
+  StepManifest,
+  aligned_empty,
+  np_dtype,
 )
 from orbax_mtc.local.specs import (
-    describe_sharding,
-    is_key_dtype,
-    normalize_index,
-    saved_spec,
-    whole_index,
+  describe_sharding,
+  is_key_dtype,
+  normalize_index,
+  saved_spec,
+  whole_index,
 )
 from orbax_mtc.local.store import open_regular_file
 from orbax_mtc.local.verify import known_or_computed_crc
@@ -108,17 +108,6 @@ def target_spec(leaf: Any, saved: LeafRecord) -> tuple[tuple[int, ...], Any, Any
     dtype = np.dtype(dtype)
   sharding = getattr(leaf, "sharding", None)
   return shape, dtype, sharding
-
-
-def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
-  """A fresh uint8 buffer whose start is `align`-byte aligned.
-
-  JAX's CPU client adopts aligned host buffers without a copy, so the restored arrays live in
-  the very buffer the file was read into: one copy from the RAM disk, none after.
-  """
-  raw = np.empty(nbytes + align, dtype=np.uint8)
-  start = (-raw.ctypes.data) % align
-  return raw[start:start + nbytes]
 
 
 def _verified_view(data: np.ndarray, record: ShardRecord, dtype: np.dtype, where: str,

@@ -23,7 +23,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from orbax_mtc.local.format import KEY_IMPL_NAME, Index, ItemRecord, LeafRecord, ShardRecord, align
+from orbax_mtc.local.format import (
+  KEY_IMPL_NAME,
+  Index,
+  ItemRecord,
+  LeafRecord,
+  ShardRecord,
+  align,
+  aligned_empty,
+)
 from orbax_mtc.local.specs import (
     describe_sharding,
     encode_key_path,
@@ -57,6 +65,25 @@ class StagedStep:
   size: int
   items: dict[str, ItemRecord]  # leaves with crc32c still 0: the writer fills them in
   default_item: bool
+  # Offsets of pieces that are views of a CPU jax array's own buffer, to be copied out and let
+  # go of before the write (`release`), so that a training step donating the state can reuse
+  # its buffers; empty when the writer may hold them (`stage(device_copy=False)`).
+  borrowed: frozenset[int] = frozenset()
+
+  def release(self, pool: np.ndarray) -> None:
+    """Copies the borrowed pieces into `pool` (at their own offsets; at least `size` bytes,
+    reused from save to save, so its pages are not new) and drops the views of the arrays'
+    buffers: JAX does not donate a buffer while a numpy view of it lives."""
+    if not self.borrowed:
+      return
+    pieces = []
+    for start, piece in self.pieces:
+      if start in self.borrowed:
+        target = pool[start:start + piece.nbytes]
+        np.copyto(target, piece)
+        piece = target
+      pieces.append((start, piece))
+    self.pieces, self.borrowed = pieces, frozenset()
 
   def to_host(self) -> None:
     """Moves the pieces still on a device to host memory (the writer thread calls this
@@ -102,6 +129,22 @@ class StagedStep:
     if self.size > at:
       out.append(memoryview(np.zeros(self.size - at, np.uint8)))
     return out
+
+
+class HostPool:
+  """One host buffer, kept and reused by every write of a RAM tier (its writer thread: one
+  write at a time), so that copying a step into it touches no new pages (fresh pages cost
+  more than the copy on some hosts)."""
+
+  def __init__(self) -> None:
+    self._buffer: np.ndarray | None = None
+
+  def get(self, nbytes: int) -> np.ndarray:
+    """The buffer, of at least `nbytes` (a larger one replaces it when needed)."""
+    if self._buffer is None or self._buffer.nbytes < nbytes:
+      self._buffer = None  # the old one goes before the larger one is allocated
+      self._buffer = aligned_empty(nbytes)
+    return self._buffer
 
 
 def _is_array_leaf(x: Any) -> bool:
@@ -246,8 +289,12 @@ def stage(step: int, pytree_items: dict[str, Any], json_items: dict[str, Any], *
         # Start every device->host transfer before waiting on any (no-op on CPU).
         p.source.copy_to_host_async()
   pieces = [(p.offset, p if id(p) in deferred else _host_bytes(p)) for p in pending]
+  # On CPU the pieces of jax arrays are views of the arrays' own buffers (no copy on the
+  # training thread); with device_copy the writer copies them out before writing (`release`).
+  borrowed = frozenset(p.offset for p in pending if device_copy and id(p) not in deferred
+                       and isinstance(p.source, jax.Array))
   return StagedStep(step=step, pieces=pieces, size=offset, items=items,
-                    default_item=default_item)
+                    default_item=default_item, borrowed=borrowed)
 
 
 # Tests set these to exercise the device-copy and pinned-host paths with CPU devices.

@@ -45,7 +45,7 @@ from orbax_mtc.local.format import (
     StepManifest,
     validate_for,
 )
-from orbax_mtc.local.staging import StagedStep
+from orbax_mtc.local.staging import HostPool, StagedStep
 
 _WRITE_CHUNK = 64 << 20
 _IOV_MAX = 1024  # Linux: views per pwritev call
@@ -291,6 +291,7 @@ class LocalTier:
     self.keep_floor: int | None = None
     self._lock = threading.Lock()  # guards folder renames between writer and main thread
     self._crc_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtc-crc")
+    self._host_pool = HostPool()  # what borrowed pieces are copied into (writer thread)
 
   # -- set-up
 
@@ -364,6 +365,8 @@ class LocalTier:
       OSError: from writing; nothing is committed then.
     """
     staged.to_host()  # shards staged as device-side copies arrive in host memory here
+    if staged.borrowed:  # views of CPU arrays' buffers: copied out and let go of first
+      staged.release(self._host_pool.get(staged.size))
     root = self.directory
     final = root / str(staged.step)
     tmp = root / f"{TMP_PREFIX}{staged.step}-{uuid.uuid4().hex}"
