@@ -24,13 +24,13 @@ import jax
 import numpy as np
 
 from orbax_mtc.local.format import (
-  KEY_IMPL_NAME,
-  Index,
-  ItemRecord,
-  LeafRecord,
-  ShardRecord,
-  align,
-  aligned_empty,
+    KEY_IMPL_NAME,
+    Index,
+    ItemRecord,
+    LeafRecord,
+    ShardRecord,
+    align,
+    aligned_empty,
 )
 from orbax_mtc.local.specs import (
     describe_sharding,
