@@ -131,6 +131,12 @@ class _Peers:
   def progress(self, *, block):
     pass
 
+  def settle(self):
+    pass
+
+  def issue(self):
+    pass
+
   def schedule(self, step, trees):
     self.log.append(("peers.schedule", step))
 
