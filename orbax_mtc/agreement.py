@@ -174,7 +174,9 @@ class SaveRecord:
 
 @dataclasses.dataclass(frozen=True)
 class RestoreRecord:
-  """One restore: the step asked for and what this node can serve.
+  """One restore's facts as they were all-gathered before the restore agreement became
+  reductions (save_census, restore/census): the baseline `orbax-mtc bench elastic-scale`
+  compares with.
 
   Attributes:
     requested_step: The step asked for; -1 for the newest.
@@ -227,15 +229,6 @@ class ClockRecord:
 
 
 @dataclasses.dataclass(frozen=True)
-class CoverRecord:
-  """A restore's candidate saves (bit i: candidate i): those whose layout this process holds,
-  and those it finds covered by the saved ranks some process can serve."""
-
-  known: int = field(Int(), 0)
-  covered: int = field(Int(), 0)
-
-
-@dataclasses.dataclass(frozen=True)
 class BuildRecord:
   """One process's attempt to build the restore targets.
 
@@ -275,13 +268,6 @@ class ServeRecord:
   failed_ranks: tuple[int, ...] = field(Steps(32), ())
   message: str = field(Text(_MESSAGE_BYTES), "")
   early: BuildRecord = field(Record(BuildRecord), factory=lambda: BuildRecord(status=Status.NONE))
-
-
-@dataclasses.dataclass(frozen=True)
-class ReportRecord:
-  """This node's folder report alone (listing steps saved on another layout)."""
-
-  report: bytes = field(Blob(ELASTIC_REPORT_BYTES), b"")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -87,8 +87,7 @@ class StepAttempt:
     self._folders, self._ledger = folders, ledger
     self._chunk_bytes, self._window = chunk_bytes, window
 
-  def run(self, plan: restore_plan.ElasticPlan, candidate: restore_plan.Candidate,
-          targets: dict[str, Any], single: bool | None, per_process: list[str]) -> Attempted:
+  def run(self, plan: restore_plan.ElasticPlan, targets: dict[str, Any], single: bool | None, per_process: list[str]) -> Attempted:
     """One attempt (collective). Raises `Exclude`, `Lacking`, the caller's mismatch or
     `CheckpointError`, the same on every process."""
     me, count, step = self._me, self._count, plan.step
@@ -134,7 +133,7 @@ class StepAttempt:
         proceed=lambda records, _: all(r.status == Status.OK for r in records),
         sink_for=sink_for, chunk_limit=self._chunk_bytes, window=self._window)
     if result.transfer is None:
-      raise_agreed(list(result.records), step, candidate)
+      raise_agreed(list(result.records), step)
     if (result.sizes <= 0).all() and all(r.early.status != Status.NONE for r in result.records):
       outcomes = [r.early for r in result.records]
     else:
@@ -153,7 +152,7 @@ class StepAttempt:
     if all(o.status == Status.OK for o in outcomes):
       assert built is not None
       return Attempted(built, list(outcomes))
-    raise_agreed(outcomes, step, candidate)
+    raise_agreed(outcomes, step)
     raise AssertionError("unreachable")
 
   # --------------------------------------------------------------------- fetching
@@ -255,7 +254,7 @@ def _moving_outcome(me: int, step: int, outgoing: dict[int, peer_stream.Outgoing
   return BuildRecord(status=Status.FAILED, message=message)
 
 
-def raise_agreed(records: list[Any], step: int, candidate: restore_plan.Candidate) -> None:
+def raise_agreed(records: list[Any], step: int) -> None:
   """Ends a failed attempt the same way on every process (the records are agreed)."""
   mismatched = [(p, r.message) for p, r in enumerate(records) if r.status == Status.MISMATCH]
   if mismatched:  # the caller's error, not a bad copy: nothing is deleted
@@ -278,9 +277,7 @@ def raise_agreed(records: list[Any], step: int, candidate: restore_plan.Candidat
          for rank in getattr(r, "failed_ranks", ())}
   bad |= {(r.bad_process, r.bad_rank, step) for r in records
           if getattr(r, "bad_process", -1) >= 0}
-  if not bad:  # no culprit named: every folder of this save is out
-    bad = {(p, rank, step) for rank, holders in candidate.holders.items() for p, _ in holders}
-  raise Exclude(bad)
+  raise Exclude(bad)  # empty: no culprit named, every folder of this save is out
 
 
 def receive_buffers() -> tuple[dict[int, np.ndarray], Any]:

@@ -29,22 +29,21 @@ treats resharding as the general case:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import orbax.checkpoint as ocp
 from absl import logging
 
-from orbax_mtc import agreement, item_args, process_state
-from orbax_mtc.agreement import CoverRecord, Status
+from orbax_mtc import agreement, item_args, process_state, reduction
+from orbax_mtc.agreement import Status
 from orbax_mtc.ledger import StepLedger
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import store as local_store
 from orbax_mtc.local.writer import RamWriter
 from orbax_mtc.peers import copy_store as peer_store
 from orbax_mtc.peers.copies import PeerCopies
+from orbax_mtc.restore import census, tiles
 from orbax_mtc.restore import plan as restore_plan
-from orbax_mtc.restore import tiles
 from orbax_mtc.restore.attempt import Exclude, Lacking, Sources, StepAttempt
 from orbax_mtc.restore.plan import COPY, HostReport
 from orbax_mtc.restore.sources import HostFolders
@@ -112,72 +111,61 @@ class RamRestore:
     # Copies still in flight would race with the folders this restore reads and rewrites.
     self._peers.progress(block=True)
     ledger = self._ledger
-    report = self.folders.safe_report()
-    records = ledger.agree(agreement.RestoreRecord(
-        requested_step=-1 if step is None else int(step), fault=ledger.take_fault(),
-        inventory=ledger.inventory(), elastic=report.encode()), "restore")
-    asked = [r.requested_step for r in records]
-    if len(set(asked)) > 1:
-      raise ValueError(
-          "restore() was called with different steps on different processes: " + ", ".join(
-              f"process {p}: {'None' if s < 0 else s}" for p, s in enumerate(asked)) +
-          ". Every process must restore the same step; use step = mgr.latest_step(), which "
-          "is the same on every process.")
-    for p, fault in agreement.faults(records).items():
+    # The step asked for, the faults and the step lists: the save's census (its size does
+    # not grow with the cluster), with the step asked for in place of the step saved.
+    answer = ledger.agree_save(agreement.SaveRecord(
+        step=-1 if step is None else int(step), fault=ledger.take_fault(),
+        inventory=ledger.inventory()), "restore", restoring=True)
+    if answer.steps_error is not None:
+      raise ValueError(answer.steps_error)
+    for p, fault in answer.local.items():
       # An earlier write that failed left nothing committed: the plan below does not use it.
       logging.warning("orbax-mtc: process %d: an earlier local write failed (%s: %s); "
                       "restoring from what the cluster holds.", p, fault.kind, fault.message)
     ledger.forgive()
-    reports = decode_reports([r.elastic for r in records])
-    ledger.adopt([r.inventory for r in records])
+    ledger.adopt_answer(answer)
     persistent = ledger.persistent
     if step is not None:
       persistent_step = step if step in persistent else None
       min_step = None
     else:
       persistent_step = min_step = persistent[-1] if persistent else None
-    return self._restore(step, targets, single, reports, min_step, persistent_step)
+    return self._restore(step, targets, single, self.folders.safe_report(), min_step,
+                         persistent_step)
 
   def _restore(self, step: int | None, targets: dict[str, Any], single: bool | None,
-               reports: list[HostReport], min_step: int | None,
+               report: HostReport, min_step: int | None,
                persistent_step: int | None) -> RamRestoreResult:
     per_process = tiles.process_names(targets)
     excluded: Sources = set()
+    dropped: set[census.Save] = set()  # saves every folder of which failed
     tried, lacking = False, None
     while True:
-      candidates = restore_plan.candidates(reports, requested_step=step, min_step=min_step,
-                                           excluded=excluded)[:_MAX_CANDIDATES]
-      first = candidates[0] if candidates else None
-      if first is not None and len(first.holders) == first.count and (
-          not per_process or self._every_rank(first)):
-        # Every saved rank of the newest save is available: it covers itself, and it is the
-        # one chosen, so no agreement on coverage is needed (the usual restart).
-        covered = [len(c.holders) == c.count for c in candidates]
-      else:
-        covered = self._agree_coverage(candidates, excluded)
-      usable = [c for c, ok in zip(candidates, covered, strict=True)
-                if ok and (not per_process or self._every_rank(c))]
-      chosen = usable[0] if usable else None
-      if per_process:
-        self._refuse_other_count(per_process, candidates, covered, chosen)
+      mine = census.holdings(report, self._me, requested_step=step, min_step=min_step,
+                             excluded=excluded, dropped=dropped)
+      chosen, cover, examined = self._choose(mine, per_process)
       if lacking is not None and (chosen is None or chosen.step != lacking.step):
         raise lacking.error  # no other folder of that step has the item: the caller's error
-      if chosen is None:
-        self._explain_lost_items(step, per_process, candidates, covered, persistent_step)
+      if chosen is None or cover is None:
+        self._explain_lost_items(step, per_process, examined, persistent_step)
         # "tried": a step the cluster could assemble was found unusable (not merely absent).
-        return RamRestoreResult(False, None, None, "", tried or any(covered), persistent_step)
+        return RamRestoreResult(False, None, None, "", tried or any(ok for _, ok in examined),
+                                persistent_step)
       tried = True
       plan = restore_plan.ElasticPlan(chosen.step, chosen.count, chosen.digest,
-                                      restore_plan.choose_servers(chosen))
+                                      census.agree_servers(
+                                          mine, self._me, chosen, cover, self.count,
+                                          self._reduce("planning a restore"), []))
       try:
-        attempt = self._attempt.run(plan, chosen, targets, single, per_process)
+        attempt = self._attempt.run(plan, targets, single, per_process)
       except Exclude as e:
-        # Named sources go; when they were out already, every folder of this save goes, so
-        # each attempt excludes something and the loop ends.
-        fresh = e.sources - excluded or {(p, rank, chosen.step)
-                                         for rank, holders in chosen.holders.items()
-                                         for p, _ in holders}
-        excluded |= fresh
+        # Named sources go; when they were out already (or none was named), every folder of
+        # this save goes, so each attempt excludes something and the loop ends.
+        fresh = e.sources - excluded
+        if fresh:
+          excluded |= fresh
+        else:
+          dropped.add(chosen.save)
         continue
       except Lacking as e:
         if e.sources <= excluded:
@@ -202,6 +190,89 @@ class RamRestore:
         value = ocp.args.Composite(**restored)
       return RamRestoreResult(True, value, plan.step, tier, False, persistent_step,
                               Restored(plan.step, built, rewritten, recovered))
+
+  def _reduce(self, what: str, listing: bool = False) -> census.Reduce:
+    return lambda rnd: self._ledger.reduce(rnd, what, listing=listing)
+
+  def _choose(self, mine: census.Mine, per_process: list[str], *, listing: bool = False
+              ) -> tuple[census.Agreed | None, census.Cover | None,
+                         list[tuple[census.Agreed, bool]]]:
+    """The save to restore (the newest usable, in `plan.candidates`'s order), its cover
+    answer, and every save examined with whether it is covered. Steps are examined newest
+    first, a tiers round and a cover round each, until one is usable; every branch reads
+    only reduced data (rule 8)."""
+    reduce = self._reduce("planning a restore", listing)
+    saves = census.agree_saves(mine, self._me, reduce, [])[:_MAX_CANDIDATES]
+    newest_covered: census.Agreed | None = None
+    examined: list[tuple[census.Agreed, bool]] = []
+    for step in sorted({s[0] for s in saves}, reverse=True):
+      group = tuple(s for s in saves if s[0] == step)
+      agreed = census.read_tiers(reduce(reduction.Round(
+          mine, self._me, lambda m, _, g=group: census.tiers_parts(m, g))), group)
+      first = agreed[0]
+      # Every saved rank of the newest save is available: it covers itself and is the one
+      # chosen, so no process reads a layout (the usual restart); the cover round then only
+      # counts the holders, for the servers round.
+      fast = not examined and first.held == first.count and (
+          not per_process or self._every_rank(first))
+      covers = self._agree_cover(mine, agreed, reduce, check=not fast)
+      covered = [(a.held == a.count) if fast else c.covered
+                 for c, a in zip(covers, agreed, strict=True)]
+      examined += zip(agreed, covered, strict=True)
+      usable = [i for i, ok in enumerate(covered)
+                if ok and (not per_process or self._every_rank(agreed[i]))]
+      if newest_covered is None and any(covered):
+        newest_covered = agreed[covered.index(True)]
+      if usable:
+        return agreed[usable[0]], covers[usable[0]], examined
+      if per_process and newest_covered is not None:
+        self._refuse_other_count(per_process, newest_covered)
+    return None, None, examined
+
+  def _agree_cover(self, mine: census.Mine, agreed: list[census.Agreed],
+                   reduce: census.Reduce, *, check: bool = True) -> list[census.Cover]:
+    """The cover round: which saves the available ranks cover (the processes holding a
+    layout read it), and the holders at each rank's best kind."""
+    known, covered = [False] * len(agreed), [False] * len(agreed)
+    for i, candidate in enumerate(agreed if check else ()):
+      manifest = self._layout_of(mine, candidate)
+      if manifest is None or tiles.digest(manifest) != candidate.digest:
+        continue
+      known[i] = True
+      covered[i] = restore_plan.covered(tiles.holder_sets(manifest), candidate.available)
+    reduced = reduce(reduction.Round(mine, self._me, lambda m, _: census.cover_parts(
+        m, agreed, known, covered)))
+    return census.read_cover(reduced, len(agreed))
+
+  def _layout_of(self, mine: census.Mine,
+                 candidate: census.Agreed) -> local_format.StepManifest | None:
+    """A manifest of `candidate` this node holds, or None."""
+    for rank, kinds in sorted(mine.get(candidate.save, {}).items()):
+      for kind in kinds:
+        try:
+          return self.folders.manifest(kind, rank, candidate.step, candidate.count,
+                                       candidate.digest)
+        except local_format.LocalTierError:
+          continue
+    return None
+
+  def _every_rank(self, candidate: census.Agreed) -> bool:
+    """Per-process items belong to the process index that saved them (rule 11): the save
+    must be of this process count with every saved rank's folder available."""
+    return candidate.count == self.count and candidate.held == self.count
+
+  def _refuse_other_count(self, names: list[str], newest: census.Agreed) -> None:
+    """The newest step RAM holds was saved by another process count: it can be rebuilt,
+    but not the per-process items, which belong to the processes that saved them."""
+    if newest.count == self.count:
+      return
+    raise local_format.AbstractStateMismatchError(
+        f"Step {newest.step} can only be restored here by rebuilding it from RAM on another "
+        f"process count (saved by {newest.count} processes; this job has {self.count}), and "
+        f"item(s) {names} hold per-process state (a data iterator's position), which belongs "
+        "to the process that saved it. Restore without these items (leave them out of the "
+        "restore args) and position the iterators yourself, or restart with the process count "
+        f"that saved step {newest.step}.")
 
   def write_back(self, done: Restored) -> None:
     """After a successful `restore` (collective): re-protects the step where it is not in
@@ -230,15 +301,15 @@ class RamRestore:
         f"that saved step {newest.step}.")
 
   def _explain_lost_items(self, step: int | None, names: list[str],
-                          candidates: list[restore_plan.Candidate], covered: list[bool],
+                          examined: list[tuple[census.Agreed, bool]],
                           persistent_step: int | None) -> None:
     """`restore(step)` of a step whose arrays the cluster holds but not every process's own
     per-process items (only twins' folders are left for some): say which, not 'not found'."""
     if step is None or not names or persistent_step == step:
       return
-    for candidate, ok in zip(candidates, covered, strict=True):
+    for candidate, ok in examined:
       if ok and candidate.count == self.count:
-        lost = sorted(set(range(self.count)) - set(candidate.holders))
+        lost = sorted(set(range(self.count)) - candidate.available)
         raise local_format.MissingItemError(
             f"Step {step} can be rebuilt from RAM only from other processes' folders, which "
             f"hold the arrays but not the per-process item(s) {names} of process(es) {lost} "
@@ -247,52 +318,23 @@ class RamRestore:
             "iterators yourself, or call restore(None), which takes the newest step that "
             "still has them.", names[0])
 
-  def _agree_coverage(self, candidates: list[restore_plan.Candidate], excluded: Sources, *,
-                      agree: Callable[[Any, str], list[Any]] | None = None) -> list[bool]:
-    known = covered = 0
-    for i, candidate in enumerate(candidates):
-      manifest = self._layout_of(candidate, excluded)
-      if manifest is None or tiles.digest(manifest) != candidate.digest:
-        continue
-      known |= 1 << i
-      if restore_plan.covered(tiles.holder_sets(manifest), candidate.available):
-        covered |= 1 << i
-    records = (agree or self._ledger.agree)(CoverRecord(known=known, covered=covered),
-                                            "planning a restore")
-    return [any(r.known >> i & 1 for r in records) and
-            all(r.covered >> i & 1 for r in records if r.known >> i & 1)
-            for i in range(len(candidates))]
-
-  def _layout_of(self, candidate: restore_plan.Candidate,
-                 excluded: Sources) -> local_format.StepManifest | None:
-    """A manifest of `candidate` this node holds, or None."""
-    for rank, holders in sorted(candidate.holders.items()):
-      for process, kind in holders:
-        if process == self._me and (process, rank, candidate.step) not in excluded:
-          try:
-            return self.folders.manifest(kind, rank, candidate.step, candidate.count,
-                                         candidate.digest)
-          except local_format.LocalTierError:
-            continue
-    return None
-
   def elastic_steps(self) -> list[int]:
     """Steps saved by a job of another process count that the cluster can rebuild here.
 
-    Collective (one all-gather, and one more only when such folders exist): what
-    `all_steps()` lists besides the steps of this job's own layout, so that
+    Collective (the saves round, and a tiers and a cover round only when such folders
+    exist): what `all_steps()` lists besides the steps of this job's own layout, so that
     `restore(latest_step())` finds them as `restore(None)` does.
     """
-    records = self._ledger.agree_listing(
-        agreement.ReportRecord(report=self.folders.safe_report().encode()),
-        "listing RAM steps saved on another layout")
-    reports = decode_reports([r.report for r in records])
-    foreign = [c for c in restore_plan.candidates(reports)
-               if c.count != self.count][:_MAX_CANDIDATES]
+    reduce = self._reduce("listing RAM steps saved on another layout", True)
+    mine = census.holdings(self.folders.safe_report(), self._me)
+    foreign = tuple(s for s in census.agree_saves(mine, self._me, reduce, [])
+                    if s[1] != self.count)[:_MAX_CANDIDATES]
     if not foreign:
       return []
-    covered = self._agree_coverage(foreign, set(), agree=self._ledger.agree_listing)
-    return sorted({c.step for c, ok in zip(foreign, covered, strict=True) if ok})
+    agreed = census.read_tiers(reduce(reduction.Round(
+        mine, self._me, lambda m, _: census.tiers_parts(m, foreign))), foreign)
+    covers = self._agree_cover(mine, agreed, reduce)
+    return sorted({a.step for a, c in zip(agreed, covers, strict=True) if c.covered})
 
   def _settle(self, step: int, restored: dict[str, Any]) -> dict[str, Any]:
     """Sets the saved iterator states, now that every process has built the step; a state an
@@ -314,8 +356,3 @@ class RamRestore:
           "data source, sampler and shard), or leave the item out.")
     return restored
 
-
-def decode_reports(raws: list[bytes]) -> list[HostReport]:
-  """The gathered reports; an unreadable one counts as holding nothing."""
-  return restore_plan.decode_reports(raws, lambda p, e: logging.warning(
-      "orbax-mtc: process %d's folder report was unreadable (%s) and is ignored", p, e))

@@ -1,0 +1,139 @@
+"""The restore planning's reductions (restore/census.py) give the all-gather's plan: randomized
+clusters, faults (excluded and dropped folders) and other process counts included, and the
+bytes per process pinned as a function of the host count."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from orbax_mtc import reduction
+from orbax_mtc.restore import census
+from orbax_mtc.restore import plan as restore_plan
+from orbax_mtc.restore.plan import FolderRef, HostReport
+
+
+def _reducer(mines: list[census.Mine], rounds: list[reduction.Parts]):
+  def reduce(rnd: reduction.Round) -> reduction.Parts:
+    out = reduction.combine(rnd.contribute(m, p) for p, m in enumerate(mines))
+    rounds.append(out)
+    return out
+  return reduce
+
+
+def _new_plan(reports, covers, *, requested_step=None, min_step=None, excluded=(), dropped=()):
+  """The executor's choice, simulated over every process (each reads the layout alike)."""
+  mines = [census.holdings(r, p, requested_step=requested_step, min_step=min_step,
+                           excluded=excluded, dropped=dropped) for p, r in enumerate(reports)]
+  rounds: list[reduction.Parts] = []
+  reduce = _reducer(mines, rounds)
+  saves = census.agree_saves(mines[0], 0, reduce, [])
+  for step in sorted({s[0] for s in saves}, reverse=True):
+    group = tuple(s for s in saves if s[0] == step)
+    agreed = census.read_tiers(reduce(reduction.Round(
+        mines[0], 0, lambda m, _, g=group: census.tiers_parts(m, g))), group)
+    ok = [covers(a) for a in agreed]
+    known = [[bool(mines[p].get(a.save)) for a in agreed] for p in range(len(reports))]
+
+    def cover(m, p, agreed=agreed, ok=ok, known=known):
+      return census.cover_parts(m, agreed, known[p], ok)
+    got = census.read_cover(reduce(reduction.Round(mines[0], 0, cover)), len(agreed))
+    for i, c in enumerate(got):
+      if c.covered:
+        servers = census.agree_servers(mines[0], 0, agreed[i], c, len(reports), reduce, [])
+        return restore_plan.ElasticPlan(agreed[i].step, agreed[i].count, agreed[i].digest,
+                                        servers), rounds
+  return None, rounds
+
+
+def _random_cluster(rng: random.Random) -> list[HostReport]:
+  processes = rng.randint(1, 12)
+  saves = [(s, rng.choice([processes, rng.randint(1, 12)]), rng.choice([7, 9]))
+           for s in rng.sample(range(1, 40), rng.randint(1, 4))]
+  reports = []
+  for _ in range(processes):
+    kinds = {restore_plan.OWN: [], restore_plan.COPY: [], restore_plan.ASIDE: []}
+    for step, count, digest in saves:
+      for kind in kinds:
+        for _ in range(rng.choice([0, 0, 1, 1, 2])):
+          kinds[kind].append(FolderRef(step, count, rng.randrange(count + 1), digest))
+    reports.append(HostReport(own=tuple(kinds[restore_plan.OWN]),
+                              copies=tuple(kinds[restore_plan.COPY]),
+                              aside=tuple(kinds[restore_plan.ASIDE])))
+  return reports
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_the_reductions_choose_the_save_and_servers_the_all_gather_chose(seed):
+  rng = random.Random(seed)
+  reports = _random_cluster(rng)
+  lenient, salt = rng.random() < 0.7, rng.randrange(1 << 16)
+
+  def covers(candidate) -> bool:  # a layout's verdict, from the available ranks alone
+    held = len(candidate.available)
+    return held == candidate.count or (lenient and 2 * held >= candidate.count
+                                       and hash((candidate.step, candidate.count, salt)) % 3 > 0)
+
+  steps = sorted({ref.step for r in reports for _, refs in r.kinds() for ref in refs})
+  kwargs = {}
+  if steps and rng.random() < 0.3:
+    kwargs["requested_step"] = rng.choice(steps)
+  elif steps and rng.random() < 0.3:
+    kwargs["min_step"] = rng.choice(steps)
+  if rng.random() < 0.4:  # folders found damaged by an earlier attempt
+    kwargs["excluded"] = {(p, ref.rank, ref.step) for p, r in enumerate(reports)
+                          for _, refs in r.kinds() for ref in refs if rng.random() < 0.2}
+  dropped = set()
+  if rng.random() < 0.2:  # every folder of one save failed without a culprit named
+    refs = [(p, ref) for p, r in enumerate(reports) for _, refs in r.kinds() for ref in refs]
+    if refs:
+      _, ref = rng.choice(refs)
+      dropped = {(ref.step, ref.count, ref.digest)}
+  old_excluded = set(kwargs.get("excluded", ()))
+  for p, r in enumerate(reports):  # the old executor excluded every holder of that save
+    old_excluded |= {(p, ref.rank, ref.step) for _, refs in r.kinds() for ref in refs
+                     if (ref.step, ref.count, ref.digest) in dropped}
+  old = restore_plan.plan(reports, covers, **{**kwargs, "excluded": old_excluded})
+  new, _ = _new_plan(reports, covers, dropped=dropped, **kwargs)
+  assert new == old
+
+
+def test_servers_replay_the_load_spreading_of_copies_held_twice():
+  # Ranks 2 and 3 lost their own folders; processes 0 and 1 each hold copies of both.
+  reports = [HostReport(own=(FolderRef(5, 4, 0, 1),),
+                        copies=(FolderRef(5, 4, 2, 1), FolderRef(5, 4, 3, 1))),
+             HostReport(own=(FolderRef(5, 4, 1, 1),),
+                        copies=(FolderRef(5, 4, 2, 1), FolderRef(5, 4, 3, 1)))]
+  new, rounds = _new_plan(reports, lambda c: len(c.available) == c.count)
+  assert new == restore_plan.plan(reports, lambda c: len(c.available) == c.count)
+  assert [(r, p) for r, p, _ in new.servers] == [(0, 0), (1, 1), (2, 0), (3, 1)]
+  assert len(rounds) == 6  # saves, tiers, cover, servers, the next holders, none left
+
+
+def _ring(hosts: int, lost: int, steps=(1000, 1100, 1200)) -> list[HostReport]:
+  gone = set(range(0, hosts, hosts // lost)) if lost else set()
+  return [HostReport(own=tuple(FolderRef(s, hosts, h, 3) for s in steps),
+                     copies=tuple(FolderRef(s, hosts, (h - 1) % hosts, 3) for s in steps))
+          for h in range(hosts) if h not in gone]
+
+
+@pytest.mark.parametrize("hosts", [8, 100, 1000])
+def test_bytes_per_process_as_a_function_of_the_host_count(hosts):
+  reports = _ring(hosts, max(1, hosts // 100))
+  plan, rounds = _new_plan(reports, lambda c: len(c.available) == c.count)
+  assert plan is not None and plan.step == 1200
+  processes = len(reports)
+  vectors = [r.nbytes for r in rounds]
+  # saves 640 B, tiers 1 B per saved rank, cover 20 B, servers `width` bytes per saved rank.
+  assert vectors == [640, hosts, 20, census.width(processes) * hosts]
+  assert census.planning_bytes(hosts, processes) == sum(
+      reduction.received_bytes(v, processes) for v in vectors)
+  assert census.planning_bytes(100_000, 99_000) < (1 << 20) - 2048  # room for the census
+
+
+def test_width_grows_by_bytes_of_the_process_index():
+  assert [census.width(n) for n in (1, 255, 256, 65535, 65536, 100_000)] == [1, 1, 2, 2, 3, 3]
+  assert np.array_equal(census.Agreed(1, 3, 0, np.array([3, 0, 1], np.uint8)).tiers,
+                        [3, 0, 1])
