@@ -29,23 +29,14 @@ def _new_plan(reports, covers, *, requested_step=None, min_step=None, excluded=(
                            excluded=excluded, dropped=dropped) for p, r in enumerate(reports)]
   rounds: list[reduction.Parts] = []
   reduce = _reducer(mines, rounds)
-  saves = census.agree_saves(mines[0], 0, reduce, [])
-  for step in sorted({s[0] for s in saves}, reverse=True):
-    group = tuple(s for s in saves if s[0] == step)
-    agreed = census.read_tiers(reduce(reduction.Round(
-        mines[0], 0, lambda m, _, g=group: census.tiers_parts(m, g))), group)
-    ok = [covers(a) for a in agreed]
-    known = [[bool(mines[p].get(a.save)) for a in agreed] for p in range(len(reports))]
 
-    def cover(m, p, agreed=agreed, ok=ok, known=known):
-      return census.cover_parts(m, agreed, known[p], ok)
-    got = census.read_cover(reduce(reduction.Round(mines[0], 0, cover)), len(agreed))
-    for i, c in enumerate(got):
-      if c.covered:
-        servers = census.agree_servers(mines[0], 0, agreed[i], c, len(reports), reduce, [])
-        return restore_plan.ElasticPlan(agreed[i].step, agreed[i].count, agreed[i].digest,
-                                        servers), rounds
-  return None, rounds
+  def facts(p, agreed):
+    return [bool(mines[p].get(a.save)) for a in agreed], [covers(a) for a in agreed]
+  chosen, cover, _ = census.choose(mines[0], 0, reduce, facts)
+  if chosen is None:
+    return None, rounds
+  servers = census.agree_servers(mines[0], 0, chosen, cover, len(reports), reduce, [])
+  return restore_plan.ElasticPlan(chosen.step, chosen.count, chosen.digest, servers), rounds
 
 
 def _random_cluster(rng: random.Random) -> list[HostReport]:
@@ -112,28 +103,53 @@ def test_servers_replay_the_load_spreading_of_copies_held_twice():
   assert len(rounds) == 6  # saves, tiers, cover, servers, the next holders, none left
 
 
-def _ring(hosts: int, lost: int, steps=(1000, 1100, 1200)) -> list[HostReport]:
-  gone = set(range(0, hosts, hosts // lost)) if lost else set()
-  return [HostReport(own=tuple(FolderRef(s, hosts, h, 3) for s in steps),
-                     copies=tuple(FolderRef(s, hosts, (h - 1) % hosts, 3) for s in steps))
-          for h in range(hosts) if h not in gone]
+def _ring(hosts: int, lost: int, replaced: bool, steps=(1000, 1100, 1200)):
+  """A job of `hosts` with a ring peer copy each after `lost` hosts died: the survivors alone
+  (renumbered), or with the lost ones replaced by empty hosts. Returns the reports and the
+  ranks whose one holder is not the process of their index."""
+  gone = set(range(1, hosts, hosts // lost))
+  reports, process_of = [], {}
+  for h in range(hosts):
+    if h in gone:
+      if replaced:
+        reports.append(HostReport())
+      continue
+    process_of[h] = len(reports)
+    reports.append(HostReport(own=tuple(FolderRef(s, hosts, h, 3) for s in steps),
+                              copies=tuple(FolderRef(s, hosts, (h - 1) % hosts, 3)
+                                           for s in steps)))
+  server = {r: process_of[r] if r in process_of else process_of[(r + 1) % hosts]
+            for r in range(hosts)}
+  return reports, sum(p != r for r, p in server.items())
 
 
+@pytest.mark.parametrize("replaced", [False, True])
 @pytest.mark.parametrize("hosts", [8, 100, 1000])
-def test_bytes_per_process_as_a_function_of_the_host_count(hosts):
-  reports = _ring(hosts, max(1, hosts // 100))
+def test_bytes_per_process_as_a_function_of_the_host_count(hosts, replaced):
+  reports, coded = _ring(hosts, max(1, hosts // 100), replaced)
   plan, rounds = _new_plan(reports, lambda c: len(c.available) == c.count)
   assert plan is not None and plan.step == 1200
+  assert plan == restore_plan.plan(reports, lambda c: len(c.available) == c.count)
   processes = len(reports)
+  # saves 640 B, tiers 1 B per saved rank, cover 20 B, servers `width` bytes per rank whose
+  # holder is not the process of its index (most ranks after a renumbering; the lost ones
+  # when they were replaced).
   vectors = [r.nbytes for r in rounds]
-  # saves 640 B, tiers 1 B per saved rank, cover 20 B, servers `width` bytes per saved rank.
-  assert vectors == [640, hosts, 20, census.width(processes) * hosts]
-  assert census.planning_bytes(hosts, processes) == sum(
+  assert vectors == [640, hosts, 20, census.width(processes) * coded]
+  assert vectors == census.planning_vectors(hosts, processes, coded)
+  assert census.planning_bytes(hosts, processes, coded) == sum(
       reduction.received_bytes(v, processes) for v in vectors)
-  assert census.planning_bytes(100_000, 99_000) < (1 << 20) - 2048  # room for the census
+  if replaced:
+    assert coded == max(1, hosts // 100)
+
+
+def test_planning_stays_under_a_mebibyte_at_100000_hosts():
+  # Renumbered survivors: nearly every rank coded in 3 bytes; replaced hosts: the lost ones.
+  assert census.planning_bytes(100_000, 99_000, coded=99_000) < 800_000
+  assert census.planning_bytes(100_000, 100_000, coded=1000) < 210_000
 
 
 def test_width_grows_by_bytes_of_the_process_index():
   assert [census.width(n) for n in (1, 255, 256, 65535, 65536, 100_000)] == [1, 1, 2, 2, 3, 3]
-  assert np.array_equal(census.Agreed(1, 3, 0, np.array([3, 0, 1], np.uint8)).tiers,
-                        [3, 0, 1])
+  agreed = census.Agreed(1, 3, 0, np.array([3, 0, 1]), np.array([True, False, False]))
+  assert agreed.available == {0, 2} and agreed.current == 1

@@ -11,13 +11,15 @@ from the gathered reports (tests/test_restore_census.py):
   whose minimum equals its maximum names one save, and a bucket that does not is hashed again
   into more buckets (16 int32 x 10 per bucket);
 * **tiers** (per step, newest first, until a save is chosen): per (save of the step, saved
-  rank), the best kind of folder any process holds, a uint8 max (3 own, 2 set aside, 1 copy,
-  0 none): availability, the candidates' order and each rank's preferred kind;
+  rank), the best kind of folder any process holds, a uint8 max of 2 x kind (3 own, 2 set
+  aside, 1 copy, 0 none) + 1 where the holder is the process of that index (a restart on the
+  saved layout): availability, the candidates' order and each rank's preferred kind;
 * **cover** (per step, unless the newest save is whole): per save, how many processes read its
   layout and how many of those find it not covered (the old `CoverRecord`), and per kind how
   many (process, rank) holdings are at their rank's best kind;
 * **servers** (the chosen save): where every rank's best kind has one holder (the counts
-  say), its process + 1 in `width` bytes, one uint8 max each (only that process adds them);
+  say), that holder: the process of the rank's index when the tiers round says so, else its
+  process + 1 in `width` bytes, one uint8 max each (only that process adds them);
   where some have several, the lowest holder (an int32 max of -process) and then the next
   ones, one round each, so the load-spreading choice of `plan.choose_servers` is replayed
   exactly.
@@ -149,12 +151,14 @@ class Agreed:
   Attributes:
     step, count, digest: The save.
     tiers: Per saved rank, the best kind any process holds (3 own, 2 aside, 1 copy, 0 none).
+    selfheld: Per saved rank, whether the process of its index holds it at that kind.
   """
 
   step: int
   count: int
   digest: int
   tiers: np.ndarray
+  selfheld: np.ndarray
 
   @property
   def save(self) -> Save:
@@ -179,13 +183,13 @@ class Agreed:
     return (-self.step, -self.held, -self.current, self.count, self.digest)
 
 
-def tiers_parts(mine: Mine, saves: Sequence[Save]) -> Parts:
-  """Per (save, saved rank), the best kind this process holds."""
+def tiers_parts(mine: Mine, me: int, saves: Sequence[Save]) -> Parts:
+  """Per (save, saved rank), 2 x the best kind this process holds, + 1 if it is rank `me`."""
   parts = Parts.empty(0, 0, sum(s[1] for s in saves))
   at = 0
   for save in saves:
     for rank, kinds in mine.get(save, {}).items():
-      parts.flags[at + rank] = max(TIER[k] for k in kinds)
+      parts.flags[at + rank] = 2 * max(TIER[k] for k in kinds) + (rank == me)
     at += save[1]
   return parts
 
@@ -194,7 +198,8 @@ def read_tiers(reduced: Parts, saves: Sequence[Save]) -> list[Agreed]:
   """The saves with their agreed tiers, in `plan.candidates`'s order."""
   out, at = [], 0
   for step, count, digest in saves:
-    out.append(Agreed(step, count, digest, reduced.flags[at:at + count].copy()))
+    cell = reduced.flags[at:at + count]
+    out.append(Agreed(step, count, digest, cell >> 1, (cell & 1).astype(bool)))
     at += count
   return sorted(out, key=Agreed.order)
 
@@ -234,6 +239,70 @@ def read_cover(reduced: Parts, count: int) -> list[Cover]:
           for i in range(count)]
 
 
+# ----------------------------------------------------------------------------- choosing
+
+Facts = Callable[[int, Sequence[Agreed]], tuple[Sequence[bool], Sequence[bool]]]
+
+
+def choose(mine: Mine, me: int, reduce: Reduce, facts: Facts, *,
+           usable: Callable[[Agreed], bool] = lambda a: True,
+           refuse: Callable[[Agreed], None] = lambda a: None, limit: int = 62,
+           rounds: list[Parts] | None = None
+           ) -> tuple[Agreed | None, Cover | None, list[tuple[Agreed, bool]]]:
+  """The save to restore: the newest covered and `usable` one, in `plan.candidates`'s order.
+
+  Steps are examined newest first, a tiers and a cover round each, until one has a usable
+  save; every branch reads only reduced data (rule 8).
+
+  Args:
+    mine: This process's usable folders (`holdings`).
+    me: This process.
+    reduce: The collective.
+    facts: `facts(process, saves)`: whether that process read each save's layout, and found
+      it covered (a live job calls it for itself only; a simulation for every process).
+    usable: Whether a covered save may be chosen (per-process items need every rank).
+    refuse: Called with the newest covered save when its step has none usable (it may raise).
+    limit: Saves examined at most.
+    rounds: Where the reduced rounds are appended.
+
+  Returns:
+    (the chosen save, its cover answer, every save examined with whether it is covered).
+  """
+  rounds = [] if rounds is None else rounds
+
+  def run(contribute: Callable[[Mine, int], Parts]) -> Parts:
+    rounds.append(reduce(reduction.Round(mine, me, contribute)))
+    return rounds[-1]
+
+  saves = agree_saves(mine, me, reduce, rounds)[:limit]
+  newest: Agreed | None = None
+  examined: list[tuple[Agreed, bool]] = []
+  for step in sorted({s[0] for s in saves}, reverse=True):
+    group = tuple(s for s in saves if s[0] == step)
+    agreed = read_tiers(run(lambda m, p, g=group: tiers_parts(m, p, g)), group)
+    first = agreed[0]
+    # Every saved rank of the newest save is available: it covers itself and is the one
+    # chosen, so no process reads a layout (the usual restart); the cover round then only
+    # counts the holders, for the servers round.
+    fast = not examined and first.held == first.count and usable(first)
+
+    def cover(m: Mine, p: int, agreed: list[Agreed] = agreed, fast: bool = fast) -> Parts:
+      known, found = ([False] * len(agreed),) * 2 if fast else facts(p, agreed)
+      return cover_parts(m, agreed, known, found)
+    covers = read_cover(run(cover), len(agreed))
+    covered = [(a.held == a.count) if fast else c.covered
+               for c, a in zip(covers, agreed, strict=True)]
+    examined += zip(agreed, covered, strict=True)
+    if newest is None and any(covered):
+      newest = agreed[covered.index(True)]
+    for i, ok in enumerate(covered):
+      if ok and usable(agreed[i]):
+        return agreed[i], covers[i], examined
+    if newest is not None:
+      refuse(newest)
+  return None, None, examined
+
+
 # ----------------------------------------------------------------------------- servers
 
 
@@ -248,21 +317,23 @@ def unique_tiers(agreed: Agreed, holders: Sequence[int]) -> set[int]:
           if holders[3 - t] == int(np.count_nonzero(agreed.tiers == t))}
 
 
-def servers_parts(mine: Mine, me: int, agreed: Agreed, unique: Collection[int],
+def servers_parts(mine: Mine, me: int, agreed: Agreed, coded: Sequence[int],
                   shared: Sequence[int], processes: int) -> Parts:
-  """Where a rank's best kind has one holder, its process + 1 in `width` uint8 maxima; for
-  the `shared` ranks (several holders), -process maxed (the lowest)."""
+  """For the `coded` ranks (one holder at the best kind, not the rank's own process), the
+  holder's process + 1 in `width` uint8 maxima; for the `shared` ranks (several holders),
+  -process maxed (the lowest)."""
   w = width(processes)
-  parts = Parts.empty(0, len(shared), w * agreed.count)
+  parts = Parts.empty(0, len(shared), w * len(coded))
+  codes = {rank: i for i, rank in enumerate(coded)}
   slot = {rank: i for i, rank in enumerate(shared)}
   code = np.frombuffer((me + 1).to_bytes(w, "little"), np.uint8)
   for rank, kinds in mine.get(agreed.save, {}).items():
     best = int(agreed.tiers[rank])
     if not best or KIND[best] not in kinds:
       continue
-    if best in unique:
-      parts.flags[w * rank:w * rank + w] = code
-    else:
+    if rank in codes:
+      parts.flags[w * codes[rank]:w * codes[rank] + w] = code
+    elif rank in slot:
       parts.top[slot[rank]] = -me
   return parts
 
@@ -284,16 +355,18 @@ def agree_servers(mine: Mine, me: int, agreed: Agreed, cover: Cover, processes: 
                   reduce: Reduce, rounds: list[Parts]) -> tuple[tuple[int, int, int], ...]:
   """`plan.choose_servers` of the chosen save: (saved rank, process, kind), by rank."""
   unique = unique_tiers(agreed, cover.holders)
-  shared = [int(r) for r in np.flatnonzero(agreed.tiers) if int(agreed.tiers[r]) not in unique]
+  held = [int(r) for r in np.flatnonzero(agreed.tiers)]
+  shared = [r for r in held if int(agreed.tiers[r]) not in unique]
+  coded = [r for r in held if int(agreed.tiers[r]) in unique and not agreed.selfheld[r]]
   reduced = reduce(reduction.Round(mine, me, lambda m, p: servers_parts(
-      m, p, agreed, unique, shared, processes)))
+      m, p, agreed, coded, shared, processes)))
   rounds.append(reduced)
   w = width(processes)
-  holders: dict[int, list[int]] = {}
-  codes = reduced.flags.reshape(agreed.count, w) if agreed.count else reduced.flags
-  for rank in np.flatnonzero(agreed.tiers):
-    if int(agreed.tiers[rank]) in unique:
-      holders[int(rank)] = [int.from_bytes(codes[rank].tobytes(), "little") - 1]
+  holders: dict[int, list[int]] = {r: [r] for r in held
+                                   if int(agreed.tiers[r]) in unique and agreed.selfheld[r]}
+  codes = reduced.flags.reshape(len(coded), w)
+  for i, rank in enumerate(coded):
+    holders[rank] = [int.from_bytes(codes[i].tobytes(), "little") - 1]
   last = [int(-v) for v in reduced.top]
   for i, rank in enumerate(shared):
     holders[rank] = [last[i]]
@@ -331,12 +404,18 @@ def replay(agreed: Agreed, holders: dict[int, list[int]]) -> tuple[tuple[int, in
   return tuple(sorted(servers))
 
 
-def planning_bytes(count: int, processes: int, saves: int = 1, shared_rounds: int = 0,
-                   shared: int = 0) -> int:
-  """Bytes one process receives planning a restore of a save of `count` saved ranks, the
-  newest step holding `saves` saves (no collisions in the first saves round): the saves, tiers,
-  cover and servers rounds, plus `shared_rounds` rounds for `shared` ranks with several
-  holders at their best kind."""
-  vectors = [4 * 2 * _FIELDS * FIRST_BUCKETS, saves * count, 4 * 5 * saves,
-             width(processes) * count + 4 * shared] + [4 * shared] * shared_rounds
+def planning_vectors(count: int, processes: int, coded: int, saves: int = 1,
+                     shared: int = 0, shared_rounds: int = 0) -> list[int]:
+  """Bytes of each round's vector planning a restore of a save of `count` saved ranks, the
+  newest step holding `saves` saves of that size (no collision in the first saves round):
+  saves, tiers, cover and servers, where `coded` ranks have one holder that is not the
+  process of their index, and `shared` have several (`shared_rounds` more rounds)."""
+  return [4 * 2 * _FIELDS * FIRST_BUCKETS, saves * count, 4 * 5 * saves,
+          width(processes) * coded + 4 * shared] + [4 * shared] * shared_rounds
+
+
+def planning_bytes(count: int, processes: int, coded: int, saves: int = 1, shared: int = 0,
+                   shared_rounds: int = 0) -> int:
+  """Bytes one process receives in those rounds (ring all-reduces)."""
+  vectors = planning_vectors(count, processes, coded, saves, shared, shared_rounds)
   return sum(reduction.received_bytes(v, processes) for v in vectors)

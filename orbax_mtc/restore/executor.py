@@ -50,7 +50,7 @@ from orbax_mtc.restore.sources import HostFolders
 from orbax_mtc.restore.writeback import Restored, WriteBack
 
 ELASTIC, LOCAL, PEER = "elastic", "local", "peer"  # RestoreInfo.tier of a RAM restore
-_MAX_CANDIDATES = 62  # candidates whose coverage one agreement decides (bits of an int64)
+_MAX_CANDIDATES = 62  # saves a plan examines at most (the bits one CoverRecord had)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,55 +194,30 @@ class RamRestore:
   def _reduce(self, what: str, listing: bool = False) -> census.Reduce:
     return lambda rnd: self._ledger.reduce(rnd, what, listing=listing)
 
-  def _choose(self, mine: census.Mine, per_process: list[str], *, listing: bool = False
+  def _choose(self, mine: census.Mine, per_process: list[str]
               ) -> tuple[census.Agreed | None, census.Cover | None,
                          list[tuple[census.Agreed, bool]]]:
-    """The save to restore (the newest usable, in `plan.candidates`'s order), its cover
-    answer, and every save examined with whether it is covered. Steps are examined newest
-    first, a tiers round and a cover round each, until one is usable; every branch reads
-    only reduced data (rule 8)."""
-    reduce = self._reduce("planning a restore", listing)
-    saves = census.agree_saves(mine, self._me, reduce, [])[:_MAX_CANDIDATES]
-    newest_covered: census.Agreed | None = None
-    examined: list[tuple[census.Agreed, bool]] = []
-    for step in sorted({s[0] for s in saves}, reverse=True):
-      group = tuple(s for s in saves if s[0] == step)
-      agreed = census.read_tiers(reduce(reduction.Round(
-          mine, self._me, lambda m, _, g=group: census.tiers_parts(m, g))), group)
-      first = agreed[0]
-      # Every saved rank of the newest save is available: it covers itself and is the one
-      # chosen, so no process reads a layout (the usual restart); the cover round then only
-      # counts the holders, for the servers round.
-      fast = not examined and first.held == first.count and (
-          not per_process or self._every_rank(first))
-      covers = self._agree_cover(mine, agreed, reduce, check=not fast)
-      covered = [(a.held == a.count) if fast else c.covered
-                 for c, a in zip(covers, agreed, strict=True)]
-      examined += zip(agreed, covered, strict=True)
-      usable = [i for i, ok in enumerate(covered)
-                if ok and (not per_process or self._every_rank(agreed[i]))]
-      if newest_covered is None and any(covered):
-        newest_covered = agreed[covered.index(True)]
-      if usable:
-        return agreed[usable[0]], covers[usable[0]], examined
-      if per_process and newest_covered is not None:
-        self._refuse_other_count(per_process, newest_covered)
-    return None, None, examined
+    """The save to restore, its cover answer and the saves examined (census.choose); with
+    per-process items, only a save of every rank of this process count."""
+    return census.choose(
+        mine, self._me, self._reduce("planning a restore"),
+        lambda _, agreed: self._facts(mine, agreed),
+        usable=lambda a: not per_process or self._every_rank(a),
+        refuse=lambda newest: per_process and self._refuse_other_count(per_process, newest),
+        limit=_MAX_CANDIDATES)
 
-  def _agree_cover(self, mine: census.Mine, agreed: list[census.Agreed],
-                   reduce: census.Reduce, *, check: bool = True) -> list[census.Cover]:
-    """The cover round: which saves the available ranks cover (the processes holding a
-    layout read it), and the holders at each rank's best kind."""
+  def _facts(self, mine: census.Mine, agreed: list[census.Agreed]
+             ) -> tuple[list[bool], list[bool]]:
+    """Per save: whether this process read its layout, and found it covered by the
+    available ranks."""
     known, covered = [False] * len(agreed), [False] * len(agreed)
-    for i, candidate in enumerate(agreed if check else ()):
+    for i, candidate in enumerate(agreed):
       manifest = self._layout_of(mine, candidate)
       if manifest is None or tiles.digest(manifest) != candidate.digest:
         continue
       known[i] = True
       covered[i] = restore_plan.covered(tiles.holder_sets(manifest), candidate.available)
-    reduced = reduce(reduction.Round(mine, self._me, lambda m, _: census.cover_parts(
-        m, agreed, known, covered)))
-    return census.read_cover(reduced, len(agreed))
+    return known, covered
 
   def _layout_of(self, mine: census.Mine,
                  candidate: census.Agreed) -> local_format.StepManifest | None:
@@ -332,8 +307,11 @@ class RamRestore:
     if not foreign:
       return []
     agreed = census.read_tiers(reduce(reduction.Round(
-        mine, self._me, lambda m, _: census.tiers_parts(m, foreign))), foreign)
-    covers = self._agree_cover(mine, agreed, reduce)
+        mine, self._me, lambda m, p: census.tiers_parts(m, p, foreign))), foreign)
+    known, covered = self._facts(mine, agreed)
+    covers = census.read_cover(reduce(reduction.Round(
+        mine, self._me, lambda m, _: census.cover_parts(m, agreed, known, covered))),
+        len(agreed))
     return sorted({a.step for a, c in zip(agreed, covers, strict=True) if c.covered})
 
   def _settle(self, step: int, restored: dict[str, Any]) -> dict[str, Any]:
