@@ -144,7 +144,7 @@ def agree_saves(mine: Mine, me: int, reduce: Reduce, rounds: list[Parts]) -> lis
 # ----------------------------------------------------------------------------- tiers
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # numpy fields: compared by identity
 class Agreed:
   """One save as the reductions describe it (the same on every process).
 
