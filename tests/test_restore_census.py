@@ -153,3 +153,27 @@ def test_width_grows_by_bytes_of_the_process_index():
   assert [census.width(n) for n in (1, 255, 256, 65535, 65536, 100_000)] == [1, 1, 2, 2, 3, 3]
   agreed = census.Agreed(1, 3, 0, np.array([3, 0, 1]), np.array([True, False, False]))
   assert agreed.available == {0, 2} and agreed.current == 1
+
+
+def test_the_saves_round_hashes_again_until_every_save_is_named():
+  saves = [(1000 + s, 4 + s % 3, 0xFFFFFFFF - s) for s in range(100)]  # more than 16 buckets
+  mines = [{save: {0: (restore_plan.OWN,)} for save in saves[p::3]} for p in range(3)]
+  rounds: list[reduction.Parts] = []
+  found = census.agree_saves(mines[0], 0, _reducer(mines, rounds), [])
+  assert found == sorted(saves, key=lambda s: (-s[0], s[1], s[2]))
+  assert len(rounds) >= 2 and rounds[0].nbytes == 640
+
+
+def test_a_restore_census_names_the_steps_asked_for_when_they_differ():
+  from orbax_mtc import save_census
+  from orbax_mtc.agreement import SaveRecord
+
+  records = [SaveRecord(step=s) for s in (-1, 7, 7)]
+
+  def reduce(rnd):
+    return reduction.combine(rnd.contribute(r, p) for p, r in enumerate(records))
+  answer = save_census.agree(records[0], 0, 3, None, [], [], reduce, restoring=True)
+  assert answer.steps_error == (
+      "restore() was called with different steps on different processes: process 0: None, "
+      "process 1 and 1 other process(es): 7. Every process must restore the same step; use "
+      "step = mgr.latest_step(), which is the same on every process.")

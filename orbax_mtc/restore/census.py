@@ -130,8 +130,7 @@ def agree_saves(mine: Mine, me: int, reduce: Reduce, rounds: list[Parts]) -> lis
   """Every save some process holds, newest step first, then (count, digest)."""
   shape = SavesShape()
   for _ in range(MAX_SAVE_ROUNDS):
-    reduced = reduce(reduction.Round(
-        sorted(mine), me, lambda saves, _, s=shape: saves_parts(saves, s)))
+    reduced = reduce(reduction.Round(mine, me, lambda m, _, s=shape: saves_parts(m, s)))
     rounds.append(reduced)
     found, whole = read_saves(reduced, shape)
     if whole:
