@@ -43,6 +43,7 @@ from orbax_mtc.local.writer import RamWriter
 from orbax_mtc.peers import copy_store as peer_store
 from orbax_mtc.peers.copies import PeerCopies
 from orbax_mtc.restore import census, tiles
+from orbax_mtc.restore import outcome as agreed_outcome
 from orbax_mtc.restore import plan as restore_plan
 from orbax_mtc.restore.attempt import Exclude, Lacking, Sources, StepAttempt
 from orbax_mtc.restore.plan import COPY, HostReport
@@ -176,13 +177,11 @@ class RamRestore:
       restored = built.restored
       if per_process:
         restored = self._settle(plan.step, restored)
-      outcomes = attempt.outcomes
       # Another layout (or rank order: a folder's bytes have no owner, rule 11): every
       # process writes the step anew; else those whose own current folder did not serve.
-      rewritten = any(o.moved for o in outcomes) or any(
+      rewritten = attempt.outcome.moved or any(
           kind != COPY and process != rank for rank, process, kind in plan.servers)
-      recovered = tuple(range(self.count)) if rewritten else tuple(
-          p for p, o in enumerate(outcomes) if not o.in_place)
+      recovered = tuple(range(self.count)) if rewritten else attempt.outcome.not_in_place
       tier = ELASTIC if rewritten else PEER if self._me in recovered else LOCAL
       if single or (single is None and built.default_item):
         value = restored[item_args.DEFAULT_ITEM]
@@ -322,12 +321,11 @@ class RamRestore:
       restored = process_state.settle(restored)
     except Exception as e:  # noqa: BLE001 - agreed below, raised everywhere
       problem = f"{type(e).__name__}: {e}"
-    outcomes = self._ledger.agree(agreement.BuildRecord(
-        status=Status.MISMATCH if problem else Status.OK, message=problem),
-        f"setting the data iterators of step {step}")
-    refused = [(p, o.message) for p, o in enumerate(outcomes) if o.status != Status.OK]
-    if refused:
-      process, message = refused[0]
+    agreed = agreed_outcome.agree(agreement.BuildRecord(
+        status=Status.MISMATCH if problem else Status.OK, message=problem, in_place=True),
+        self._me, self.count, {}, 0, self._reduce(f"setting the data iterators of step {step}"))
+    if Status.MISMATCH in agreed.said:
+      process, message = agreed.said[Status.MISMATCH]
       raise local_format.AbstractStateMismatchError(
           f"process {process}: the iterator refused the state saved with step {step} "
           f"({message}). Restore into an iterator built as the one that was saved (same "
