@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from orbax_mtc import agreement, save_census
-from orbax_mtc.restore import census
+from orbax_mtc.restore import census, outcome
 from orbax_mtc.restore import plan as elastic_plan
 from orbax_mtc.tools.bench import agreement_scale, elastic_scale
 
@@ -73,6 +73,8 @@ def test_the_restore_agreement_bytes_per_process_follow_the_census_and_planning_
   assert row["restore_replaced_bytes"] == save_census.bytes_per_process(
       hosts, 3, lacking=3) + census.planning_bytes(hosts, hosts, lost)
   assert row["restore_elastic_before_bytes"] == (3384 + 16) * (survivors - 1)
+  # The build's outcome: one statuses round when all went well.
+  assert row["outcome_after_bytes"] == outcome.outcome_bytes(survivors)
 
 
 def test_measure_refuses_an_odd_host_count():

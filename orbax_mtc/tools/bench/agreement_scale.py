@@ -35,7 +35,7 @@ from orbax_mtc import agreement, reduction, save_census
 from orbax_mtc import step_listing as listing
 from orbax_mtc.agreement import Inventory, SaveRecord, Status
 from orbax_mtc.peers import send_census
-from orbax_mtc.restore import census
+from orbax_mtc.restore import census, outcome
 from orbax_mtc.restore import plan as restore_plan
 
 RAM_STEPS = (1000, 1100, 1200)
@@ -196,6 +196,14 @@ def restore_agreement(hosts: int, lost: Sequence[int],
     vectors = [p.nbytes for p in answer.rounds] + planning
     out[f"restore_{case}_rounds"] = len(vectors)
     out[f"restore_{case}_bytes"] = sum(reduction.received_bytes(v, processes) for v in vectors)
+  # After the transfer (survivors): the build's outcome, gathered before and reduced now; the
+  # exchange's ServeRecord, still gathered with one int64 size per ordered pair of processes.
+  processes = len(survivors)
+  build_row = 8 * agreement.row_size(agreement.BuildRecord)
+  serve_row = 8 * (agreement.row_size(agreement.ServeRecord) + processes * (processes - 1))
+  out["outcome_before_bytes"] = reduction.gathered_bytes(build_row, processes)
+  out["outcome_after_bytes"] = outcome.outcome_bytes(processes)
+  out["serve_bytes"] = reduction.gathered_bytes(serve_row, processes)
   return out
 
 

@@ -199,7 +199,8 @@ def measure(hosts: int, leaves: int, reps: int, seed: int = 0) -> dict[str, Any]
 
 
 def _size(n: float) -> str:
-  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+  for unit, scale in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20),
+                      ("KiB", 2**10)):
     if n >= scale:
       return f"{n / scale:.1f} {unit}"
   return f"{n:.0f} B"
@@ -254,6 +255,16 @@ def markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
             "process by process and checked against the all-gather's plan up to "
             f"{agreement_scale.EXACT_UP_TO:,} hosts; beyond, the planning rounds' sizes from "
             "the formula."]
+  lines += ["", "After the transfer of an elastic restore: the build's outcome (before: an "
+            "all-gather of `BuildRecord` rows; after: `restore/outcome`'s statuses round, "
+            "4 x (22 + P / 32) bytes when all went well), and the exchange's `ServeRecord`, "
+            "still an all-gather with one int64 size per ordered pair of processes:", "",
+            "| hosts | outcome, before | outcome, after | exchange (ServeRecord, unchanged) |",
+            "|---:|---:|---:|---:|"]
+  for r in rows:
+    lines.append(
+        f"| {r['hosts']:,} | {_size(r['outcome_before_bytes'])} | "
+        f"{_size(r['outcome_after_bytes'])} | {_size(r['serve_bytes'])} |")
   lines += ["", "Replication (one peer per host): at each save() call while a node still "
             "writes the step, then once per step for the bytes per copy edge:", "",
             "| hosts | before: all-gather, each call | after: status, each call "
