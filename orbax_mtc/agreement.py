@@ -252,7 +252,8 @@ class BuildRecord:
 
 @dataclasses.dataclass(frozen=True)
 class ServeRecord:
-  """A restore's exchange; its byte count per stream follows (`gather_with_sizes`).
+  """A restore's exchange: this process's serving status (reduced by
+  restore/outcome.agree_serve; the streams by peers/exchange.agree_streams).
 
   Attributes:
     status: OK; UNUSABLE (damaged folders, `failed_ranks`); LACKING (folders without a

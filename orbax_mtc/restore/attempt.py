@@ -124,22 +124,31 @@ class StepAttempt:
         built, early = self._build(plan, folders, {}, layout, targets, single)
     status = next((s for s in (Status.FAILED, Status.UNUSABLE, Status.LACKING) if s in failed),
                   Status.MISMATCH if mismatch else Status.OK)
-    edges = [(src, dst) for src in range(count) for dst in range(count) if src != dst]
     served = agreement.ServeRecord(status=status, failed_ranks=tuple(failed.get(status, ())),
                                    message=mismatch or "; ".join(problems), early=early)
-    buffers, sink_for = receive_buffers()
-    result = exchange.exchange(
-        edges, me, outgoing, exchange.outgoing_sizes(edges, me, outgoing), served,
-        lambda row: self._ledger.allgather(row, f"serving step {step}"),
-        proceed=lambda records, _: all(r.status == Status.OK for r in records),
-        sink_for=sink_for, chunk_limit=self._chunk_bytes, window=self._window)
-    if result.transfer is None:
-      raise_agreed(agreed_outcome.of_records(list(result.records)), step)
-    if (result.sizes <= 0).all() and all(r.early.status != Status.NONE for r in result.records):
-      agreed = agreed_outcome.of_records([r.early for r in result.records])
+    # Reductions (restore/outcome, peers/exchange): their size grows with the streams that
+    # move, never with the pairs of processes.
+    what = f"serving step {step}"
+    sends = {dest: stream.nbytes for dest, stream in outgoing.items()}
+    agreed_serve = agreed_outcome.agree_serve(
+        served, me, count, plan.server_of(), plan.count, sends,
+        lambda rnd: self._ledger.reduce(rnd, what))
+    if not agreed_serve.serving.ok:
+      raise_agreed(agreed_serve.serving, step)
+    if agreed_serve.early is not None:
+      agreed = agreed_serve.early
     else:
-      if (result.sizes > 0).any():
-        result.transfer.run()
+      buffers, sink_for = receive_buffers()
+      failures: list[str] = []
+      if agreed_serve.streams:
+        streams = exchange.agree_streams(sends, me, count, agreed_serve.streams,
+                                         agreed_serve.bits, agreed_serve.most,
+                                         lambda rnd: self._ledger.reduce(rnd, what))
+        transfer = exchange.transfer(
+            streams, me, outgoing, sink_for=sink_for, chunk_limit=self._chunk_bytes,
+            window=self._window, allgather=lambda row: self._ledger.allgather(row, what))
+        transfer.run()
+        failures = transfer.failures
       if built is None:
         if layout is None:
           try:
@@ -148,7 +157,7 @@ class StepAttempt:
             early = BuildRecord(status=Status.UNUSABLE, message=str(e))
         if layout is not None:
           built, early = self._build(plan, folders, buffers, layout, targets, single)
-      early = _moving_outcome(me, step, outgoing, result.transfer.failures) or early
+      early = _moving_outcome(me, step, outgoing, failures) or early
       # Reductions (restore/outcome): their size does not grow with the cluster.
       agreed = agreed_outcome.agree(
           early, me, count, plan.server_of(), plan.count,

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from orbax_mtc import reduction, row_codec
-from orbax_mtc.agreement import BuildRecord, Status
+from orbax_mtc.agreement import BuildRecord, ServeRecord, Status
 from orbax_mtc.reduction import LOW, Parts
 
 _STATES = len(Status)
@@ -127,6 +127,13 @@ def agree(record: BuildRecord, me: int, processes: int, server_of: Mapping[int, 
     reduce: The collective.
   """
   first = reduce(reduction.Round(record, me, lambda r, p: statuses(r, p, processes)))
+  return _finish(record, me, first, processes, server_of, count, reduce)
+
+
+def _finish(record: BuildRecord, me: int, first: Parts, processes: int,
+            server_of: Mapping[int, int], count: int,
+            reduce: Callable[[reduction.Round], Parts]) -> Outcome:
+  """The outcome from a reduced statuses round, and the rounds that follow it if needed."""
   add, top = first.add.astype(np.int64), first.top.astype(np.int64)
   counts = {s: int(add[int(s)]) for s in Status}
   lowest = {s: int(-top[int(s)]) for s in Status if counts[s] and top[int(s)] != LOW}
@@ -137,14 +144,7 @@ def agree(record: BuildRecord, me: int, processes: int, server_of: Mapping[int, 
     flags = reduce(reduction.Round(record, me, lambda r, _: ranks(r, count))).flags
     bad = frozenset((server_of[int(r)], int(r)) for r in np.flatnonzero(flags)
                     if int(r) in server_of)
-  spoken = [s for s in _SPOKEN if counts[s]]
-  said: dict[Status, tuple[int, str]] = {}
-  if spoken:
-    speakers = [lowest[s] for s in spoken]
-    told = reduce(reduction.Round(record, me, lambda r, p: messages(r, p, speakers))).add
-    for i, status in enumerate(spoken):
-      said[status] = (speakers[i], _MESSAGE.decode(np.ascontiguousarray(
-          told[i * _WORDS:(i + 1) * _WORDS]).view(np.int64)))
+  said = _said(record, me, counts, lowest, reduce)
   failed = dict([said[Status.FAILED]]) if Status.FAILED in said else {}
   return Outcome(counts, said, failed, bool(add[_STATES]), not_in_place, bad)
 
@@ -156,3 +156,100 @@ def outcome_bytes(processes: int, count: int = 0, spoken: int = 0) -> int:
   vectors += [count] if count else []
   vectors += [4 * _WORDS * spoken] if spoken else []
   return sum(reduction.received_bytes(v, processes) for v in vectors)
+
+
+# ----------------------------------------------------------------------------- the exchange
+
+
+def serve_parts(record: ServeRecord, me: int, processes: int, sends: Mapping[int, int]
+                ) -> Parts:
+  """The exchange's first round: the early build's statuses (`statuses`), then this
+  process's serving status, whether it names failed ranks, how many streams it sends (summed
+  and maxed), and its widest stream's bit length."""
+  early = statuses(record.early, me, processes)
+  parts = Parts.empty(_STATES + 2, _STATES + 2)
+  parts.add[int(record.status)] = 1
+  parts.top[int(record.status)] = -me
+  parts.add[_STATES] = int(bool(record.failed_ranks))
+  parts.add[_STATES + 1] = sum(1 for n in sends.values() if n > 0)
+  parts.top[_STATES] = max((int(n).bit_length() for n in sends.values()), default=0)
+  parts.top[_STATES + 1] = parts.add[_STATES + 1]
+  return Parts(np.concatenate([early.add, parts.add]), np.concatenate([early.top, parts.top]),
+               early.flags)
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+  """The exchange's agreement before any byte moves.
+
+  Attributes:
+    serving: Whether every process can serve (else `raise_agreed` it).
+    early: The build's outcome when every process built before the exchange and no stream
+      is left, else None (build after the transfer).
+    streams: How many streams move.
+    bits: The widest stream's bit length.
+    most: The most streams one process sends.
+  """
+
+  serving: Outcome
+  early: Outcome | None
+  streams: int
+  bits: int
+  most: int = 0
+
+
+def agree_serve(record: ServeRecord, me: int, processes: int, server_of: Mapping[int, int],
+                count: int, sends: Mapping[int, int],
+                reduce: Callable[[reduction.Round], Parts]) -> Served:
+  """The exchange's status by reductions: one round, and only on a failure the failed ranks
+  and the lowest processes' messages (rule 8: branches read reduced data only)."""
+  first = reduce(reduction.Round((record, sends), me, lambda rs, p: serve_parts(
+      rs[0], p, processes, rs[1])))
+  words = reduction.bitmap_words(processes)
+  split = _STATES + 2 + words
+  add, top = first.add.astype(np.int64), first.top.astype(np.int64)
+  serve_add, serve_top = add[split:], top[_STATES:]
+  counts = {s: int(serve_add[int(s)]) for s in Status}
+  streams, bits, most = (int(serve_add[_STATES + 1]), int(serve_top[_STATES]),
+                         int(serve_top[_STATES + 1]))
+  if any(n for s, n in counts.items() if s != Status.OK):
+    lowest = {s: int(-serve_top[int(s)]) for s in Status if counts[s]}
+    bad = lacking = frozenset()
+    if serve_add[_STATES]:
+      codes = reduce(reduction.Round(record, me, lambda r, _: _failed_ranks(r, count))).flags
+      named = [(server_of.get(int(rank)), int(rank), int(codes[rank]))
+               for rank in np.flatnonzero(codes)]
+      bad = frozenset((p, r) for p, r, c in named if p is not None and c == 1)
+      lacking = frozenset((p, r) for p, r, c in named if p is not None and c == 2)
+    said = _said(record, me, counts, lowest, reduce)
+    failed = dict([said[Status.FAILED]]) if Status.FAILED in said else {}
+    return Served(Outcome(counts, said, failed, bad=bad, lacking=lacking), None, streams, bits,
+                  most)
+  serving = Outcome(counts, {}, {})
+  if streams or add[int(Status.NONE)]:
+    return Served(serving, None, streams, bits, most)
+  return Served(serving, _finish(record.early, me, Parts(
+      first.add[:split], first.top[:_STATES], first.flags), processes, server_of, count,
+      reduce), 0, bits)
+
+
+def _failed_ranks(record: ServeRecord, count: int) -> Parts:
+  """Per saved rank this process could not serve: 1 damaged, 2 lacking an item."""
+  parts = Parts.empty(0, 0, count)
+  code = {Status.UNUSABLE: 1, Status.LACKING: 2}.get(record.status, 0)
+  for rank in record.failed_ranks:
+    if code and 0 <= rank < count:
+      parts.flags[rank] = code
+  return parts
+
+
+def _said(record: Any, me: int, counts: Mapping[Status, int], lowest: Mapping[Status, int],
+          reduce: Callable[[reduction.Round], Parts]) -> dict[Status, tuple[int, str]]:
+  """The lowest process's message per failed status (one round, none without a failure)."""
+  spoken = [s for s in _SPOKEN if counts[s]]
+  if not spoken:
+    return {}
+  speakers = [lowest[s] for s in spoken]
+  told = reduce(reduction.Round(record, me, lambda r, p: messages(r, p, speakers))).add
+  return {status: (speakers[i], _MESSAGE.decode(np.ascontiguousarray(
+      told[i * _WORDS:(i + 1) * _WORDS]).view(np.int64))) for i, status in enumerate(spoken)}
