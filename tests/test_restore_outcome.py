@@ -97,7 +97,7 @@ def test_the_exchange_agrees_the_gathered_status_and_every_stream(seed):
     wide = rng.choice([1 << 10, 1 << 33, 1 << 45])
     sends_of.append({d: rng.randrange(wide) for d in range(processes)
                      if d != p and rng.random() < 0.3})
-  reduce, _ = _simulate(serves, sends_of, server_of, count)
+  reduce, rounds = _simulate(serves, sends_of, server_of, count)
   served = outcome.agree_serve(serves[0], 0, processes, server_of, count, sends_of[0], reduce)
   old = outcome.of_records(serves)
   assert (served.serving.ok, served.serving.counts) == (old.ok, old.counts)
@@ -109,11 +109,16 @@ def test_the_exchange_agrees_the_gathered_status_and_every_stream(seed):
   assert served.streams == len(expected)
   if served.streams:
     assert served.early is None
+    first = len(rounds)
     assert served.most == max(len([n for n in s.values() if n > 0]) for s in sends_of)
     for most in (served.most, 300):  # uint8 counts, and int32 past 255 streams a process
       streams = exchange.agree_streams(sends_of[0], 0, processes, served.streams, served.bits,
                                        most, reduce)
       assert sorted((s.source, s.destination, s.nbytes) for s in streams) == expected
+    # The rounds' sizes are the formula's: status, counts (a byte a process), slots.
+    sizes = [r.nbytes for r in rounds[:1] + rounds[first:first + 2]]
+    assert sum(reduction.received_bytes(v, processes) for v in sizes) == \
+        outcome.exchange_bytes(processes, served.streams, served.bits, served.most)
   elif any(s.early.status == Status.NONE for s in serves):
     assert served.early is None
   else:

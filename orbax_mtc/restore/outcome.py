@@ -253,3 +253,15 @@ def _said(record: Any, me: int, counts: Mapping[Status, int], lowest: Mapping[St
   told = reduce(reduction.Round(record, me, lambda r, p: messages(r, p, speakers))).add
   return {status: (speakers[i], _MESSAGE.decode(np.ascontiguousarray(
       told[i * _WORDS:(i + 1) * _WORDS]).view(np.int64))) for i, status in enumerate(spoken)}
+
+
+def exchange_bytes(processes: int, streams: int, bits: int, most: int = 255) -> int:
+  """Bytes one process receives agreeing an exchange that goes ahead: the status round, and
+  with `streams` streams (of at most `bits`-bit sizes, at most `most` from one process) the
+  counts round and the slots round."""
+  words = reduction.bitmap_words(processes)
+  vectors = [4 * (2 * _STATES + 4 + words) + 4 * (2 * _STATES + 2)]
+  if streams:
+    vectors.append(processes if most <= 255 else 4 * processes)
+    vectors.append(streams * (8 if bits <= 31 else 9 if bits <= 39 else 12))
+  return sum(reduction.received_bytes(v, processes) for v in vectors)

@@ -170,10 +170,12 @@ def _planning(reports: Sequence[restore_plan.HostReport], covers, exact: bool
 
 
 def restore_agreement(hosts: int, lost: Sequence[int],
-                      survivors: Sequence[restore_plan.HostReport], covers) -> dict[str, Any]:
+                      survivors: Sequence[restore_plan.HostReport], covers,
+                      streams: int) -> dict[str, Any]:
   """The restore agreement's bytes per process at `hosts`: before (all-gathers of the
   `RestoreRecord` and `CoverRecord` rows), after (census + planning rounds), on the
-  `survivors` alone (their reports, renumbered) and with the `lost` hosts replaced."""
+  `survivors` alone (their reports, renumbered) and with the `lost` hosts replaced; and the
+  survivors' exchange (of `streams` streams, each under 2 GiB) and build outcome."""
   row = 8 * agreement.row_size(agreement.RestoreRecord)
   cover_row = 8 * 2  # the CoverRecord's two int64 (a restore not planned on its fast path)
   out: dict[str, Any] = {"restore_row_bytes": row}
@@ -196,14 +198,16 @@ def restore_agreement(hosts: int, lost: Sequence[int],
     vectors = [p.nbytes for p in answer.rounds] + planning
     out[f"restore_{case}_rounds"] = len(vectors)
     out[f"restore_{case}_bytes"] = sum(reduction.received_bytes(v, processes) for v in vectors)
-  # After the transfer (survivors): the build's outcome, gathered before and reduced now; the
-  # exchange's ServeRecord, still gathered with one int64 size per ordered pair of processes.
+  # The survivors' exchange and build outcome: gathered before (the exchange with one int64
+  # size per ordered pair of processes), reduced now.
   processes = len(survivors)
   build_row = 8 * agreement.row_size(agreement.BuildRecord)
   serve_row = 8 * (agreement.row_size(agreement.ServeRecord) + processes * (processes - 1))
+  out["streams"] = streams
   out["outcome_before_bytes"] = reduction.gathered_bytes(build_row, processes)
   out["outcome_after_bytes"] = outcome.outcome_bytes(processes)
-  out["serve_bytes"] = reduction.gathered_bytes(serve_row, processes)
+  out["serve_before_bytes"] = reduction.gathered_bytes(serve_row, processes)
+  out["serve_after_bytes"] = outcome.exchange_bytes(processes, streams, bits=31)
   return out
 
 

@@ -149,6 +149,31 @@ def _pieces_of(chosen: elastic_plan.ElasticPlan, me: int, fsdp: int,
   return found
 
 
+def _stream_count(chosen: elastic_plan.ElasticPlan, processes: int, fsdp: int,
+                  layouts: Sequence[tuple[_LeafLayout, TileIndex]]) -> int:
+  """The exchange's streams: per receiving process, the other processes serving a saved rank
+  that provides a tile of one of its new shards (every leaf layout once: leaves of one layout
+  share their sources)."""
+  server_of = chosen.server_of()
+  available = set(server_of)
+  preferred = {rank for rank, _, kind in chosen.servers if kind != elastic_plan.COPY}
+  served = {p: set() for p in range(processes)}
+  for rank, process in server_of.items():
+    served[process].add(rank)
+  total = 0
+  for me in range(processes):
+    positions = [d % fsdp for d in range(me * DEVICES_PER_HOST, (me + 1) * DEVICES_PER_HOST)]
+    sources = set()
+    for layout, index in layouts:
+      for box in dict.fromkeys(layout.targets(fsdp, p) for p in positions):
+        for i, _ in elastic_plan.pieces(box, index):
+          rank = elastic_plan.provider(layout.tiles[i][1], served[me], available, me, preferred)
+          if rank is not None:
+            sources.add(server_of[rank])
+    total += len(sources - {me})
+  return total
+
+
 def measure(hosts: int, leaves: int, reps: int, seed: int = 0) -> dict[str, Any]:
   """One host count's figures (seconds are medians over `reps`)."""
   if hosts < 2 * REPLICAS or hosts % REPLICAS:
@@ -194,7 +219,8 @@ def measure(hosts: int, leaves: int, reps: int, seed: int = 0) -> dict[str, Any]
       **agreement_scale.save_agreement(hosts, lost),
       **agreement_scale.restore_agreement(
           hosts, lost, elastic_plan.decode_reports(encoded),
-          lambda c: elastic_plan.covered(sets, c.available)),
+          lambda c: elastic_plan.covered(sets, c.available),
+          _stream_count(chosen, survivors, fsdp, list(zip(layouts, indexes, strict=True)))),
   }
 
 
@@ -255,16 +281,19 @@ def markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
             "process by process and checked against the all-gather's plan up to "
             f"{agreement_scale.EXACT_UP_TO:,} hosts; beyond, the planning rounds' sizes from "
             "the formula."]
-  lines += ["", "After the transfer of an elastic restore: the build's outcome (before: an "
-            "all-gather of `BuildRecord` rows; after: `restore/outcome`'s statuses round, "
-            "4 x (22 + P / 32) bytes when all went well), and the exchange's `ServeRecord`, "
-            "still an all-gather with one int64 size per ordered pair of processes:", "",
-            "| hosts | outcome, before | outcome, after | exchange (ServeRecord, unchanged) |",
-            "|---:|---:|---:|---:|"]
+  lines += ["", "The elastic restore's exchange (before: an all-gather of `ServeRecord` rows "
+            "with one int64 size per ordered pair of processes; after: a status round, a byte "
+            "per process for how many streams it sends, and a slot per stream of 8 bytes, its "
+            "destination and size, for streams under 2 GiB) and the build's outcome (before: "
+            "an all-gather of `BuildRecord` rows; after: a statuses round of "
+            "4 x (22 + P / 32) bytes when all went well):", "",
+            "| hosts | streams | exchange, before | exchange, after | outcome, before "
+            "| outcome, after |", "|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     lines.append(
-        f"| {r['hosts']:,} | {_size(r['outcome_before_bytes'])} | "
-        f"{_size(r['outcome_after_bytes'])} | {_size(r['serve_bytes'])} |")
+        f"| {r['hosts']:,} | {r['streams']:,} | {_size(r['serve_before_bytes'])} | "
+        f"{_size(r['serve_after_bytes'])} | {_size(r['outcome_before_bytes'])} | "
+        f"{_size(r['outcome_after_bytes'])} |")
   lines += ["", "Replication (one peer per host): at each save() call while a node still "
             "writes the step, then once per step for the bytes per copy edge:", "",
             "| hosts | before: all-gather, each call | after: status, each call "
