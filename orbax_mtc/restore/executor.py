@@ -4,12 +4,14 @@ Every restore from RAM runs the same pipeline, whatever changed since the save (
 lost node, process ids permuted, another mesh, process count or device count), as PyTorch DCP
 treats resharding as the general case:
 
-1. **inventory** — one all-gather of a `RestoreRecord` per process: the step asked for, its
-   inventory (for the step lists) and a report of every folder it holds, own or peer copy,
-   named by saved rank, process count and layout digest (`sources.HostFolders`);
-2. **plan** (pure, `plan`) — the saves some host holds, newest first; one all-gather of a
-   `CoverRecord` says which ones the available saved ranks cover; per saved rank, one serving
-   process (its own folder first, then copies, load spread);
+1. **inventory** — the save census with the step asked for (reductions whose size does not
+   grow with the cluster): the step, the faults and the step lists; each process lists every
+   folder it holds, own or peer copy, named by saved rank, process count and layout digest
+   (`sources.HostFolders`);
+2. **plan** (`census`, reductions replaying `plan`'s rule) — the saves some host holds,
+   newest first; per step, which saved ranks some process serves and which saves they cover;
+   per saved rank of the chosen save, one serving process (its own folder first, then
+   copies, load spread);
 3. **fetch** (`attempt.StepAttempt`) — each process reads and verifies the folders its own
    shards come from; one stream exchange sends every process the saved tiles its target
    shards need, read from their files as they go (and its per-process items, which belong
@@ -17,7 +19,7 @@ treats resharding as the general case:
 4. **build** (`tiles.build`) — each target shard from the tiles covering it; a saved tile that
    is the shard is adopted without a copy; every received tile is checked against the
    checksum written at save time;
-5. **outcome** — one all-gather of a `BuildRecord`. A damaged source (checksum, manifest,
+5. **outcome** — the `BuildRecord`s reduced (`outcome`). A damaged source (checksum, manifest,
    size) is excluded and the plan made again; a target that does not match is the caller's
    error everywhere; any other error is raised everywhere as `CheckpointError` (rule 10:
    nothing excluded, nothing deleted);
