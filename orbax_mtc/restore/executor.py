@@ -255,27 +255,6 @@ class RamRestore:
     place."""
     self._write_back.run(done)
 
-  def _every_rank(self, candidate: restore_plan.Candidate) -> bool:
-    """Per-process items belong to the process index that saved them (rule 11): the save
-    must be of this process count with every saved rank's folder available."""
-    return candidate.count == self.count and len(candidate.holders) == self.count
-
-  def _refuse_other_count(self, names: list[str], candidates: list[restore_plan.Candidate],
-                          covered: list[bool], chosen: restore_plan.Candidate | None) -> None:
-    """The newest step RAM holds was saved by another process count: it can be rebuilt,
-    but not the per-process items, which belong to the processes that saved them."""
-    newest = next((c for c, ok in zip(candidates, covered, strict=True) if ok), None)
-    if newest is None or newest.count == self.count or (
-        chosen is not None and chosen.step >= newest.step):
-      return
-    raise local_format.AbstractStateMismatchError(
-        f"Step {newest.step} can only be restored here by rebuilding it from RAM on another "
-        f"process count (saved by {newest.count} processes; this job has {self.count}), and "
-        f"item(s) {names} hold per-process state (a data iterator's position), which belongs "
-        "to the process that saved it. Restore without these items (leave them out of the "
-        "restore args) and position the iterators yourself, or restart with the process count "
-        f"that saved step {newest.step}.")
-
   def _explain_lost_items(self, step: int | None, names: list[str],
                           examined: list[tuple[census.Agreed, bool]],
                           persistent_step: int | None) -> None:
