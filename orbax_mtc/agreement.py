@@ -174,7 +174,9 @@ class SaveRecord:
 
 @dataclasses.dataclass(frozen=True)
 class RestoreRecord:
-  """One restore: the step asked for and what this node can serve.
+  """One restore's facts as they were all-gathered before the restore agreement became
+  reductions (save_census, restore/census): the baseline `orbax-mtc bench elastic-scale`
+  compares with.
 
   Attributes:
     requested_step: The step asked for; -1 for the newest.
@@ -227,15 +229,6 @@ class ClockRecord:
 
 
 @dataclasses.dataclass(frozen=True)
-class CoverRecord:
-  """A restore's candidate saves (bit i: candidate i): those whose layout this process holds,
-  and those it finds covered by the saved ranks some process can serve."""
-
-  known: int = field(Int(), 0)
-  covered: int = field(Int(), 0)
-
-
-@dataclasses.dataclass(frozen=True)
 class BuildRecord:
   """One process's attempt to build the restore targets.
 
@@ -259,7 +252,8 @@ class BuildRecord:
 
 @dataclasses.dataclass(frozen=True)
 class ServeRecord:
-  """A restore's exchange; its byte count per stream follows (`gather_with_sizes`).
+  """A restore's exchange: this process's serving status (reduced by
+  restore/outcome.agree_serve; the streams by peers/exchange.agree_streams).
 
   Attributes:
     status: OK; UNUSABLE (damaged folders, `failed_ranks`); LACKING (folders without a
@@ -275,13 +269,6 @@ class ServeRecord:
   failed_ranks: tuple[int, ...] = field(Steps(32), ())
   message: str = field(Text(_MESSAGE_BYTES), "")
   early: BuildRecord = field(Record(BuildRecord), factory=lambda: BuildRecord(status=Status.NONE))
-
-
-@dataclasses.dataclass(frozen=True)
-class ReportRecord:
-  """This node's folder report alone (listing steps saved on another layout)."""
-
-  report: bytes = field(Blob(ELASTIC_REPORT_BYTES), b"")
 
 
 @dataclasses.dataclass(frozen=True)

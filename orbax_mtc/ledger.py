@@ -126,13 +126,20 @@ class StepLedger:
     folder a newer manager took over)."""
     return agreement.gather(record, lambda row: self._listing_allgather(row, what))
 
-  def agree_save(self, record: agreement.SaveRecord, what: str) -> save_census.SaveAnswer:
-    """A local save's agreement: reductions whose size does not grow with the cluster
-    (save_census; rule 8), the slots seeded by the step lists agreed so far."""
+  def agree_save(self, record: agreement.SaveRecord, what: str, *,
+                 restoring: bool = False) -> save_census.SaveAnswer:
+    """A local save's agreement (or a restore's: `record.step` is the step asked for):
+    reductions whose size does not grow with the cluster (save_census; rule 8), the slots
+    seeded by the step lists agreed so far."""
     return save_census.agree(
         record, self.process_index, self.process_count, self._listing_groups(),
         [*self.ram, *self.persistent_seen], self._persistent_steps(),
-        lambda rnd: self._reduce(rnd, what))
+        lambda rnd: self._reduce(rnd, what), restoring=restoring)
+
+  def reduce(self, rnd: Round, what: str, *, listing: bool = False) -> Parts:
+    """One round's reduction over every process (a collective; `listing`: the reduction
+    that still runs once a newer manager took the RAM folder over)."""
+    return (self._listing_reduce if listing else self._reduce)(rnd, what)
 
   def adopt_answer(self, answer: save_census.SaveAnswer, *, saved: int | None = None,
                    floor: int | None = None) -> None:

@@ -373,15 +373,17 @@ def read_names(reduced: Parts, shape: NamesShape) -> Names:
                tuple(int(p) for p in reduction.unpack_bits(add[2 + words:], shape.processes)))
 
 
-def steps_differ_message(found: Names) -> str:
-  """The error of processes saving different steps."""
+def steps_differ_message(found: Names, restoring: bool = False) -> str:
+  """The error of processes saving (or restoring: -1 is None) different steps."""
   def edge(e: tuple[int, int, int]) -> str:
     step, lowest, count = e
     others = f" and {count - 1} other process(es)" if count > 1 else ""
-    return f"process {lowest}{others}: {step}"
-  return ("save() was called with different steps on different processes: " +
-          f"{edge(found.low)}, {edge(found.high)}" +
-          ". Every process must save the same step at the same point of the loop.")
+    return f"process {lowest}{others}: {'None' if restoring and step < 0 else step}"
+  verb, advice = ("restore", "restore the same step; use step = mgr.latest_step(), which is "
+                  "the same on every process.") if restoring else (
+                      "save", "save the same step at the same point of the loop.")
+  return (f"{verb}() was called with different steps on different processes: "
+          f"{edge(found.low)}, {edge(found.high)}. Every process must {advice}")
 
 
 def speakers(found: Names) -> tuple[int, ...]:
@@ -440,7 +442,7 @@ class SaveAnswer:
 
 def agree(record: SaveRecord, me: int, processes: int, groups: Sequence[int] | None,
           agreed_steps: Sequence[int], own_view: Sequence[int],
-          reduce: Callable[[reduction.Round], Parts]) -> SaveAnswer:
+          reduce: Callable[[reduction.Round], Parts], *, restoring: bool = False) -> SaveAnswer:
   """Runs the save agreement's rounds; every branch reads only reduced data (rule 8).
 
   Args:
@@ -451,6 +453,7 @@ def agree(record: SaveRecord, me: int, processes: int, groups: Sequence[int] | N
     agreed_steps: Steps already agreed (the slots of the first census).
     own_view: The persistent steps this process sees (steps older than a cut list).
     reduce: The collective: a round's reduced `Parts`.
+    restoring: The restore's census (`record.step`: the step asked for, -1 for None).
 
   Returns:
     The `SaveAnswer`.
@@ -490,7 +493,8 @@ def agree(record: SaveRecord, me: int, processes: int, groups: Sequence[int] | N
       backup = (chosen[0], told[chosen[0]])
   agreed, seen = persistent_lists(found, processes, own_view)
   return SaveAnswer(
-      census=found, steps_error=steps_differ_message(named) if steps_differ and named else None,
+      census=found,
+      steps_error=steps_differ_message(named, restoring) if steps_differ and named else None,
       ram=restorable(found, partial, covered, processes), floor=floor(found, processes),
       persistent=agreed, persistent_seen=seen, local=local,
       local_count=found.local_faults.count, backup=backup, rounds=tuple(rounds))

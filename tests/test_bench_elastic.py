@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from orbax_mtc import agreement, save_census
+from orbax_mtc.restore import census, outcome
 from orbax_mtc.restore import plan as elastic_plan
 from orbax_mtc.tools.bench import agreement_scale, elastic_scale
 
@@ -56,7 +57,24 @@ def test_the_save_agreement_bytes_per_process_follow_the_census_formula(hosts):
   assert (row["save_steady_rounds"], row["save_lost_rounds"]) == (1, 2)
   assert row["save_steady_bytes"] == save_census.bytes_per_process(hosts, slots)
   assert row["save_lost_bytes"] == save_census.bytes_per_process(hosts, slots, lacking=3)
-  assert row["restore_after_bytes"] == row["restore_before_bytes"]
+
+
+@pytest.mark.parametrize("hosts", [8, 200, 1000])
+def test_the_restore_agreement_bytes_per_process_follow_the_census_and_planning_formulas(hosts):
+  # Simulated process by process, the plan checked against the all-gather's (the bench raises
+  # otherwise). The census has 3 slots (the RAM steps; the persistent step is one of them).
+  row = elastic_scale.measure(hosts, leaves=8, reps=1, seed=3)
+  survivors, lost = row["survivors"], row["lost"]
+  assert row["restore_elastic_bytes"] == save_census.bytes_per_process(
+      survivors, 3) + census.planning_bytes(hosts, survivors, row["restore_elastic_coded"])
+  # Replaced hosts: the census's coverage round for the 3 steps they lack, and only the lost
+  # ranks' servers (copies on other processes) travel as indices.
+  assert row["restore_replaced_coded"] == lost
+  assert row["restore_replaced_bytes"] == save_census.bytes_per_process(
+      hosts, 3, lacking=3) + census.planning_bytes(hosts, hosts, lost)
+  assert row["restore_elastic_before_bytes"] == (3384 + 16) * (survivors - 1)
+  # The build's outcome: one statuses round when all went well.
+  assert row["outcome_after_bytes"] == outcome.outcome_bytes(survivors)
 
 
 def test_measure_refuses_an_odd_host_count():
@@ -73,7 +91,8 @@ def test_the_command_writes_its_table_json_and_plot(tmp_path):
   assert result.returncode == 0, result.stderr
   table = (out / "elastic-scale.md").read_text()
   assert "| 8 | 1 |" in table and "| 64 | 1 |" in table
-  assert "| 64 | 147.7 KiB | 890 B (1) | 1.2 KiB (2) | 208.2 KiB |" in table
+  assert "| 64 | 147.7 KiB | 890 B (1) | 1.2 KiB (2) |" in table
+  assert "| 64 | 205.9 KiB | 2.3 KiB (5) | 209.2 KiB | 2.6 KiB (6) |" in table
   document = json.loads((out / "elastic-scale.json").read_text())
   assert [r["hosts"] for r in document["rows"]] == [8, 64]
   assert all(len(r["plan_s_all"]) == 2 for r in document["rows"])

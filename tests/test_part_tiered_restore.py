@@ -12,7 +12,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 import pytest
 
-from orbax_mtc import agreement
+from orbax_mtc import agreement, reduction
 from orbax_mtc.agreement import Status
 from orbax_mtc.local import format as local_format
 from orbax_mtc.restore.executor import RamRestoreResult
@@ -90,15 +90,27 @@ class _Writer:
 
 
 class _Ledger:
-  """Agrees alone (one process) unless `outcomes` scripts the persistent check's records."""
+  """Agrees alone (one process) unless `outcomes` scripts the persistent check's records (one
+  per process, reduced as the collective would)."""
+
+  process_index = 0
 
   def __init__(self, log: list, persistent: tuple[int, ...], ram: tuple[int, ...]):
     self.log, self.persistent, self.ram = log, persistent, ram
     self.outcomes: list[Any] | None = None
 
+  @property
+  def process_count(self) -> int:
+    return 1 if self.outcomes is None else len(self.outcomes)
+
   def agree(self, record, what):
     self.log.append(("ledger.agree", what))
-    return [record] if self.outcomes is None else self.outcomes
+    return [record]
+
+  def reduce(self, rnd, what):
+    self.log.append(("ledger.reduce", what))
+    records = [rnd.record] if self.outcomes is None else self.outcomes
+    return reduction.combine(rnd.contribute(r, p) for p, r in enumerate(records))
 
   def keep_ram(self, keep):
     self.ram = tuple(s for s in self.ram if keep(s))
@@ -169,7 +181,7 @@ def test_latest_falls_back_to_the_persistent_step_ram_names(tmp_path):
   rig = _Rig(tmp_path, results=[_missed(persistent_step=4)], local=(6, 8), ram=(6, 8))
   assert rig.restore(None) == "persistent-4"
   assert _last(rig) == (4, "persistent")
-  assert rig.log == [("ram.restore", None), ("ledger.agree", "checking persistent step 4"),
+  assert rig.log == [("ram.restore", None), ("ledger.reduce", "checking persistent step 4"),
                      ("persistent.restore", 4, _JSON), ("delete_local", [6, 8]),
                      ("writer.drain",), ("store.drop_newer", 4), ("ledger.keep_ram", ())]
 
@@ -206,8 +218,8 @@ def test_nothing_anywhere_starts_from_scratch_and_drops_every_ram_step(tmp_path)
 
 def test_persistent_mismatch_deletes_nothing(tmp_path):
   rig = _Rig(tmp_path, results=[_missed(persistent_step=4)])
-  rig.ledger.outcomes = [agreement.OutcomeRecord(),
-                         agreement.OutcomeRecord(status=Status.MISMATCH, message="leaf w")]
+  rig.ledger.outcomes = [agreement.BuildRecord(),
+                         agreement.BuildRecord(status=Status.MISMATCH, message="leaf w")]
   with pytest.raises(local_format.AbstractStateMismatchError, match="process 1: leaf w"):
     rig.restore(None)
   assert rig.tiers.last is None and _deleted(rig) == []

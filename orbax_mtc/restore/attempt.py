@@ -33,6 +33,7 @@ from orbax_mtc.local import format as local_format
 from orbax_mtc.local import read as local_read
 from orbax_mtc.peers import exchange
 from orbax_mtc.peers import stream as peer_stream
+from orbax_mtc.restore import outcome as agreed_outcome
 from orbax_mtc.restore import plan as restore_plan
 from orbax_mtc.restore import tiles
 from orbax_mtc.restore.plan import OWN
@@ -66,7 +67,7 @@ class Attempted:
   """A successful attempt: this process's part, and every process's agreed outcome."""
 
   built: tiles.BuiltStep
-  outcomes: list[BuildRecord]
+  outcome: agreed_outcome.Outcome
 
 
 class StepAttempt:
@@ -87,8 +88,7 @@ class StepAttempt:
     self._folders, self._ledger = folders, ledger
     self._chunk_bytes, self._window = chunk_bytes, window
 
-  def run(self, plan: restore_plan.ElasticPlan, candidate: restore_plan.Candidate,
-          targets: dict[str, Any], single: bool | None, per_process: list[str]) -> Attempted:
+  def run(self, plan: restore_plan.ElasticPlan, targets: dict[str, Any], single: bool | None, per_process: list[str]) -> Attempted:
     """One attempt (collective). Raises `Exclude`, `Lacking`, the caller's mismatch or
     `CheckpointError`, the same on every process."""
     me, count, step = self._me, self._count, plan.step
@@ -124,22 +124,31 @@ class StepAttempt:
         built, early = self._build(plan, folders, {}, layout, targets, single)
     status = next((s for s in (Status.FAILED, Status.UNUSABLE, Status.LACKING) if s in failed),
                   Status.MISMATCH if mismatch else Status.OK)
-    edges = [(src, dst) for src in range(count) for dst in range(count) if src != dst]
     served = agreement.ServeRecord(status=status, failed_ranks=tuple(failed.get(status, ())),
                                    message=mismatch or "; ".join(problems), early=early)
-    buffers, sink_for = receive_buffers()
-    result = exchange.exchange(
-        edges, me, outgoing, exchange.outgoing_sizes(edges, me, outgoing), served,
-        lambda row: self._ledger.allgather(row, f"serving step {step}"),
-        proceed=lambda records, _: all(r.status == Status.OK for r in records),
-        sink_for=sink_for, chunk_limit=self._chunk_bytes, window=self._window)
-    if result.transfer is None:
-      raise_agreed(list(result.records), step, candidate)
-    if (result.sizes <= 0).all() and all(r.early.status != Status.NONE for r in result.records):
-      outcomes = [r.early for r in result.records]
+    # Reductions (restore/outcome, peers/exchange): their size grows with the streams that
+    # move, never with the pairs of processes.
+    what = f"serving step {step}"
+    sends = {dest: stream.nbytes for dest, stream in outgoing.items()}
+    agreed_serve = agreed_outcome.agree_serve(
+        served, me, count, plan.server_of(), plan.count, sends,
+        lambda rnd: self._ledger.reduce(rnd, what))
+    if not agreed_serve.serving.ok:
+      raise_agreed(agreed_serve.serving, step)
+    if agreed_serve.early is not None:
+      agreed = agreed_serve.early
     else:
-      if (result.sizes > 0).any():
-        result.transfer.run()
+      buffers, sink_for = receive_buffers()
+      failures: list[str] = []
+      if agreed_serve.streams:
+        streams = exchange.agree_streams(sends, me, count, agreed_serve.streams,
+                                         agreed_serve.bits, agreed_serve.most,
+                                         lambda rnd: self._ledger.reduce(rnd, what))
+        transfer = exchange.transfer(
+            streams, me, outgoing, sink_for=sink_for, chunk_limit=self._chunk_bytes,
+            window=self._window, allgather=lambda row: self._ledger.allgather(row, what))
+        transfer.run()
+        failures = transfer.failures
       if built is None:
         if layout is None:
           try:
@@ -148,12 +157,15 @@ class StepAttempt:
             early = BuildRecord(status=Status.UNUSABLE, message=str(e))
         if layout is not None:
           built, early = self._build(plan, folders, buffers, layout, targets, single)
-      early = _moving_outcome(me, step, outgoing, result.transfer.failures) or early
-      outcomes = self._ledger.agree(early, f"building step {step}")
-    if all(o.status == Status.OK for o in outcomes):
+      early = _moving_outcome(me, step, outgoing, failures) or early
+      # Reductions (restore/outcome): their size does not grow with the cluster.
+      agreed = agreed_outcome.agree(
+          early, me, count, plan.server_of(), plan.count,
+          lambda rnd: self._ledger.reduce(rnd, f"building step {step}"))
+    if agreed.ok:
       assert built is not None
-      return Attempted(built, list(outcomes))
-    raise_agreed(outcomes, step, candidate)
+      return Attempted(built, agreed)
+    raise_agreed(agreed, step)
     raise AssertionError("unreachable")
 
   # --------------------------------------------------------------------- fetching
@@ -255,32 +267,25 @@ def _moving_outcome(me: int, step: int, outgoing: dict[int, peer_stream.Outgoing
   return BuildRecord(status=Status.FAILED, message=message)
 
 
-def raise_agreed(records: list[Any], step: int, candidate: restore_plan.Candidate) -> None:
-  """Ends a failed attempt the same way on every process (the records are agreed)."""
-  mismatched = [(p, r.message) for p, r in enumerate(records) if r.status == Status.MISMATCH]
-  if mismatched:  # the caller's error, not a bad copy: nothing is deleted
-    raise local_format.agreed_mismatch(*mismatched[0], step)
-  failed = {p: r.message for p, r in enumerate(records) if r.status == Status.FAILED}
-  if failed:
+def raise_agreed(outcome: agreed_outcome.Outcome, step: int) -> None:
+  """Ends a failed attempt the same way on every process (the outcome is agreed)."""
+  if Status.MISMATCH in outcome.said:  # the caller's error, not a bad copy: nothing deleted
+    raise local_format.agreed_mismatch(*outcome.said[Status.MISMATCH], step)
+  if outcome.counts[Status.FAILED]:
     # An error that proves nothing about the bytes (a device out of memory, an I/O error):
     # excluding the source would roll back to an older step and drop this one (rule 10).
-    raise agreement.CheckpointError(f"restoring step {step} from RAM", failed)
-  for p, r in enumerate(records):
-    if r.status != Status.OK:
-      logging.warning("orbax-mtc: step %d: process %d: %s", step, p, r.message)
-  lacking = {(p, rank, step) for p, r in enumerate(records) if r.status == Status.LACKING
-             for rank in r.failed_ranks}
-  if lacking:
-    culprit = next(p for p, r in enumerate(records) if r.status == Status.LACKING)
-    error = local_format.agreed_mismatch(culprit, records[culprit].message, step)
-    raise Lacking(error, step, lacking)
-  bad = {(p, rank, step) for p, r in enumerate(records)
-         for rank in getattr(r, "failed_ranks", ())}
-  bad |= {(r.bad_process, r.bad_rank, step) for r in records
-          if getattr(r, "bad_process", -1) >= 0}
-  if not bad:  # no culprit named: every folder of this save is out
-    bad = {(p, rank, step) for rank, holders in candidate.holders.items() for p, _ in holders}
-  raise Exclude(bad)
+    what = f"restoring step {step} from RAM"
+    if outcome.counts[Status.FAILED] > len(outcome.failed):
+      what += f" ({outcome.counts[Status.FAILED]} processes; the lowest named)"
+    raise agreement.CheckpointError(what, dict(outcome.failed))
+  for status, (p, message) in outcome.said.items():
+    logging.warning("orbax-mtc: step %d: process %d (and %d more): %s", step, p,
+                    outcome.counts[status] - 1, message)
+  if outcome.lacking:
+    error = local_format.agreed_mismatch(*outcome.said[Status.LACKING], step)
+    raise Lacking(error, step, {(p, rank, step) for p, rank in outcome.lacking})
+  # Empty: no culprit named, every folder of this save is out.
+  raise Exclude({(p, rank, step) for p, rank in outcome.bad})
 
 
 def receive_buffers() -> tuple[dict[int, np.ndarray], Any]:

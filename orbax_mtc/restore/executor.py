@@ -4,12 +4,14 @@ Every restore from RAM runs the same pipeline, whatever changed since the save (
 lost node, process ids permuted, another mesh, process count or device count), as PyTorch DCP
 treats resharding as the general case:
 
-1. **inventory** — one all-gather of a `RestoreRecord` per process: the step asked for, its
-   inventory (for the step lists) and a report of every folder it holds, own or peer copy,
-   named by saved rank, process count and layout digest (`sources.HostFolders`);
-2. **plan** (pure, `plan`) — the saves some host holds, newest first; one all-gather of a
-   `CoverRecord` says which ones the available saved ranks cover; per saved rank, one serving
-   process (its own folder first, then copies, load spread);
+1. **inventory** — the save census with the step asked for (reductions whose size does not
+   grow with the cluster): the step, the faults and the step lists; each process lists every
+   folder it holds, own or peer copy, named by saved rank, process count and layout digest
+   (`sources.HostFolders`);
+2. **plan** (`census`, reductions replaying `plan`'s rule) — the saves some host holds,
+   newest first; per step, which saved ranks some process serves and which saves they cover;
+   per saved rank of the chosen save, one serving process (its own folder first, then
+   copies, load spread);
 3. **fetch** (`attempt.StepAttempt`) — each process reads and verifies the folders its own
    shards come from; one stream exchange sends every process the saved tiles its target
    shards need, read from their files as they go (and its per-process items, which belong
@@ -17,7 +19,7 @@ treats resharding as the general case:
 4. **build** (`tiles.build`) — each target shard from the tiles covering it; a saved tile that
    is the shard is adopted without a copy; every received tile is checked against the
    checksum written at save time;
-5. **outcome** — one all-gather of a `BuildRecord`. A damaged source (checksum, manifest,
+5. **outcome** — the `BuildRecord`s reduced (`outcome`). A damaged source (checksum, manifest,
    size) is excluded and the plan made again; a target that does not match is the caller's
    error everywhere; any other error is raised everywhere as `CheckpointError` (rule 10:
    nothing excluded, nothing deleted);
@@ -29,29 +31,29 @@ treats resharding as the general case:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import orbax.checkpoint as ocp
 from absl import logging
 
-from orbax_mtc import agreement, item_args, process_state
-from orbax_mtc.agreement import CoverRecord, Status
+from orbax_mtc import agreement, item_args, process_state, reduction
+from orbax_mtc.agreement import Status
 from orbax_mtc.ledger import StepLedger
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import store as local_store
 from orbax_mtc.local.writer import RamWriter
 from orbax_mtc.peers import copy_store as peer_store
 from orbax_mtc.peers.copies import PeerCopies
+from orbax_mtc.restore import census, tiles
+from orbax_mtc.restore import outcome as agreed_outcome
 from orbax_mtc.restore import plan as restore_plan
-from orbax_mtc.restore import tiles
 from orbax_mtc.restore.attempt import Exclude, Lacking, Sources, StepAttempt
 from orbax_mtc.restore.plan import COPY, HostReport
 from orbax_mtc.restore.sources import HostFolders
 from orbax_mtc.restore.writeback import Restored, WriteBack
 
 ELASTIC, LOCAL, PEER = "elastic", "local", "peer"  # RestoreInfo.tier of a RAM restore
-_MAX_CANDIDATES = 62  # candidates whose coverage one agreement decides (bits of an int64)
+_MAX_CANDIDATES = 62  # saves a plan examines at most (the bits one CoverRecord had)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,72 +114,61 @@ class RamRestore:
     # Copies still in flight would race with the folders this restore reads and rewrites.
     self._peers.progress(block=True)
     ledger = self._ledger
-    report = self.folders.safe_report()
-    records = ledger.agree(agreement.RestoreRecord(
-        requested_step=-1 if step is None else int(step), fault=ledger.take_fault(),
-        inventory=ledger.inventory(), elastic=report.encode()), "restore")
-    asked = [r.requested_step for r in records]
-    if len(set(asked)) > 1:
-      raise ValueError(
-          "restore() was called with different steps on different processes: " + ", ".join(
-              f"process {p}: {'None' if s < 0 else s}" for p, s in enumerate(asked)) +
-          ". Every process must restore the same step; use step = mgr.latest_step(), which "
-          "is the same on every process.")
-    for p, fault in agreement.faults(records).items():
+    # The step asked for, the faults and the step lists: the save's census (its size does
+    # not grow with the cluster), with the step asked for in place of the step saved.
+    answer = ledger.agree_save(agreement.SaveRecord(
+        step=-1 if step is None else int(step), fault=ledger.take_fault(),
+        inventory=ledger.inventory()), "restore", restoring=True)
+    if answer.steps_error is not None:
+      raise ValueError(answer.steps_error)
+    for p, fault in answer.local.items():
       # An earlier write that failed left nothing committed: the plan below does not use it.
       logging.warning("orbax-mtc: process %d: an earlier local write failed (%s: %s); "
                       "restoring from what the cluster holds.", p, fault.kind, fault.message)
     ledger.forgive()
-    reports = decode_reports([r.elastic for r in records])
-    ledger.adopt([r.inventory for r in records])
+    ledger.adopt_answer(answer)
     persistent = ledger.persistent
     if step is not None:
       persistent_step = step if step in persistent else None
       min_step = None
     else:
       persistent_step = min_step = persistent[-1] if persistent else None
-    return self._restore(step, targets, single, reports, min_step, persistent_step)
+    return self._restore(step, targets, single, self.folders.safe_report(), min_step,
+                         persistent_step)
 
   def _restore(self, step: int | None, targets: dict[str, Any], single: bool | None,
-               reports: list[HostReport], min_step: int | None,
+               report: HostReport, min_step: int | None,
                persistent_step: int | None) -> RamRestoreResult:
     per_process = tiles.process_names(targets)
     excluded: Sources = set()
+    dropped: set[census.Save] = set()  # saves every folder of which failed
     tried, lacking = False, None
     while True:
-      candidates = restore_plan.candidates(reports, requested_step=step, min_step=min_step,
-                                           excluded=excluded)[:_MAX_CANDIDATES]
-      first = candidates[0] if candidates else None
-      if first is not None and len(first.holders) == first.count and (
-          not per_process or self._every_rank(first)):
-        # Every saved rank of the newest save is available: it covers itself, and it is the
-        # one chosen, so no agreement on coverage is needed (the usual restart).
-        covered = [len(c.holders) == c.count for c in candidates]
-      else:
-        covered = self._agree_coverage(candidates, excluded)
-      usable = [c for c, ok in zip(candidates, covered, strict=True)
-                if ok and (not per_process or self._every_rank(c))]
-      chosen = usable[0] if usable else None
-      if per_process:
-        self._refuse_other_count(per_process, candidates, covered, chosen)
+      mine = census.holdings(report, self._me, requested_step=step, min_step=min_step,
+                             excluded=excluded, dropped=dropped)
+      chosen, cover, examined = self._choose(mine, per_process)
       if lacking is not None and (chosen is None or chosen.step != lacking.step):
         raise lacking.error  # no other folder of that step has the item: the caller's error
-      if chosen is None:
-        self._explain_lost_items(step, per_process, candidates, covered, persistent_step)
+      if chosen is None or cover is None:
+        self._explain_lost_items(step, per_process, examined, persistent_step)
         # "tried": a step the cluster could assemble was found unusable (not merely absent).
-        return RamRestoreResult(False, None, None, "", tried or any(covered), persistent_step)
+        return RamRestoreResult(False, None, None, "", tried or any(ok for _, ok in examined),
+                                persistent_step)
       tried = True
       plan = restore_plan.ElasticPlan(chosen.step, chosen.count, chosen.digest,
-                                      restore_plan.choose_servers(chosen))
+                                      census.agree_servers(
+                                          mine, self._me, chosen, cover, self.count,
+                                          self._reduce("planning a restore"), []))
       try:
-        attempt = self._attempt.run(plan, chosen, targets, single, per_process)
+        attempt = self._attempt.run(plan, targets, single, per_process)
       except Exclude as e:
-        # Named sources go; when they were out already, every folder of this save goes, so
-        # each attempt excludes something and the loop ends.
-        fresh = e.sources - excluded or {(p, rank, chosen.step)
-                                         for rank, holders in chosen.holders.items()
-                                         for p, _ in holders}
-        excluded |= fresh
+        # Named sources go; when they were out already (or none was named), every folder of
+        # this save goes, so each attempt excludes something and the loop ends.
+        fresh = e.sources - excluded
+        if fresh:
+          excluded |= fresh
+        else:
+          dropped.add(chosen.save)
         continue
       except Lacking as e:
         if e.sources <= excluded:
@@ -188,13 +179,11 @@ class RamRestore:
       restored = built.restored
       if per_process:
         restored = self._settle(plan.step, restored)
-      outcomes = attempt.outcomes
       # Another layout (or rank order: a folder's bytes have no owner, rule 11): every
       # process writes the step anew; else those whose own current folder did not serve.
-      rewritten = any(o.moved for o in outcomes) or any(
+      rewritten = attempt.outcome.moved or any(
           kind != COPY and process != rank for rank, process, kind in plan.servers)
-      recovered = tuple(range(self.count)) if rewritten else tuple(
-          p for p, o in enumerate(outcomes) if not o.in_place)
+      recovered = tuple(range(self.count)) if rewritten else attempt.outcome.not_in_place
       tier = ELASTIC if rewritten else PEER if self._me in recovered else LOCAL
       if single or (single is None and built.default_item):
         value = restored[item_args.DEFAULT_ITEM]
@@ -203,23 +192,55 @@ class RamRestore:
       return RamRestoreResult(True, value, plan.step, tier, False, persistent_step,
                               Restored(plan.step, built, rewritten, recovered))
 
-  def write_back(self, done: Restored) -> None:
-    """After a successful `restore` (collective): re-protects the step where it is not in
-    place."""
-    self._write_back.run(done)
+  def _reduce(self, what: str, listing: bool = False) -> census.Reduce:
+    return lambda rnd: self._ledger.reduce(rnd, what, listing=listing)
 
-  def _every_rank(self, candidate: restore_plan.Candidate) -> bool:
+  def _choose(self, mine: census.Mine, per_process: list[str]
+              ) -> tuple[census.Agreed | None, census.Cover | None,
+                         list[tuple[census.Agreed, bool]]]:
+    """The save to restore, its cover answer and the saves examined (census.choose); with
+    per-process items, only a save of every rank of this process count."""
+    return census.choose(
+        mine, self._me, self._reduce("planning a restore"),
+        lambda _, agreed: self._facts(mine, agreed),
+        usable=lambda a: not per_process or self._every_rank(a),
+        refuse=lambda newest: per_process and self._refuse_other_count(per_process, newest),
+        limit=_MAX_CANDIDATES)
+
+  def _facts(self, mine: census.Mine, agreed: list[census.Agreed]
+             ) -> tuple[list[bool], list[bool]]:
+    """Per save: whether this process read its layout, and found it covered by the
+    available ranks."""
+    known, covered = [False] * len(agreed), [False] * len(agreed)
+    for i, candidate in enumerate(agreed):
+      manifest = self._layout_of(mine, candidate)
+      if manifest is None or tiles.digest(manifest) != candidate.digest:
+        continue
+      known[i] = True
+      covered[i] = restore_plan.covered(tiles.holder_sets(manifest), candidate.available)
+    return known, covered
+
+  def _layout_of(self, mine: census.Mine,
+                 candidate: census.Agreed) -> local_format.StepManifest | None:
+    """A manifest of `candidate` this node holds, or None."""
+    for rank, kinds in sorted(mine.get(candidate.save, {}).items()):
+      for kind in kinds:
+        try:
+          return self.folders.manifest(kind, rank, candidate.step, candidate.count,
+                                       candidate.digest)
+        except local_format.LocalTierError:
+          continue
+    return None
+
+  def _every_rank(self, candidate: census.Agreed) -> bool:
     """Per-process items belong to the process index that saved them (rule 11): the save
     must be of this process count with every saved rank's folder available."""
-    return candidate.count == self.count and len(candidate.holders) == self.count
+    return candidate.count == self.count and candidate.held == self.count
 
-  def _refuse_other_count(self, names: list[str], candidates: list[restore_plan.Candidate],
-                          covered: list[bool], chosen: restore_plan.Candidate | None) -> None:
+  def _refuse_other_count(self, names: list[str], newest: census.Agreed) -> None:
     """The newest step RAM holds was saved by another process count: it can be rebuilt,
     but not the per-process items, which belong to the processes that saved them."""
-    newest = next((c for c, ok in zip(candidates, covered, strict=True) if ok), None)
-    if newest is None or newest.count == self.count or (
-        chosen is not None and chosen.step >= newest.step):
+    if newest.count == self.count:
       return
     raise local_format.AbstractStateMismatchError(
         f"Step {newest.step} can only be restored here by rebuilding it from RAM on another "
@@ -229,16 +250,21 @@ class RamRestore:
         "restore args) and position the iterators yourself, or restart with the process count "
         f"that saved step {newest.step}.")
 
+  def write_back(self, done: Restored) -> None:
+    """After a successful `restore` (collective): re-protects the step where it is not in
+    place."""
+    self._write_back.run(done)
+
   def _explain_lost_items(self, step: int | None, names: list[str],
-                          candidates: list[restore_plan.Candidate], covered: list[bool],
+                          examined: list[tuple[census.Agreed, bool]],
                           persistent_step: int | None) -> None:
     """`restore(step)` of a step whose arrays the cluster holds but not every process's own
     per-process items (only twins' folders are left for some): say which, not 'not found'."""
     if step is None or not names or persistent_step == step:
       return
-    for candidate, ok in zip(candidates, covered, strict=True):
+    for candidate, ok in examined:
       if ok and candidate.count == self.count:
-        lost = sorted(set(range(self.count)) - set(candidate.holders))
+        lost = sorted(set(range(self.count)) - candidate.available)
         raise local_format.MissingItemError(
             f"Step {step} can be rebuilt from RAM only from other processes' folders, which "
             f"hold the arrays but not the per-process item(s) {names} of process(es) {lost} "
@@ -247,52 +273,26 @@ class RamRestore:
             "iterators yourself, or call restore(None), which takes the newest step that "
             "still has them.", names[0])
 
-  def _agree_coverage(self, candidates: list[restore_plan.Candidate], excluded: Sources, *,
-                      agree: Callable[[Any, str], list[Any]] | None = None) -> list[bool]:
-    known = covered = 0
-    for i, candidate in enumerate(candidates):
-      manifest = self._layout_of(candidate, excluded)
-      if manifest is None or tiles.digest(manifest) != candidate.digest:
-        continue
-      known |= 1 << i
-      if restore_plan.covered(tiles.holder_sets(manifest), candidate.available):
-        covered |= 1 << i
-    records = (agree or self._ledger.agree)(CoverRecord(known=known, covered=covered),
-                                            "planning a restore")
-    return [any(r.known >> i & 1 for r in records) and
-            all(r.covered >> i & 1 for r in records if r.known >> i & 1)
-            for i in range(len(candidates))]
-
-  def _layout_of(self, candidate: restore_plan.Candidate,
-                 excluded: Sources) -> local_format.StepManifest | None:
-    """A manifest of `candidate` this node holds, or None."""
-    for rank, holders in sorted(candidate.holders.items()):
-      for process, kind in holders:
-        if process == self._me and (process, rank, candidate.step) not in excluded:
-          try:
-            return self.folders.manifest(kind, rank, candidate.step, candidate.count,
-                                         candidate.digest)
-          except local_format.LocalTierError:
-            continue
-    return None
-
   def elastic_steps(self) -> list[int]:
     """Steps saved by a job of another process count that the cluster can rebuild here.
 
-    Collective (one all-gather, and one more only when such folders exist): what
-    `all_steps()` lists besides the steps of this job's own layout, so that
+    Collective (the saves round, and a tiers and a cover round only when such folders
+    exist): what `all_steps()` lists besides the steps of this job's own layout, so that
     `restore(latest_step())` finds them as `restore(None)` does.
     """
-    records = self._ledger.agree_listing(
-        agreement.ReportRecord(report=self.folders.safe_report().encode()),
-        "listing RAM steps saved on another layout")
-    reports = decode_reports([r.report for r in records])
-    foreign = [c for c in restore_plan.candidates(reports)
-               if c.count != self.count][:_MAX_CANDIDATES]
+    reduce = self._reduce("listing RAM steps saved on another layout", True)
+    mine = census.holdings(self.folders.safe_report(), self._me)
+    foreign = tuple(s for s in census.agree_saves(mine, self._me, reduce, [])
+                    if s[1] != self.count)[:_MAX_CANDIDATES]
     if not foreign:
       return []
-    covered = self._agree_coverage(foreign, set(), agree=self._ledger.agree_listing)
-    return sorted({c.step for c, ok in zip(foreign, covered, strict=True) if ok})
+    agreed = census.read_tiers(reduce(reduction.Round(
+        mine, self._me, lambda m, p: census.tiers_parts(m, p, foreign))), foreign)
+    known, covered = self._facts(mine, agreed)
+    covers = census.read_cover(reduce(reduction.Round(
+        mine, self._me, lambda m, _: census.cover_parts(m, agreed, known, covered))),
+        len(agreed))
+    return sorted({a.step for a, c in zip(agreed, covers, strict=True) if c.covered})
 
   def _settle(self, step: int, restored: dict[str, Any]) -> dict[str, Any]:
     """Sets the saved iterator states, now that every process has built the step; a state an
@@ -302,20 +302,14 @@ class RamRestore:
       restored = process_state.settle(restored)
     except Exception as e:  # noqa: BLE001 - agreed below, raised everywhere
       problem = f"{type(e).__name__}: {e}"
-    outcomes = self._ledger.agree(agreement.BuildRecord(
-        status=Status.MISMATCH if problem else Status.OK, message=problem),
-        f"setting the data iterators of step {step}")
-    refused = [(p, o.message) for p, o in enumerate(outcomes) if o.status != Status.OK]
-    if refused:
-      process, message = refused[0]
+    agreed = agreed_outcome.agree(agreement.BuildRecord(
+        status=Status.MISMATCH if problem else Status.OK, message=problem, in_place=True),
+        self._me, self.count, {}, 0, self._reduce(f"setting the data iterators of step {step}"))
+    if Status.MISMATCH in agreed.said:
+      process, message = agreed.said[Status.MISMATCH]
       raise local_format.AbstractStateMismatchError(
           f"process {process}: the iterator refused the state saved with step {step} "
           f"({message}). Restore into an iterator built as the one that was saved (same "
           "data source, sampler and shard), or leave the item out.")
     return restored
 
-
-def decode_reports(raws: list[bytes]) -> list[HostReport]:
-  """The gathered reports; an unreadable one counts as holding nothing."""
-  return restore_plan.decode_reports(raws, lambda p, e: logging.warning(
-      "orbax-mtc: process %d's folder report was unreadable (%s) and is ignored", p, e))

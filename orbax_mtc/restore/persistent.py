@@ -18,14 +18,15 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_mtc import agreement, item_args, process_state
-from orbax_mtc.agreement import Status
+from orbax_mtc.agreement import BuildRecord, Status
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import specs as local_specs
 from orbax_mtc.persistent.tier import PersistentTier
+from orbax_mtc.restore.outcome import Outcome
 
 
 def restore(persistent: PersistentTier, step: int, targets: dict[str, Any],
-            single: bool | None, agree: Callable[[Any, str], list[Any]]) -> Any:
+            single: bool | None, agree: Callable[[BuildRecord, str], Outcome]) -> Any:
   """Restores `step` from the persistent tier (collective).
 
   Args:
@@ -33,7 +34,7 @@ def restore(persistent: PersistentTier, step: int, targets: dict[str, Any],
     step: a persistent step every process sees.
     targets: item name -> target tree (None: a JSON item).
     single: a single-item restore (None: as the step was saved).
-    agree: the agreement on the checks' outcome.
+    agree: the agreement on the checks' outcome (restore/outcome.agree: reductions).
 
   Returns:
     The restored item, or an `ocp.args.Composite` of items.
@@ -52,14 +53,15 @@ def restore(persistent: PersistentTier, step: int, targets: dict[str, Any],
     outcome, message = Status.MISMATCH, str(e)
   except Exception as e:  # noqa: BLE001 - agreed below, raised on every process
     outcome, message = Status.FAILED, f"{type(e).__name__}: {e}"
-  records = agree(agreement.OutcomeRecord(status=outcome, message=message),
-                  f"checking persistent step {step}")
-  mismatched = [(p, r.message) for p, r in enumerate(records) if r.status == Status.MISMATCH]
-  if mismatched:
-    raise _as_raised(*mismatched[0])
-  failed = {p: r.message for p, r in enumerate(records) if r.status != Status.OK}
-  if failed:
-    raise agreement.CheckpointError(f"reading persistent step {step}'s metadata", failed)
+  agreed = agree(BuildRecord(status=outcome, message=message, in_place=True),
+                 f"checking persistent step {step}")
+  if Status.MISMATCH in agreed.said:
+    raise _as_raised(*agreed.said[Status.MISMATCH])
+  if not agreed.ok:
+    what = f"reading persistent step {step}'s metadata"
+    if agreed.counts[Status.FAILED] > len(agreed.failed):
+      what += f" ({agreed.counts[Status.FAILED]} processes; the lowest named)"
+    raise agreement.CheckpointError(what, dict(agreed.failed))
   targets, single = checked
 
   def restore_arg(target):

@@ -144,7 +144,8 @@ class HostFolders:
       by_kind[kind].append(ref)
     report = HostReport(own=tuple(by_kind[OWN]), copies=tuple(by_kind[COPY]),
                         aside=tuple(by_kind[ASIDE]))
-    # The agreement has room for agreement.ELASTIC_REPORT_BYTES: drop the oldest steps first.
+    # At most agreement.ELASTIC_REPORT_BYTES, the slot reports had when they were gathered
+    # (the plan keeps its answer): the oldest steps go first.
     while len(report.encode()) > agreement.ELASTIC_REPORT_BYTES:
       oldest = min(ref.step for _, refs in report.kinds() for ref in refs)
       report = HostReport(*(tuple(r for r in refs if r.step != oldest)

@@ -23,6 +23,7 @@ from orbax_mtc.local.writer import RamWriter
 from orbax_mtc.managed import handshake
 from orbax_mtc.peers import copy_store as peer_store
 from orbax_mtc.persistent.tier import PersistentTier
+from orbax_mtc.restore import outcome as agreed_outcome
 from orbax_mtc.restore import persistent as persistent_restore
 from orbax_mtc.restore.executor import RamRestore, RamRestoreResult
 
@@ -139,8 +140,12 @@ class TieredRestore:
 
   def _from_persistent(self, step: int, targets: dict[str, Any], single: bool | None,
                        started: float, *, drop_newer: bool) -> Any:
-    restored = persistent_restore.restore(self._persistent, step, targets, single,
-                                          self._ledger.agree)
+    ledger = self._ledger
+    restored = persistent_restore.restore(
+        self._persistent, step, targets, single,
+        lambda record, what: agreed_outcome.agree(
+            record, ledger.process_index, ledger.process_count, {}, 0,
+            lambda rnd: ledger.reduce(rnd, what)))
     self._finish(step, "persistent", started, drop_newer=drop_newer)
     return restored
 

@@ -18,7 +18,10 @@ survivors restart on their own mesh (replica=2 x fsdp=4H'). Measured (medians of
   the saved tiles giving its bytes (`pieces`) and the saved rank providing each (`provider`);
 * agreement bytes: what each process receives per save agreement (before: an all-gather of
   `SaveRecord` rows; after: save_census's reductions, in steady state and while the lost
-  hosts' replacements lack the steps) and per restore agreement (`agreement_scale`).
+  hosts' replacements lack the steps) and per restore agreement (before: all-gathers of
+  `RestoreRecord` and `CoverRecord` rows; after: the census with the step asked for and
+  restore/census's planning rounds, on the survivors alone and with the lost hosts replaced;
+  `agreement_scale`).
 
 Writes elastic-scale.json, elastic-scale.md and elastic-scale.png (needs matplotlib,
 `pip install 'orbax-mtc[bench]'`) under `--out`.
@@ -146,6 +149,31 @@ def _pieces_of(chosen: elastic_plan.ElasticPlan, me: int, fsdp: int,
   return found
 
 
+def _stream_count(chosen: elastic_plan.ElasticPlan, processes: int, fsdp: int,
+                  layouts: Sequence[tuple[_LeafLayout, TileIndex]]) -> int:
+  """The exchange's streams: per receiving process, the other processes serving a saved rank
+  that provides a tile of one of its new shards (every leaf layout once: leaves of one layout
+  share their sources)."""
+  server_of = chosen.server_of()
+  available = set(server_of)
+  preferred = {rank for rank, _, kind in chosen.servers if kind != elastic_plan.COPY}
+  served = {p: set() for p in range(processes)}
+  for rank, process in server_of.items():
+    served[process].add(rank)
+  total = 0
+  for me in range(processes):
+    positions = [d % fsdp for d in range(me * DEVICES_PER_HOST, (me + 1) * DEVICES_PER_HOST)]
+    sources = set()
+    for layout, index in layouts:
+      for box in dict.fromkeys(layout.targets(fsdp, p) for p in positions):
+        for i, _ in elastic_plan.pieces(box, index):
+          rank = elastic_plan.provider(layout.tiles[i][1], served[me], available, me, preferred)
+          if rank is not None:
+            sources.add(server_of[rank])
+    total += len(sources - {me})
+  return total
+
+
 def measure(hosts: int, leaves: int, reps: int, seed: int = 0) -> dict[str, Any]:
   """One host count's figures (seconds are medians over `reps`)."""
   if hosts < 2 * REPLICAS or hosts % REPLICAS:
@@ -189,11 +217,16 @@ def measure(hosts: int, leaves: int, reps: int, seed: int = 0) -> dict[str, Any]
           kind == elastic_plan.COPY for _, _, kind in chosen.servers),
       "plan_s_all": plan_s, "layout_s_all": layout_s, "pieces_s_all": pieces_s,
       **agreement_scale.save_agreement(hosts, lost),
+      **agreement_scale.restore_agreement(
+          hosts, lost, elastic_plan.decode_reports(encoded),
+          lambda c: elastic_plan.covered(sets, c.available),
+          _stream_count(chosen, survivors, fsdp, list(zip(layouts, indexes, strict=True)))),
   }
 
 
 def _size(n: float) -> str:
-  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+  for unit, scale in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20),
+                      ("KiB", 2**10)):
     if n >= scale:
       return f"{n / scale:.1f} {unit}"
   return f"{n:.0f} B"
@@ -202,7 +235,7 @@ def _size(n: float) -> str:
 def markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
   lines = [
       f"`{command}`", "",
-      "| hosts (x8 devices) | lost | report bytes max / mean (slot) | all-gather per process "
+      "| hosts (x8 devices) | lost | report bytes max / mean (slot) | its all-gather (before) "
       "| plan | layout (once per save) | pieces, one process |",
       "|---:|---:|---:|---:|---:|---:|---:|",
   ]
@@ -219,18 +252,48 @@ def markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
   lines += ["", "Bytes each process receives per agreement (all-gather: one row from every "
             "other process; all-reduce: 2 x vector x (P - 1) / P, a ring):", "",
             "| hosts | save, before (all-gather) | save, after: steady (rounds) "
-            "| save, after: 1% replaced (rounds) | restore (all-gather, unchanged) |",
-            "|---:|---:|---:|---:|---:|"]
+            "| save, after: 1% replaced (rounds) |", "|---:|---:|---:|---:|"]
   for r in rows:
     lines.append(
         f"| {r['hosts']:,} | {_size(r['save_before_bytes'])} | {_size(r['save_steady_bytes'])}"
         f" ({r['save_steady_rounds']}) | {_size(r['save_lost_bytes'])} "
-        f"({r['save_lost_rounds']}) | {_size(r['restore_before_bytes'])} |")
+        f"({r['save_lost_rounds']}) |")
   lines += ["", "After: a census of 4 x (20 + 5 x slots) + 4 x (9 + 4 x 16) bytes (452 B with "
             "this run's 4 agreed steps), plus, only while some nodes lack a step, one byte per "
             "node for each such step. Rounds simulated in numpy and checked against the "
             f"all-gather's answer; above {agreement_scale.EXACT_UP_TO:,} hosts the coverage "
             "round's answer is computed in bulk."]
+  lines += ["", "Restore (`restore(None)` after 1% of the hosts died), on the survivors alone "
+            "(an elastic restore) and with the lost hosts replaced by empty ones:", "",
+            "| hosts | survivors: before (all-gathers) | survivors: after (rounds) "
+            "| replaced: before | replaced: after (rounds) |", "|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    lines.append(
+        f"| {r['hosts']:,} | {_size(r['restore_elastic_before_bytes'])} | "
+        f"{_size(r['restore_elastic_bytes'])} ({r['restore_elastic_rounds']}) | "
+        f"{_size(r['restore_replaced_before_bytes'])} | "
+        f"{_size(r['restore_replaced_bytes'])} ({r['restore_replaced_rounds']}) |")
+  lines += ["", "After: the census with the step asked for (plus, with replaced hosts, its "
+            "coverage round: one byte per node and step they lack), then the saves round "
+            "(640 B), one byte per saved rank for the newest step's save (tiers), 20 B (cover) "
+            "and the servers: 1 to 3 bytes (the process index) per saved rank whose folder is "
+            "not held by the process of its index (`census.planning_vectors`). Simulated "
+            "process by process and checked against the all-gather's plan up to "
+            f"{agreement_scale.EXACT_UP_TO:,} hosts; beyond, the planning rounds' sizes from "
+            "the formula."]
+  lines += ["", "The elastic restore's exchange (before: an all-gather of `ServeRecord` rows "
+            "with one int64 size per ordered pair of processes; after: a status round, a byte "
+            "per process for how many streams it sends, and a slot per stream of 8 bytes, its "
+            "destination and size, for streams under 2 GiB) and the build's outcome (before: "
+            "an all-gather of `BuildRecord` rows; after: a statuses round of "
+            "4 x (22 + P / 32) bytes when all went well):", "",
+            "| hosts | streams | exchange, before | exchange, after | outcome, before "
+            "| outcome, after |", "|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    lines.append(
+        f"| {r['hosts']:,} | {r['streams']:,} | {_size(r['serve_before_bytes'])} | "
+        f"{_size(r['serve_after_bytes'])} | {_size(r['outcome_before_bytes'])} | "
+        f"{_size(r['outcome_after_bytes'])} |")
   lines += ["", "Replication (one peer per host): at each save() call while a node still "
             "writes the step, then once per step for the bytes per copy edge:", "",
             "| hosts | before: all-gather, each call | after: status, each call "
@@ -259,8 +322,12 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> str | None:
   left.legend(fontsize=8)
   right.plot(hosts, [r["report_bytes_max"] for r in rows], "C0-o", label="largest report")
   right.plot(hosts, [r["report_slot_bytes"] for r in rows], "k:", label="report slot")
-  right.plot(hosts, [r["allgather_bytes_per_process"] for r in rows], "C3-s",
-             label="restore all-gather, per process")
+  right.plot(hosts, [r["restore_elastic_before_bytes"] for r in rows], "C3-s",
+             label="restore all-gathers (before), per process")
+  right.plot(hosts, [r["restore_elastic_bytes"] for r in rows], "C5-D",
+             label="restore reductions, survivors")
+  right.plot(hosts, [r["restore_replaced_bytes"] for r in rows], "C5:D",
+             label="restore reductions, 1% replaced")
   right.plot(hosts, [r["save_before_bytes"] for r in rows], "C4--^",
              label="save all-gather (before), per process")
   right.plot(hosts, [r["save_lost_bytes"] for r in rows], "C2-v",
@@ -312,7 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{hosts:>7} hosts: plan {row['plan_s'] * 1e3:.0f} ms, layout "
           f"{row['layout_s'] * 1e3:.0f} ms, pieces {row['pieces_s'] * 1e3:.0f} ms, report "
           f"<= {row['report_bytes_max']} B, save agreement {row['save_before_bytes']} -> "
-          f"{row['save_steady_bytes']} / {row['save_lost_bytes']} B per process",
+          f"{row['save_steady_bytes']} / {row['save_lost_bytes']} B, restore agreement "
+          f"{row['restore_elastic_before_bytes']} -> {row['restore_elastic_bytes']} / "
+          f"{row['restore_replaced_bytes']} B per process",
           file=sys.stderr)
     rows.append(row)
   command = "orbax-mtc bench elastic-scale " + " ".join(
