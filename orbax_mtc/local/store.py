@@ -258,7 +258,7 @@ class LocalTier:
 
   Args:
     directory: this process's local directory, on the RAM disk.
-    max_to_keep: committed steps kept (besides `keep_floor`); None keeps all.
+    max_to_keep: committed steps kept (besides `keep_floor`, `keep_replicated`); None: all.
     on_commit: called by `write` with the newest committed step.
     keep: `keep(steps, floor)`, the steps kept, when retention follows a policy
       (ram_retention.py); else the newest `max_to_keep`.
@@ -279,9 +279,7 @@ class LocalTier:
     self.max_to_keep = max_to_keep
     self.keep = keep
     self._on_commit = on_commit
-    # False when another program (GKE's replicator) may still be copying a retired step:
-    # its files must then never be overwritten in place.
-    self.reuse_files = reuse_files
+    self.reuse_files = reuse_files  # False: another program may still copy a retired step
     self.process_index = process_index
     self.process_count = process_count
     self.dir_mode = dir_mode
@@ -289,6 +287,7 @@ class LocalTier:
     # Newest step that every process had committed at the last save: kept even beyond
     # max_to_keep, so a crash between two nodes' commits still leaves a common RAM step.
     self.keep_floor: int | None = None
+    self.keep_replicated: int | None = None  # newest step whose peer copies landed: kept too
     self._lock = threading.Lock()  # guards folder renames between writer and main thread
     self._crc_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtc-crc")
     self._host_pool = HostPool()  # what borrowed pieces are copied into (writer thread)
@@ -444,12 +443,13 @@ class LocalTier:
   def apply_retention(self) -> list[int]:
     """Retires committed steps beyond `max_to_keep`, never the newest; returns them."""
     steps = committed_steps(self.directory)
+    spared = (self.keep_floor, self.keep_replicated)
     if self.keep is not None:
       kept = self.keep(steps, self.keep_floor)
-      victims = [s for s in steps if s not in kept]
+      victims = [s for s in steps if s not in kept and s not in spared]
     else:
       victims = [] if self.max_to_keep is None else [
-          s for s in steps[: max(0, len(steps) - self.max_to_keep)] if s != self.keep_floor]
+          s for s in steps[: max(0, len(steps) - self.max_to_keep)] if s not in spared]
     for step in victims:
       self.retire(step)
     aside.prune(self.directory, set(steps) - set(victims))

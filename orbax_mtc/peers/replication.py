@@ -205,6 +205,7 @@ class Replicator:
     self._commits: list[tuple[int, int, concurrent.futures.Future]] = []
     self.last_bytes_sent = 0
     self.finished_steps = 0  # steps whose copies all went out
+    self.landed_step: int | None = None  # the newest of them (the same on every process)
     self.failed_steps = 0  # steps whose copies were dropped by every process together
 
   @property
@@ -413,6 +414,7 @@ class Replicator:
       self._commits.append((source, job.step, future))
     self.last_bytes_sent = job.sent_bytes
     self.finished_steps += 1
+    self.landed_step = job.step
 
   def reap_commits(self) -> None:
     """Logs received copies whose commit failed on the writer thread (the copy is then
