@@ -46,6 +46,8 @@ KINDS = ("sigkill", "wipe", "wipe_all", "sigterm")  # the order within one job
 SYSTEMS = ("mtc", "emergency", "orbax")
 KIND_LABELS = {"sigkill": "one process SIGKILLed", "wipe": "one node's RAM lost",
                "wipe_all": "all RAM lost", "sigterm": "SIGTERM (maintenance)"}
+_PLOT_LABELS = {"sigkill": "1 process\nSIGKILLed", "wipe": "1 node's\nRAM lost",
+                "wipe_all": "all RAM\nlost", "sigterm": "SIGTERM\n(maintenance)"}
 SYSTEM_LABELS = {"mtc": "orbax-mtc", "emergency": "Orbax emergency", "orbax": "plain Orbax"}
 MAXTEXT_CHECKPOINT_PERIOD = 10_000  # MaxText's base.yml `checkpoint_period`
 _JOB_TIMEOUT_S = 900.0
@@ -119,6 +121,12 @@ def _seconds(spread: dict[str, float] | None) -> str:
   return f"{spread['median']:.1f} ({spread['min']:.1f}-{spread['max']:.1f})"
 
 
+def _since_zero(cell: dict[str, Any]) -> bool:
+  """Whether a (kind, system) lost work back to a persistent step (step 0 in this run)."""
+  lost = cell["steps_lost"]
+  return bool(lost and lost["max"] > 0) and bool({"persistent", "none"} & set(cell["tiers"]))
+
+
 def markdown(summary: dict[str, Any], meta: dict[str, Any], systems: Sequence[str],
              kinds: Sequence[str]) -> str:
   """The table of medians (min-max) over the seeds, and the notes that go with it (pure)."""
@@ -135,10 +143,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], systems: Sequence[st
     cells = []
     for system in systems:
       cell = summary[kind][system]
-      lost = cell["steps_lost"]
-      since_zero = ("persistent" in cell["tiers"] or "none" in cell["tiers"]) and bool(
-          lost and lost["max"] > 0)
-      cells += [_seconds(cell["work_lost_s"]) + (" *" if since_zero else ""),
+      cells += [_seconds(cell["work_lost_s"]) + (" *" if _since_zero(cell) else ""),
                 _seconds(cell["recovery_s"])]
     lines.append(f"| {KIND_LABELS[kind]} | " + " | ".join(cells) + " |")
   lines.append("")
@@ -176,12 +181,17 @@ def plot(summary: dict[str, Any], systems: Sequence[str], kinds: Sequence[str],
       xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(kinds))]
       bars = ax.bar(xs, med, width, yerr=err, capsize=2, label=SYSTEM_LABELS[system],
                     color=f"C{i}")
+      if name == "work_lost_s":  # hatched: back to persistent step 0, i.e. the run's length
+        for bar, kind in zip(bars, kinds, strict=True):
+          bar.set_hatch("//" if _since_zero(summary[kind][system]) else "")
       ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=1)
-    ax.set_xticks(range(len(kinds)), [KIND_LABELS[k] for k in kinds], fontsize=7)
+    ax.set_xticks(range(len(kinds)), [_PLOT_LABELS[k] for k in kinds], fontsize=8)
     ax.set_title(title, fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
-  axes[0].legend(fontsize=8)
-  fig.suptitle("What one failure costs (median over seeds, bars: min-max)", fontsize=10)
+  axes[0].legend([plt.Rectangle((0, 0), 1, 1, color=f"C{i}") for i in range(len(systems))],
+                 [SYSTEM_LABELS[s] for s in systems], fontsize=8)
+  fig.suptitle("What one failure costs (median over seeds, whiskers: min-max; hatched: back "
+               "to persistent step 0, so the run's length)", fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -339,21 +349,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"from {f['restored_tier']}), first step {f['recovery_s']:.1f} s after",
                 flush=True)
       runs.append(results)
+      table = _write(out, runs, args, kinds, step_s, ram_steps)  # after each seed
   finally:
     shutil.rmtree(scratch, ignore_errors=True)
+  print("\n" + table)
+  return 0
+
+
+def _write(out: Path, runs: list[dict[str, Any]], args, kinds: Sequence[str], step_s: float,
+           ram_steps: int) -> str:
+  """Writes failure-cost.json/.md/.png for the seeds run so far; returns the table."""
   summary = across_seeds(runs, args.systems, kinds)
   meta = {"procs": args.procs, "mib": args.mib, "step_s": step_s, "ram_steps": ram_steps,
           "ram_seconds": args.ram_seconds, "persistent_steps": args.persistent_steps,
-          "seeds": args.seeds}
+          "seeds": [r["seed"] for r in runs]}
   table = markdown(summary, meta, args.systems, kinds)
-  print("\n" + table)
   raw = {"runs": runs, "summary": summary, "meta": meta, "args": vars(args),
          "environment": goodput._environment()}
   (out / "failure-cost.json").write_text(json.dumps(raw, indent=1))
   (out / "failure-cost.md").write_text(table)
   if not plot(summary, args.systems, kinds, out / "failure-cost.png"):
     print("no plot: matplotlib is not installed", file=sys.stderr)
-  return 0
+  return table
 
 
 if __name__ == "__main__":
