@@ -103,7 +103,9 @@ def across_seeds(runs: Sequence[dict[str, Any]], systems: Sequence[str],
     row: dict[str, Any] = {}
     for system in systems:
       found = [f for r in runs for f in r[system]["failures"] if f["kind"] == kind]
-      cell: dict[str, Any] = {"tiers": sorted({str(f["restored_tier"]) for f in found})}
+      cell: dict[str, Any] = {"tiers": sorted({str(f["restored_tier"]) for f in found}),
+                              "hung": sum(bool(f.get("hung")) for f in found),
+                              "runs": len(found)}
       for name in ("work_lost_s", "recovery_s", "steps_lost"):
         values = [f[name] for f in found if f[name] is not None]
         cell[name] = ({"median": statistics.median(values), "min": min(values),
@@ -143,14 +145,21 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], systems: Sequence[st
     cells = []
     for system in systems:
       cell = summary[kind][system]
-      cells += [_seconds(cell["work_lost_s"]) + (" *" if _since_zero(cell) else ""),
-                _seconds(cell["recovery_s"])]
+      back = _seconds(cell["recovery_s"])
+      if cell["hung"]:
+        back = (f"no step ({cell['hung']} of {cell['runs']})" if back == "-" else
+                f"{back}; no step in {cell['hung']} of {cell['runs']}")
+      cells += [_seconds(cell["work_lost_s"]) + (" *" if _since_zero(cell) else ""), back]
     lines.append(f"| {KIND_LABELS[kind]} | " + " | ".join(cells) + " |")
   lines.append("")
   for system in systems:
     tiers = ", ".join(f"{KIND_LABELS[k]}: {'/'.join(summary[k][system]['tiers'])}"
                       for k in kinds)
     lines.append(f"- {SYSTEM_LABELS[system]} restored from: {tiers}")
+  if any(summary[k][s]["hung"] for k in kinds for s in systems):
+    lines.append(f"- no step: the restarted job made no training step within "
+                 f"{meta['hang_seconds']:g} s (it hung); it was killed and that system's "
+                 "later failures were not run for that seed.")
   half = meta["persistent_steps"] / 2 * step_s
   lines.append(f"- \\* restored from the persistent tier, whose last save in this short run is "
                f"step 0: the figure is the run's length before the failure. At a "
@@ -247,6 +256,7 @@ def run_job(system: str, args, plan: Sequence[PlannedFailure], ram_steps: int,
   (base / "persistent").mkdir(parents=True)
   failures = [dataclasses.replace(f) for f in plan]
   started = time.time()
+  hung = False
   for run in range(1, len(failures) + 2):
     failure = failures[run - 1] if run <= len(failures) else None
     extra = ["--save-step-zero"] + (
@@ -256,13 +266,17 @@ def run_job(system: str, args, plan: Sequence[PlannedFailure], ram_steps: int,
                      devices_per_process=1, local_root=base / "local",
                      env={"TF_CPP_MIN_LOG_LEVEL": "2"}, output=watch)
     with job.start():
-      deadline = time.monotonic() + _JOB_TIMEOUT_S
+      begun = time.monotonic()
+      deadline = begun + _JOB_TIMEOUT_S
       while not job.poll():
         if time.monotonic() > deadline:
           raise RuntimeError(f"{system}: run {run} timed out:\n" + "\n".join(watch.tail))
         with watch.cond:
           watch.cond.wait(timeout=0.5)  # woken by output; the timeout notices exits
           first, reached = watch.first_step, watch.max_step
+        if first is None and run > 1 and time.monotonic() - begun > args.hang_seconds:
+          hung = True  # no step after the restart: the job is left here (killed on exit)
+          break
         if failure is None or failure.injected_at is not None or first is None:
           continue
         if failure.at_step < 0:
@@ -271,7 +285,12 @@ def run_job(system: str, args, plan: Sequence[PlannedFailure], ram_steps: int,
           failure.injected_at, failure.run = time.time(), run
           os.kill(job.pids[failure.node],
                   signal.SIGTERM if failure.kind == "sigterm" else signal.SIGKILL)
-      job.wait(timeout_s=_JOB_TIMEOUT_S)
+      if not hung:
+        job.wait(timeout_s=_JOB_TIMEOUT_S)
+    if hung:
+      print(f"   {system}: run {run} made no step in {args.hang_seconds:g} s after the "
+            f"restart; the remaining failures are not run", flush=True)
+      break
     if failure is not None and failure.injected_at is None:
       raise RuntimeError(f"{system}: run {run} ended before its {failure.kind}:\n"
                          + "\n".join(watch.tail))
@@ -280,11 +299,14 @@ def run_job(system: str, args, plan: Sequence[PlannedFailure], ram_steps: int,
       for node in nodes:
         shutil.rmtree(job.local_directory(node), ignore_errors=True)
   events = _events(base)
-  if not any(e["event"] == "done" and e["run"] == len(failures) + 1 for e in events):
+  if not hung and not any(e["event"] == "done" and e["run"] == len(failures) + 1
+                          for e in events):
     raise RuntimeError(f"{system}: the last run did not finish:\n" + "\n".join(watch.tail))
   shutil.rmtree(base, ignore_errors=True)
   out = costs(events, failures)
-  out.update(system=system, wall_s=time.time() - started,
+  for f in out["failures"]:
+    f["hung"] = f["recovery_s"] is None  # no step after its restart
+  out.update(system=system, hung=hung, wall_s=time.time() - started,
              plan=[dataclasses.asdict(f) for f in failures])
   return out
 
@@ -309,6 +331,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="steps timed to convert --ram-seconds (default: %(default)s)")
   p.add_argument("--after-steps", type=int, default=5,
                  help="steps trained after the last restart (default: %(default)s)")
+  p.add_argument("--hang-seconds", type=float, default=150.0,
+                 help="a restarted job with no step after this long is taken as hung: "
+                 "killed, and that system's later failures skipped (default: %(default)s)")
   p.add_argument("--seeds", type=int, nargs="+", default=[0, 1],
                  help="failure plans, one job per system each (default: 0 1)")
   p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
@@ -345,9 +370,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               flush=True)
         r = results[system] = run_job(system, args, plan, ram_steps, scratch)
         for f in r["failures"]:
-          print(f"   {f['kind']}: {f['steps_lost']} steps lost ({f['work_lost_s']:.1f} s, "
-                f"from {f['restored_tier']}), first step {f['recovery_s']:.1f} s after",
-                flush=True)
+          back = "none" if f["recovery_s"] is None else f"{f['recovery_s']:.1f} s after"
+          print(f"   {f['kind']}: {f['steps_lost']} steps lost ({f['work_lost_s']} s, "
+                f"from {f['restored_tier']}), first step: {back}", flush=True)
       runs.append(results)
       table = _write(out, runs, args, kinds, step_s, ram_steps)  # after each seed
   finally:
@@ -362,7 +387,7 @@ def _write(out: Path, runs: list[dict[str, Any]], args, kinds: Sequence[str], st
   summary = across_seeds(runs, args.systems, kinds)
   meta = {"procs": args.procs, "mib": args.mib, "step_s": step_s, "ram_steps": ram_steps,
           "ram_seconds": args.ram_seconds, "persistent_steps": args.persistent_steps,
-          "seeds": [r["seed"] for r in runs]}
+          "hang_seconds": args.hang_seconds, "seeds": [r["seed"] for r in runs]}
   table = markdown(summary, meta, args.systems, kinds)
   raw = {"runs": runs, "summary": summary, "meta": meta, "args": vars(args),
          "environment": goodput._environment()}
