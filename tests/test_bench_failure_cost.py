@@ -117,3 +117,15 @@ def test_failure_cost_smoke_run(tmp_path):
   assert run["mtc"]["failures"][0]["restored_tier"] in ("local", "peer")
   assert run["orbax"]["failures"][0]["restored_tier"] == "persistent"
   assert set(raw["summary"]) == {"wipe", "sigterm"}
+
+
+def test_a_restart_without_a_step_is_reported_as_hung():
+  hung = {"failures": [{"kind": "wipe", "work_lost_s": 64.0, "recovery_s": None,
+                        "steps_lost": 640, "restored_tier": "persistent", "hung": True}]}
+  summary = fc.across_seeds([{"seed": 0, "emergency": hung}], ["emergency"], ["wipe"])
+  assert summary["wipe"]["emergency"]["hung"] == 1
+  meta = {"procs": 4, "mib": 16, "step_s": 0.1, "ram_steps": 600, "ram_seconds": 60.0,
+          "persistent_steps": 10_000, "seeds": [0], "hang_seconds": 120.0}
+  table = fc.markdown(summary, meta, ["emergency"], ["wipe"])
+  assert "| one node's RAM lost | 64.0 * | no step (1 of 1) |" in table
+  assert "within 120 s" in table
