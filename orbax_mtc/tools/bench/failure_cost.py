@@ -153,7 +153,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], systems: Sequence[st
     lines.append(f"| {KIND_LABELS[kind]} | " + " | ".join(cells) + " |")
   lines.append("")
   for system in systems:
-    tiers = ", ".join(f"{KIND_LABELS[k]}: {'/'.join(summary[k][system]['tiers'])}"
+    tiers = ", ".join(f"{KIND_LABELS[k]}: {'/'.join(summary[k][system]['tiers']) or 'not run'}"
                       for k in kinds)
     lines.append(f"- {SYSTEM_LABELS[system]} restored from: {tiers}")
   if any(summary[k][s]["hung"] for k in kinds for s in systems):
