@@ -146,6 +146,8 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], systems: Sequence[st
     for system in systems:
       cell = summary[kind][system]
       back = _seconds(cell["recovery_s"])
+      if cell["recovery_s"] and cell["recovery_s"]["n"] < len(meta["seeds"]):
+        back += f" [{cell['recovery_s']['n']} seed]"
       if cell["hung"]:
         back = (f"no step ({cell['hung']} of {cell['runs']})" if back == "-" else
                 f"{back}; no step in {cell['hung']} of {cell['runs']}")
