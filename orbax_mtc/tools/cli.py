@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
   )
   verbs.add_parser(
       "bench", add_help=False,
-      help="benchmarks: suite, goodput, ondemand, elastic-scale, every-step "
+      help="benchmarks: suite, goodput, failure-cost, ondemand, elastic-scale, every-step "
       "(orbax-mtc bench --help)")
   verbs.add_parser(
       "gc", add_help=False,
@@ -75,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
 _BENCHMARKS = {
     "suite": "orbax-mtc beside the machine's limits and Orbax, every size and process count",
     "goodput": "one training job under seeded failures: orbax-mtc vs plain Orbax",
+    "failure-cost": "work lost and time to recover per failure kind: orbax-mtc, Orbax's "
+    "emergency manager, plain Orbax",
     "ondemand": "time from SIGTERM to a durable on-demand checkpoint",
     "elastic-scale": "elastic restore planning against host count (1k to 100k hosts)",
     "every-step": "training-loop overhead of RAM saves every N steps and continuously",
@@ -98,6 +100,8 @@ def _bench(argv: list[str]) -> int:
     from orbax_mtc.tools.bench import suite as module
   elif argv[0] == "goodput":
     from orbax_mtc.tools.bench import goodput as module
+  elif argv[0] == "failure-cost":
+    from orbax_mtc.tools.bench import failure_cost as module
   elif argv[0] == "elastic-scale":
     from orbax_mtc.tools.bench import elastic_scale as module
   elif argv[0] == "every-step":

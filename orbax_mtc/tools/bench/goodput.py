@@ -115,6 +115,7 @@ class _Watch:
     self.cond = threading.Condition()
     self.max_step = 0
     self.stepped = False  # this run has trained a step
+    self.first_step: int | None = None  # this run's first step (its restored step + 1)
     self._partial = ""
     self.tail: list[str] = []
 
@@ -125,7 +126,9 @@ class _Watch:
       for line in lines:
         self.tail = (self.tail + [line])[-40:]
         if line.startswith("[node 0] @@gp STEP "):
-          self.max_step = max(self.max_step, int(line.rsplit(" ", 1)[1]))
+          step = int(line.rsplit(" ", 1)[1])
+          self.max_step = max(self.max_step, step)
+          self.first_step = step if self.first_step is None else self.first_step
           self.stepped = True
       self.cond.notify_all()
     return len(text)
