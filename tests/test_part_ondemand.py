@@ -124,8 +124,6 @@ class _Backups:
 
 
 class _Peers:
-  landed_step = None  # no copies landed
-
   def __init__(self, log: list, local: LocalTier, enabled: bool):
     self.log, self.local, self.enabled = log, local, enabled
     self.committed_at_finish: list[int] | None = None

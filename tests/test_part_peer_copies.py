@@ -29,6 +29,11 @@ from orbax_mtc.peers.copies import PeerCopies
 pytestmark = pytest.mark.timeout(60)
 
 
+def apply_retention() -> list[int]:
+  """The local tier's retention, as the fakes below hand it to the writer."""
+  return []
+
+
 class FakeWriter:
   """The RAM writer as PeerCopies and Replicator use it; records every call."""
 
@@ -39,6 +44,9 @@ class FakeWriter:
     self.executor = types.SimpleNamespace(submit=self._submit)
 
   def _submit(self, fn, *args, **kwargs):
+    if fn is apply_retention:  # after a step's copies landed
+      self.calls.append(("retention",))
+      return concurrent.futures.Future()
     if getattr(fn, "__name__", "") == "_outgoing":
       # The read-ahead of a scheduled step's streams: left pending (never run), so the
       # sender reads them itself when the copies start.
@@ -359,7 +367,7 @@ def test_stale_sources_dropped_once_after_the_first_copies_are_out():
   writer, store = FakeWriter(Status.COMMITTED), FakeStore()
   # The local tier as the sender reads it: never read here, as process 0 sends nothing.
   local = types.SimpleNamespace(directory=pathlib.Path("unused"), manifest=lambda step: None,
-                                keep_floor=None)
+                                keep_floor=None, apply_retention=apply_retention)
   peers, _, allgather = make(options, index=0, count=4, local=local, store=store,
                              writer=writer)
   peers.set_mesh(fake_mesh(GRID_2X2))
@@ -371,7 +379,8 @@ def test_stale_sources_dropped_once_after_the_first_copies_are_out():
   assert peers.replicator.finished_steps == 2
   assert store.calls == [("drop_sources", (1,)), ("drop_other_counts", 4)]
   first_drop = writer.calls.index(("drain",))
-  assert writer.calls[:first_drop] == [("wait",), ("status_of", 4)]  # copies committed first
+  # The copies committed first, then the RAM step they spared may go.
+  assert writer.calls[:first_drop] == [("wait",), ("status_of", 4), ("retention",)]
   assert not any(call[0] == "submit" for call in writer.calls)
 
 
@@ -395,7 +404,8 @@ def test_a_local_save_leaves_the_previous_copies_moving_and_agrees_them_at_the_n
       replication=mtc.ReplicationOptions(peer_ranks=((), (0,), (3,), (2,))))
   writer, store = FakeWriter(Status.COMMITTED), FakeStore()
   local = types.SimpleNamespace(directory=pathlib.Path("unused"), manifest=lambda step: None,
-                                keep_floor=None, steps=lambda: [4])
+                                keep_floor=None, steps=lambda: [4],
+                                apply_retention=apply_retention)
   allreduce = FakeAllreduce(4, [Status.COMMITTED] * 4)
   peers, _, _ = make(options, index=0, count=4, local=local, store=store, writer=writer,
                      allreduce=allreduce)
@@ -415,37 +425,6 @@ def test_a_local_save_leaves_the_previous_copies_moving_and_agrees_them_at_the_n
   assert len(allreduce.seen) == rounds + 1 and replicator.finished_steps == 1
   assert replicator.pending_step == 6 and replicator.unissued_step == 6
   assert store.calls == [("drop_sources", (1,)), ("drop_other_counts", 4)]
-
-
-def test_a_read_ahead_stream_lends_its_bytes_in_place(tmp_path):
-  """A prefetched stream gives the same bytes as reading it, padded with zeros to the chunk
-  multiple, as views of one aligned buffer; past the padding it has none."""
-  from orbax_mtc.local import staging
-  from orbax_mtc.peers import stream as peer_stream
-
-  tier = local_store.LocalTier(tmp_path / "local", max_to_keep=2)
-  tier.prepare()
-  try:
-    state = {"a": np.arange(3000, dtype=np.float32), "b": np.arange(17, dtype=np.int8)}
-    tier.write(staging.stage(3, {"state": state}, {}, default_item=False), 0, 2)
-    manifest = tier.manifest(3)
-    reference = peer_stream.copy_stream(tier.directory / "3", manifest, 0, skip=set())
-    stream = peer_stream.copy_stream(tier.directory / "3", manifest, 0, skip=set())
-    assert stream.view(0, 4096) is None  # not read ahead yet
-    stream.prefetch(4096)
-    padded = -(-stream.nbytes // 4096) * 4096
-    assert stream.prefetched.nbytes == padded and stream.prefetched.ctypes.data % 4096 == 0
-    want = np.zeros(stream.nbytes, np.uint8)
-    reference.read(0, want)
-    whole = stream.view(0, padded)
-    assert np.array_equal(whole[:stream.nbytes], want) and not whole[stream.nbytes:].any()
-    assert np.shares_memory(stream.view(4096, 4096), stream.prefetched)
-    assert stream.view(padded - 4096, 8192) is None
-    part = np.zeros(100, np.uint8)
-    stream.read(50, part)  # reading is served from memory too
-    assert np.array_equal(part, want[50:150])
-  finally:
-    tier.close()
 
 
 # ------------------------------------------------------------------ the pure decisions

@@ -92,8 +92,6 @@ class _Backups:
 
 
 class _Peers:
-  landed_step = None  # no copies landed
-
   def __init__(self, log: list):
     self.log, self.trees = log, {}  # trees: step -> the trees scheduled for copies
 

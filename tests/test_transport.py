@@ -10,8 +10,13 @@ import re
 import shutil
 
 import mp_helpers
+import numpy as np
 import pytest
 from mp_helpers import assert_ok, new_root, tail
+
+from orbax_mtc.local import staging
+from orbax_mtc.local import store as local_store
+from orbax_mtc.peers import stream as peer_stream
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -60,3 +65,31 @@ def test_a_failure_mid_transfer_leaves_no_process_inside_a_collective(fault):
       assert bad and all(src == 1 for src, _ in bad), bad
   finally:
     shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_read_ahead_stream_lends_its_bytes_in_place(tmp_path):
+  """A prefetched stream gives the same bytes as reading it, padded with zeros to the chunk
+  multiple, as views of one aligned buffer; past the padding it has none."""
+  tier = local_store.LocalTier(tmp_path / "local", max_to_keep=2)
+  tier.prepare()
+  try:
+    state = {"a": np.arange(3000, dtype=np.float32), "b": np.arange(17, dtype=np.int8)}
+    tier.write(staging.stage(3, {"state": state}, {}, default_item=False), 0, 2)
+    manifest = tier.manifest(3)
+    reference = peer_stream.copy_stream(tier.directory / "3", manifest, 0, skip=set())
+    stream = peer_stream.copy_stream(tier.directory / "3", manifest, 0, skip=set())
+    assert stream.view(0, 4096) is None  # not read ahead yet
+    stream.prefetch(4096)
+    padded = -(-stream.nbytes // 4096) * 4096
+    assert stream.prefetched.nbytes == padded and stream.prefetched.ctypes.data % 4096 == 0
+    want = np.zeros(stream.nbytes, np.uint8)
+    reference.read(0, want)
+    whole = stream.view(0, padded)
+    assert np.array_equal(whole[:stream.nbytes], want) and not whole[stream.nbytes:].any()
+    assert np.shares_memory(stream.view(4096, 4096), stream.prefetched)
+    assert stream.view(padded - 4096, 8192) is None
+    part = np.zeros(100, np.uint8)
+    stream.read(50, part)  # reading is served from memory too
+    assert np.array_equal(part, want[50:150])
+  finally:
+    tier.close()

@@ -127,11 +127,6 @@ class PeerCopies:
     return self.replicator.pending_step if self.replicator is not None else None
 
   @property
-  def landed_step(self) -> int | None:
-    """The newest step whose copies all landed (agreed), or None."""
-    return None if self.replicator is None else self.replicator.landed_step
-
-  @property
   def moving(self) -> bool:
     """The previous step's copies are still on their way (this process's view)."""
     return self.replicator is not None and self.replicator.moving

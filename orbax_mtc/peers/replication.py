@@ -415,6 +415,10 @@ class Replicator:
     self.last_bytes_sent = job.sent_bytes
     self.finished_steps += 1
     self.landed_step = job.step
+    # Kept in RAM until a newer step's copies land (a replaced node restores it with its
+    # peers' copies); the step it spared before may go now.
+    self._local.keep_replicated = job.step
+    self._writer.submit(self._local.apply_retention)
 
   def reap_commits(self) -> None:
     """Logs received copies whose commit failed on the writer thread (the copy is then

@@ -142,9 +142,6 @@ class RamSaver:
     if ledger.process_count > 1:
       # The newest step all nodes hold: kept beyond max_to_keep.
       self._local.keep_floor = floor
-      # The copies of the step before it may still be moving: the newest step whose copies
-      # landed stays as well, so a replaced node finds it with its peers' copies.
-      self._local.keep_replicated = self._peers.landed_step
       # Steps kept only as the previous floor can go now, before this write reuses their file:
       # the RAM footprint stays at max_to_keep committed steps plus the one being written.
       self._local.apply_retention()
