@@ -77,8 +77,7 @@ def transfer(streams: Sequence[transport.Stream], me: int,
   return transport.Transfer(list(streams), me=me,
                             reader_for=lambda s: outgoing[s.destination].read,
                             sink_for=sink_for, chunk_limit=chunk_limit, window=window,
-                            allgather=allgather,
-                            viewer_for=lambda s: outgoing[s.destination].view)
+                            allgather=allgather)
 
 
 def outgoing_sizes(edges: Sequence[Edge], me: int, outgoing: dict[int, OutgoingStream]
