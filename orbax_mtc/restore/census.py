@@ -36,7 +36,7 @@ import numpy as np
 
 from orbax_mtc import reduction
 from orbax_mtc.reduction import LOW, Parts
-from orbax_mtc.restore.plan import ASIDE, COPY, OWN, HostReport
+from orbax_mtc.restore.plan import ASIDE, COPY, OWN, HostReport, wanted
 
 Save = tuple[int, int, int]  # (step, count, digest)
 Mine = dict[Save, dict[int, tuple[int, ...]]]  # save -> saved rank -> kinds held (ascending)
@@ -61,11 +61,7 @@ def holdings(report: HostReport, me: int, *, requested_step: int | None = None,
   out: dict[Save, dict[int, set[int]]] = {}
   for kind, refs in report.kinds():
     for ref in refs:
-      if requested_step is not None and ref.step != requested_step:
-        continue
-      if min_step is not None and ref.step < min_step:
-        continue
-      if not 0 <= ref.rank < ref.count or ref.count > MAX_COUNT:
+      if not wanted(ref, requested_step, min_step) or ref.count > MAX_COUNT:
         continue
       if (me, ref.rank, ref.step) in excluded or (ref.rank, ref.step) in gone:
         continue

@@ -240,6 +240,14 @@ class ElasticPlan:
     return {rank: kind for rank, p, kind in self.servers if p == process}
 
 
+def wanted(ref: FolderRef, requested_step: int | None, min_step: int | None) -> bool:
+  """Whether a reported folder can be a candidate's: of the step asked for, not older than
+  `min_step`, and of a saved rank within its save's count (`candidates`; restore/census
+  filters each process's own folders with the same rule)."""
+  return ((requested_step is None or ref.step == requested_step)
+          and (min_step is None or ref.step >= min_step) and 0 <= ref.rank < ref.count)
+
+
 def candidates(reports: Sequence[HostReport], *, requested_step: int | None = None,
                min_step: int | None = None,
                excluded: Collection[tuple[int, int, int]] = ()) -> list[Candidate]:
@@ -260,11 +268,7 @@ def candidates(reports: Sequence[HostReport], *, requested_step: int | None = No
   for process, report in enumerate(reports):
     for kind, refs in report.kinds():
       for ref in refs:
-        if requested_step is not None and ref.step != requested_step:
-          continue
-        if min_step is not None and ref.step < min_step:
-          continue
-        if not 0 <= ref.rank < ref.count or (process, ref.rank, ref.step) in bad:
+        if not wanted(ref, requested_step, min_step) or (process, ref.rank, ref.step) in bad:
           continue
         ranks = saves.setdefault((ref.step, ref.count, ref.digest), {})
         ranks.setdefault(ref.rank, []).append((process, kind))
