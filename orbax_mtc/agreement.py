@@ -134,15 +134,14 @@ class Inventory:
 
 @dataclasses.dataclass(frozen=True)
 class StartRecord:
-  """Construction: whether this process could claim and prepare its local directory.
+  """Construction: whether this process could claim and prepare its local directory, or
+  make the replicator's handshake (summarized: summary.py).
 
   Attributes:
     fault: The error it hit, if any.
-    inventory: What it holds.
   """
 
   fault: Fault = field(Record(Fault), factory=Fault)
-  inventory: Inventory = field(Record(Inventory), factory=Inventory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,16 +204,13 @@ class SendRecord:
 
 @dataclasses.dataclass(frozen=True)
 class OutcomeRecord:
-  """One process's outcome of one operation (the end of a transfer, a check before Orbax's
-  own collective).
+  """One process's outcome of a check before Orbax's own collective (summarized).
 
   Attributes:
-    status: OK, or FAILED.
-    message: What failed.
+    fault: Why the check failed here; none when it passed.
   """
 
-  status: Status = field(EnumCodec(Status), Status.OK)
-  message: str = field(Text(_MESSAGE_BYTES), "")
+  fault: Fault = field(Record(Fault), factory=Fault)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,21 +332,6 @@ def faults(records: Sequence[Any]) -> dict[int, Fault]:
     Process -> its fault, for the processes that report one.
   """
   return {p: r.fault for p, r in enumerate(records) if r.fault.present}
-
-
-def raise_faults(records: Sequence[Any], what: str) -> None:
-  """Raises one CheckpointError, the same on every process, if any process reports a fault.
-
-  Args:
-    records: One gathered record per process, each with a `fault` field.
-    what: The operation, named in the error.
-
-  Raises:
-    CheckpointError: If any record carries a fault.
-  """
-  found = faults(records)
-  if found:
-    raise CheckpointError(what, {p: f"{f.kind}: {f.message}" for p, f in found.items()})
 
 
 def persistent_steps_seen(inventories: Sequence[Inventory],

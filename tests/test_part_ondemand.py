@@ -61,7 +61,7 @@ class _Cluster:
       self.sent.append((what, mine))
       self.log.append(("agree", what))
     # A listing census (no step) stands for the FinishRecord agreement.
-    kind = agreement.FinishRecord if mine.step < 0 else type(mine)
+    kind = agreement.FinishRecord if getattr(mine, "step", 0) < 0 else type(mine)
     theirs = dataclasses.replace(mine, **{"fault": agreement.Fault(),
                                           **self.other.get(kind, {})})
     records = [theirs]
