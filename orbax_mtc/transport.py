@@ -129,6 +129,8 @@ class Transfer:
     allgather: The collective all-gather of one int64 row, to agree on placing spare chunk
       buffers of lengths no earlier transfer used (None: this process alone decides).
     viewer_for: Returns the `Viewer` of a stream this process sends, if it has one.
+    rounds: `topology.transfer_rounds` of the streams' ends, when the caller has it already
+      (the same on every process).
 
   Attributes:
     failures: What failed on this process while the bytes moved ("<what>: <type>: <message>");
@@ -144,7 +146,8 @@ class Transfer:
   def __init__(self, streams: Sequence[Stream], *, me: int, reader_for: Callable[[Stream], Reader],
                sink_for: Callable[[Stream], Sink], chunk_limit: int, window: int = 2,
                allgather: Callable[[np.ndarray], np.ndarray] | None = None,
-               viewer_for: Callable[[Stream], Viewer | None] | None = None):
+               viewer_for: Callable[[Stream], Viewer | None] | None = None,
+               rounds: Sequence[Sequence[tuple[int, int]]] | None = None):
     streams = [s for s in streams if s.nbytes > 0]
     by_edge = {(s.source, s.destination): s for s in streams}
     if len(by_edge) != len(streams):
@@ -155,7 +158,12 @@ class Transfer:
     self._viewers: dict[Stream, Viewer] = {}
     self._sinks: dict[Stream, Sink] = {}
     self._chunks: collections.deque[_Chunk] = collections.deque()
-    for round_edges in topology.transfer_rounds(list(by_edge)):
+    if rounds is None:
+      rounds = topology.transfer_rounds(list(by_edge))
+    for round_edges in rounds:
+      round_edges = [e for e in round_edges if e in by_edge]
+      if not round_edges:
+        continue
       round_streams = [by_edge[e] for e in round_edges]
       largest = max(s.nbytes for s in round_streams)
       length = _chunk_bytes_for(largest, chunk_limit)
