@@ -109,7 +109,6 @@ def test_the_exchange_agrees_the_gathered_status_and_every_stream(seed):
   assert served.streams == len(expected)
   if served.streams:
     assert served.early is None
-    first = len(rounds)
     assert served.most == max(len([n for n in s.values() if n > 0]) for s in sends_of)
     edges = sorted((p, d) for p, d, _ in expected)
     size = {(p, d): n for p, d, n in expected}
