@@ -3,10 +3,11 @@
 Rule 8 of the design: every answer that steers the training loop is the same on every process,
 and every branch taken before a collective depends only on agreed data. Per-process facts (the
 steps in this node's RAM folder, its view of the persistent tier, an error on its writer
-thread) therefore enter decisions only through one record per call, all-gathered once. Each
-record is a frozen dataclass whose fields carry their codec; `encode`/`decode` (row_codec.py,
-re-exported here) are the only place that knows the layout of the int64 row, so no caller
-reads a column by index.
+thread) therefore enter decisions only through one record per call, agreed by reductions
+whose size does not grow with the cluster (save_census, restore/census, restore/outcome,
+peers/send_census, summary). Each record is a frozen dataclass whose fields carry their codec;
+`encode`/`decode` (row_codec.py, re-exported here) are the only place that knows the layout of
+its int64 row (a fault's message travels as one), so no caller reads a column by index.
 
 Pure: numpy only, no I/O and no JAX, so every record round-trips in unit tests.
 """
@@ -32,11 +33,9 @@ from orbax_mtc.row_codec import (
   field,
 )
 
-# The codec's entry points, used as agreement.gather(...) and friends.
+# The codec's entry points, used as agreement.encode(...) and friends.
 from orbax_mtc.row_codec import decode as decode
 from orbax_mtc.row_codec import encode as encode
-from orbax_mtc.row_codec import gather as gather
-from orbax_mtc.row_codec import gather_with_sizes as gather_with_sizes
 from orbax_mtc.row_codec import row_size as row_size
 
 
@@ -193,7 +192,8 @@ class RestoreRecord:
 
 @dataclasses.dataclass(frozen=True)
 class SendRecord:
-  """Peer replication of one step; its byte count per copy edge follows (`gather_with_sizes`).
+  """Peer replication of one step, as an all-gather carried it before send_census (its byte
+  count per copy edge followed): the scale bench's "before" figure.
 
   Attributes:
     status: Whether this node committed the step: WRITING, COMMITTED or FAILED.

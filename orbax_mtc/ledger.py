@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from orbax_mtc import agreement, save_census, summary
 from orbax_mtc import step_listing as restore_plan
 from orbax_mtc.errors import BackupError
@@ -47,35 +45,29 @@ class StepLedger:
 
   Args:
     process_count: processes in the job.
-    allgather: `allgather(row, what)`, every process's int64 row (a collective, bounded by
-      the agreement timeout, naming `what` when someone is missing).
     own_steps: this node's committed RAM steps.
     copies: this node's servable peer copies, as (source, step), given its own steps.
     persistent_steps: the persistent steps this process sees.
     listing_groups: which processes hold the same shards (twins), or None.
     keep: the RAM tier's retention: `keep(steps, floor)`, the steps kept.
-    listing_allgather: the all-gather of `agree_steps` (default: `allgather`); it still runs
-      once a newer manager took the RAM folder over, so this one can list and reload.
     unreported: where the RAM writer leaves its errors for the next agreement.
     before_local_raise: called before an agreed local fault is raised (every process is
       there): lets a backup in flight finish.
     process_index: this process's index.
     allreduce: `allreduce(parts, what)`, the reduction of every process's vectors (a
       collective bounded by the agreement timeout, collectives.allreduce).
-    listing_allreduce: the reduction of `agree_steps` (default: `allreduce`); as
-      `listing_allgather`, it still runs once a newer manager took the RAM folder over.
+    listing_allreduce: the reduction of `agree_steps` (default: `allreduce`); it still runs
+      once a newer manager took the RAM folder over, so this one can list and reload.
     reduce: `reduce(round, what)`, in place of both reductions (a simulated cluster adds up
       its processes' contributions to the round).
   """
 
   def __init__(self, *, process_count: int,
-               allgather: Callable[[np.ndarray, str], np.ndarray],
                own_steps: Callable[[], list[int]],
                copies: Callable[[list[int]], list[tuple[int, int]]],
                persistent_steps: Callable[[], list[int]],
                listing_groups: Callable[[], list[int] | None],
                keep: Callable[[Sequence[int], int | None], set[int]],
-               listing_allgather: Callable[[np.ndarray, str], np.ndarray] | None = None,
                unreported: UnreportedError | None = None,
                before_local_raise: Callable[[], None] = lambda: None,
                process_index: int = 0,
@@ -97,8 +89,6 @@ class StepLedger:
 
     self._reduce = reduce or reducer(allreduce)
     self._listing_reduce = reduce or reducer(listing_allreduce or allreduce)
-    self._allgather = allgather
-    self._listing_allgather = listing_allgather or allgather
     self._own_steps = own_steps
     self._copies = copies
     self._persistent_steps = persistent_steps
@@ -111,11 +101,7 @@ class StepLedger:
     self._fault_cause: BaseException | None = None  # handed, not yet raised
     self._before_local_raise = before_local_raise
 
-  # --------------------------------------------------------------------- gathering
-
-  def allgather(self, row: np.ndarray, what: str) -> np.ndarray:
-    """Every process's `row` (a collective)."""
-    return self._allgather(row, what)
+  # --------------------------------------------------------------------- agreeing
 
   def summarize(self, record: Any, what: str) -> summary.Summary:
     """Who reports what in every process's record of this call (reductions whose size does

@@ -169,6 +169,20 @@ def unpack_fields(words: np.ndarray, width: int, fields: int) -> np.ndarray:
   return bits @ (np.int64(1) << np.arange(width, dtype=np.int64))
 
 
+def flag_parts(flag: bool, me: int) -> Parts:
+  """One flag of this process: counted, and the lowest process raising it."""
+  parts = Parts.empty(1, 1)
+  if flag:
+    parts.add[0], parts.top[0] = 1, -me
+  return parts
+
+
+def read_flag(reduced: Parts) -> Who:
+  """Who raised the flag of a reduced `flag_parts` round."""
+  count = int(reduced.add[0])
+  return Who(count, int(-reduced.top[0]) if count else -1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Round:
   """One round of an agreement: this process's facts and how any process's facts become its

@@ -74,16 +74,6 @@ def test_a_row_of_another_layout_is_refused():
     agreement.decode(agreement.SaveRecord, row)
 
 
-def test_gather_with_sizes_splits_records_and_sizes():
-  records = [agreement.SendRecord(Status.COMMITTED), agreement.SendRecord(Status.WRITING)]
-  sizes = [np.asarray([5, 6 << 33]), np.asarray([0, -1])]
-  rows = np.stack([np.concatenate([agreement.encode(r), s])
-                   for r, s in zip(records, sizes, strict=True)])
-  got = agreement.gather_with_sizes(records[0], sizes[0], lambda row: rows)
-  assert [r for r, _ in got] == records
-  assert [list(s) for _, s in got] == [[5, 6 << 33], [0, -1]]
-
-
 def test_faults_name_each_process_that_reports_one():
   records = [agreement.FinishRecord(),
              agreement.FinishRecord(fault=agreement.Fault.of(OSError(28, "No space left"))),

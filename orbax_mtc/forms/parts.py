@@ -23,7 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import LatestN
 
@@ -97,14 +96,6 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
   # folder nor saves, restores or deletes.
   taken_over: list[Exception] = []
 
-  def listing_allgather(row: np.ndarray, what: str) -> np.ndarray:
-    return collectives.allgather(row, what, process_count, options.agreement_timeout_seconds)
-
-  def allgather(row: np.ndarray, what: str) -> np.ndarray:
-    if taken_over:
-      raise taken_over[0]
-    return listing_allgather(row, what)
-
   def listing_allreduce(parts: reduction.Parts, what: str) -> reduction.Parts:
     return collectives.allreduce(parts, what, process_count, options.agreement_timeout_seconds)
 
@@ -151,7 +142,6 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
                        on_error=unreported.offer)
     peers = PeerCopies(options, process_index, process_count, local=local, store=store,
                        writer=writer,
-                       allgather=lambda row: allgather(row, "the peer copies of a step"),
                        allreduce=lambda parts: allreduce(parts, "the peer copies of a step"),
                        send=not managed, optional=peers_optional)
     backups = BackupScheduler(
@@ -159,11 +149,11 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
         timeout_secs=(options.async_options or ocp.AsyncOptions()).timeout_secs,
         skip_when_busy=options.persistent.skip_backups_when_busy)
     ledger = StepLedger(
-        process_count=process_count, allgather=allgather, own_steps=local.steps,
+        process_count=process_count, own_steps=local.steps,
         copies=lambda own: store.servable(own) if peers.enabled else [],
         persistent_steps=persistent.steps,
         listing_groups=lambda: peers.listing_groups(abstract_state, item_args.is_array_target),
-        keep=retention.kept, listing_allgather=listing_allgather, unreported=unreported,
+        keep=retention.kept, unreported=unreported,
         before_local_raise=lambda: backups.poll(block=True), process_index=process_index,
         allreduce=allreduce, listing_allreduce=listing_allreduce)
     ram = RamSaver(local=local, writer=writer, ledger=ledger, backups=backups, peers=peers,

@@ -158,13 +158,13 @@ def _unframing_sink(stream: transport.Stream,
 
 def transfer(plan: Plan, me: int, outgoing: Mapping[int, OutgoingStream], *,
              sink_for: Callable[[transport.Stream], transport.Sink], chunk_limit: int,
-             window: int, allgather: Callable[[np.ndarray], np.ndarray]) -> transport.Transfer:
+             window: int, reduce: Callable[[reduction.Round], Parts]) -> transport.Transfer:
   """The agreed streams as one transfer (the same plan on every process); `sink_for` gets
   each incoming stream at its exact length."""
   return transport.Transfer(plan.streams, me=me,
                             reader_for=lambda s: _framed_reader(outgoing[s.destination]),
                             sink_for=lambda s: _unframing_sink(s, sink_for),
-                            chunk_limit=chunk_limit, window=window, allgather=allgather,
+                            chunk_limit=chunk_limit, window=window, reduce=reduce,
                             rounds=plan.rounds)
 
 

@@ -146,7 +146,7 @@ class StepAttempt:
             lambda rnd: self._ledger.reduce(rnd, what))
         transfer = exchange.transfer(
             plan_of_streams, me, outgoing, sink_for=sink_for, chunk_limit=self._chunk_bytes,
-            window=self._window, allgather=lambda row: self._ledger.allgather(row, what))
+            window=self._window, reduce=lambda rnd: self._ledger.reduce(rnd, what))
         transfer.run()
         failures = transfer.failures
       if built is None:
