@@ -75,6 +75,7 @@ NEW_KEYS: dict[str, Any] = {
     "mtc_local_max_to_keep": 1,
     "mtc_job_name": None,
     "mtc_ondemand_grace_seconds": 270.0,
+    "mtc_preemption_exit_code": 0,
 }
 NEW_KEY_HELP: dict[str, str] = {
     "mtc_peers_per_node": "other hosts holding a copy of each host's RAM step (default 1; 0: off)",
@@ -83,6 +84,9 @@ NEW_KEY_HELP: dict[str, str] = {
     "mtc_job_name": "first part of the <job>-s<step>-n<rank>-w<worker>.restore links "
                     "(default: run_name)",
     "mtc_ondemand_grace_seconds": "budget from SIGTERM to a durable on-demand step (default 270)",
+    "mtc_preemption_exit_code": "exit status of `python -m maxtext_patch.train` when training "
+                                "stopped at the preemption step (default 0, as MaxText; a "
+                                "restart loop sets another, to tell it from a finished run)",
 }
 
 PROCESS_INDEX_FIELD = "{process_index}"
@@ -221,6 +225,11 @@ def _new_key_value(key: str, value: Any) -> Any:
     return _int(key, value, minimum=1)
   if key == "mtc_ondemand_grace_seconds":
     return _number(key, value, positive=False)
+  if key == "mtc_preemption_exit_code":
+    code = _int(key, value, minimum=0)
+    if code > 255:
+      raise MaxTextConfigError(f"{key} must be an exit status, 0 to 255, got {value!r}.")
+    return code
   text = _text(key, value)
   if key == "mtc_replica_axis" and not text.isidentifier():
     raise MaxTextConfigError(f"{key} must name a mesh axis (e.g. data), got {value!r}.")

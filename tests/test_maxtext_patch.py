@@ -328,3 +328,43 @@ def test_which_iterator_is_checkpointed():
     checkpointing.checkpointed_iterator("grain", remote)
   with pytest.raises(TypeError, match="no get_state/set_state"):
     checkpointing.checkpointed_iterator("grain", iter([1, 2]))
+
+
+def test_preemption_exit_code_tells_a_preempted_run_from_a_finished_one(
+    monkeypatch, shm_dir, mesh):
+  # MaxText ends with status 0 both ways; a restart loop (configs/tpu-vm/supervise.sh) restarts
+  # only on another status, so `mtc_preemption_exit_code` marks the preempted end.
+  import os
+  import signal
+
+  import orbax.checkpoint as ocp
+  from conftest import abstract_of, make_state
+
+  from maxtext_patch import managers
+  from maxtext_patch import train as mtc_train
+  from orbax_mtc.save import preemption
+
+  monkeypatch.setattr(preemption, "_STATE", preemption._ProcessState())
+  monkeypatch.setattr(managers, "_last_built", None)
+  before = signal.getsignal(signal.SIGTERM)
+  keys = {"mtc_preemption_exit_code": "75"}
+  assert mtc_train.exit_status(keys) == 0  # no manager built
+  state = make_state(mesh)
+  config = _keys(local_checkpoint_directory=str(shm_dir / "local"),
+                 checkpoint_dir=str(shm_dir / "persistent"), local_checkpoint_period=10)
+  with checkpointing.using_config(config):
+    manager = checkpointing.create_orbax_emergency_checkpoint_manager(
+        str(shm_dir / "local"), str(shm_dir / "persistent"), mesh, abstract_of(state), 10, 1000)
+  try:
+    assert not manager.reached_preemption(1)
+    assert mtc_train.exit_status(keys) == 0  # finished: MaxText's 0
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert manager.reached_preemption(2)
+    assert manager.save(2, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+    assert mtc_train.exit_status(keys) == 75
+    assert mtc_train.exit_status({}) == 0  # MaxText's status unless asked
+  finally:
+    manager.close()
+    signal.signal(signal.SIGTERM, before)
+  with pytest.raises(mtc_config.MaxTextConfigError, match="0 to 255"):
+    mtc_train.exit_status({"mtc_preemption_exit_code": "300"})
