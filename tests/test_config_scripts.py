@@ -562,3 +562,92 @@ def test_dockerfile_installs_the_tested_maxtext_and_this_orbax_mtc():
     for doc in _docs(path.read_text()):
       for container in re.findall(r"workingDir: (\S+)", yaml.safe_dump(doc)):
         assert container == "/deps", path
+
+
+def test_capacity_options_for_queued_resources_and_node_pools():
+  env = {"JOB_NAME": "llm-run", "PROJECT_ID": "p", "SLICES": "2"}
+  queued = CONFIGS / "tpu-vm" / "create-queued-resource.sh"
+
+  def request(**settings):
+    (line,) = _dry_run_lines(_bash(queued, env={**env, **settings}).stdout)
+    return line
+
+  assert not {"--spot", "--reserved"} & set(request())  # on-demand by default
+  assert "--spot" in request(SPOT="1")
+  ga = request(RESERVED="1", AUTOCHECKPOINT="0")
+  assert ga[:2] == ["gcloud", "compute"] and "--reserved" in ga
+  # A named reservation is a flag of the alpha track only.
+  named = request(RESERVATION="my-res", AUTOCHECKPOINT="0")
+  assert named[:2] == ["gcloud", "alpha"] and "--reservation=my-res" in named
+  assert "--reserved" not in named and "--autocheckpoint-enabled" not in named
+  both = _bash(queued, env={**env, "SPOT": "1", "RESERVED": "1"}, check=False)
+  assert both.returncode == 2 and "exclude each other" in both.stderr and not both.stdout
+
+  for accelerator in ("tpu", "gpu"):
+    script = CONFIGS / "gke" / accelerator / "cluster-setup.sh"
+
+    def pools(script=script, **settings):
+      lines = _dry_run_lines(_bash(script, "update", env={"PROJECT_ID": "p",
+                                                          **settings}).stdout)
+      found = [line for line in lines if line[:4] == ["gcloud", "container", "node-pools",
+                                                       "create"]]
+      assert found
+      return found
+
+    assert not any("--spot" in p or any(a.startswith("--reservation") for a in p)
+                   for p in pools())
+    assert all("--spot" in p for p in pools(SPOT="1"))
+    assert all({"--reservation-affinity=specific", "--reservation=my-res"} <= set(p)
+               for p in pools(RESERVATION="my-res"))
+    both = _bash(script, "update", env={"PROJECT_ID": "p", "SPOT": "1",
+                                        "RESERVATION": "my-res"}, check=False)
+    assert both.returncode == 2 and "exclude each other" in both.stderr
+    assert not _dry_run_lines(both.stdout)  # before anything is created
+
+
+def _cloud_stubs(tmp_path, hns: str) -> dict[str, str]:
+  """gcloud and kubectl that record their calls; `gcloud storage buckets describe` finds the
+  bucket and prints `hns` as its hierarchicalNamespace.enabled."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir(exist_ok=True)
+  calls = tmp_path / "calls"
+  (bin_dir / "gcloud").write_text(
+      f'#!/usr/bin/env bash\necho "gcloud $*" >> {calls}\n'
+      f'if [[ "$*" == "storage buckets describe"* ]]; then echo {hns}; fi\n')
+  (bin_dir / "kubectl").write_text(f'#!/usr/bin/env bash\necho "kubectl $*" >> {calls}\n')
+  for tool in ("gcloud", "kubectl"):
+    (bin_dir / tool).chmod(0o755)
+  return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path),
+          "PROJECT_ID": "proj"}
+
+
+@pytest.mark.parametrize("accelerator", ["tpu", "gpu"])
+def test_cluster_setup_checks_an_existing_bucket_and_the_image(tmp_path, accelerator):
+  script = CONFIGS / "gke" / accelerator / "cluster-setup.sh"
+  rendered = _render_example(accelerator, tmp_path)  # the default image: a local tag
+  env = {**_cloud_stubs(tmp_path, "False"), "RENDERED": str(rendered["dir"]),
+         "BUCKET": "old-bucket"}
+  ran = subprocess.run(["bash", str(script), "update"], env=env, capture_output=True,
+                       text=True, timeout=60)
+  assert ran.returncode == 1 and "gs://old-bucket exists without hierarchical namespace" \
+      in ran.stderr
+  calls = (tmp_path / "calls").read_text().splitlines()
+  (describe,) = calls  # nothing else ran
+  assert "--raw" in describe and "value(hierarchicalNamespace.enabled)" in describe
+
+  (tmp_path / "calls").unlink()
+  env = {**_cloud_stubs(tmp_path, "True"), "RENDERED": str(rendered["dir"]),
+         "BUCKET": "hns-bucket"}
+  ran = subprocess.run(["bash", str(script), "update"], env=env, capture_output=True,
+                       text=True, timeout=60)
+  assert ran.returncode == 0, ran.stderr
+  assert "gs://hns-bucket exists, with hierarchical namespace" in ran.stdout
+  calls = (tmp_path / "calls").read_text()
+  assert "buckets create" not in calls and "node-pools create" in calls
+  assert "warning: the JobSet's image maxtext-orbax-mtc:latest names no registry" in ran.stderr
+
+  pushed = _render_example(accelerator, tmp_path, "--image",
+                           "us-docker.pkg.dev/p/images/maxtext-orbax-mtc:latest")
+  ran = subprocess.run(["bash", str(script), "update"], env={**env, "RENDERED": str(
+      pushed["dir"])}, capture_output=True, text=True, timeout=60)
+  assert ran.returncode == 0 and "warning" not in ran.stderr
