@@ -70,7 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   join_launcher_job()
   # As `python -m maxtext.trainers.pre_train.train ...`: MaxText's absl main reads sys.argv.
   sys.argv = [MAXTEXT_TRAIN_MODULE, *maxtext_args]
-  runpy.run_module(MAXTEXT_TRAIN_MODULE, run_name="__main__", alter_sys=True)
+  try:
+    runpy.run_module(MAXTEXT_TRAIN_MODULE, run_name="__main__", alter_sys=True)
+  except SystemExit as e:  # absl's app.run ends MaxText's main with sys.exit
+    if e.code not in (None, 0):
+      raise
   return exit_status(ours)
 
 
