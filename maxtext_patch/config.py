@@ -3,7 +3,8 @@
 MaxText's own keys keep their meaning (names and defaults as in MaxText's `configs/base.yml`):
 
   enable_emergency_checkpoint=true      standalone mode: RAM tier + peers + persistent tier
-  enable_multi_tier_checkpointing=true  managed mode: GKE's replicator (replicator.yaml)
+  enable_multi_tier_checkpointing=true  managed mode: GKE's replicator (replicator.yaml); it
+                                        wins when both are set, as in MaxText
   local_checkpoint_directory            this host's RAM disk (`{process_index}` is replaced)
   local_checkpoint_period               RAM-tier save interval in steps (> 0)
   checkpoint_dir                        persistent tier (MaxText derives it from
@@ -14,6 +15,10 @@ MaxText's own keys keep their meaning (names and defaults as in MaxText's `confi
   enable_autocheckpoint                 save the step all processes agree on after SIGTERM
   async_checkpointing                   background RAM writes and backups
   max_num_checkpoints_to_keep           persistent steps kept (None: all)
+
+MaxText's replicator keys from before `enable_multi_tier_checkpointing` (`LEGACY_KEYS`), which
+every released MaxText (0.1.0 on) accepts and ignores, are refused where they would change what
+the job does, with the keys to set instead (`check_legacy_keys`).
 
 MaxText's config rejects keys it does not know, so ours (`NEW_KEYS`) travel beside it:
 `python -m maxtext_patch.train` takes them out of the command line, `install(**keys)` takes
@@ -52,6 +57,17 @@ MAXTEXT_DEFAULTS: dict[str, Any] = {
     "colocated_python_checkpointing": False,
 }
 
+# MaxText's replicator keys before enable_multi_tier_checkpointing replaced them (MaxText
+# commit 16bcaebe, August 2025): `enable_emergency_checkpoint=true use_replicator_service=true
+# replicator_backup_interval_minutes=N` meant what `enable_multi_tier_checkpointing=true
+# multi_tier_checkpointing_backup_interval_minutes=N` means now. MaxText 0.1.0 to 0.2.5 still
+# define them (defaults below) and read neither.
+LEGACY_KEYS: dict[str, Any] = {
+    "use_replicator_service": False,
+    "replicator_backup_interval_minutes": 0,
+}
+MAXTEXT_DEFAULTS.update(LEGACY_KEYS)
+
 # Keys orbax-mtc adds, with their defaults and one line each (docs/maxtext.md lists them).
 NEW_KEYS: dict[str, Any] = {
     "mtc_peers_per_node": None,
@@ -59,6 +75,7 @@ NEW_KEYS: dict[str, Any] = {
     "mtc_local_max_to_keep": 1,
     "mtc_job_name": None,
     "mtc_ondemand_grace_seconds": 270.0,
+    "mtc_preemption_exit_code": 0,
 }
 NEW_KEY_HELP: dict[str, str] = {
     "mtc_peers_per_node": "other hosts holding a copy of each host's RAM step (default 1; 0: off)",
@@ -67,6 +84,9 @@ NEW_KEY_HELP: dict[str, str] = {
     "mtc_job_name": "first part of the <job>-s<step>-n<rank>-w<worker>.restore links "
                     "(default: run_name)",
     "mtc_ondemand_grace_seconds": "budget from SIGTERM to a durable on-demand step (default 270)",
+    "mtc_preemption_exit_code": "exit status of `python -m maxtext_patch.train` when training "
+                                "stopped at the preemption step (default 0, as MaxText; a "
+                                "restart loop sets another, to tell it from a finished run)",
 }
 
 PROCESS_INDEX_FIELD = "{process_index}"
@@ -205,6 +225,11 @@ def _new_key_value(key: str, value: Any) -> Any:
     return _int(key, value, minimum=1)
   if key == "mtc_ondemand_grace_seconds":
     return _number(key, value, positive=False)
+  if key == "mtc_preemption_exit_code":
+    code = _int(key, value, minimum=0)
+    if code > 255:
+      raise MaxTextConfigError(f"{key} must be an exit status, 0 to 255, got {value!r}.")
+    return code
   text = _text(key, value)
   if key == "mtc_replica_axis" and not text.isidentifier():
     raise MaxTextConfigError(f"{key} must name a mesh axis (e.g. data), got {value!r}.")
@@ -271,29 +296,66 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
 def enabled_mode(config: Any) -> str | None:
   """Which orbax-mtc mode a config enables.
 
+  As MaxText's `create_checkpoint_manager` and start-up choose: multi-tier checkpointing
+  first, so with both flags set the job runs managed.
+
   Args:
     config: A MaxText config (HyperParameters or a mapping).
 
   Returns:
-    STANDALONE (enable_emergency_checkpoint), MANAGED (enable_multi_tier_checkpointing), or
-    None when neither flag is set.
+    MANAGED (enable_multi_tier_checkpointing, whatever enable_emergency_checkpoint says),
+    STANDALONE (enable_emergency_checkpoint alone), or None when neither flag is set.
 
   Raises:
-    MaxTextConfigError: If both flags are set or one is not a boolean.
+    MaxTextConfigError: If a flag is not a boolean.
   """
   emergency = as_bool("enable_emergency_checkpoint",
                       value_of(config, "enable_emergency_checkpoint"))
   managed = as_bool("enable_multi_tier_checkpointing",
-                  value_of(config, "enable_multi_tier_checkpointing"))
-  if emergency and managed:
-    raise MaxTextConfigError(
-        "enable_emergency_checkpoint and enable_multi_tier_checkpointing are both true: choose "
-        "one. enable_emergency_checkpoint=true runs orbax-mtc standalone (it copies to peers "
-        "and backs up itself); enable_multi_tier_checkpointing=true hands both to GKE's "
-        "multi-tier checkpointing replicator.")
+                    value_of(config, "enable_multi_tier_checkpointing"))
   if managed:
     return MANAGED
   return STANDALONE if emergency else None
+
+
+def check_legacy_keys(mode: str, use_replicator_service: Any,
+                      replicator_backup_interval_minutes: Any,
+                      backup_interval_minutes: float | None) -> None:
+  """Refuses MaxText's pre-0.1 replicator keys where MaxText would silently ignore them.
+
+  Args:
+    mode: STANDALONE or MANAGED, as `enabled_mode` chose.
+    use_replicator_service: The key's value.
+    replicator_backup_interval_minutes: The key's value.
+    backup_interval_minutes: multi_tier_checkpointing_backup_interval_minutes as set (None:
+      not set).
+
+  Raises:
+    MaxTextConfigError: If use_replicator_service=true asks for the replicator in standalone
+      mode, or replicator_backup_interval_minutes asks for another backup schedule than the
+      one the job would run; the message names the keys to set instead.
+  """
+  use_replicator = as_bool("use_replicator_service", use_replicator_service)
+  legacy_minutes = _int("replicator_backup_interval_minutes",
+                        replicator_backup_interval_minutes, minimum=0, optional=True) or None
+  if mode == STANDALONE and use_replicator:
+    minutes = legacy_minutes or backup_interval_minutes
+    interval = f" multi_tier_checkpointing_backup_interval_minutes={minutes:g}" if minutes \
+        else ""
+    raise MaxTextConfigError(
+        "use_replicator_service=true is MaxText's old switch for GKE's multi-tier "
+        "checkpointing replicator; MaxText 0.1.0 and later ignore it, so this job would run "
+        "standalone, without the replicator. For the replicator set "
+        f"enable_multi_tier_checkpointing=true{interval} in place of "
+        "enable_emergency_checkpoint, use_replicator_service and "
+        "replicator_backup_interval_minutes; to run standalone, remove "
+        "use_replicator_service.")
+  if legacy_minutes is not None and legacy_minutes != backup_interval_minutes:
+    raise MaxTextConfigError(
+        f"replicator_backup_interval_minutes={legacy_minutes} is MaxText's old name for "
+        "multi_tier_checkpointing_backup_interval_minutes, and MaxText 0.1.0 and later ignore "
+        f"it: set multi_tier_checkpointing_backup_interval_minutes={legacy_minutes} instead "
+        "(or remove replicator_backup_interval_minutes).")
 
 
 def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
@@ -312,7 +374,8 @@ def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
 
   Raises:
     MaxTextConfigError: If a key is unknown or malformed, a required one (local directory,
-      local period, persistent directory) is missing, Pathways is asked for, or keys conflict.
+      local period, persistent directory) is missing, Pathways is asked for, keys conflict, or
+      a legacy replicator key would be ignored (`check_legacy_keys`).
   """
   extra = check_new_keys(extra or {})
   overrides = dict(overrides or {})
@@ -365,6 +428,8 @@ def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
         "Set one of multi_tier_checkpointing_backup_interval_minutes and "
         "multi_tier_checkpointing_backup_interval_steps, not both (got "
         f"{minutes:g} minutes and {backup_steps} steps).")
+  check_legacy_keys(mode, get("use_replicator_service"),
+                    get("replicator_backup_interval_minutes"), minutes)
   if mode == MANAGED and backup_steps is not None and backup_steps < local_interval:
     raise MaxTextConfigError(
         f"multi_tier_checkpointing_backup_interval_steps ({backup_steps}) is shorter than "
