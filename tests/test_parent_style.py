@@ -205,6 +205,33 @@ def test_restore_comes_from_ram_bit_exact(shm_dir, mesh, managers):
   assert all(x.dtype == np.float32 for x in jax.tree.leaves(restored))
 
 
+def test_a_target_of_another_dtype_restores_as_the_parent(shm_dir, mesh, managers):
+  """Issue 44: `StandardRestore` of another dtype casts (Orbax builds restore args from the
+  target), and the RAM tier serves it with the same bits; `PyTreeRestore(item=...)` without
+  restore args keeps the saved dtypes in Orbax, so that restore stays the parent's."""
+  options = ocp.CheckpointManagerOptions(save_interval_steps=1)
+  ours = managers(mtc.CheckpointManager(shm_dir / "ours", options=options,
+                                        local_directory=shm_dir / "ram"))
+  theirs = managers(ocp.CheckpointManager(shm_dir / "theirs", options=options))
+  state = _array_state(mesh, 3)
+  for mgr in (ours, theirs):
+    mgr.save(3, args=ocp.args.Composite(a=ocp.args.PyTreeSave(state),
+                                        b=ocp.args.StandardSave(state)))
+    mgr.wait_until_finished()
+  bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, jax.numpy.bfloat16 if x.dtype == np.float32 else x.dtype, sharding=x.sharding),
+      abstract_of(state))
+  for name, args, tier in (("b", ocp.args.StandardRestore(bf16), "local"),
+                           ("a", ocp.args.PyTreeRestore(bf16), None)):
+    ours.last_restore = None
+    got = ours.restore(3, args=ocp.args.Composite(**{name: args}))[name]
+    want = theirs.restore(3, args=ocp.args.Composite(**{name: args}))[name]
+    assert_trees_equal(got, want)
+    assert getattr(ours.last_restore, "tier", None) == tier, name
+  assert got["params"]["w"].dtype == np.float32  # PyTreeRestore(item) does not cast
+  assert want["params"]["w"].dtype == np.float32
+
+
 def test_a_fresh_manager_restores_from_ram_and_survives_corruption(shm_dir, mesh, managers):
   options = ocp.CheckpointManagerOptions(save_interval_steps=1)
   state = _array_state(mesh, 5)
