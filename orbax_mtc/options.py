@@ -4,6 +4,7 @@ Names mirror `orbax.checkpoint.experimental.emergency` so that switching from Or
 managers is a change of import: every Orbax field is accepted, first, in Orbax's order and with
 Orbax's default (tests/test_orbax_parity.py checks it against the installed Orbax). Fields we
 add (naming the replica axis, peers, the job name for LKG links, managed mode) come after.
+Orbax's own option objects are taken too, converted field for field (orbax_options.py).
 """
 
 from __future__ import annotations
