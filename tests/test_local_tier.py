@@ -287,11 +287,11 @@ def test_read_step_rejects_mismatched_target(tier, mesh, change):
 
 def test_read_step_casts_a_target_of_another_dtype_as_orbax(tier, mesh):
   """Issue 44: another dtype is cast on the host with TensorStore's cast driver (Orbax's read
-  path: the same bits, NaN payloads included); an `UncastLeaf` target refuses it."""
+  path, so the same bits as Orbax's); an `UncastLeaf` target refuses it."""
   state, step_dir = _write(tier, mesh, 2)
   target = abstract_of(state)
   w = target["params"]["w"]
-  target["params"]["w"] = jax.ShapeDtypeStruct(w.shape, jax.numpy.bfloat16, sharding=w.sharding)
+  target["params"]["w"] = bf16 = jax.ShapeDtypeStruct(w.shape, "bfloat16", sharding=w.sharding)
   target["host"] = np.zeros(state["host"].shape, np.float32)
   restored = read_step(step_dir, read_manifest(step_dir), {"state": target})["state"]
   for got, saved in ((restored["params"]["w"], state["params"]["w"]),
@@ -300,8 +300,7 @@ def test_read_step_casts_a_target_of_another_dtype_as_orbax(tier, mesh):
     want = ts.cast(ts.array(np.asarray(saved)), ts.dtype(got.dtype.name)).read().result()
     assert np.asarray(got).tobytes() == want.tobytes()
   assert restored["params"]["w"].sharding == w.sharding
-  uncast = dict(target, params=dict(target["params"], w=local_read.UncastLeaf(
-      target["params"]["w"])))
+  uncast = dict(target, params=dict(target["params"], w=local_read.UncastLeaf(bf16)))
   with pytest.raises(AbstractStateMismatchError, match="float32.*bfloat16"):
     read_step(step_dir, read_manifest(step_dir), {"state": uncast})
 

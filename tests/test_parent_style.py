@@ -81,11 +81,18 @@ def test_choose_form_tells_the_two_forms_apart(tmp_path):
       constructor.MULTI_TIER
   assert form((), {"directory": tmp_path, "item_names": ("a",)}, opts) == \
       constructor.PARENT_STYLE
+  # Orbax's own emergency options mean the multi-tier form too (converted there).
+  from orbax.checkpoint.experimental.emergency import checkpoint_manager as emergency
+  assert form((tmp_path,), {"options": emergency.CheckpointManagerOptions()}, opts) == \
+      constructor.MULTI_TIER
 
 
 def test_wrong_mixes_get_clear_errors(shm_dir, mesh):
   with pytest.raises(TypeError, match="multi-tier form.*persistent_directory"):
     mtc.CheckpointManager(shm_dir / "p", options=mtc.CheckpointManagerOptions())
+  from orbax.checkpoint.experimental.emergency import checkpoint_manager as emergency
+  with pytest.raises(TypeError, match="multi-tier form.*persistent_directory"):
+    mtc.CheckpointManager(shm_dir / "p", options=emergency.CheckpointManagerOptions())
   with pytest.raises(TypeError, match="parent-style form takes options=ocp"):
     mtc.CheckpointManager(shm_dir / "p", options=mtc.PersistentCheckpointOptions())
   with pytest.raises(ValueError, match="global_mesh, local_options only apply to a RAM tier"):
