@@ -210,6 +210,7 @@ def restore_agreement(hosts: int, lost: Sequence[int],
   out["serve_before_bytes"] = reduction.gathered_bytes(serve_row, processes)
   out["serve_after_bytes"] = outcome.exchange_bytes(processes, streams, most, rounds)
   out["exchange_rounds"] = rounds
+  out["streams_most"] = most
   return out
 
 
