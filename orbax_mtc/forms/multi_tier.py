@@ -197,9 +197,10 @@ class MultiTierForm:
     attempt = self.backups.last_attempt
     return save_policy.AgreedState(
         ram=self.ledger.ram, persistent=self.ledger.persistent, preempted=preempted,
-        # A save is in progress while its copies move too: a continuous policy then waits
-        # instead of a save that would wait for them (it decides on the primary alone).
-        write_in_flight=self.writer.writing or self.peers.moving,
+        # A save is in progress until its copies are out and the writer thread has nothing
+        # left (the read-ahead, received copies): a continuous policy then waits instead of a
+        # save that would wait for them (it decides on the primary alone).
+        write_in_flight=self.writer.busy or self.peers.busy,
         backup_in_progress=self.backups.saving,
         last_backup_attempt=None if attempt is None else attempt[0])
 

@@ -124,6 +124,14 @@ class PeerCopies:
     return self.replicator.pending_step if self.replicator is not None else None
 
   @property
+  def busy(self) -> bool:
+    """The newest step's copies are not all out yet: chunks still to issue, or issued and
+    still moving (this process's view)."""
+    replicator = self.replicator
+    return replicator is not None and (replicator.unissued_step is not None or
+                                       replicator.moving)
+
+  @property
   def moving(self) -> bool:
     """The previous step's copies are still on their way (this process's view)."""
     return self.replicator is not None and self.replicator.moving
