@@ -16,9 +16,8 @@ MaxText's own keys keep their meaning (names and defaults as in MaxText's `confi
   async_checkpointing                   background RAM writes and backups
   max_num_checkpoints_to_keep           persistent steps kept (None: all)
 
-MaxText's replicator keys from before `enable_multi_tier_checkpointing` (`LEGACY_KEYS`), which
-every released MaxText (0.1.0 on) accepts and ignores, are refused where they would change what
-the job does, with the keys to set instead (`check_legacy_keys`).
+The two mode flags and MaxText's legacy replicator keys are read in `modes`; the typed value
+readers live in `config_values`. Both are re-exported here.
 
 MaxText's config rejects keys it does not know, so ours (`NEW_KEYS`) travel beside it:
 `python -m maxtext_patch.train` takes them out of the command line, `install(**keys)` takes
@@ -29,12 +28,24 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-STANDALONE = "standalone"
-MANAGED = "managed"
+from maxtext_patch.config_values import (
+    MaxTextConfigError,
+    as_bool,
+    as_int,
+    as_number,
+    as_text,
+    read_key,
+)
+from maxtext_patch.modes import (
+    LEGACY_KEYS,
+    MANAGED,
+    STANDALONE,
+    check_legacy_keys,
+    enabled_mode,
+)
 
 # MaxText's keys read here, with MaxText's defaults.
 MAXTEXT_DEFAULTS: dict[str, Any] = {
@@ -56,17 +67,7 @@ MAXTEXT_DEFAULTS: dict[str, Any] = {
     "enable_single_controller": False,
     "colocated_python_checkpointing": False,
 }
-
-# MaxText's replicator keys before enable_multi_tier_checkpointing replaced them (MaxText
-# commit 16bcaebe, August 2025): `enable_emergency_checkpoint=true use_replicator_service=true
-# replicator_backup_interval_minutes=N` meant what `enable_multi_tier_checkpointing=true
-# multi_tier_checkpointing_backup_interval_minutes=N` means now. MaxText 0.1.0 to 0.2.5 still
-# define them (defaults below) and read neither.
-LEGACY_KEYS: dict[str, Any] = {
-    "use_replicator_service": False,
-    "replicator_backup_interval_minutes": 0,
-}
-MAXTEXT_DEFAULTS.update(LEGACY_KEYS)
+MAXTEXT_DEFAULTS.update(LEGACY_KEYS)  # MaxText defines them; see `modes`
 
 # Keys orbax-mtc adds, with their defaults and one line each (docs/maxtext.md lists them).
 NEW_KEYS: dict[str, Any] = {
@@ -90,11 +91,6 @@ NEW_KEY_HELP: dict[str, str] = {
 }
 
 PROCESS_INDEX_FIELD = "{process_index}"
-_TRUE, _FALSE, _NONE = ("true", "1", "yes"), ("false", "0", "no"), ("none", "null", "")
-
-
-class MaxTextConfigError(ValueError):
-  """A MaxText or orbax-mtc config key has a value orbax-mtc cannot use."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,85 +148,23 @@ def value_of(config: Any, key: str) -> Any:
   Returns:
     The key's value, else MaxText's default (or orbax-mtc's for `NEW_KEYS`), else None.
   """
-  if isinstance(config, Mapping):
-    return config.get(key, MAXTEXT_DEFAULTS.get(key, NEW_KEYS.get(key)))
-  try:
-    return getattr(config, key)
-  except (AttributeError, KeyError):
-    return MAXTEXT_DEFAULTS.get(key, NEW_KEYS.get(key))
-
-
-def as_bool(key: str, value: Any) -> bool:
-  """Reads a boolean key; strings true/1/yes and false/0/no are accepted.
-
-  Args:
-    key: The key, named in the error.
-    value: Its value.
-
-  Returns:
-    The boolean.
-
-  Raises:
-    MaxTextConfigError: If `value` is neither a bool nor such a string.
-  """
-  if isinstance(value, bool):
-    return value
-  if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-    return value.strip().lower() in _TRUE
-  raise MaxTextConfigError(f"{key} must be true or false, got {value!r}.")
-
-
-def _int(key: str, value: Any, *, minimum: int, optional: bool = False) -> int | None:
-  if optional and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
-    return None
-  if isinstance(value, str):
-    try:
-      value = int(value.strip().replace("_", ""))
-    except ValueError:
-      pass
-  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-    also = " or None" if optional else ""
-    raise MaxTextConfigError(f"{key} must be an integer >= {minimum}{also}, got {value!r}.")
-  return value
-
-
-def _number(key: str, value: Any, *, positive: bool, optional: bool = False) -> float | None:
-  if optional and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
-    return None
-  if isinstance(value, str):
-    try:
-      value = float(value)
-    except ValueError:
-      pass
-  ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-  if not ok or (value <= 0 if positive else value < 0):
-    bound = "> 0" if positive else ">= 0"
-    raise MaxTextConfigError(f"{key} must be a finite number {bound}, got {value!r}.")
-  return float(value)
-
-
-def _text(key: str, value: Any) -> str:
-  if value is None:
-    return ""
-  if not isinstance(value, str):
-    raise MaxTextConfigError(f"{key} must be a string, got {value!r}.")
-  return value.strip()
+  return read_key(config, key, MAXTEXT_DEFAULTS.get(key, NEW_KEYS.get(key)))
 
 
 def _new_key_value(key: str, value: Any) -> Any:
   """One orbax-mtc key's value, typed and checked (strings from a command line accepted)."""
   if key == "mtc_peers_per_node":
-    return _int(key, value, minimum=0, optional=True)
+    return as_int(key, value, minimum=0, optional=True)
   if key == "mtc_local_max_to_keep":
-    return _int(key, value, minimum=1)
+    return as_int(key, value, minimum=1)
   if key == "mtc_ondemand_grace_seconds":
-    return _number(key, value, positive=False)
+    return as_number(key, value, positive=False)
   if key == "mtc_preemption_exit_code":
-    code = _int(key, value, minimum=0)
+    code = as_int(key, value, minimum=0)
     if code > 255:
       raise MaxTextConfigError(f"{key} must be an exit status, 0 to 255, got {value!r}.")
     return code
-  text = _text(key, value)
+  text = as_text(key, value)
   if key == "mtc_replica_axis" and not text.isidentifier():
     raise MaxTextConfigError(f"{key} must name a mesh axis (e.g. data), got {value!r}.")
   if key == "mtc_job_name" and "/" in text:
@@ -293,71 +227,6 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
   return rest, ours
 
 
-def enabled_mode(config: Any) -> str | None:
-  """Which orbax-mtc mode a config enables.
-
-  As MaxText's `create_checkpoint_manager` and start-up choose: multi-tier checkpointing
-  first, so with both flags set the job runs managed.
-
-  Args:
-    config: A MaxText config (HyperParameters or a mapping).
-
-  Returns:
-    MANAGED (enable_multi_tier_checkpointing, whatever enable_emergency_checkpoint says),
-    STANDALONE (enable_emergency_checkpoint alone), or None when neither flag is set.
-
-  Raises:
-    MaxTextConfigError: If a flag is not a boolean.
-  """
-  emergency = as_bool("enable_emergency_checkpoint",
-                      value_of(config, "enable_emergency_checkpoint"))
-  managed = as_bool("enable_multi_tier_checkpointing",
-                    value_of(config, "enable_multi_tier_checkpointing"))
-  if managed:
-    return MANAGED
-  return STANDALONE if emergency else None
-
-
-def check_legacy_keys(mode: str, use_replicator_service: Any,
-                      replicator_backup_interval_minutes: Any,
-                      backup_interval_minutes: float | None) -> None:
-  """Refuses MaxText's pre-0.1 replicator keys where MaxText would silently ignore them.
-
-  Args:
-    mode: STANDALONE or MANAGED, as `enabled_mode` chose.
-    use_replicator_service: The key's value.
-    replicator_backup_interval_minutes: The key's value.
-    backup_interval_minutes: multi_tier_checkpointing_backup_interval_minutes as set (None:
-      not set).
-
-  Raises:
-    MaxTextConfigError: If use_replicator_service=true asks for the replicator in standalone
-      mode, or replicator_backup_interval_minutes asks for another backup schedule than the
-      one the job would run; the message names the keys to set instead.
-  """
-  use_replicator = as_bool("use_replicator_service", use_replicator_service)
-  legacy_minutes = _int("replicator_backup_interval_minutes",
-                        replicator_backup_interval_minutes, minimum=0, optional=True) or None
-  if mode == STANDALONE and use_replicator:
-    minutes = legacy_minutes or backup_interval_minutes
-    interval = f" multi_tier_checkpointing_backup_interval_minutes={minutes:g}" if minutes \
-        else ""
-    raise MaxTextConfigError(
-        "use_replicator_service=true is MaxText's old switch for GKE's multi-tier "
-        "checkpointing replicator; MaxText 0.1.0 and later ignore it, so this job would run "
-        "standalone, without the replicator. For the replicator set "
-        f"enable_multi_tier_checkpointing=true{interval} in place of "
-        "enable_emergency_checkpoint, use_replicator_service and "
-        "replicator_backup_interval_minutes; to run standalone, remove "
-        "use_replicator_service.")
-  if legacy_minutes is not None and legacy_minutes != backup_interval_minutes:
-    raise MaxTextConfigError(
-        f"replicator_backup_interval_minutes={legacy_minutes} is MaxText's old name for "
-        "multi_tier_checkpointing_backup_interval_minutes, and MaxText 0.1.0 and later ignore "
-        f"it: set multi_tier_checkpointing_backup_interval_minutes={legacy_minutes} instead "
-        "(or remove replicator_backup_interval_minutes).")
-
-
 def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
                   overrides: Mapping[str, Any] | None = None) -> MtcSettings | None:
   """Validated settings from a MaxText config.
@@ -400,7 +269,7 @@ def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
         "Pathways (enable_single_controller / colocated_python_checkpointing) is not "
         "supported. Turn those off or use MaxText's own checkpointing.")
 
-  local_directory = _text("local_checkpoint_directory", get("local_checkpoint_directory"))
+  local_directory = as_text("local_checkpoint_directory", get("local_checkpoint_directory"))
   if not local_directory:
     raise MaxTextConfigError(
         f"{flag}=true needs local_checkpoint_directory: this host's RAM disk, e.g. "
@@ -410,19 +279,19 @@ def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
         f"local_checkpoint_directory={local_directory!r}: {PROCESS_INDEX_FIELD} cannot be used "
         "with enable_multi_tier_checkpointing (the replicator handshake runs before process "
         "indices are known); GKE mounts one volume per host, so name it as mounted.")
-  local_interval = _int("local_checkpoint_period", get("local_checkpoint_period"), minimum=0)
+  local_interval = as_int("local_checkpoint_period", get("local_checkpoint_period"), minimum=0)
   if local_interval == 0:
     raise MaxTextConfigError(
         f"{flag}=true needs local_checkpoint_period > 0: how often, in steps, each host saves "
         "to its RAM disk (e.g. local_checkpoint_period=20).")
 
   # 0 is "not set", as MaxText reads these keys (some of its configs default them to 0).
-  minutes = _number("multi_tier_checkpointing_backup_interval_minutes",
-                    get("multi_tier_checkpointing_backup_interval_minutes"), positive=False,
-                    optional=True) or None
-  backup_steps = _int("multi_tier_checkpointing_backup_interval_steps",
-                      get("multi_tier_checkpointing_backup_interval_steps"), minimum=0,
+  minutes = as_number("multi_tier_checkpointing_backup_interval_minutes",
+                      get("multi_tier_checkpointing_backup_interval_minutes"), positive=False,
                       optional=True) or None
+  backup_steps = as_int("multi_tier_checkpointing_backup_interval_steps",
+                        get("multi_tier_checkpointing_backup_interval_steps"), minimum=0,
+                        optional=True) or None
   if minutes is not None and backup_steps is not None:
     raise MaxTextConfigError(
         "Set one of multi_tier_checkpointing_backup_interval_minutes and "
@@ -435,11 +304,11 @@ def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
         f"multi_tier_checkpointing_backup_interval_steps ({backup_steps}) is shorter than "
         f"local_checkpoint_period ({local_interval}): backups are taken from RAM steps, so "
         "back up at most as often as the RAM tier saves.")
-  checkpoint_period = _int("checkpoint_period", get("checkpoint_period"), minimum=1)
+  checkpoint_period = as_int("checkpoint_period", get("checkpoint_period"), minimum=1)
   if mode == MANAGED and minutes is None and backup_steps is None:
     minutes = 30.0  # GKE's and Orbax's default
 
-  persistent_directory = _text("checkpoint_dir", get("checkpoint_dir"))
+  persistent_directory = as_text("checkpoint_dir", get("checkpoint_dir"))
   if not persistent_directory:
     raise MaxTextConfigError(
         f"{flag}=true needs a persistent directory: set base_output_directory and run_name "
@@ -450,11 +319,11 @@ def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
         f"local_checkpoint_directory and the persistent checkpoint_dir are the same folder "
         f"({local_directory!r}): the RAM tier needs a folder of its own.")
 
-  data_parallelism = _int("mtc_data_parallelism", get("mtc_data_parallelism"), minimum=0)
+  data_parallelism = as_int("mtc_data_parallelism", get("mtc_data_parallelism"), minimum=0)
   peers = _new_key_value("mtc_peers_per_node", get("mtc_peers_per_node"))
   replica_axis = _new_key_value("mtc_replica_axis", get("mtc_replica_axis")) or "data"
   job_name = _new_key_value("mtc_job_name", get("mtc_job_name")) or \
-      _text("run_name", get("run_name")) or "maxtext"
+      as_text("run_name", get("run_name")) or "maxtext"
   if "/" in job_name:
     raise MaxTextConfigError(
         f"The job name {job_name!r} (mtc_job_name, else run_name) names .restore links in "
@@ -465,8 +334,9 @@ def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
       persistent_interval_steps=None if minutes is not None else (
           backup_steps if backup_steps is not None else checkpoint_period),
       backup_interval_minutes=minutes,
-      persistent_max_to_keep=_int("max_num_checkpoints_to_keep",
-                                  get("max_num_checkpoints_to_keep"), minimum=1, optional=True),
+      persistent_max_to_keep=as_int("max_num_checkpoints_to_keep",
+                                    get("max_num_checkpoints_to_keep"), minimum=1,
+                                    optional=True),
       local_max_to_keep=_new_key_value("mtc_local_max_to_keep", get("mtc_local_max_to_keep")),
       peers_per_node=peers, replica_axis=replica_axis, job_name=job_name,
       data_parallelism=data_parallelism or None,

@@ -1,4 +1,5 @@
-"""Helpers and fixtures shared by test_configs.py and test_config_scripts.py."""
+"""Helpers and fixtures shared by test_configs.py, test_config_scripts.py and
+test_config_tpu_vm.py."""
 
 from __future__ import annotations
 
