@@ -394,8 +394,10 @@ def test_a_local_save_leaves_the_previous_copies_moving_and_agrees_them_at_the_n
   peers, _, _ = make(options, index=0, count=4, local=local, store=store, writer=writer,
                      allreduce=allreduce)
   peers.set_mesh(fake_mesh(GRID_2X2))
+  assert not peers.busy
   peers.schedule(4, {})
   assert writer.prepared == [4]  # its streams are read ahead behind its write
+  assert peers.busy  # a continuous policy waits: the step's copies are not out
   peers.issue()
   replicator = peers.replicator
   assert replicator.pending_step == 4 and replicator.unissued_step is None
@@ -403,7 +405,7 @@ def test_a_local_save_leaves_the_previous_copies_moving_and_agrees_them_at_the_n
   assert rounds == 2
   assert replicator.finished_steps == 0 and store.calls == []
   assert ("wait",) not in writer.calls  # the new step's write goes on meanwhile
-  assert not peers.moving  # empty streams: nothing is on its way
+  assert not peers.moving and not peers.busy  # empty streams: nothing is on its way
   peers.schedule(6, {})  # the next step may be scheduled while 4 lands
   peers.settle()
   assert len(allreduce.seen) == rounds + 1 and replicator.finished_steps == 1
