@@ -45,13 +45,14 @@ from typing import Any
 from orbax_mtc import agreement, row_codec
 from orbax_mtc.restore import plan as elastic_plan
 from orbax_mtc.restore.plan import Box, FolderRef, HostReport, TileIndex
-from orbax_mtc.tools.bench import agreement_scale, plotting
+from orbax_mtc.tools.bench import agreement_scale, output, plotting
 
 DEVICES_PER_HOST = 8
 REPLICAS = 2
 STEPS = (1000, 1100, 1200)
 DIGEST = 0x5EED1234
 PLAN_BUDGET_S = 1.0
+SCHEMA = "orbax-mtc/bench-elastic-scale/1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,6 +362,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="which hosts are lost (default: %(default)s)")
   parser.add_argument("--out", default="bench-out",
                       help="folder for elastic-scale.json/md/png (default: %(default)s)")
+  output.add_json_flag(parser, SCHEMA)
   return parser
 
 
@@ -390,10 +392,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   why_no_plot = plot(rows, out_dir / "elastic-scale.png")
   if why_no_plot:
     text += f"\nNo plot: {why_no_plot}.\n"
-  (out_dir / "elastic-scale.md").write_text(text)
-  (out_dir / "elastic-scale.json").write_text(json.dumps({
-      "args": vars(args), "command": command.strip(), "rows": rows,
+  document = {
+      "schema": SCHEMA, "args": vars(args), "command": command.strip(), "rows": rows,
       "environment": {"python": platform.python_version(), "machine": platform.machine(),
-                      "processor": platform.processor()}}, indent=1))
-  print(text)
+                      "processor": platform.processor()}}
+  (out_dir / "elastic-scale.md").write_text(text)
+  (out_dir / "elastic-scale.json").write_text(json.dumps(document, indent=1))
+  output.emit(args.json, document, text)
   return 0
