@@ -174,3 +174,12 @@ def test_bench_ondemand_keeps_the_older_json_file_form():
   assert args.json == "out.json" and args.mib == [1]
   assert ondemand._parser().parse_args(["--json", "--mib", "1"]).json is True
   assert ondemand._parser().parse_args([]).json is False
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["goodput", "--procs", "1"], "--procs must be >= 2"),
+    (["failure-cost", "--procs", "3"], "--procs must be even and >= 2"),
+    (["elastic-scale", "--hosts", "7"], "every --hosts value must be even")])
+def test_bench_bad_arguments_are_usage_errors(argv, message, capsys):
+  err = _usage_error(["bench", *argv], capsys)
+  assert err.splitlines()[-1].startswith(f"orbax-mtc bench {argv[0]}: error: {message}")

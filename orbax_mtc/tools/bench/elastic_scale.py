@@ -367,12 +367,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  args = _parser().parse_args(argv)
+  parser = _parser()
+  args = parser.parse_args(argv)
   if args.reps < 1 or args.leaves < 1:
-    raise SystemExit("orbax-mtc bench elastic-scale: --reps and --leaves must be at least 1")
+    parser.error("--reps and --leaves must be at least 1")
   if any(h < 2 * REPLICAS or h % REPLICAS for h in args.hosts):
-    raise SystemExit("orbax-mtc bench elastic-scale: every --hosts value must be even and at "
-                     f"least {2 * REPLICAS}")
+    parser.error(f"every --hosts value must be even and at least {2 * REPLICAS}")
   out_dir = Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
   rows = []

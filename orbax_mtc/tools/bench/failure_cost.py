@@ -353,9 +353,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  args = _parser().parse_args(argv)
+  parser = _parser()
+  args = parser.parse_args(argv)
   if args.procs < 2 or args.procs % 2:
-    raise SystemExit("--procs must be even and >= 2: the emergency manager needs two "
+    parser.error("--procs must be even and >= 2: the emergency manager needs two "
                      "data-parallel replicas.")
   kinds = [k for k in KINDS if k in args.kinds]
   scratch = Path(args.scratch or f"/dev/shm/orbax-mtc-failure-cost-{os.getpid()}")

@@ -265,11 +265,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  args = _parser().parse_args(argv)
+  parser = _parser()
+  args = parser.parse_args(argv)
   if args.procs < 2:
-    raise SystemExit("--procs must be >= 2: a node's loss is survived through its peers.")
+    parser.error("--procs must be >= 2: a node's loss is survived through its peers")
   if args.steps < 20:
-    raise SystemExit("--steps must be >= 20 to fit the failure schedule.")
+    parser.error("--steps must be >= 20 to fit the failure schedule")
   seeds = args.seeds if args.seeds else [args.seed]
   scratch = Path(args.scratch or f"/dev/shm/orbax-mtc-goodput-{os.getpid()}")
   out = Path(args.out)
