@@ -103,9 +103,13 @@ def test_the_command_writes_its_table_json_and_plot(tmp_path):
   out = tmp_path / "out"
   result = subprocess.run(
       [sys.executable, "-m", "orbax_mtc", "bench", "elastic-scale", "--hosts", "8", "64",
-       "--leaves", "30", "--reps", "2", "--out", str(out)],
+       "--leaves", "30", "--reps", "2", "--out", str(out), "--json"],
       capture_output=True, text=True, timeout=300, check=False)
   assert result.returncode == 0, result.stderr
+  # --json: stdout is the document the file holds and nothing else; the table is on stderr.
+  assert json.loads(result.stdout) == json.loads((out / "elastic-scale.json").read_text())
+  assert json.loads(result.stdout)["schema"] == "orbax-mtc/bench-elastic-scale/1"
+  assert "| 8 | 1 |" in result.stderr
   table = (out / "elastic-scale.md").read_text()
   assert "| 8 | 1 |" in table and "| 64 | 1 |" in table
   assert "| 64 | 147.7 KiB | 890 B (1) | 1.2 KiB (2) |" in table

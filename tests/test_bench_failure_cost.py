@@ -95,11 +95,14 @@ def test_failure_cost_smoke_run(tmp_path):
       [sys.executable, "-m", "orbax_mtc", "bench", "failure-cost", "--procs", "2", "--mib", "1",
        "--min-step-ms", "40", "--ram-seconds", "0.8", "--calibration-steps", "10",
        "--after-steps", "2", "--seeds", "0", "--kinds", "wipe", "sigterm",
-       "--out", str(out), "--scratch", str(scratch)],
+       "--out", str(out), "--scratch", str(scratch), "--json"],
       env=env, capture_output=True, text=True, timeout=480, start_new_session=True)
   assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
   assert not scratch.exists()
   raw = json.loads((out / "failure-cost.json").read_text())
+  # --json: stdout is that document and nothing else; the progress lines went to stderr.
+  assert json.loads(done.stdout) == raw and raw["schema"] == "orbax-mtc/bench-failure-cost/1"
+  assert "== seed 0, mtc" in done.stderr
   table = (out / "failure-cost.md").read_text()
   assert "| one node's RAM lost |" in table and "| SIGTERM (maintenance) |" in table
   assert raw["environment"]["jax"] and raw["meta"]["ram_steps"] >= 2

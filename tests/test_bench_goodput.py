@@ -77,11 +77,14 @@ def test_goodput_smoke_run(tmp_path):
       [sys.executable, "-m", "orbax_mtc", "bench", "goodput", "--steps", "100", "--work", "1",
        "--min-step-ms", "40", "--mib", "1", "--local-every", "5", "--persistent-every", "20",
        "--out", str(out),
-       "--scratch", str(scratch)],
+       "--scratch", str(scratch), "--json"],
       env=env, capture_output=True, text=True, timeout=380, start_new_session=True)
   assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
   assert not scratch.exists()
   raw = json.loads((out / "goodput.json").read_text())
+  # --json: stdout is that document and nothing else; the progress lines went to stderr.
+  assert json.loads(done.stdout) == raw and raw["schema"] == "orbax-mtc/bench-goodput/1"
+  assert "== seed 0, mtc" in done.stderr
   table = (out / "goodput.md").read_text()
   assert "| 0 | mtc |" in table and "| 0 | orbax |" in table and "median" in table
   assert raw["environment"]["jax"] and len(raw["runs"]) == 1

@@ -164,6 +164,8 @@ def test_gc_refuses_without_rules_or_directory(orbax_dir, shm_dir, capsys):
   assert "no retention rule given" in capsys.readouterr().err
   assert cli.main(["gc", str(shm_dir / "missing"), "--keep-latest", "1"]) == 2
   assert "is not a directory" in capsys.readouterr().err
-  assert cli.main(["gc", str(orbax_dir), "--keep-every", "0", "--delete"]) == 2
-  assert "keep_every must be an int >= 1" in capsys.readouterr().err
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["gc", str(orbax_dir), "--keep-every", "0", "--delete"])
+  assert exit_info.value.code == 2
+  assert "argument --keep-every: must be a whole number >= 1, got 0" in capsys.readouterr().err
   assert _steps(orbax_dir) == list(range(0, 1000, 100))

@@ -31,7 +31,7 @@ def test_parse_size(text, want):
 
 
 @pytest.mark.parametrize("text, fragment", [
-    ("", "cannot read"), ("GiB", "cannot read"), ("-1GiB", "cannot read"),
+    ("", "cannot read"), ("GiB", "cannot read"), ("-1GiB", "more than 0 bytes, got '-1GiB'"),
     ("8 XB", "unknown unit 'XB'"), ("0", "more than 0"), ("0GiB", "more than 0"),
     ("1e9", "cannot read"), (0, "more than 0"),
 ])

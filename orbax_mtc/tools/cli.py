@@ -7,24 +7,35 @@ arguments; their modules (and JAX) are imported only when the verb is used, so `
 in their own modules.
 
 Conventions every verb keeps (docs/cli.md): results on stdout, errors and progress bars on
-stderr; with `--json` (status, verify, gc, size) stdout holds one JSON document and nothing
-else, and no progress bar is drawn.
+stderr; with `--json` (status, verify, gc, size, and every bench verb but suite) stdout holds
+one JSON document and nothing else, and no progress bar is drawn. Bad input is refused before
+any result is printed, naming the flag; a `gs://` folder whose endpoint cannot be reached
+fails within seconds (`reach`).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 
 # The output helpers every verb shares (re-exported: `cli.progress` and the others).
-from orbax_mtc.tools.console import PROGRESS_DELAY_S, error, print_json, progress, version
+from orbax_mtc.tools.console import (
+    PROGRESS_DELAY_S,
+    directory_arg,
+    error,
+    print_json,
+    progress,
+    version,
+)
 
 __all__ = ["PROGRESS_DELAY_S", "error", "main", "print_json", "progress", "size_main",
            "version"]
 
 # Verbs whose arguments are parsed by their own module.
 _PASSTHROUGH = ("launch", "demo", "bench", "gc", "size")
+_VERSION_FLAGS = ("-V", "--version")
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
@@ -32,8 +43,8 @@ def _parser() -> argparse.ArgumentParser:
       description="Multi-tier checkpointing for JAX: tools. Errors go to stderr; with --json, "
       "stdout holds one JSON document (schemas: docs/cli.md).",
   )
-  parser.add_argument("--version", action="store_true",
-                      help="print the installed orbax-mtc version and exit")
+  parser.add_argument("-V", "--version", action="store_true",
+                      help="print the orbax-mtc version and exit")
   verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
   verbs.add_parser(
       "launch", add_help=False,
@@ -58,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
       "status", help="show the checkpoints held in a directory",
       description="List the steps of a local (RAM-disk) or persistent checkpoint directory "
       "with their sizes. Exit 0; 2 when the directory cannot be read.")
-  status.add_argument("directory", help="a local (RAM-disk) or persistent checkpoint directory")
+  status.add_argument("directory", type=directory_arg,
+                      help="a local (RAM-disk) or persistent checkpoint directory")
   status.add_argument("--json", action="store_true",
                       help="print one JSON document (schema orbax-mtc/status/1) instead")
   verify = verbs.add_parser(
@@ -66,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
       description="Re-read every step of a local (RAM-disk) or persistent checkpoint "
       "directory. Exit 0: every step verified; 1: a corrupt or partial entry; 2: nothing "
       "verified (no such directory, no access, or no step in it).")
-  verify.add_argument("directory", help="a local (RAM-disk) or persistent checkpoint directory")
+  verify.add_argument("directory", type=directory_arg,
+                      help="a local (RAM-disk) or persistent checkpoint directory")
   verify.add_argument("--json", action="store_true",
                       help="print one JSON document (schema orbax-mtc/verify/1) instead")
   return parser
@@ -165,6 +178,25 @@ def _size_parser() -> argparse.ArgumentParser:
   return parser
 
 
+def _attach_signed_values(argv: list[str], flags: Sequence[str]) -> list[str]:
+  """`--state-size -5GiB` as `--state-size=-5GiB`.
+
+  argparse takes a token that starts with '-' and is not a plain number for an option, and
+  would answer "expected one argument"; attached, the value reaches the check that says what
+  is wrong with it.
+  """
+  out: list[str] = []
+  i = 0
+  while i < len(argv):
+    if argv[i] in flags and i + 1 < len(argv) and re.match(r"-[\d.]", argv[i + 1]):
+      out.append(f"{argv[i]}={argv[i + 1]}")
+      i += 2
+    else:
+      out.append(argv[i])
+      i += 1
+  return out
+
+
 def size_main(argv: Sequence[str] | None = None) -> int:
   """`orbax-mtc size ...`: prints the sizing (--json: one document); with --render writes the
   manifests (`orbax_mtc.tools.size` does the arithmetic, `size_render` the files).
@@ -181,7 +213,8 @@ def size_main(argv: Sequence[str] | None = None) -> int:
   from orbax_mtc.tools import size, size_render
 
   parser = _size_parser()
-  args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+  args = parser.parse_args(_attach_signed_values(
+      list(sys.argv[1:] if argv is None else argv), ("--state-size",)))
   try:
     if args.render is None:
       given = [name for name in _SIZE_RENDER_ONLY if getattr(args, name) is not None]
@@ -197,20 +230,26 @@ def size_main(argv: Sequence[str] | None = None) -> int:
     if peers is None and args.render is not None and args.accelerator == "tpu" \
         and args.slices == 1:
       peers = 1  # one slice has no twin: the manager keeps one peer copy per node
+    if args.state_size is not None:
+      try:
+        size.parse_size(args.state_size)
+      except size.SizingError as e:
+        raise size.SizingError(f"--state-size: {e}") from None
     sizing = size_render.size_from(accelerator=args.accelerator, state_size=args.state_size,
                                    from_step=args.from_step, nodes=args.nodes, peers=peers)
-    if not args.json:
-      print(sizing.explain())
     written = None
     if args.render is not None:
+      # Before anything is printed: a bad --render option fails the run with stdout empty.
       options = {name: getattr(args, name) for name in _SIZE_RENDER_ONLY
                  if name != "templates" and getattr(args, name) is not None}
       written = size_render.render(args.render, sizing, templates=args.templates,
                                    nodes=args.nodes, **options)
-      if not args.json:
-        print(f"wrote {', '.join(str(p) for p in written)}")
     if args.json:
       print_json(size.document(sizing, args.nodes, written))
+    else:
+      print(sizing.explain())
+      if written is not None:
+        print(f"wrote {', '.join(str(p) for p in written)}")
   except size.SizingError as e:
     print(f"orbax-mtc size: error: {e}", file=sys.stderr)
     return 2
@@ -248,16 +287,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     return int(demo.main(rest) or 0)
 
-  if argv[:1] == ["--version"]:
-    installed = version()
-    if installed is None:
-      error("orbax-mtc", "no installed orbax-mtc package to read a version from "
-            "(pip install orbax-mtc, or pip install -e . in a checkout)")
-      return 1
-    print(f"orbax-mtc {installed}")
+  if argv and argv[0] in _VERSION_FLAGS:
+    # Before argparse, which asks for a VERB first (`orbax-mtc -V` would be a usage error).
+    print(f"orbax-mtc {version()}")
     return 0
   args = _parser().parse_args(argv)
-  if args.version:  # --version after other arguments: argparse needs a verb first
+  if args.version:  # `orbax-mtc status DIR --version`: argparse needed the verb's arguments
     return main(["--version"])
   from orbax_mtc.tools import inspection
 

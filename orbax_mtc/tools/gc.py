@@ -20,7 +20,7 @@ from typing import Any
 from etils import epath
 from orbax.checkpoint import path as ocp_path
 
-from orbax_mtc.tools import console, retention
+from orbax_mtc.tools import console, reach, retention
 
 _PROG = "orbax-mtc gc"
 
@@ -76,18 +76,20 @@ def _parser() -> argparse.ArgumentParser:
       "Rules compose (a step is kept if any rule keeps it); the newest complete step and "
       "steps still being written are always kept. Shows the plan; deletes only with --delete. "
       "Exit 0: done; 1: a deletion failed; 2: nothing done (bad arguments or directory).")
-  parser.add_argument("directory", help="a persistent Orbax checkpoint directory (path or gs://)")
-  parser.add_argument("--keep-latest", type=int, default=None, metavar="N",
+  parser.add_argument("directory", type=console.directory_arg,
+                      help="a persistent Orbax checkpoint directory (path or gs://)")
+  # Ranges checked here, so that an error names the flag (RetentionPolicy checks them again).
+  parser.add_argument("--keep-latest", type=console.count_arg(0), default=None, metavar="N",
                       help="keep the N newest steps (default: no such rule)")
-  parser.add_argument("--keep-every", type=int, default=None, metavar="K",
+  parser.add_argument("--keep-every", type=console.count_arg(1), default=None, metavar="K",
                       help="keep every step that is a multiple of K (default: no such rule)")
-  parser.add_argument("--hourly", type=int, default=0, metavar="H",
+  parser.add_argument("--hourly", type=console.count_arg(0), default=0, metavar="H",
                       help="keep the newest step of each of the last H hours (UTC) "
                       "(default: %(default)s)")
-  parser.add_argument("--daily", type=int, default=0, metavar="D",
+  parser.add_argument("--daily", type=console.count_arg(0), default=0, metavar="D",
                       help="keep the newest step of each of the last D days (UTC) "
                       "(default: %(default)s)")
-  parser.add_argument("--weekly", type=int, default=0, metavar="W",
+  parser.add_argument("--weekly", type=console.count_arg(0), default=0, metavar="W",
                       help="keep the newest step of each of the last W ISO weeks "
                       "(default: %(default)s)")
   parser.add_argument("--delete", action="store_true",
@@ -138,6 +140,11 @@ def main(argv: Sequence[str]) -> int:
               "--keep-every, --hourly, --daily, --weekly.")
     return 2
   try:
+    reach.check(args.directory)
+  except reach.UnreachableError as e:
+    console.error(_PROG, str(e))
+    return 2
+  try:
     directory = epath.Path(args.directory)
     exists = directory.is_dir()
   except ImportError as e:
@@ -149,7 +156,8 @@ def main(argv: Sequence[str]) -> int:
     return 2
   now = (dt.datetime.fromisoformat(args.now) if args.now
          else dt.datetime.now(tz=dt.UTC))
-  records, paths = step_records(directory)
+  with console.no_missing_metadata_warnings():
+    records, paths = step_records(directory)
   decision = retention.decide(records, policy, now)
   if not args.json:
     for line in retention.describe(decision, records):

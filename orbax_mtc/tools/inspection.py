@@ -22,7 +22,7 @@ from orbax_mtc.local import read as local_read
 from orbax_mtc.local import restore_links as lkg
 from orbax_mtc.local import store as local_store
 from orbax_mtc.save import backup
-from orbax_mtc.tools import console
+from orbax_mtc.tools import console, reach
 
 _STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax writes it when it finalizes a step
 
@@ -100,8 +100,9 @@ def persistent_reports(root: epath.Path, *, check: bool, bar: Any = None) -> lis
   anything else that names a step is reported as partial. With `check`, every array of every
   complete step is read back, advancing `bar` (a tqdm) by each step's size."""
   reports, complete = [], []
-  finalized = {meta.path.name: meta.step
-               for meta in ocp_path.step.standard_name_format().find_all(root)}
+  with console.no_missing_metadata_warnings():
+    finalized = {meta.path.name: meta.step
+                 for meta in ocp_path.step.standard_name_format().find_all(root)}
   for entry in sorted(root.iterdir(), key=lambda p: p.name):
     if not entry.is_dir():
       continue
@@ -141,17 +142,19 @@ def persistent_reports(root: epath.Path, *, check: bool, bar: Any = None) -> lis
 
 def _check_persistent_step(step_dir: epath.Path) -> None:
   """Reads every array of every PyTree item of an Orbax step with plain Orbax."""
+  import jax
+  import numpy as np
   import orbax.checkpoint as ocp
 
   for item_dir in step_dir.iterdir():
     if not item_dir.is_dir() or not (item_dir / "_METADATA").exists():
       continue
     with ocp.PyTreeCheckpointer() as checkpointer:
-      metadata = checkpointer.metadata(item_dir)
+      # metadata() also looks for a step's metadata file inside the item's folder, where
+      # Orbax never writes one, and would log that for every healthy step.
+      with console.no_missing_metadata_warnings():
+        metadata = checkpointer.metadata(item_dir)
       tree = metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata
-      import jax
-      import numpy as np
-
       restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
       checkpointer.restore(item_dir, args=ocp.args.PyTreeRestore(restore_args=restore_args))
 
@@ -167,6 +170,10 @@ def reports_for(directory: str, *, check: bool,
   be read."""
   try:
     if "://" in directory:  # an object store: only ever a persistent directory
+      try:
+        reach.check(directory)
+      except reach.UnreachableError as e:
+        raise InspectionError(str(e)) from None
       try:
         root = epath.Path(directory)
         exists = root.is_dir()

@@ -47,7 +47,8 @@ DEFAULT_PEERS = {"tpu": 0, "gpu": 1}
 _UNITS = {"": 1, "b": 1}
 for _i, _p in enumerate("kmgtp", start=1):
   _UNITS.update({_p: 1000**_i, _p + "b": 1000**_i, _p + "i": 1024**_i, _p + "ib": 1024**_i})
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+# A sign is read so that a negative size is refused for what it is, not as unreadable.
+_SIZE = re.compile(r"^\s*([-+]?\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
 class SizingError(ValueError):

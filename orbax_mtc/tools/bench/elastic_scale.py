@@ -46,13 +46,14 @@ from typing import Any
 from orbax_mtc import agreement, row_codec
 from orbax_mtc.restore import plan as elastic_plan
 from orbax_mtc.restore.plan import Box, FolderRef, HostReport, TileIndex
-from orbax_mtc.tools.bench import agreement_scale, plotting
+from orbax_mtc.tools.bench import agreement_scale, output, plotting
 
 DEVICES_PER_HOST = 8
 REPLICAS = 2
 STEPS = (1000, 1100, 1200)
 DIGEST = 0x5EED1234
 PLAN_BUDGET_S = 1.0
+SCHEMA = "orbax-mtc/bench-elastic-scale/1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,16 +369,17 @@ def _parser() -> argparse.ArgumentParser:
                       help="which hosts are lost (default: %(default)s)")
   parser.add_argument("--out", default="bench-out",
                       help="folder for elastic-scale.json/md/png (default: %(default)s)")
+  output.add_json_flag(parser, SCHEMA)
   return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  args = _parser().parse_args(argv)
+  parser = _parser()
+  args = parser.parse_args(argv)
   if args.reps < 1 or args.leaves < 1:
-    raise SystemExit("orbax-mtc bench elastic-scale: --reps and --leaves must be at least 1")
+    parser.error("--reps and --leaves must be at least 1")
   if any(h < 2 * REPLICAS or h % REPLICAS for h in args.hosts):
-    raise SystemExit("orbax-mtc bench elastic-scale: every --hosts value must be even and at "
-                     f"least {2 * REPLICAS}")
+    parser.error(f"every --hosts value must be even and at least {2 * REPLICAS}")
   out_dir = Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
   rows = []
@@ -397,10 +399,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   why_no_plot = plot(rows, out_dir / "elastic-scale.png")
   if why_no_plot:
     text += f"\nNo plot: {why_no_plot}.\n"
-  (out_dir / "elastic-scale.md").write_text(text)
-  (out_dir / "elastic-scale.json").write_text(json.dumps({
-      "args": vars(args), "command": command.strip(), "rows": rows,
+  document = {
+      "schema": SCHEMA, "args": vars(args), "command": command.strip(), "rows": rows,
       "environment": {"python": platform.python_version(), "machine": platform.machine(),
-                      "processor": platform.processor()}}, indent=1))
-  print(text)
+                      "processor": platform.processor()}}
+  (out_dir / "elastic-scale.md").write_text(text)
+  (out_dir / "elastic-scale.json").write_text(json.dumps(document, indent=1))
+  output.emit(args.json, document, text)
   return 0

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from orbax_mtc.tools import console
+from orbax_mtc.tools.bench import output
 
 SCHEMA = "orbax-mtc/bench-every-step/1"
 _MARK = "@@every-step "
@@ -209,9 +210,7 @@ def _parser() -> argparse.ArgumentParser:
                       "(default: idle after the save, as while an accelerator computes)")
   parser.add_argument("--timeout", type=float, default=3600.0,
                       help="seconds one job may run before it is killed (default: %(default)s)")
-  parser.add_argument("--json", action="store_true",
-                      help=f"print one JSON document ({SCHEMA}) on stdout instead of the table "
-                      "(the table goes to stderr) (default: off)")
+  output.add_json_flag(parser, SCHEMA)
   parser.add_argument("--quiet", action="store_true",
                       help="no progress lines on stderr (default: off)")
   return parser
@@ -247,16 +246,12 @@ def main(argv: list[str] | None = None) -> int:
             "idle_ms": args.idle_ms, "donate": not args.no_donate,
             "idle": "before-save" if args.idle_before_save else "after-save"}
   table = markdown(results, config)
-  if args.json:
-    console.print_json({
-        "schema": SCHEMA, "config": config,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(),
-                    "jax_platforms": os.environ.get("JAX_PLATFORMS")},
-        "results": results})
-    print(table, file=sys.stderr)
-  else:
-    print(table)
+  output.emit(args.json, {
+      "schema": SCHEMA, "config": config,
+      "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                  "python": platform.python_version(),
+                  "jax_platforms": os.environ.get("JAX_PLATFORMS")},
+      "results": results}, table)
   return 0
 
 

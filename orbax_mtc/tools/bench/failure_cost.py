@@ -40,10 +40,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from orbax_mtc.tools.bench import goodput
+from orbax_mtc.tools.bench import goodput, output
 
 KINDS = ("sigkill", "wipe", "wipe_all", "sigterm")  # the order within one job
 SYSTEMS = ("mtc", "emergency", "orbax")
+SCHEMA = "orbax-mtc/bench-failure-cost/1"
 KIND_LABELS = {"sigkill": "one process SIGKILLed", "wipe": "one node's RAM lost",
                "wipe_all": "all RAM lost", "sigterm": "SIGTERM (maintenance)"}
 _PLOT_LABELS = {"sigkill": "1 process\nSIGKILLed", "wipe": "1 node's\nRAM lost",
@@ -291,7 +292,8 @@ def run_job(system: str, args, plan: Sequence[PlannedFailure], ram_steps: int,
         job.wait(timeout_s=_JOB_TIMEOUT_S)
     if hung:
       print(f"   {system}: run {run} made no step in {args.hang_seconds:g} s after the "
-            f"restart; the remaining failures are not run", flush=True)
+            f"restart; the remaining failures are not run",
+            file=output.text(getattr(args, "json", False)), flush=True)
       break
     if failure is not None and failure.injected_at is None:
       raise RuntimeError(f"{system}: run {run} ended before its {failure.kind}:\n"
@@ -346,58 +348,62 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--scratch", default=None,
                  help="folder for both tiers while running, removed afterwards "
                  "(default: /dev/shm/orbax-mtc-failure-cost-<pid>)")
+  output.add_json_flag(p, SCHEMA)
   return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  args = _parser().parse_args(argv)
+  parser = _parser()
+  args = parser.parse_args(argv)
   if args.procs < 2 or args.procs % 2:
-    raise SystemExit("--procs must be even and >= 2: the emergency manager needs two "
+    parser.error("--procs must be even and >= 2: the emergency manager needs two "
                      "data-parallel replicas.")
   kinds = [k for k in KINDS if k in args.kinds]
   scratch = Path(args.scratch or f"/dev/shm/orbax-mtc-failure-cost-{os.getpid()}")
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
+  text = output.text(args.json)
   runs: list[dict[str, Any]] = []
   try:
     step_s = calibrate(args, scratch)
     ram_steps = max(2, round(args.ram_seconds / step_s))
     print(f"== step {1e3 * step_s:.1f} ms: RAM every {ram_steps} steps, persistent every "
-          f"{args.persistent_steps}", flush=True)
+          f"{args.persistent_steps}", file=text, flush=True)
     for seed in args.seeds:
       plan = make_plan(seed, ram_steps, args.procs, kinds)
       results: dict[str, Any] = {"seed": seed}
       for system in args.systems:
         print(f"== seed {seed}, {system}: {[(f.kind, f.offset, f.node) for f in plan]}",
-              flush=True)
+              file=text, flush=True)
         r = results[system] = run_job(system, args, plan, ram_steps, scratch)
         for f in r["failures"]:
           back = "none" if f["recovery_s"] is None else f"{f['recovery_s']:.1f} s after"
           print(f"   {f['kind']}: {f['steps_lost']} steps lost ({f['work_lost_s']} s, "
-                f"from {f['restored_tier']}), first step: {back}", flush=True)
+                f"from {f['restored_tier']}), first step: {back}", file=text, flush=True)
       runs.append(results)
-      table = _write(out, runs, args, kinds, step_s, ram_steps)  # after each seed
+      table, raw = _write(out, runs, args, kinds, step_s, ram_steps)  # after each seed
   finally:
     shutil.rmtree(scratch, ignore_errors=True)
-  print("\n" + table)
+  output.emit(args.json, raw, "\n" + table)
   return 0
 
 
 def _write(out: Path, runs: list[dict[str, Any]], args, kinds: Sequence[str], step_s: float,
-           ram_steps: int) -> str:
-  """Writes failure-cost.json/.md/.png for the seeds run so far; returns the table."""
+           ram_steps: int) -> tuple[str, dict[str, Any]]:
+  """Writes failure-cost.json/.md/.png for the seeds run so far; returns the table and the
+  document."""
   summary = across_seeds(runs, args.systems, kinds)
   meta = {"procs": args.procs, "mib": args.mib, "step_s": step_s, "ram_steps": ram_steps,
           "ram_seconds": args.ram_seconds, "persistent_steps": args.persistent_steps,
           "hang_seconds": args.hang_seconds, "seeds": [r["seed"] for r in runs]}
   table = markdown(summary, meta, args.systems, kinds)
-  raw = {"runs": runs, "summary": summary, "meta": meta, "args": vars(args),
+  raw = {"schema": SCHEMA, "runs": runs, "summary": summary, "meta": meta, "args": vars(args),
          "environment": goodput._environment()}
   (out / "failure-cost.json").write_text(json.dumps(raw, indent=1))
   (out / "failure-cost.md").write_text(table)
   if not plot(summary, args.systems, kinds, out / "failure-cost.png"):
     print("no plot: matplotlib is not installed", file=sys.stderr)
-  return table
+  return table, raw
 
 
 if __name__ == "__main__":

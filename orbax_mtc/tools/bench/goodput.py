@@ -32,10 +32,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from orbax_mtc.tools.bench import limits
+from orbax_mtc.tools.bench import limits, output
 
 FAILURE_KINDS = ("sigterm", "sigkill", "wipe")
 SYSTEMS = ("mtc", "orbax")
+SCHEMA = "orbax-mtc/bench-goodput/1"
 _JOB_TIMEOUT_S = 900.0
 
 
@@ -259,19 +260,22 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--scratch", default=None,
                  help="folder for both tiers while running, removed afterwards "
                  "(default: /dev/shm/orbax-mtc-goodput-<pid>)")
+  output.add_json_flag(p, SCHEMA)
   return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  args = _parser().parse_args(argv)
+  parser = _parser()
+  args = parser.parse_args(argv)
   if args.procs < 2:
-    raise SystemExit("--procs must be >= 2: a node's loss is survived through its peers.")
+    parser.error("--procs must be >= 2: a node's loss is survived through its peers")
   if args.steps < 20:
-    raise SystemExit("--steps must be >= 20 to fit the failure schedule.")
+    parser.error("--steps must be >= 20 to fit the failure schedule")
   seeds = args.seeds if args.seeds else [args.seed]
   scratch = Path(args.scratch or f"/dev/shm/orbax-mtc-goodput-{os.getpid()}")
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
+  text = output.text(args.json)
   runs: list[dict[str, Any]] = []
   try:
     for seed in seeds:
@@ -279,22 +283,23 @@ def main(argv: Sequence[str] | None = None) -> int:
       results: dict[str, Any] = {"seed": seed, "schedule": schedule}
       for system in args.systems:
         print(f"== seed {seed}, {system}: {args.steps} steps, failures at "
-              f"{[(f.kind, f.at_step, f.node) for f in schedule]}", flush=True)
+              f"{[(f.kind, f.at_step, f.node) for f in schedule]}", file=text, flush=True)
         results[system] = _run_system(system, args, schedule, scratch)
         r = results[system]
         print(f"   goodput {100 * r['goodput']:.1f} % (wall {r['wall_s']:.1f} s, "
-              f"{r['steps_recomputed']} steps recomputed)", flush=True)
+              f"{r['steps_recomputed']} steps recomputed)", file=text, flush=True)
       runs.append(results)
   finally:
     shutil.rmtree(scratch, ignore_errors=True)
   summary = across_seeds(runs, args.systems)
   table = _markdown(runs, summary, args)
-  print("\n" + table)
-  raw = {"runs": [{**{k: v for k, v in r.items() if k != "schedule"},
+  raw = {"schema": SCHEMA,
+         "runs": [{**{k: v for k, v in r.items() if k != "schedule"},
                    "schedule": [dataclasses.asdict(f) for f in r["schedule"]]} for r in runs],
          "summary": summary, "args": vars(args), "environment": _environment()}
   (out / "goodput.json").write_text(json.dumps(raw, indent=1))
   (out / "goodput.md").write_text(table)
+  output.emit(args.json, raw, "\n" + table)
   return 0
 
 

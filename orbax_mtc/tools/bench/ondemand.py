@@ -1,6 +1,6 @@
 """`orbax-mtc bench ondemand`: time from SIGTERM to a durable on-demand checkpoint.
 
-  orbax-mtc bench ondemand --mib 64 512 --procs 2 --reps 3 [--json out.json]
+  orbax-mtc bench ondemand --mib 64 512 --procs 2 --reps 3 [--json] [--out DIR]
 
 For each size: `--procs` real JAX processes (1 CPU device each, jax.distributed on localhost)
 hold `--mib` MiB each of a state sharded over every process (one replica, so each node's
@@ -28,6 +28,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from orbax_mtc.tools import console
+from orbax_mtc.tools.bench import output
 
 BUDGET_S = 300.0
 
@@ -131,7 +134,44 @@ def run_once(procs: int, mib: int, root: Path) -> dict:
           **{f"{k}_s": v for k, v in parts.items()}}
 
 
+SCHEMA = "orbax-mtc/bench-ondemand/1"
+_PROG = "orbax-mtc bench ondemand"
+_PARTS = ("sigterm_to_durable_s", "notice_s", "agreement_s", "local_s", "peers_s",
+          "persistent_s")
+
+
+def summarize(runs: list[dict], mibs: list[int]) -> list[dict]:
+  """Per size, the median of each figure over its runs (pure)."""
+  summary = []
+  for mib in mibs:
+    mine = [r for r in runs if r["mib"] == mib]
+    summary.append({"mib": mib, **{k: statistics.median(r[k] for r in mine) for k in _PARTS}})
+  return summary
+
+
+def markdown(summary: list[dict], procs: int, reps: int) -> str:
+  """The table of medians, one row per size (pure)."""
+  lines = [f"| state per process | SIGTERM -> durable | of 300 s | JAX notice | agreement | "
+           f"local | peers | persistent |  ({procs} processes, median of {reps})",
+           "|---|---|---|---|---|---|---|---|"]
+  for row in summary:
+    lines.append(f"| {row['mib']} MiB | {row['sigterm_to_durable_s']:.2f} s | "
+                 f"{100 * row['sigterm_to_durable_s'] / BUDGET_S:.1f} % | "
+                 f"{row['notice_s']:.2f} s | {row['agreement_s']:.2f} s | "
+                 f"{row['local_s']:.2f} s | {row['peers_s']:.2f} s | "
+                 f"{row['persistent_s']:.2f} s |")
+  return "\n".join(lines)
+
+
+def document(procs: int, reps: int, runs: list[dict], summary: list[dict]) -> dict:
+  """The --json document (docs/cli.md: orbax-mtc/bench-ondemand/1)."""
+  return {"schema": SCHEMA, "procs": procs, "reps": reps, "budget_s": BUDGET_S, "runs": runs,
+          "summary": summary}
+
+
 def _driver(args) -> int:
+  as_json = args.json is True
+  text = output.text(as_json)
   base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
   root = base / f"orbax-mtc-ondemand-bench-{os.getpid()}"
   runs: list[dict] = []
@@ -142,35 +182,25 @@ def _driver(args) -> int:
         runs.append(run)
         print(f"{mib} MiB rep {rep}: SIGTERM -> durable {run['sigterm_to_durable_s']:.2f}s "
               f"(step {run['step']}; local {run['local_s']:.2f}s, peers {run['peers_s']:.2f}s, "
-              f"persistent {run['persistent_s']:.2f}s)", flush=True)
+              f"persistent {run['persistent_s']:.2f}s)", file=text, flush=True)
   finally:
     shutil.rmtree(root, ignore_errors=True)
-  print(f"\n| state per process | SIGTERM -> durable | of 300 s | JAX notice | agreement | "
-        f"local | peers | persistent |  ({args.procs} processes, median of {args.reps})")
-  print("|---|---|---|---|---|---|---|---|")
-  summary = []
-  for mib in args.mib:
-    mine = [r for r in runs if r["mib"] == mib]
-
-    def med(key, mine=mine):
-      return statistics.median(r[key] for r in mine)
-
-    row = {"mib": mib, **{k: med(k) for k in ("sigterm_to_durable_s", "notice_s", "agreement_s",
-                                                "local_s", "peers_s", "persistent_s")}}
-    summary.append(row)
-    print(f"| {mib} MiB | {row['sigterm_to_durable_s']:.2f} s | "
-          f"{100 * row['sigterm_to_durable_s'] / BUDGET_S:.1f} % | {row['notice_s']:.2f} s | "
-          f"{row['agreement_s']:.2f} s | "
-          f"{row['local_s']:.2f} s | {row['peers_s']:.2f} s | {row['persistent_s']:.2f} s |")
-  if args.json:
-    Path(args.json).write_text(json.dumps({"procs": args.procs, "runs": runs,
-                                           "summary": summary}, indent=1))
+  summary = summarize(runs, args.mib)
+  table = markdown(summary, args.procs, args.reps)
+  doc = document(args.procs, args.reps, runs, summary)
+  if args.out is not None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ondemand.json").write_text(json.dumps(doc, indent=1))
+    (out / "ondemand.md").write_text(table + "\n")
+  if isinstance(args.json, str):  # the older `--json FILE`
+    Path(args.json).write_text(json.dumps(doc, indent=1))
+  output.emit(as_json, doc, "\n" + table)
   return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="orbax-mtc bench ondemand",
-                                   description=__doc__.split("\n")[0])
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog=_PROG, description=__doc__.split("\n")[0])
   parser.add_argument("--mib", type=int, nargs="+", default=[64, 512],
                       help="state MiB per process, one series each (default: 64 512)")
   parser.add_argument("--procs", type=int, default=2,
@@ -178,14 +208,27 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--reps", type=int, default=3,
                       help="SIGTERM jobs per size; the table gives medians "
                       "(default: %(default)s)")
-  parser.add_argument("--json", default=None, metavar="FILE",
-                      help="also write every run and the summary to this JSON file "
-                      "(default: none)")
+  # `--json FILE` wrote a file before `--json` meant stdout for every verb: still accepted
+  # (with a warning), so that scripts written for it keep their file.
+  output.add_json_flag(parser, SCHEMA, nargs="?", const=True, default=False, metavar="FILE",
+                       also="; the older --json FILE writes it to FILE instead (deprecated: "
+                       "use --out DIR)")
+  parser.add_argument("--out", default=None, metavar="DIR",
+                      help="also write ondemand.json (the --json document) and ondemand.md "
+                      "here (default: none)")
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--persistent", default=None, help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
   if args.worker:
     return _worker(args)
+  if isinstance(args.json, str):
+    console.warning(_PROG, f"--json {args.json}: --json takes no file now (it prints the "
+                    "document on stdout); writing the file as before, but use --out DIR "
+                    "(ondemand.json there) instead")
   return _driver(args)
 
 
