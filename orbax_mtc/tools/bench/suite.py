@@ -119,10 +119,11 @@ def summarize(record: dict[str, Any], ondemand: Sequence[dict[str, Any]] = ()) -
               "raw_ppermute", "raw_broadcast", "paired_memcpy", "paired_d2h",
               "paired_raw_write", "paired_raw_read",
               "mtc_save", "mtc_restore", "orbax_save", "orbax_restore", "emergency_save",
-              "emergency_restore"):
+              "emergency_restore", "p2p_save", "p2p_restore"):
     if f"{key}_s" in sec:
       out[f"{key}_gbps"] = gbps(f"{key}_s")
-  for key in ("memcpy", "d2h", "mtc_blocking", "orbax_blocking", "emergency_blocking"):
+  for key in ("memcpy", "d2h", "mtc_blocking", "orbax_blocking", "emergency_blocking",
+              "p2p_blocking", "p2p_recovery", "p2p_recovery_build"):
     if f"{key}_s" in sec:
       out[f"{key}_s"] = med(f"{key}_s")
   raw_write = max(out.get("raw_write_new_gbps", float("nan")),
@@ -166,12 +167,19 @@ def summarize(record: dict[str, Any], ondemand: Sequence[dict[str, Any]] = ()) -
   for ours, theirs in (("mtc_save_gbps", "orbax_save_gbps"),
                        ("mtc_restore_gbps", "orbax_restore_gbps"),
                        ("mtc_save_gbps", "emergency_save_gbps"),
-                       ("mtc_restore_gbps", "emergency_restore_gbps")):
+                       ("mtc_restore_gbps", "emergency_restore_gbps"),
+                       ("mtc_save_gbps", "p2p_save_gbps"),
+                       ("mtc_restore_gbps", "p2p_restore_gbps")):
     if ours in out and theirs in out:
       ratios[f"{ours[:-5]} / {theirs[:-5]}"] = ratio(out[ours], out[theirs])
-  for theirs in ("orbax_blocking_s", "emergency_blocking_s"):
-    if theirs in out:
+  for theirs in ("orbax_blocking_s", "emergency_blocking_s", "p2p_blocking_s"):
+    if theirs in out and "mtc_blocking_s" in out:
       ratios[f"{theirs[:-2]} / mtc_blocking"] = ratio(out[theirs], out["mtc_blocking_s"])
+  # A node whose RAM folder was lost, two replicas: Orbax's P2P manager fetches its twin's
+  # files over its sockets; orbax-mtc reads the twin's copy through collectives.
+  if "p2p_recovery_s" in out and "recovery_twin_s" in out:
+    ratios["p2p_recovery / mtc_recovery (twin)"] = ratio(out["p2p_recovery_s"],
+                                                          out["recovery_twin_s"])
   out["ratios"] = ratios
   out["targets"] = {}
   for name, (limit, higher) in TARGETS.items():
@@ -300,10 +308,12 @@ def _parser() -> argparse.ArgumentParser:
                       help="training step length in the loop-overhead figure (device time) "
                       "(default: %(default)s)")
   parser.add_argument("--contenders", nargs="+",
-                      default=["limits", "orbax", "emergency", "mtc", "loop"],
+                      default=["limits", "orbax", "emergency", "p2p", "mtc", "loop"],
+                      choices=["limits", "orbax", "emergency", "p2p", "mtc", "loop"],
                       help="what to measure: limits (memcpy, raw I/O, collectives), orbax "
-                      "(plain CheckpointManager), emergency (Orbax's emergency manager), mtc, "
-                      "loop (train-loop overhead) (default: all five)")
+                      "(plain CheckpointManager), emergency (Orbax's emergency manager), p2p "
+                      "(Orbax's experimental.emergency.p2p manager), mtc, loop (train-loop "
+                      "overhead) (default: all six)")
   parser.add_argument("--out", default="bench-out",
                       help="folder for suite.json/md/png (default: %(default)s)")
   parser.add_argument("--scratch", default="/dev/shm",
