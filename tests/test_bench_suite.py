@@ -89,6 +89,25 @@ def test_summarize_sets_orbax_p2p_manager_beside_ours():
   assert "Notes: Orbax P2P: saves its own shards." in text
 
 
+def test_orbax_p2p_runs_in_a_job_of_its_own_and_its_figures_join_the_others():
+  assert suite.job_plan(["limits", "orbax", "emergency", "p2p", "mtc", "loop"]) == [
+      ["limits", "orbax", "emergency", "mtc", "loop"], ["p2p"]]
+  assert suite.job_plan(["p2p"]) == [["p2p"]]
+  assert suite.job_plan(["mtc"]) == [["mtc"]]
+  main_job = {**_record(), "notes": {"emergency": "e"}}
+  p2p_job = {"procs": 2, "mib": 100, "bytes_per_process": 100 * 2**20, "replicas": 1,
+             "seconds": {"p2p_save_s": [0.2]}, "notes": {"p2p": "p"}}
+  other_size = {**p2p_job, "mib": 8}
+  merged = suite.merge_records([main_job, p2p_job, other_size])
+  assert [(r["procs"], r["mib"]) for r in merged] == [(2, 100), (2, 8)]
+  assert merged[0]["seconds"]["p2p_save_s"] == [0.2]
+  assert merged[0]["seconds"]["mtc_save_s"] == [0.040]
+  assert merged[0]["notes"] == {"emergency": "e", "p2p": "p"}
+  assert "p2p_save_s" not in main_job["seconds"]  # the inputs are left as they were
+  row = suite.summarize(merged[0])
+  assert row["ratios"]["mtc_save / p2p_save"] == pytest.approx(5.0)
+
+
 def test_summarize_pairs_each_figure_with_the_limit_taken_beside_it():
   # Repetition 2 ran while the machine was slow for both: paired, it is a 1.0x repetition;
   # the medians of the two series would make it 2.0x.

@@ -7,7 +7,8 @@ same state, in its own RAM-disk folder: the limits (memcpy, raw write and read, 
 Orbax's `experimental.emergency.CheckpointManager` (2 or more processes, two replicas), Orbax's
 P2P manager (`experimental.emergency.p2p.CheckpointManager`: its save, its restore from the
 process's own folder and, with two replicas, the restore of a node whose folder is wiped, which
-fetches its files from a peer over the P2P manager's own sockets) and orbax-mtc (save blocking, local save, restore, replication, recovery of a node whose RAM folder
+fetches its files from a peer over the P2P manager's own sockets; `suite` runs it in a job of
+its own) and orbax-mtc (save blocking, local save, restore, replication, recovery of a node whose RAM folder
 is wiped, training-loop overhead). Each figure is the slowest process's. Process 0 prints one
 `@@suite <json>` line per size.
 
