@@ -3,7 +3,8 @@
 MaxText's own keys keep their meaning (names and defaults as in MaxText's `configs/base.yml`):
 
   enable_emergency_checkpoint=true      standalone mode: RAM tier + peers + persistent tier
-  enable_multi_tier_checkpointing=true  managed mode: GKE's replicator (replicator.yaml)
+  enable_multi_tier_checkpointing=true  managed mode: GKE's replicator (replicator.yaml); it
+                                        wins when both are set, as in MaxText
   local_checkpoint_directory            this host's RAM disk (`{process_index}` is replaced)
   local_checkpoint_period               RAM-tier save interval in steps (> 0)
   checkpoint_dir                        persistent tier (MaxText derives it from
@@ -15,6 +16,9 @@ MaxText's own keys keep their meaning (names and defaults as in MaxText's `confi
   async_checkpointing                   background RAM writes and backups
   max_num_checkpoints_to_keep           persistent steps kept (None: all)
 
+The two mode flags and MaxText's legacy replicator keys are read in `modes`; the typed value
+readers live in `config_values`. Both are re-exported here.
+
 MaxText's config rejects keys it does not know, so ours (`NEW_KEYS`) travel beside it:
 `python -m maxtext_patch.train` takes them out of the command line, `install(**keys)` takes
 them as arguments, and the example loop's config holds them directly.
@@ -24,12 +28,24 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-STANDALONE = "standalone"
-MANAGED = "managed"
+from maxtext_patch.config_values import (
+    MaxTextConfigError,
+    as_bool,
+    as_int,
+    as_number,
+    as_text,
+    read_key,
+)
+from maxtext_patch.modes import (
+    LEGACY_KEYS,
+    MANAGED,
+    STANDALONE,
+    check_legacy_keys,
+    enabled_mode,
+)
 
 # MaxText's keys read here, with MaxText's defaults.
 MAXTEXT_DEFAULTS: dict[str, Any] = {
@@ -51,6 +67,7 @@ MAXTEXT_DEFAULTS: dict[str, Any] = {
     "enable_single_controller": False,
     "colocated_python_checkpointing": False,
 }
+MAXTEXT_DEFAULTS.update(LEGACY_KEYS)  # MaxText defines them; see `modes`
 
 # Keys orbax-mtc adds, with their defaults and one line each (docs/maxtext.md lists them).
 NEW_KEYS: dict[str, Any] = {
@@ -59,6 +76,7 @@ NEW_KEYS: dict[str, Any] = {
     "mtc_local_max_to_keep": 1,
     "mtc_job_name": None,
     "mtc_ondemand_grace_seconds": 270.0,
+    "mtc_preemption_exit_code": 0,
 }
 NEW_KEY_HELP: dict[str, str] = {
     "mtc_peers_per_node": "other hosts holding a copy of each host's RAM step (default 1; 0: off)",
@@ -67,14 +85,12 @@ NEW_KEY_HELP: dict[str, str] = {
     "mtc_job_name": "first part of the <job>-s<step>-n<rank>-w<worker>.restore links "
                     "(default: run_name)",
     "mtc_ondemand_grace_seconds": "budget from SIGTERM to a durable on-demand step (default 270)",
+    "mtc_preemption_exit_code": "exit status of `python -m maxtext_patch.train` when training "
+                                "stopped at the preemption step (default 0, as MaxText; a "
+                                "restart loop sets another, to tell it from a finished run)",
 }
 
 PROCESS_INDEX_FIELD = "{process_index}"
-_TRUE, _FALSE, _NONE = ("true", "1", "yes"), ("false", "0", "no"), ("none", "null", "")
-
-
-class MaxTextConfigError(ValueError):
-  """A MaxText or orbax-mtc config key has a value orbax-mtc cannot use."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,80 +148,23 @@ def value_of(config: Any, key: str) -> Any:
   Returns:
     The key's value, else MaxText's default (or orbax-mtc's for `NEW_KEYS`), else None.
   """
-  if isinstance(config, Mapping):
-    return config.get(key, MAXTEXT_DEFAULTS.get(key, NEW_KEYS.get(key)))
-  try:
-    return getattr(config, key)
-  except (AttributeError, KeyError):
-    return MAXTEXT_DEFAULTS.get(key, NEW_KEYS.get(key))
-
-
-def as_bool(key: str, value: Any) -> bool:
-  """Reads a boolean key; strings true/1/yes and false/0/no are accepted.
-
-  Args:
-    key: The key, named in the error.
-    value: Its value.
-
-  Returns:
-    The boolean.
-
-  Raises:
-    MaxTextConfigError: If `value` is neither a bool nor such a string.
-  """
-  if isinstance(value, bool):
-    return value
-  if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-    return value.strip().lower() in _TRUE
-  raise MaxTextConfigError(f"{key} must be true or false, got {value!r}.")
-
-
-def _int(key: str, value: Any, *, minimum: int, optional: bool = False) -> int | None:
-  if optional and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
-    return None
-  if isinstance(value, str):
-    try:
-      value = int(value.strip().replace("_", ""))
-    except ValueError:
-      pass
-  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-    also = " or None" if optional else ""
-    raise MaxTextConfigError(f"{key} must be an integer >= {minimum}{also}, got {value!r}.")
-  return value
-
-
-def _number(key: str, value: Any, *, positive: bool, optional: bool = False) -> float | None:
-  if optional and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
-    return None
-  if isinstance(value, str):
-    try:
-      value = float(value)
-    except ValueError:
-      pass
-  ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-  if not ok or (value <= 0 if positive else value < 0):
-    bound = "> 0" if positive else ">= 0"
-    raise MaxTextConfigError(f"{key} must be a finite number {bound}, got {value!r}.")
-  return float(value)
-
-
-def _text(key: str, value: Any) -> str:
-  if value is None:
-    return ""
-  if not isinstance(value, str):
-    raise MaxTextConfigError(f"{key} must be a string, got {value!r}.")
-  return value.strip()
+  return read_key(config, key, MAXTEXT_DEFAULTS.get(key, NEW_KEYS.get(key)))
 
 
 def _new_key_value(key: str, value: Any) -> Any:
   """One orbax-mtc key's value, typed and checked (strings from a command line accepted)."""
   if key == "mtc_peers_per_node":
-    return _int(key, value, minimum=0, optional=True)
+    return as_int(key, value, minimum=0, optional=True)
   if key == "mtc_local_max_to_keep":
-    return _int(key, value, minimum=1)
+    return as_int(key, value, minimum=1)
   if key == "mtc_ondemand_grace_seconds":
-    return _number(key, value, positive=False)
-  text = _text(key, value)
+    return as_number(key, value, positive=False)
+  if key == "mtc_preemption_exit_code":
+    code = as_int(key, value, minimum=0)
+    if code > 255:
+      raise MaxTextConfigError(f"{key} must be an exit status, 0 to 255, got {value!r}.")
+    return code
+  text = as_text(key, value)
   if key == "mtc_replica_axis" and not text.isidentifier():
     raise MaxTextConfigError(f"{key} must name a mesh axis (e.g. data), got {value!r}.")
   if key == "mtc_job_name" and "/" in text:
@@ -268,34 +227,6 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
   return rest, ours
 
 
-def enabled_mode(config: Any) -> str | None:
-  """Which orbax-mtc mode a config enables.
-
-  Args:
-    config: A MaxText config (HyperParameters or a mapping).
-
-  Returns:
-    STANDALONE (enable_emergency_checkpoint), MANAGED (enable_multi_tier_checkpointing), or
-    None when neither flag is set.
-
-  Raises:
-    MaxTextConfigError: If both flags are set or one is not a boolean.
-  """
-  emergency = as_bool("enable_emergency_checkpoint",
-                      value_of(config, "enable_emergency_checkpoint"))
-  managed = as_bool("enable_multi_tier_checkpointing",
-                  value_of(config, "enable_multi_tier_checkpointing"))
-  if emergency and managed:
-    raise MaxTextConfigError(
-        "enable_emergency_checkpoint and enable_multi_tier_checkpointing are both true: choose "
-        "one. enable_emergency_checkpoint=true runs orbax-mtc standalone (it copies to peers "
-        "and backs up itself); enable_multi_tier_checkpointing=true hands both to GKE's "
-        "multi-tier checkpointing replicator.")
-  if managed:
-    return MANAGED
-  return STANDALONE if emergency else None
-
-
 def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
                   overrides: Mapping[str, Any] | None = None) -> MtcSettings | None:
   """Validated settings from a MaxText config.
@@ -312,7 +243,8 @@ def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
 
   Raises:
     MaxTextConfigError: If a key is unknown or malformed, a required one (local directory,
-      local period, persistent directory) is missing, Pathways is asked for, or keys conflict.
+      local period, persistent directory) is missing, Pathways is asked for, keys conflict, or
+      a legacy replicator key would be ignored (`check_legacy_keys`).
   """
   extra = check_new_keys(extra or {})
   overrides = dict(overrides or {})
@@ -337,7 +269,7 @@ def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
         "Pathways (enable_single_controller / colocated_python_checkpointing) is not "
         "supported. Turn those off or use MaxText's own checkpointing.")
 
-  local_directory = _text("local_checkpoint_directory", get("local_checkpoint_directory"))
+  local_directory = as_text("local_checkpoint_directory", get("local_checkpoint_directory"))
   if not local_directory:
     raise MaxTextConfigError(
         f"{flag}=true needs local_checkpoint_directory: this host's RAM disk, e.g. "
@@ -347,34 +279,36 @@ def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
         f"local_checkpoint_directory={local_directory!r}: {PROCESS_INDEX_FIELD} cannot be used "
         "with enable_multi_tier_checkpointing (the replicator handshake runs before process "
         "indices are known); GKE mounts one volume per host, so name it as mounted.")
-  local_interval = _int("local_checkpoint_period", get("local_checkpoint_period"), minimum=0)
+  local_interval = as_int("local_checkpoint_period", get("local_checkpoint_period"), minimum=0)
   if local_interval == 0:
     raise MaxTextConfigError(
         f"{flag}=true needs local_checkpoint_period > 0: how often, in steps, each host saves "
         "to its RAM disk (e.g. local_checkpoint_period=20).")
 
   # 0 is "not set", as MaxText reads these keys (some of its configs default them to 0).
-  minutes = _number("multi_tier_checkpointing_backup_interval_minutes",
-                    get("multi_tier_checkpointing_backup_interval_minutes"), positive=False,
-                    optional=True) or None
-  backup_steps = _int("multi_tier_checkpointing_backup_interval_steps",
-                      get("multi_tier_checkpointing_backup_interval_steps"), minimum=0,
+  minutes = as_number("multi_tier_checkpointing_backup_interval_minutes",
+                      get("multi_tier_checkpointing_backup_interval_minutes"), positive=False,
                       optional=True) or None
+  backup_steps = as_int("multi_tier_checkpointing_backup_interval_steps",
+                        get("multi_tier_checkpointing_backup_interval_steps"), minimum=0,
+                        optional=True) or None
   if minutes is not None and backup_steps is not None:
     raise MaxTextConfigError(
         "Set one of multi_tier_checkpointing_backup_interval_minutes and "
         "multi_tier_checkpointing_backup_interval_steps, not both (got "
         f"{minutes:g} minutes and {backup_steps} steps).")
+  check_legacy_keys(mode, get("use_replicator_service"),
+                    get("replicator_backup_interval_minutes"), minutes)
   if mode == MANAGED and backup_steps is not None and backup_steps < local_interval:
     raise MaxTextConfigError(
         f"multi_tier_checkpointing_backup_interval_steps ({backup_steps}) is shorter than "
         f"local_checkpoint_period ({local_interval}): backups are taken from RAM steps, so "
         "back up at most as often as the RAM tier saves.")
-  checkpoint_period = _int("checkpoint_period", get("checkpoint_period"), minimum=1)
+  checkpoint_period = as_int("checkpoint_period", get("checkpoint_period"), minimum=1)
   if mode == MANAGED and minutes is None and backup_steps is None:
     minutes = 30.0  # GKE's and Orbax's default
 
-  persistent_directory = _text("checkpoint_dir", get("checkpoint_dir"))
+  persistent_directory = as_text("checkpoint_dir", get("checkpoint_dir"))
   if not persistent_directory:
     raise MaxTextConfigError(
         f"{flag}=true needs a persistent directory: set base_output_directory and run_name "
@@ -385,11 +319,11 @@ def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
         f"local_checkpoint_directory and the persistent checkpoint_dir are the same folder "
         f"({local_directory!r}): the RAM tier needs a folder of its own.")
 
-  data_parallelism = _int("mtc_data_parallelism", get("mtc_data_parallelism"), minimum=0)
+  data_parallelism = as_int("mtc_data_parallelism", get("mtc_data_parallelism"), minimum=0)
   peers = _new_key_value("mtc_peers_per_node", get("mtc_peers_per_node"))
   replica_axis = _new_key_value("mtc_replica_axis", get("mtc_replica_axis")) or "data"
   job_name = _new_key_value("mtc_job_name", get("mtc_job_name")) or \
-      _text("run_name", get("run_name")) or "maxtext"
+      as_text("run_name", get("run_name")) or "maxtext"
   if "/" in job_name:
     raise MaxTextConfigError(
         f"The job name {job_name!r} (mtc_job_name, else run_name) names .restore links in "
@@ -400,8 +334,9 @@ def read_settings(config: Any, extra: Mapping[str, Any] | None = None,
       persistent_interval_steps=None if minutes is not None else (
           backup_steps if backup_steps is not None else checkpoint_period),
       backup_interval_minutes=minutes,
-      persistent_max_to_keep=_int("max_num_checkpoints_to_keep",
-                                  get("max_num_checkpoints_to_keep"), minimum=1, optional=True),
+      persistent_max_to_keep=as_int("max_num_checkpoints_to_keep",
+                                    get("max_num_checkpoints_to_keep"), minimum=1,
+                                    optional=True),
       local_max_to_keep=_new_key_value("mtc_local_max_to_keep", get("mtc_local_max_to_keep")),
       peers_per_node=peers, replica_axis=replica_axis, job_name=job_name,
       data_parallelism=data_parallelism or None,

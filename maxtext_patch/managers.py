@@ -30,6 +30,22 @@ _current_config: contextvars.ContextVar[Any] = contextvars.ContextVar(
 # The state layout the factories give the manager as its abstract state; None: ours
 # (`_checkpoint_tree`). install() sets MaxText's own when MaxText's functions save.
 _state_layout: Callable[[Any], Any] | None = None
+# The last multi-tier manager the factories built: asked after training whether it stopped at
+# the preemption step (MaxText ends both ways with status 0; see `stopped_for_preemption`).
+_last_built: mtc.CheckpointManager | None = None
+
+
+def stopped_for_preemption() -> bool:
+  """Whether the last multi-tier manager built here reached its preemption step.
+
+  MaxText's training ends with status 0 whether it finished or stopped after the on-demand
+  checkpoint of a SIGTERM; a restart loop needs to tell the two apart.
+
+  Returns:
+    True once that manager's agreed preemption step was reached; False before, or when no
+    multi-tier manager was built.
+  """
+  return _last_built is not None and bool(_last_built.should_exit())
 
 
 def set_state_layout(layout: Callable[[Any], Any] | None) -> None:
@@ -102,6 +118,8 @@ def _build(settings: mtc_config.MtcSettings, global_mesh: jax.sharding.Mesh,
   manager = mtc.CheckpointManager(local, settings.persistent_directory, global_mesh, abstract,
                                   options=mtc_config.manager_options(settings),
                                   logger=orbax_logger)
+  global _last_built
+  _last_built = manager
   logging.info(
       "maxtext_patch: orbax-mtc %s manager: RAM %s every %d steps, persistent %s %s, peers "
       "per node %s along %r", settings.mode, local, settings.local_interval,

@@ -3,10 +3,11 @@
 Rule 8 of the design: every answer that steers the training loop is the same on every process,
 and every branch taken before a collective depends only on agreed data. Per-process facts (the
 steps in this node's RAM folder, its view of the persistent tier, an error on its writer
-thread) therefore enter decisions only through one record per call, all-gathered once. Each
-record is a frozen dataclass whose fields carry their codec; `encode`/`decode` (row_codec.py,
-re-exported here) are the only place that knows the layout of the int64 row, so no caller
-reads a column by index.
+thread) therefore enter decisions only through one record per call, agreed by reductions
+whose size does not grow with the cluster (save_census, restore/census, restore/outcome,
+peers/send_census, summary). Each record is a frozen dataclass whose fields carry their codec;
+`encode`/`decode` (row_codec.py, re-exported here) are the only place that knows the layout of
+its int64 row (a fault's message travels as one), so no caller reads a column by index.
 
 Pure: numpy only, no I/O and no JAX, so every record round-trips in unit tests.
 """
@@ -32,11 +33,9 @@ from orbax_mtc.row_codec import (
   field,
 )
 
-# The codec's entry points, used as agreement.gather(...) and friends.
+# The codec's entry points, used as agreement.encode(...) and friends.
 from orbax_mtc.row_codec import decode as decode
 from orbax_mtc.row_codec import encode as encode
-from orbax_mtc.row_codec import gather as gather
-from orbax_mtc.row_codec import gather_with_sizes as gather_with_sizes
 from orbax_mtc.row_codec import row_size as row_size
 
 
@@ -134,15 +133,14 @@ class Inventory:
 
 @dataclasses.dataclass(frozen=True)
 class StartRecord:
-  """Construction: whether this process could claim and prepare its local directory.
+  """Construction: whether this process could claim and prepare its local directory, or
+  make the replicator's handshake (summarized: summary.py).
 
   Attributes:
     fault: The error it hit, if any.
-    inventory: What it holds.
   """
 
   fault: Fault = field(Record(Fault), factory=Fault)
-  inventory: Inventory = field(Record(Inventory), factory=Inventory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +192,8 @@ class RestoreRecord:
 
 @dataclasses.dataclass(frozen=True)
 class SendRecord:
-  """Peer replication of one step; its byte count per copy edge follows (`gather_with_sizes`).
+  """Peer replication of one step, as an all-gather carried it before send_census (its byte
+  count per copy edge followed): the scale bench's "before" figure.
 
   Attributes:
     status: Whether this node committed the step: WRITING, COMMITTED or FAILED.
@@ -205,16 +204,13 @@ class SendRecord:
 
 @dataclasses.dataclass(frozen=True)
 class OutcomeRecord:
-  """One process's outcome of one operation (the end of a transfer, a check before Orbax's
-  own collective).
+  """One process's outcome of a check before Orbax's own collective (summarized).
 
   Attributes:
-    status: OK, or FAILED.
-    message: What failed.
+    fault: Why the check failed here; none when it passed.
   """
 
-  status: Status = field(EnumCodec(Status), Status.OK)
-  message: str = field(Text(_MESSAGE_BYTES), "")
+  fault: Fault = field(Record(Fault), factory=Fault)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,21 +332,6 @@ def faults(records: Sequence[Any]) -> dict[int, Fault]:
     Process -> its fault, for the processes that report one.
   """
   return {p: r.fault for p, r in enumerate(records) if r.fault.present}
-
-
-def raise_faults(records: Sequence[Any], what: str) -> None:
-  """Raises one CheckpointError, the same on every process, if any process reports a fault.
-
-  Args:
-    records: One gathered record per process, each with a `fault` field.
-    what: The operation, named in the error.
-
-  Raises:
-    CheckpointError: If any record carries a fault.
-  """
-  found = faults(records)
-  if found:
-    raise CheckpointError(what, {p: f"{f.kind}: {f.message}" for p, f in found.items()})
 
 
 def persistent_steps_seen(inventories: Sequence[Inventory],

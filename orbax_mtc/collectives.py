@@ -1,7 +1,7 @@
-"""The all-gather and all-reduce the agreements use, behind a barrier that cannot wait forever.
+"""The all-reduce the agreements use, behind a barrier that cannot wait forever.
 
 A process that raised, or was killed, before an agreement would leave the others blocked in the
-all-gather for good (gloo and NCCL collectives have no timeout of their own). So each agreement
+collective for good (gloo and NCCL collectives have no timeout of their own). So each agreement
 first meets at a coordination-service barrier with a timeout; when it expires, every process
 that did arrive raises an error naming the processes that did not. Main thread only (rule 2).
 """
@@ -14,7 +14,6 @@ import re
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 # Re-exported: this error lived here before errors.py; other modules name it through this one.
@@ -79,37 +78,6 @@ def barrier(what: str, process_count: int, timeout_s: float, *, kind: str = "") 
         f"untouched. ({type(e).__name__}: {e})") from e
 
 
-def allgather(row: np.ndarray, what: str, process_count: int, timeout_s: float) -> np.ndarray:
-  """Gathers `row` from every process, after a bounded barrier.
-
-  int64 rows keep all 64 bits even without `jax_enable_x64`.
-
-  Args:
-    row: This process's row; the same shape and dtype on every process.
-    what: What the agreement is for, named in a timeout error.
-    process_count: Number of processes in the job.
-    timeout_s: Longest wait at the barrier in seconds.
-
-  Returns:
-    The rows of every process, stacked (index = process).
-
-  Raises:
-    AgreementTimeoutError: If not every process reached the barrier within `timeout_s`.
-  """
-  if process_count == 1:
-    return np.asarray(row)[None]
-  row = np.ascontiguousarray(row)
-  # The row's length tells the agreements' kinds apart (each record type has its own).
-  barrier(what, process_count, timeout_s, kind=f"w{row.size}")
-  if row.dtype != np.int64:
-    return np.asarray(multihost_utils.process_allgather(row))
-  # Without jax_enable_x64, JAX carries int64 as int32 and drops the high half (a step size
-  # over 2 GiB, a clock in milliseconds, packed text): send each value as two int32 halves.
-  halves = np.asarray(multihost_utils.process_allgather(row.view(np.int32)))
-  return np.ascontiguousarray(halves, dtype=np.int32).view(np.int64).reshape(
-      halves.shape[0], *row.shape)
-
-
 _AXIS = "processes"
 
 
@@ -158,7 +126,7 @@ def allreduce(parts: Parts, what: str, process_count: int, timeout_s: float) -> 
   if process_count == 1:
     return parts
   add, top, flags = parts.shape
-  # The sizes tell the agreements' rounds apart (as a row's width does for the all-gather).
+  # The sizes tell the agreements' rounds apart.
   barrier(what, process_count, timeout_s, kind=f"r{add}-{top}-{flags}")
   mesh = _node_mesh()
   device = mesh.devices[jax.process_index()]

@@ -22,7 +22,7 @@ class CheckpointError(RuntimeError):
     origins: A copy of `origins`.
   """
 
-  def __init__(self, what: str, origins: dict[int, str]):
+  def __init__(self, what: str, origins: dict[int, str]) -> None:
     listed = "; ".join(f"process {p}: {cause}" for p, cause in sorted(origins.items()))
     super().__init__(f"orbax-mtc: {what} failed on process(es) {sorted(origins)}: {listed}. "
                      "Every process raises this error; committed steps are untouched.")
@@ -45,7 +45,7 @@ class BackupError(RuntimeError):
     cause: The error the backup raised.
   """
 
-  def __init__(self, step: int, cause: BaseException):
+  def __init__(self, step: int, cause: BaseException) -> None:
     super().__init__(
         f"orbax-mtc: persistent backup of step {step} failed: {type(cause).__name__}: {cause}. "
         "The step is still in the RAM tier; the next scheduled backup tries again. Check that "
@@ -77,7 +77,7 @@ class MissingItemError(AbstractStateMismatchError):
     item: The item's name.
   """
 
-  def __init__(self, message: str, item: str):
+  def __init__(self, message: str, item: str) -> None:
     super().__init__(message)
     self.item = item
 
@@ -90,7 +90,7 @@ class LocalDirectoryInUseError(RuntimeError):
     holder: who the lock file names (`local.lock.LockHolder`), or None when it names no one.
   """
 
-  def __init__(self, directory: Path, holder: Any):
+  def __init__(self, directory: Path, holder: Any) -> None:
     self.directory = directory
     self.holder = holder
     if holder is None:
@@ -110,7 +110,7 @@ class LocalDirectoryInUseError(RuntimeError):
 class LocalDirectoryTakenOverError(RuntimeError):
   """A CheckpointManager made later in this process took this one's local directory over."""
 
-  def __init__(self, directory: Path):
+  def __init__(self, directory: Path) -> None:
     self.directory = directory
     super().__init__(
         f"local directory {directory} was taken over by a CheckpointManager made later in this "

@@ -12,9 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
-from orbax_mtc import agreement, save_census
+from orbax_mtc import agreement, save_census, summary
 from orbax_mtc import step_listing as restore_plan
 from orbax_mtc.errors import BackupError
 from orbax_mtc.reduction import Parts, Round
@@ -47,35 +45,29 @@ class StepLedger:
 
   Args:
     process_count: processes in the job.
-    allgather: `allgather(row, what)`, every process's int64 row (a collective, bounded by
-      the agreement timeout, naming `what` when someone is missing).
     own_steps: this node's committed RAM steps.
     copies: this node's servable peer copies, as (source, step), given its own steps.
     persistent_steps: the persistent steps this process sees.
     listing_groups: which processes hold the same shards (twins), or None.
     keep: the RAM tier's retention: `keep(steps, floor)`, the steps kept.
-    listing_allgather: the all-gather of `agree_steps` (default: `allgather`); it still runs
-      once a newer manager took the RAM folder over, so this one can list and reload.
     unreported: where the RAM writer leaves its errors for the next agreement.
     before_local_raise: called before an agreed local fault is raised (every process is
       there): lets a backup in flight finish.
     process_index: this process's index.
     allreduce: `allreduce(parts, what)`, the reduction of every process's vectors (a
       collective bounded by the agreement timeout, collectives.allreduce).
-    listing_allreduce: the reduction of `agree_steps` (default: `allreduce`); as
-      `listing_allgather`, it still runs once a newer manager took the RAM folder over.
+    listing_allreduce: the reduction of `agree_steps` (default: `allreduce`); it still runs
+      once a newer manager took the RAM folder over, so this one can list and reload.
     reduce: `reduce(round, what)`, in place of both reductions (a simulated cluster adds up
       its processes' contributions to the round).
   """
 
   def __init__(self, *, process_count: int,
-               allgather: Callable[[np.ndarray, str], np.ndarray],
                own_steps: Callable[[], list[int]],
                copies: Callable[[list[int]], list[tuple[int, int]]],
                persistent_steps: Callable[[], list[int]],
                listing_groups: Callable[[], list[int] | None],
                keep: Callable[[Sequence[int], int | None], set[int]],
-               listing_allgather: Callable[[np.ndarray, str], np.ndarray] | None = None,
                unreported: UnreportedError | None = None,
                before_local_raise: Callable[[], None] = lambda: None,
                process_index: int = 0,
@@ -97,8 +89,6 @@ class StepLedger:
 
     self._reduce = reduce or reducer(allreduce)
     self._listing_reduce = reduce or reducer(listing_allreduce or allreduce)
-    self._allgather = allgather
-    self._listing_allgather = listing_allgather or allgather
     self._own_steps = own_steps
     self._copies = copies
     self._persistent_steps = persistent_steps
@@ -111,20 +101,13 @@ class StepLedger:
     self._fault_cause: BaseException | None = None  # handed, not yet raised
     self._before_local_raise = before_local_raise
 
-  # --------------------------------------------------------------------- gathering
+  # --------------------------------------------------------------------- agreeing
 
-  def allgather(self, row: np.ndarray, what: str) -> np.ndarray:
-    """Every process's `row` (a collective)."""
-    return self._allgather(row, what)
-
-  def agree(self, record: Any, what: str) -> list[Any]:
-    """Every process's record of this call, index = process (one all-gather; rule 8)."""
-    return agreement.gather(record, lambda row: self._allgather(row, what))
-
-  def agree_listing(self, record: Any, what: str) -> list[Any]:
-    """As `agree`, for the agreements that only list steps (still run by a manager whose RAM
-    folder a newer manager took over)."""
-    return agreement.gather(record, lambda row: self._listing_allgather(row, what))
+  def summarize(self, record: Any, what: str) -> summary.Summary:
+    """Who reports what in every process's record of this call (reductions whose size does
+    not grow with the cluster, summary.py; rule 8)."""
+    return summary.summarize(record, self.process_index, self.process_count,
+                             lambda rnd: self._reduce(rnd, what))
 
   def agree_save(self, record: agreement.SaveRecord, what: str, *,
                  restoring: bool = False) -> save_census.SaveAnswer:
@@ -216,39 +199,36 @@ class StepLedger:
     """The agreed faults were handled without raising (a restore plans around them)."""
     self._fault_cause = None
 
-  def raise_agreed_faults(self, records: Sequence[Any], what: str, *,
-                          own_backup_error: BackupError | None = None) -> None:
-    """Raises the same error on every process when any reported one (rule 9).
+  def raise_summary_faults(self, found: summary.Summary, what: str, *,
+                           own_backup_error: BackupError | None = None) -> None:
+    """Raises the same error on every process when any reported a fault (rule 9): a fault of
+    its own on any process, else a failed backup (this process's own error, if it has one).
 
     Raises:
       agreement.CheckpointError: a local fault on any process.
       BackupError: else, a failed backup on any process.
     """
     cause, self._fault_cause = self._fault_cause, None
-    found = agreement.faults(records)
-    if not found:
-      return
-    local = {p: f for p, f in found.items() if f.backup_step < 0}
-    if local:
+    if found.own_faults:
+      self._before_local_raise()  # as in raise_answer_faults
+      raise agreement.CheckpointError(found.named(what), found.error_origins()) from cause
+    if found.backup_faults:
+      if own_backup_error is not None:
+        raise own_backup_error
+      p, fault = min(found.faults.items())
+      raise BackupError(fault.backup_step, RuntimeError(
+          f"on process {p}: {fault.kind}: {fault.message}"))
+
+  def raise_answer_faults(self, answer: save_census.SaveAnswer, what: str, *,
+                          own_backup_error: BackupError | None = None) -> None:
+    """As `raise_summary_faults`, from a census's answer: the lowest processes' messages
+    travel, the others are counted (rule 9)."""
+    cause, self._fault_cause = self._fault_cause, None
+    if answer.local_count:
       # This error usually ends the program: let the backup in flight finish first (every
       # process is here), or the interpreter stops under it and leaves a half-written
       # `<step>.orbax-checkpoint-tmp` behind ("cannot schedule new futures after shutdown").
       self._before_local_raise()
-      raise agreement.CheckpointError(
-          what, {p: f"{f.kind}: {f.message}" for p, f in local.items()}) from cause
-    if own_backup_error is not None:
-      raise own_backup_error
-    p, fault = min(found.items())
-    raise BackupError(fault.backup_step, RuntimeError(
-        f"on process {p}: {fault.kind}: {fault.message}"))
-
-  def raise_answer_faults(self, answer: save_census.SaveAnswer, what: str, *,
-                          own_backup_error: BackupError | None = None) -> None:
-    """As `raise_agreed_faults`, from a census's answer: the lowest processes' messages
-    travel, the others are counted (rule 9)."""
-    cause, self._fault_cause = self._fault_cause, None
-    if answer.local_count:
-      self._before_local_raise()  # as in raise_agreed_faults
       origins = {p: f"{f.kind}: {f.message}" for p, f in answer.local.items()}
       if answer.local_count > len(origins):
         what = f"{what} ({answer.local_count} processes; the lowest {len(origins)} named)"

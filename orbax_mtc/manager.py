@@ -25,18 +25,24 @@ Choices where Orbax's meaning needs one for two tiers (multi-tier form; also in 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, overload
 
+import jax
 import orbax.checkpoint as ocp
 from etils import epath
+from orbax.checkpoint.experimental.emergency import checkpoint_manager as emergency
 
 from orbax_mtc.forms import arguments
 from orbax_mtc.forms.multi_tier import MultiTierForm, open_multi_tier
 from orbax_mtc.forms.orbax_only import OrbaxOnlyForm
 from orbax_mtc.forms.parent_style import open_parent_style
-from orbax_mtc.options import CheckpointManagerOptions
+from orbax_mtc.options import CheckpointManagerOptions, LocalCheckpointOptions, ReplicationOptions
 from orbax_mtc.restore.tiers import RestoreInfo
+from orbax_mtc.save.backup import BackupInfo, BackupWaits
 from orbax_mtc.save.ondemand import OnDemandSave
+from orbax_mtc.topology import Topology
 
 __all__ = ["CheckpointManager", "OnDemandSave", "RestoreInfo"]
 
@@ -51,33 +57,80 @@ class CheckpointManager(ocp.CheckpointManager):
         global_mesh=mesh, abstract_state=abstract_state, options=options)
     mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
     restored = mgr.restore(None).state
+
+  Or `ocp.CheckpointManager`'s own signature, optionally with `local_directory=` for a RAM
+  tier in front (`__init__` shows both forms' parameters).
   """
 
-  def __init__(self, *args: Any, **kwargs: Any):  # pylint: disable=super-init-not-called
-    """Two ways in (docs/api.md), told apart by the arguments:
+  # The two forms (docs/api.md), for type checkers and IDEs; `forms/arguments.py` binds a call
+  # to the same signatures (tests/test_manager_edges.py keeps them the same).
 
-    multi-tier: `CheckpointManager(local_directory, persistent_directory, global_mesh,
-    abstract_state, *, options=orbax_mtc.CheckpointManagerOptions(...), metadata=None,
-    logger=None, item_handlers=None, handler_registry=None,
-    persistent_non_replicated_directory=None)` (the last as in Orbax's emergency manager).
+  @overload
+  def __init__(
+      self,
+      local_directory: epath.PathLike,
+      persistent_directory: epath.PathLike,
+      global_mesh: jax.sharding.Mesh,
+      abstract_state: Any,
+      *,
+      options: CheckpointManagerOptions | emergency.CheckpointManagerOptions | None = None,
+      metadata: Mapping[str, Any] | None = None,
+      logger: ocp.logging.AbstractLogger | None = None,
+      item_handlers: ocp.CheckpointHandler | Mapping[str, ocp.CheckpointHandler] | None = None,
+      handler_registry: ocp.handlers.CheckpointHandlerRegistry | None = None,
+      persistent_non_replicated_directory: epath.PathLike | None = None,
+  ) -> None: ...
 
-    parent-style: `ocp.CheckpointManager`'s signature (`directory, checkpointers=None,
-    options=None, metadata=None, item_names=None, item_handlers=None, logger=None,
-    handler_registry=None`) with `ocp.CheckpointManagerOptions`; it behaves exactly as
-    Orbax's manager on `directory`. Keyword-only `local_directory=` adds a RAM tier in front
-    (with `global_mesh`, `abstract_state`, `local_options`, `replication_options`,
-    `job_name` optional: the mesh and targets then come from the save and restore args).
+  @overload
+  def __init__(
+      self,
+      directory: epath.PathLike,
+      checkpointers: ocp.AbstractCheckpointer | Mapping[str, ocp.AbstractCheckpointer] | None
+      = None,
+      options: ocp.CheckpointManagerOptions | None = None,
+      metadata: Mapping[str, Any] | None = None,
+      item_names: Sequence[str] | None = None,
+      item_handlers: ocp.CheckpointHandler | Mapping[str, ocp.CheckpointHandler] | None = None,
+      logger: ocp.logging.AbstractLogger | None = None,
+      handler_registry: ocp.handlers.CheckpointHandlerRegistry | None = None,
+      *,
+      local_directory: epath.PathLike | None = None,
+      global_mesh: jax.sharding.Mesh | None = None,
+      abstract_state: Any = None,
+      local_options: LocalCheckpointOptions | None = None,
+      replication_options: ReplicationOptions | None = None,
+      job_name: str | None = None,
+  ) -> None: ...
 
-    Raises:
-      TypeError: options or mesh of the wrong kind.
-      ValueError: missing or identical directories, a mesh that does not fit the options.
-      LocalDirectoryInUseError: another live process holds the RAM folder.
-    """
+  def __init__(self, *args: Any, **kwargs: Any) -> None:  # pylint: disable=super-init-not-called
     # Not the parent's __init__: the form owns the Orbax manager that runs Orbax's code.
     form, params = arguments.bind(args, kwargs, CheckpointManagerOptions)
     self._form: MultiTierForm | OrbaxOnlyForm = (
         open_multi_tier(**params) if form == arguments.MULTI_TIER
         else open_parent_style(**params))
+
+  __init__.__doc__ = f"""Two ways in (docs/api.md), told apart by the arguments.
+
+    Multi-tier, Orbax's emergency `CheckpointManager` signature (`options` may be Orbax's own
+    emergency `CheckpointManagerOptions`, converted field for field;
+    `persistent_non_replicated_directory` keeps Orbax's meaning: the `dataset` item of each
+    save goes to a plain Orbax manager there)::
+
+      CheckpointManager{arguments.describe(arguments.MULTI_TIER_SIGNATURE, " " * 6)}
+
+    Parent-style, `ocp.CheckpointManager`'s signature with `ocp.CheckpointManagerOptions`: it
+    behaves exactly as Orbax's manager on `directory`. `local_directory=` adds a RAM tier in
+    front (the mesh and targets then come from the save and restore args when `global_mesh`
+    and `abstract_state` are not given)::
+
+      CheckpointManager{arguments.describe(arguments.PARENT_STYLE_SIGNATURE, " " * 6)}
+
+    Raises:
+      TypeError: a call that fits neither form (the message shows both), options or mesh of
+        the wrong kind.
+      ValueError: missing or identical directories, a mesh that does not fit the options.
+      LocalDirectoryInUseError: another live process holds the RAM folder.
+    """
 
   def __getattr__(self, name: str) -> Any:
     # Orbax's private state (`_checkpointer`, `_checkpoints`, ...) lives in the Orbax manager
@@ -100,22 +153,22 @@ class CheckpointManager(ocp.CheckpointManager):
     return self._form.user_options
 
   @property
-  def local_directory(self) -> Any:
+  def local_directory(self) -> Path | None:
     """This node's RAM-tier folder (None for a parent-style manager without one)."""
     return self._form.local_directory
 
   @property
-  def global_mesh(self) -> Any:
+  def global_mesh(self) -> jax.sharding.Mesh | None:
     """The job's global mesh."""
     return self._form.global_mesh
 
   @property
-  def replica_axis(self) -> Any:
+  def replica_axis(self) -> str | None:
     """The mesh axis that indexes replicas."""
     return self._form.replica_axis
 
   @property
-  def topology(self) -> Any:
+  def topology(self) -> Topology | None:
     """Replicas, twins and peers of this job (None in a single process)."""
     return self._form.topology
 
@@ -149,7 +202,7 @@ class CheckpointManager(ocp.CheckpointManager):
     return self._form.last_replication_bytes
 
   @property
-  def last_backup(self) -> Any:
+  def last_backup(self) -> BackupInfo | None:
     """The newest persistent backup attempt (`BackupInfo`)."""
     return self._form.last_backup
 
@@ -160,12 +213,12 @@ class CheckpointManager(ocp.CheckpointManager):
     return self._form.pending_backup
 
   @property
-  def backup_history(self) -> Any:
+  def backup_history(self) -> Sequence[BackupInfo]:
     """Finished backup attempts, newest last (done, failed or skipped), for monitoring."""
     return self._form.backup_history
 
   @property
-  def backup_waits(self) -> Any:
+  def backup_waits(self) -> BackupWaits | None:
     """Saves that waited for room in the backup queue, and due steps skipped
     (`skip_backups_when_busy`)."""
     return self._form.backup_waits
@@ -190,8 +243,9 @@ class CheckpointManager(ocp.CheckpointManager):
 
   # ------------------------------------------------------------------ save
 
-  def save(self, step: int, items: Any = None, save_kwargs: Any = None, metrics: Any = None,
-           force: bool | None = False, args: Any = None,
+  def save(self, step: int, items: Any = None, save_kwargs: Mapping[str, Any] | None = None,
+           metrics: Mapping[str, Any] | None = None, force: bool | None = False,
+           args: ocp.args.CheckpointArgs | None = None,
            custom_metadata: dict[str, Any] | None = None) -> bool:
     """Saves `step` to the tiers whose schedule (or `force`, or a preemption) asks for it.
 
@@ -221,8 +275,10 @@ class CheckpointManager(ocp.CheckpointManager):
 
   # ------------------------------------------------------------------ restore
 
-  def restore(self, step: int | None = None, items: Any = None, restore_kwargs: Any = None,
-              directory: epath.PathLike | None = None, args: Any = None) -> Any:
+  def restore(self, step: int | None = None, items: Any = None,
+              restore_kwargs: Mapping[str, Any] | None = None,
+              directory: epath.PathLike | None = None,
+              args: ocp.args.CheckpointArgs | None = None) -> Any:
     """Restores the newest step the whole cluster can assemble (see module docstring).
 
     Raises:

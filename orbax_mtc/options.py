@@ -4,6 +4,7 @@ Names mirror `orbax.checkpoint.experimental.emergency` so that switching from Or
 managers is a change of import: every Orbax field is accepted, first, in Orbax's order and with
 Orbax's default (tests/test_orbax_parity.py checks it against the installed Orbax). Fields we
 add (naming the replica axis, peers, the job name for LKG links, managed mode) come after.
+Orbax's own option objects are taken too, converted field for field (orbax_options.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from orbax_mtc.option_checks import (
   check_timeout,
   ram_keep_from_policy,
 )
+from orbax_mtc.orbax_options import as_ours
 
 _JOB_NAME_FORBIDDEN = ("/", "\0")
 _DEFAULT_AGREEMENT_TIMEOUT_SECONDS = 600.0
@@ -378,7 +380,8 @@ class CheckpointManagerOptions:
       `ondemand_grace_seconds` or a timeout is invalid, or `agreement_timeout_seconds` and
       `multiprocessing_options.coordination_timeout_secs` are both set and differ.
     TypeError: If `local`, `persistent`, `replication`, `managed` or
-      `multiprocessing_options` has the wrong type, or a bool field is not a bool.
+      `multiprocessing_options` has the wrong type (Orbax's own `LocalCheckpointOptions` and
+      `PersistentCheckpointOptions` are converted), or a bool field is not a bool.
   """
 
   local: LocalCheckpointOptions = dataclasses.field(default_factory=LocalCheckpointOptions)
@@ -409,12 +412,8 @@ class CheckpointManagerOptions:
                       f"got {type(self.managed).__name__}.")
     for name, cls in (("local", LocalCheckpointOptions),
                       ("persistent", PersistentCheckpointOptions),
-                      ("replication", ReplicationOptions)):
-      value = getattr(self, name)
-      if not isinstance(value, cls):
-        raise TypeError(
-            f"CheckpointManagerOptions.{name} must be an orbax_mtc.{cls.__name__}, got "
-            f"{type(value).__module__}.{type(value).__name__}.")
+                      ("replication", ReplicationOptions)):  # Orbax's own objects converted
+      setattr(self, name, as_ours(getattr(self, name), cls, f"CheckpointManagerOptions.{name}"))
     if not isinstance(self.job_name, str) or not self.job_name or any(
         c in self.job_name for c in _JOB_NAME_FORBIDDEN):
       raise ValueError(

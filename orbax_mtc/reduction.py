@@ -141,6 +141,48 @@ def unpack_bits(words: np.ndarray, processes: int) -> np.ndarray:
   return np.flatnonzero(bits[:processes])
 
 
+def field_words(fields: int, width: int) -> int:
+  """int32 words of a bitmap of `fields` fields of `width` bits each."""
+  return -(-fields * width // 32)
+
+
+def pack_fields(words: np.ndarray, first: int, width: int, values: Iterable[int]) -> None:
+  """Writes `values` as `width`-bit fields from field `first` on, in an int32 bitmap. Each
+  field is written by one process only, so a sum of the processes' bitmaps holds every
+  field (bits never overlap, so no carry ever crosses into a neighbour's field)."""
+  bits = words.view(np.uint32)
+  for i, value in enumerate(values):
+    value = int(value)
+    if not 0 <= value < 1 << width:
+      raise ValueError(f"{value} does not fit a {width}-bit field")
+    at = (first + i) * width
+    for b in range(width):
+      if value >> b & 1:
+        word, bit = divmod(at + b, 32)
+        bits[word] |= np.uint32(1 << bit)
+
+
+def unpack_fields(words: np.ndarray, width: int, fields: int) -> np.ndarray:
+  """The `fields` fields of `width` bits a summed bitmap holds, as int64."""
+  bits = np.unpackbits(np.asarray(words, dtype=np.int32).view(np.uint8), bitorder="little")
+  bits = bits[:fields * width].reshape(fields, width).astype(np.int64)
+  return bits @ (np.int64(1) << np.arange(width, dtype=np.int64))
+
+
+def flag_parts(flag: bool, me: int) -> Parts:
+  """One flag of this process: counted, and the lowest process raising it."""
+  parts = Parts.empty(1, 1)
+  if flag:
+    parts.add[0], parts.top[0] = 1, -me
+  return parts
+
+
+def read_flag(reduced: Parts) -> Who:
+  """Who raised the flag of a reduced `flag_parts` round."""
+  count = int(reduced.add[0])
+  return Who(count, int(-reduced.top[0]) if count else -1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Round:
   """One round of an agreement: this process's facts and how any process's facts become its

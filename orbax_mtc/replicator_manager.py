@@ -39,6 +39,7 @@ from orbax_mtc.options import (
   PersistentCheckpointOptions,
   ReplicationOptions,
 )
+from orbax_mtc.orbax_options import as_ours
 from orbax_mtc.persistent.non_replicated import DATASET_ITEM
 
 # The managed manager underneath needs a persistent folder of its own; it writes nothing there
@@ -133,7 +134,8 @@ class ReplicatorCheckpointManager(abstract_checkpoint_manager.AbstractCheckpoint
   """Orbax's `ReplicatorCheckpointManager`, backed by orbax-mtc's managed mode.
 
   local_directory: this node's RAM-disk volume, which GKE's replicator watches.
-  options: `ReplicatorCheckpointManagerOptions` (Orbax's fields).
+  options: `ReplicatorCheckpointManagerOptions` (Orbax's fields; Orbax's own instance is
+    converted).
   global_mesh: the training mesh.
   persistent_directory: where the `dataset` item (non-replicated state) is saved, as a plain
     Orbax checkpoint; None: a `dataset` item is not saved (warned once).
@@ -151,10 +153,9 @@ class ReplicatorCheckpointManager(abstract_checkpoint_manager.AbstractCheckpoint
                persistent_directory: epath.PathLike | None = None,
                handler_registry: Any = None,
                mtc_options: CheckpointManagerOptions | None = None) -> None:
-    options = ReplicatorCheckpointManagerOptions() if options is None else options
-    if not isinstance(options, ReplicatorCheckpointManagerOptions):
-      raise TypeError("options must be an orbax_mtc.ReplicatorCheckpointManagerOptions, got "
-                      f"{type(options).__module__}.{type(options).__name__}.")
+    # Orbax's own ReplicatorCheckpointManagerOptions are converted field for field.
+    options = as_ours(ReplicatorCheckpointManagerOptions() if options is None else options,
+                      ReplicatorCheckpointManagerOptions, "options")
     if options.use_colocated_python:
       raise ValueError("ReplicatorCheckpointManagerOptions(use_colocated_python=True) needs "
                        "Pathways, which orbax-mtc does not support; run one JAX process per "

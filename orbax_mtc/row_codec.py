@@ -1,4 +1,4 @@
-"""One int64 row per agreement record: field codecs, `encode`/`decode`, and the gathers.
+"""One int64 row per agreement record: field codecs, `encode` and `decode`.
 
 A record (agreement.py) is a frozen dataclass whose fields carry their codec
 (`field(Int())`, `field(Steps(32))`, ...). `encode` lays the fields out in order, each in a
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from typing import Any, TypeVar
 
 import numpy as np
@@ -202,38 +202,3 @@ def decode(record_type: type[R], row: np.ndarray) -> R:
     values[name] = codec.decode(row[at:at + codec.size])
     at += codec.size
   return record_type(**values)
-
-
-def gather(record: R, allgather: Callable[[np.ndarray], np.ndarray]) -> list[R]:
-  """Gathers every process's record (one all-gather: a collective).
-
-  Args:
-    record: This process's record.
-    allgather: Stacks a row of every process (index = process), e.g.
-      `collectives.allgather` bound to its other arguments.
-
-  Returns:
-    The records of every process, index = process.
-  """
-  rows = np.asarray(allgather(encode(record)))
-  rows = rows.reshape(-1, rows.shape[-1])
-  return [decode(type(record), row) for row in rows]
-
-
-def gather_with_sizes(record: R, sizes: np.ndarray, allgather: Callable[[np.ndarray], np.ndarray]
-                      ) -> list[tuple[R, np.ndarray]]:
-    """Like `gather`, with a vector of byte counts after the record.
-
-    Args:
-      record: This process's record.
-      sizes: Byte counts, one per stream of an exchange, the same length on every process.
-      allgather: Stacks a row of every process (index = process).
-
-    Returns:
-      (record, sizes) of every process, index = process.
-    """
-    row = np.concatenate([encode(record), np.asarray(sizes, dtype=np.int64).reshape(-1)])
-    rows = np.asarray(allgather(row))
-    rows = rows.reshape(-1, rows.shape[-1])
-    width = row_size(type(record))
-    return [(decode(type(record), r[:width]), r[width:].copy()) for r in rows]

@@ -31,7 +31,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
-from orbax_mtc import topology
+from orbax_mtc import reduction, topology
 from orbax_mtc.local import read as local_read
 
 _AXIS = "mtc_nodes"
@@ -126,9 +126,11 @@ class Transfer:
     sink_for: Returns the `Sink` of a stream this process receives.
     chunk_limit: Largest chunk in bytes (chunks are powers of two, at least 4 KiB).
     window: Most chunks in flight at once (at least 1).
-    allgather: The collective all-gather of one int64 row, to agree on placing spare chunk
-      buffers of lengths no earlier transfer used (None: this process alone decides).
+    reduce: The collective reduction of a round (reduction.py), to agree on placing spare
+      chunk buffers of lengths no earlier transfer used (None: this process alone decides).
     viewer_for: Returns the `Viewer` of a stream this process sends, if it has one.
+    rounds: `topology.transfer_rounds` of the streams' ends, when the caller has it already
+      (the same on every process).
 
   Attributes:
     failures: What failed on this process while the bytes moved ("<what>: <type>: <message>");
@@ -143,8 +145,9 @@ class Transfer:
 
   def __init__(self, streams: Sequence[Stream], *, me: int, reader_for: Callable[[Stream], Reader],
                sink_for: Callable[[Stream], Sink], chunk_limit: int, window: int = 2,
-               allgather: Callable[[np.ndarray], np.ndarray] | None = None,
-               viewer_for: Callable[[Stream], Viewer | None] | None = None):
+               reduce: Callable[[reduction.Round], reduction.Parts] | None = None,
+               viewer_for: Callable[[Stream], Viewer | None] | None = None,
+               rounds: Sequence[Sequence[tuple[int, int]]] | None = None):
     streams = [s for s in streams if s.nbytes > 0]
     by_edge = {(s.source, s.destination): s for s in streams}
     if len(by_edge) != len(streams):
@@ -155,7 +158,12 @@ class Transfer:
     self._viewers: dict[Stream, Viewer] = {}
     self._sinks: dict[Stream, Sink] = {}
     self._chunks: collections.deque[_Chunk] = collections.deque()
-    for round_edges in topology.transfer_rounds(list(by_edge)):
+    if rounds is None:
+      rounds = topology.transfer_rounds(list(by_edge))
+    for round_edges in rounds:
+      round_edges = [e for e in round_edges if e in by_edge]
+      if not round_edges:
+        continue
       round_streams = [by_edge[e] for e in round_edges]
       largest = max(s.nbytes for s in round_streams)
       length = _chunk_bytes_for(largest, chunk_limit)
@@ -179,10 +187,10 @@ class Transfer:
     self._free: list[np.ndarray] = []
     self.failures: list[str] = []
     self._broken: set[Stream] = set()  # streams whose reader or sink failed once
-    self._reserve({chunk.length for chunk in self._chunks}, allgather)
+    self._reserve({chunk.length for chunk in self._chunks}, reduce)
 
-  def _reserve(self, lengths: set[int], allgather: Callable[[np.ndarray], np.ndarray] | None
-               ) -> None:
+  def _reserve(self, lengths: set[int],
+               reduce: Callable[[reduction.Round], reduction.Parts] | None) -> None:
     """Places a spare zero chunk of every length this transfer uses and no earlier one did
     (the same lengths on every process), and agrees that every process could."""
     device = _node_mesh().devices[self._me]
@@ -196,11 +204,11 @@ class Transfer:
         placed[(device.id, length)] = place(np.zeros(length, np.uint8), device)
     except Exception as e:  # noqa: BLE001 - agreed right below
       error = f"{type(e).__name__}: {e}"
-    if allgather is None:
-      failed = [self._me] if error else []
+    if reduce is None:
+      failed = reduction.Who(1, self._me) if error else reduction.Who()
     else:
-      flags = np.asarray(allgather(np.asarray([1 if error else 0], dtype=np.int64)))
-      failed = [p for p, row in enumerate(flags.reshape(len(flags), -1)) if row[0]]
+      failed = reduction.read_flag(reduce(reduction.Round(bool(error), self._me,
+                                                          reduction.flag_parts)))
     if failed:
       # Nobody keeps what it placed: every process's spares stay the same lengths.
       raise TransferError(

@@ -1,4 +1,5 @@
-"""Helpers and fixtures shared by test_configs.py and test_config_scripts.py."""
+"""Helpers and fixtures shared by test_configs.py, test_config_scripts.py and
+test_config_tpu_vm.py."""
 
 from __future__ import annotations
 
@@ -133,15 +134,27 @@ def rendered(request, tmp_path):
 
 
 def _remote_commands(script: str, env: dict[str, str]) -> dict[str, str]:
-  """node -> the command `gcloud compute tpus tpu-vm ssh --worker=all` would run."""
+  """node -> the command `gcloud compute tpus tpu-vm ssh --worker=all` would run (after the
+  `scp` of supervise.sh to every worker, which `_copies` checks)."""
   lines = _dry_run_lines(_bash(CONFIGS / "tpu-vm" / script, env=env).stdout)
   commands = {}
   for line in lines:
+    if line[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "scp"]:
+      continue
     assert line[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh"]
     assert "--worker=all" in line
     (command,) = [a.removeprefix("--command=") for a in line if a.startswith("--command=")]
     commands[line[5]] = command
   return commands
+
+
+def _supervised(command: str) -> tuple[list[str], str]:
+  """A launcher's remote command -> (`supervise.sh start NAME` and what precedes it, as words;
+  the job's own command line, unquoted)."""
+  words = shlex.split(command)
+  at = words.index("${HOME}/orbax-mtc-supervise.sh")
+  assert words[at - 1] == "bash" and words[at + 1] == "start" and len(words) == at + 4
+  return words[:at + 3], words[at + 3]
 
 
 def _fill(template: Path, rendered: dict, check: bool = True) -> subprocess.CompletedProcess:

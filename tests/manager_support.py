@@ -87,13 +87,16 @@ def _flip_first_shard(step_dir):
 
 
 def _bad_abstract(state, change):
+  """A target that no restore can serve: another shape, or PRNG keys where floats were saved
+  (another numeric dtype is cast, as Orbax casts)."""
   abstract = abstract_of(state)
   w = abstract["params"]["w"]
   if change == "shape":
     abstract["params"]["w"] = jax.ShapeDtypeStruct((8, 12), w.dtype, sharding=w.sharding)
     return abstract, ["['params']['w']", "(8, 6)", "(8, 12)"]
-  abstract["params"]["w"] = jax.ShapeDtypeStruct(w.shape, jax.numpy.float16, sharding=w.sharding)
-  return abstract, ["['params']['w']", "float32", "float16"]
+  keys = jax.random.key(0).dtype
+  abstract["params"]["w"] = jax.ShapeDtypeStruct(w.shape, keys, sharding=w.sharding)
+  return abstract, ["['params']['w']", "float32", keys.name]
 
 
 def _mount_tmpfs(path, options):

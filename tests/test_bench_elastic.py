@@ -75,6 +75,23 @@ def test_the_restore_agreement_bytes_per_process_follow_the_census_and_planning_
   assert row["restore_elastic_before_bytes"] == (3384 + 16) * (survivors - 1)
   # The build's outcome: one statuses round when all went well.
   assert row["outcome_after_bytes"] == outcome.outcome_bytes(survivors)
+  # The exchange: the status round, then the stream counts, destinations and each round's
+  # largest (test_restore_outcome checks the rounds' real sizes against this formula).
+  assert row["serve_after_bytes"] == outcome.exchange_bytes(
+      survivors, row["streams"], row["streams_most"], row["exchange_rounds"])
+
+
+@pytest.mark.parametrize("hosts, streams, received_bytes", [
+    (1_000, 1_272, 4_573), (10_000, 16_209, 67_043), (100_000, 183_159, 877_833)])
+def test_the_exchange_agreement_stays_under_a_mebibyte_at_100000_hosts(
+    hosts, streams, received_bytes):
+  # The streams of `orbax-mtc bench elastic-scale` at these host counts (1% lost, 2,000
+  # leaves, at most 4 streams from one process, 4 transfer rounds;
+  # benchmarks/results/elastic-scale.md): bit_length(P - 1) bits a stream's destination,
+  # where a slot of 8 bytes a stream brought 3.0 MiB at 100,000 hosts.
+  survivors = hosts - hosts // 100
+  assert outcome.exchange_bytes(survivors, streams, 4, 4) == received_bytes
+  assert received_bytes < 2 ** 20
 
 
 def test_measure_refuses_an_odd_host_count():

@@ -1,4 +1,6 @@
-"""configs/ shell scripts: they pass bash -n and, run with DRY_RUN=1, issue the commands the guides give."""
+"""configs/ shell scripts: they pass bash -n and, run with DRY_RUN=1, issue the commands the guides
+give (GKE cluster setup, k8s recipes, the Dockerfile; the Cloud TPU VM scripts are in
+test_config_tpu_vm.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,6 @@ import inspect
 import json
 import os
 import re
-import shlex
 import stat
 import subprocess
 
@@ -30,7 +31,6 @@ from configs_support import (
   _fill,
   _option,
   _pod,
-  _remote_commands,
   _render_example,
 )
 
@@ -48,92 +48,6 @@ def test_shell_scripts_pass_bash_n(path):
     assert text.startswith("#!/usr/bin/env bash\n")
     assert "set -euo pipefail" in text
     assert path.stat().st_mode & stat.S_IXUSR, f"{path} is not executable"
-
-
-def test_tpu_vm_creation_enables_autocheckpoint():
-  for name in ("create-queued-resource.sh", "create-single-vm.sh"):
-    assert "--autocheckpoint-enabled" in (CONFIGS / "tpu-vm" / name).read_text()
-  env = {"JOB_NAME": "llm-run", "PROJECT_ID": "p", "ZONE": "us-east5-b"}
-  script = CONFIGS / "tpu-vm" / "create-queued-resource.sh"
-  # The flag exists only in gcloud's alpha track, so Autocheckpoint (the default) needs it.
-  (one,) = _dry_run_lines(_bash(script, env={**env, "SLICES": "1"}).stdout)
-  assert one[:6] == ["gcloud", "alpha", "compute", "tpus", "queued-resources", "create"]
-  assert "--autocheckpoint-enabled" in one and "--node-id=llm-run" in one
-  (multi,) = _dry_run_lines(_bash(script, env={**env, "SLICES": "3",
-                                                "EXTRA_ARGS": "--spot"}).stdout)
-  assert {"--autocheckpoint-enabled", "--node-prefix=llm-run", "--node-count=3",
-          "--spot"} <= set(multi)
-  (vm,) = _dry_run_lines(_bash(CONFIGS / "tpu-vm" / "create-single-vm.sh", env=env).stdout)
-  assert vm[:6] == ["gcloud", "alpha", "compute", "tpus", "tpu-vm", "create"]
-  assert vm[6] == "llm-run" and "--autocheckpoint-enabled" in vm
-
-
-def test_tpu_vm_scripts_use_ga_gcloud_where_the_guide_does():
-  env = {"JOB_NAME": "llm-run", "PROJECT_ID": "p", "ZONE": "us-east5-b", "SLICES": "2"}
-  ran = _bash(CONFIGS / "tpu-vm" / "create-queued-resource.sh",
-              env={**env, "AUTOCHECKPOINT": "0"})
-  (ga,) = _dry_run_lines(ran.stdout)
-  assert ga[:5] == ["gcloud", "compute", "tpus", "queued-resources", "create"]
-  assert "--autocheckpoint-enabled" not in ga
-  assert {"--node-prefix=llm-run", "--node-count=2", "--runtime-version=v2-alpha-tpuv5-lite",
-          "--accelerator-type=v5litepod-16"} <= set(ga)
-  # What to run next is GA in both cases.
-  for autocheckpoint in ("0", "1"):
-    out = _bash(CONFIGS / "tpu-vm" / "create-queued-resource.sh",
-                env={**env, "AUTOCHECKPOINT": autocheckpoint}).stdout
-    (hint,) = [line for line in out.splitlines() if line.startswith("wait for ACTIVE:")]
-    assert "gcloud compute tpus queued-resources describe llm-run" in hint
-  (vm,) = _dry_run_lines(_bash(CONFIGS / "tpu-vm" / "create-single-vm.sh",
-                               env={**env, "AUTOCHECKPOINT": "0"}).stdout)
-  assert vm[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "create"]
-  assert "--autocheckpoint-enabled" not in vm
-  # No beta track anywhere; alpha only on the line that passes --autocheckpoint-enabled.
-  for path in (CONFIGS / "tpu-vm").glob("*.sh"):
-    code = [line for line in path.read_text().splitlines()
-            if not line.lstrip().startswith("#")]
-    assert not [line for line in code if re.search(r"\b(alpha|beta) compute\b", line)], path
-  for path in (CONFIGS / "tpu-vm").glob("*.sh"):
-    for line in _dry_run_lines(_bash(path, env={**env, "BUCKET": "b", "EXP": "e"}).stdout):
-      assert line[1] != "alpha" or "--autocheckpoint-enabled" in line, line
-
-
-def test_launch_maxtext_runs_the_patch_on_every_node_with_its_flags(tmp_path):
-  env = {"JOB_NAME": "llm-run", "SLICES": "2", "BUCKET": "my-ckpt-bucket", "PROJECT_ID": "p"}
-  commands = _remote_commands("launch-maxtext.sh", env)
-  assert set(commands) == {"llm-run-0", "llm-run-1"}  # create-queued-resource's node names
-  words = shlex.split(commands["llm-run-0"].split(" && cd ", 1)[1])
-  at = words.index("maxtext_patch.train")
-  assert words[at - 1] == "-m" and words[at + 1] == "src/maxtext/configs/base.yml"
-  args = _args(words[at + 2:])
-  assert args == {**args, "run_name": "llm-run", "base_output_directory": "gs://my-ckpt-bucket",
-                  "enable_emergency_checkpoint": "true",
-                  "local_checkpoint_directory": "/dev/shm/ckpt", "local_checkpoint_period": "20",
-                  "checkpoint_period": "200", "mtc_peers_per_node": "1",
-                  "enable_autocheckpoint": "true"}
-
-  # The remote command itself: checks the RAM disk, then starts training (python -> echo).
-  local = tmp_path / "ram"
-  env = {**env, "SLICES": "1", "LOCAL_DIR": str(local), "PYTHON": "echo",
-         "MAXTEXT_DIR": str(tmp_path)}
-  command = _remote_commands("launch-maxtext.sh", {**env, "RAMDISK_GI": "0"})["llm-run"]
-  ran = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
-  assert ran.returncode == 0 and "-m maxtext_patch.train" in ran.stdout and local.is_dir()
-  command = _remote_commands("launch-maxtext.sh", {**env, "RAMDISK_GI": "999999999"})["llm-run"]
-  ran = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
-  assert ran.returncode == 1 and "orbax-mtc size asks for 999999999G" in ran.stderr
-  assert "maxtext_patch" not in ran.stdout
-
-
-def test_launch_pax_runs_the_patch_with_its_flags():
-  env = {"JOB_NAME": "llm-run", "BUCKET": "my-ckpt-bucket", "EXP": "my.Exp", "PROJECT_ID": "p"}
-  (command,) = _remote_commands("launch-pax.sh", env).values()
-  words = shlex.split(command.split(" && python3 ", 1)[1])
-  assert words[:2] == ["-m", "pax_patch.main"]
-  assert set(words[2:]) == {
-      "--exp=my.Exp", "--job_log_dir=gs://my-ckpt-bucket/llm-run",
-      "--jax_fully_async_checkpoint=1", "--exit_after_ondemand_checkpoint=1",
-      "--mtc_local_checkpoint_dir=/dev/shm/ckpt", "--mtc_local_save_interval_steps=100",
-      "--mtc_peers_per_node=1"}
 
 
 def test_cluster_setup_enables_the_add_on_and_applies_the_rendered_manifests(rendered):
@@ -409,3 +323,92 @@ def test_dockerfile_installs_the_tested_maxtext_and_this_orbax_mtc():
     for doc in _docs(path.read_text()):
       for container in re.findall(r"workingDir: (\S+)", yaml.safe_dump(doc)):
         assert container == "/deps", path
+
+
+def test_capacity_options_for_queued_resources_and_node_pools():
+  env = {"JOB_NAME": "llm-run", "PROJECT_ID": "p", "SLICES": "2"}
+  queued = CONFIGS / "tpu-vm" / "create-queued-resource.sh"
+
+  def request(**settings):
+    (line,) = _dry_run_lines(_bash(queued, env={**env, **settings}).stdout)
+    return line
+
+  assert not {"--spot", "--reserved"} & set(request())  # on-demand by default
+  assert "--spot" in request(SPOT="1")
+  ga = request(RESERVED="1", AUTOCHECKPOINT="0")
+  assert ga[:2] == ["gcloud", "compute"] and "--reserved" in ga
+  # A named reservation is a flag of the alpha track only.
+  named = request(RESERVATION="my-res", AUTOCHECKPOINT="0")
+  assert named[:2] == ["gcloud", "alpha"] and "--reservation=my-res" in named
+  assert "--reserved" not in named and "--autocheckpoint-enabled" not in named
+  both = _bash(queued, env={**env, "SPOT": "1", "RESERVED": "1"}, check=False)
+  assert both.returncode == 2 and "exclude each other" in both.stderr and not both.stdout
+
+  for accelerator in ("tpu", "gpu"):
+    script = CONFIGS / "gke" / accelerator / "cluster-setup.sh"
+
+    def pools(script=script, **settings):
+      lines = _dry_run_lines(_bash(script, "update", env={"PROJECT_ID": "p",
+                                                          **settings}).stdout)
+      found = [line for line in lines if line[:4] == ["gcloud", "container", "node-pools",
+                                                       "create"]]
+      assert found
+      return found
+
+    assert not any("--spot" in p or any(a.startswith("--reservation") for a in p)
+                   for p in pools())
+    assert all("--spot" in p for p in pools(SPOT="1"))
+    assert all({"--reservation-affinity=specific", "--reservation=my-res"} <= set(p)
+               for p in pools(RESERVATION="my-res"))
+    both = _bash(script, "update", env={"PROJECT_ID": "p", "SPOT": "1",
+                                        "RESERVATION": "my-res"}, check=False)
+    assert both.returncode == 2 and "exclude each other" in both.stderr
+    assert not _dry_run_lines(both.stdout)  # before anything is created
+
+
+def _cloud_stubs(tmp_path, hns: str) -> dict[str, str]:
+  """gcloud and kubectl that record their calls; `gcloud storage buckets describe` finds the
+  bucket and prints `hns` as its hierarchicalNamespace.enabled."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir(exist_ok=True)
+  calls = tmp_path / "calls"
+  (bin_dir / "gcloud").write_text(
+      f'#!/usr/bin/env bash\necho "gcloud $*" >> {calls}\n'
+      f'if [[ "$*" == "storage buckets describe"* ]]; then echo {hns}; fi\n')
+  (bin_dir / "kubectl").write_text(f'#!/usr/bin/env bash\necho "kubectl $*" >> {calls}\n')
+  for tool in ("gcloud", "kubectl"):
+    (bin_dir / tool).chmod(0o755)
+  return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path),
+          "PROJECT_ID": "proj"}
+
+
+@pytest.mark.parametrize("accelerator", ["tpu", "gpu"])
+def test_cluster_setup_checks_an_existing_bucket_and_the_image(tmp_path, accelerator):
+  script = CONFIGS / "gke" / accelerator / "cluster-setup.sh"
+  rendered = _render_example(accelerator, tmp_path)  # the default image: a local tag
+  env = {**_cloud_stubs(tmp_path, "False"), "RENDERED": str(rendered["dir"]),
+         "BUCKET": "old-bucket"}
+  ran = subprocess.run(["bash", str(script), "update"], env=env, capture_output=True,
+                       text=True, timeout=60)
+  assert ran.returncode == 1 and "gs://old-bucket exists without hierarchical namespace" \
+      in ran.stderr
+  calls = (tmp_path / "calls").read_text().splitlines()
+  (describe,) = calls  # nothing else ran
+  assert "--raw" in describe and "value(hierarchicalNamespace.enabled)" in describe
+
+  (tmp_path / "calls").unlink()
+  env = {**_cloud_stubs(tmp_path, "True"), "RENDERED": str(rendered["dir"]),
+         "BUCKET": "hns-bucket"}
+  ran = subprocess.run(["bash", str(script), "update"], env=env, capture_output=True,
+                       text=True, timeout=60)
+  assert ran.returncode == 0, ran.stderr
+  assert "gs://hns-bucket exists, with hierarchical namespace" in ran.stdout
+  calls = (tmp_path / "calls").read_text()
+  assert "buckets create" not in calls and "node-pools create" in calls
+  assert "warning: the JobSet's image maxtext-orbax-mtc:latest names no registry" in ran.stderr
+
+  pushed = _render_example(accelerator, tmp_path, "--image",
+                           "us-docker.pkg.dev/p/images/maxtext-orbax-mtc:latest")
+  ran = subprocess.run(["bash", str(script), "update"], env={**env, "RENDERED": str(
+      pushed["dir"])}, capture_output=True, text=True, timeout=60)
+  assert ran.returncode == 0 and "warning" not in ran.stderr

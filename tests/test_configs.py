@@ -176,3 +176,17 @@ def test_gpu_jobset_asks_for_the_peers_it_was_sized_for(tmp_path, overrides):
   assert env["NNODES"]["value"] == str(rjob["template"]["spec"]["parallelism"])
   assert "job-completion-index" in env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
   assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+
+
+def test_gpu_jobset_puts_one_pod_per_node_as_the_add_ons_tests_do(tmp_path):
+  # The add-on's tests label the job's pods and forbid two of them on one node (required pod
+  # anti-affinity on kubernetes.io/hostname): each pod has its node's RAM disk to itself.
+  jobset = _render_example("gpu", tmp_path)["jobset"]
+  template = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+  labels = template["metadata"]["labels"]
+  (term,) = template["spec"]["affinity"]["podAntiAffinity"][
+      "requiredDuringSchedulingIgnoredDuringExecution"]
+  assert term["topologyKey"] == "kubernetes.io/hostname"
+  selector = term["labelSelector"]["matchLabels"]
+  assert selector and selector.items() <= labels.items()  # matches the job's own pods
+  assert jobset["metadata"]["name"] in selector.values()  # and no other job's

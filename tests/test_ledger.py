@@ -3,7 +3,6 @@ given as rows or, for the reduced agreements, added up in numpy: no JAX, no coll
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from orbax_mtc import agreement, reduction
@@ -22,7 +21,7 @@ class _Cluster:
     self.whats: list[str] = []
     self.own, self.persistent = list(own), list(persistent)
     self.ledger = StepLedger(
-        process_count=process_count, allgather=self._allgather, own_steps=lambda: self.own,
+        process_count=process_count, own_steps=lambda: self.own,
         copies=lambda own: list(copies), persistent_steps=lambda: self.persistent,
         listing_groups=lambda: groups, keep=RamRetention(max_to_keep).kept,
         before_local_raise=lambda: self.waited.append(True), reduce=self._reduce)
@@ -39,10 +38,6 @@ class _Cluster:
     records = [rnd.record, *self._current[1]]
     return reduction.combine(rnd.contribute(r, p) for p, r in enumerate(records))
 
-  def _allgather(self, row: np.ndarray, what: str) -> np.ndarray:
-    self.whats.append(what)
-    others, self.others = self.others, []
-    return np.stack([row, *(agreement.encode(r) for r in others)])
 
 
 _NO_FAULT = agreement.Fault()

@@ -11,6 +11,7 @@ import uuid
 import jax
 import numpy as np
 import pytest
+import tensorstore as ts
 from conftest import abstract_of, assert_trees_equal, flip_byte, make_state
 
 from orbax_mtc.local import read as local_read
@@ -263,9 +264,10 @@ def test_read_step_rejects_mismatched_target(tier, mesh, change):
   if change == "shape":
     target["params"]["w"] = jax.ShapeDtypeStruct((8, 12), w.dtype, sharding=w.sharding)
     expected = [r"\['params'\]\['w'\]", r"\(8, 6\)", r"\(8, 12\)"]
-  elif change == "dtype":
-    target["params"]["w"] = jax.ShapeDtypeStruct(w.shape, np.float16, sharding=w.sharding)
-    expected = [r"\['params'\]\['w'\]", "float32", "float16"]
+  elif change == "dtype":  # PRNG keys where floats were saved: no cast reaches them
+    keys = jax.random.key(0).dtype
+    target["params"]["w"] = jax.ShapeDtypeStruct(w.shape, keys, sharding=w.sharding)
+    expected = [r"\['params'\]\['w'\]", "float32", re.escape(keys.name)]
   elif change == "missing_leaf":
     del target["params"]["b"]
     expected = [r"\['params'\]\['b'\]"]
@@ -281,6 +283,26 @@ def test_read_step_rejects_mismatched_target(tier, mesh, change):
   for pattern in expected:
     assert re.search(pattern, str(info.value)), (pattern, str(info.value))
   assert verify_step(step_dir)  # nothing was touched
+
+
+def test_read_step_casts_a_target_of_another_dtype_as_orbax(tier, mesh):
+  """Issue 44: another dtype is cast on the host with TensorStore's cast driver (Orbax's read
+  path, so the same bits as Orbax's); an `UncastLeaf` target refuses it."""
+  state, step_dir = _write(tier, mesh, 2)
+  target = abstract_of(state)
+  w = target["params"]["w"]
+  target["params"]["w"] = bf16 = jax.ShapeDtypeStruct(w.shape, "bfloat16", sharding=w.sharding)
+  target["host"] = np.zeros(state["host"].shape, np.float32)
+  restored = read_step(step_dir, read_manifest(step_dir), {"state": target})["state"]
+  for got, saved in ((restored["params"]["w"], state["params"]["w"]),
+                     (restored["host"], state["host"])):
+    assert got.dtype != saved.dtype
+    want = ts.cast(ts.array(np.asarray(saved)), ts.dtype(got.dtype.name)).read().result()
+    assert np.asarray(got).tobytes() == want.tobytes()
+  assert restored["params"]["w"].sharding == w.sharding
+  uncast = dict(target, params=dict(target["params"], w=local_read.UncastLeaf(bf16)))
+  with pytest.raises(AbstractStateMismatchError, match="float32.*bfloat16"):
+    read_step(step_dir, read_manifest(step_dir), {"state": uncast})
 
 
 def test_read_onto_host_targets(tier, mesh):

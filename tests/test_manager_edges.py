@@ -30,12 +30,12 @@ import orbax_mtc as mtc
 from orbax_mtc.local import restore_links as lkg
 from orbax_mtc.local.format import DATA, MANIFEST
 from orbax_mtc.local.lock import read_holder
-from orbax_mtc.local.store import LocalTier, committed_steps
+from orbax_mtc.local.store import LocalTier, committed_steps, read_manifest
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.mark.parametrize("change", ["shape", "dtype"])
+@pytest.mark.parametrize("change", ["shape", "keys"])
 @pytest.mark.parametrize("how", ["args", "abstract_state"])
 def test_mismatched_abstract_state_local(open_manager, dirs, mesh, change, how):
   mgr = open_manager()
@@ -63,11 +63,10 @@ def test_mismatched_abstract_state_local(open_manager, dirs, mesh, change, how):
   assert_trees_equal(restored.state, states[6])
 
 
-@pytest.mark.parametrize("change", ["shape", "dtype"])
+@pytest.mark.parametrize("change", ["shape", "keys"])
 def test_mismatched_abstract_state_persistent(open_manager, dirs, mesh, change):
   """From the persistent tier too, a mismatch is an AbstractStateMismatchError naming the leaf
-  (Orbax alone raises a plain ValueError without the leaf for a shape, and silently casts a
-  different dtype)."""
+  (Orbax alone raises a plain ValueError without the leaf for a shape)."""
   mgr = open_manager()
   states, _ = _save_range(mgr, mesh, range(0, 5))
   mgr.close()
@@ -82,6 +81,81 @@ def test_mismatched_abstract_state_persistent(open_manager, dirs, mesh, change):
   restored = again.restore(None)
   assert again.last_restore.tier == "persistent"
   assert_trees_equal(restored.state, states[4])
+
+
+def _cast_target(abstract):
+  """The abstract state with its float32 leaves asked for as bfloat16 and its float64 numpy
+  leaf as float32 (ints, bfloat16 and Python scalars as saved)."""
+
+  def cast(leaf):
+    if isinstance(leaf, np.ndarray):
+      return leaf.astype(np.float32)
+    if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.dtype == np.float32:
+      return jax.ShapeDtypeStruct(leaf.shape, jax.numpy.bfloat16, sharding=leaf.sharding)
+    return leaf
+  return jax.tree.map(cast, abstract)
+
+
+@pytest.mark.parametrize("tier", ["local", "elastic", "persistent"])
+def test_a_target_of_another_dtype_is_cast_as_orbax_casts(open_manager, dirs, mesh, tier):
+  """Issue 44: a target of another dtype is cast on restore, as Orbax casts, from every tier:
+  the same bits as plain Orbax's restore of the same step with the same target. A cast
+  restore writes nothing back (the folders keep the bytes as saved)."""
+  mgr = open_manager()
+  _save_range(mgr, mesh, range(0, 5))  # step 4: in RAM and persistent
+  mgr.close()
+  target_mesh = mesh
+  if tier == "elastic":
+    target_mesh = jax.make_mesh((4, 1), ("data", "model"), devices=jax.devices()[:4])
+  elif tier == "persistent":
+    shutil.rmtree(dirs[0])
+  target = _cast_target(abstract_of(make_state(target_mesh, 4)))
+  args = ocp.args.Composite(state=ocp.args.PyTreeRestore(item=target))
+  with ocp.CheckpointManager(dirs[1]) as plain:
+    want = plain.restore(4, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))))
+  assert want.state["params"]["w"].dtype == jax.numpy.bfloat16  # Orbax casts
+  with mtc.CheckpointManager(dirs[0], dirs[1], target_mesh, target,
+                             options=_options()) as again:
+    for restored in (again.restore(4, args=args), again.restore(4)):  # args, abstract_state
+      assert (again.last_restore.step, again.last_restore.tier) == (4, tier)
+      assert_trees_equal(restored.state, want.state)
+  if tier != "persistent":
+    saved = read_manifest(dirs[0] / "4").items["state"].leaves
+    assert {leaf.dtype for leaf in saved} == {"float32", "float64", "bfloat16", "int32",
+                                              "int64"}
+    as_saved = make_state(target_mesh, 4)
+    with mtc.CheckpointManager(dirs[0], dirs[1], target_mesh, abstract_of(as_saved),
+                               options=_options()) as again:
+      assert_trees_equal(again.restore(4).state, as_saved)
+      assert again.last_restore.tier == tier
+
+
+def test_code_written_for_orbax_emergency_manager_runs_unchanged(dirs, mesh, tmp_path):
+  """Issue 44: Orbax's emergency options objects and `persistent_non_replicated_directory`
+  (per-process items such as a data iterator's position, in the `dataset` item), called as
+  Orbax's emergency manager is called: the `dataset` item goes to a plain Orbax manager on
+  that folder, and args that name only `dataset` restore the state beside it, as Orbax."""
+  from orbax.checkpoint.experimental.emergency import checkpoint_manager as emergency
+
+  dataset_dir = tmp_path / "dataset"
+  options = emergency.CheckpointManagerOptions(
+      local=emergency.LocalCheckpointOptions(save_interval_steps=1, max_to_keep=2),
+      persistent=emergency.PersistentCheckpointOptions(save_interval_steps=2))
+  abstract = abstract_of(make_state(mesh))
+  with mtc.CheckpointManager(local_directory=dirs[0], persistent_directory=dirs[1],
+                             global_mesh=mesh, abstract_state=abstract, options=options,
+                             persistent_non_replicated_directory=dataset_dir) as mgr:
+    for step in range(4):
+      mgr.save(step, ocp.args.Composite(state=ocp.args.PyTreeSave(make_state(mesh, step)),
+                                        dataset=ocp.args.JsonSave({"position": step})))
+    mgr.wait_until_finished()
+    assert mgr.all_steps() == [0, 2, 3]
+    assert ocp.CheckpointManager(dataset_dir).all_steps() == [0, 2]
+    restored = mgr.restore(2, ocp.args.Composite(dataset=ocp.args.JsonRestore()))
+    assert set(restored.keys()) == {"state", "dataset"}
+    assert_trees_equal(restored.state, make_state(mesh, 2))
+    assert restored.dataset == {"position": 2}
 
 
 def test_local_directory_is_a_file(open_manager, shm_dir):

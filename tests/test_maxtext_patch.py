@@ -75,7 +75,6 @@ def test_maxtext_keys_become_orbax_mtc_options():
 
 
 @pytest.mark.parametrize("keys, extra, message", [
-    (dict(enable_multi_tier_checkpointing=True), {}, "choose one"),
     (dict(local_checkpoint_directory=""), {}, "needs local_checkpoint_directory"),
     (dict(local_checkpoint_period=0), {}, "local_checkpoint_period > 0"),
     (dict(local_checkpoint_period="ten"), {}, "local_checkpoint_period must be an integer"),
@@ -102,6 +101,64 @@ def test_maxtext_keys_become_orbax_mtc_options():
 def test_bad_keys_are_clear_errors(keys, extra, message):
   with pytest.raises(mtc_config.MaxTextConfigError, match=message.replace("(", r"\(")):
     mtc_config.read_settings(_keys(**keys), extra)
+
+
+def test_both_flags_run_managed_as_maxtext_does():
+  # MaxText's create_checkpoint_manager and start-up test enable_multi_tier_checkpointing first.
+  both = _keys(enable_multi_tier_checkpointing=True,
+               multi_tier_checkpointing_backup_interval_minutes=20)
+  assert mtc_config.enabled_mode(both) == mtc_config.MANAGED
+  settings = mtc_config.read_settings(both)
+  assert (settings.mode, settings.backup_interval_minutes) == (mtc_config.MANAGED, 20.0)
+  assert mtc_config.enabled_mode(_keys(enable_multi_tier_checkpointing="false")) == \
+      mtc_config.STANDALONE
+
+
+@pytest.mark.parametrize("keys, message", [
+    # The old spelling of managed mode: MaxText >= 0.1 ignores it and runs standalone.
+    (dict(use_replicator_service=True, replicator_backup_interval_minutes=15),
+     "set enable_multi_tier_checkpointing=true "
+     "multi_tier_checkpointing_backup_interval_minutes=15 in place of"),
+    (dict(use_replicator_service="true"), "set enable_multi_tier_checkpointing=true in place"),
+    # The old name of the backup interval, in either mode, when it is not the schedule run.
+    (dict(replicator_backup_interval_minutes=15),
+     "set multi_tier_checkpointing_backup_interval_minutes=15 instead"),
+    (dict(enable_emergency_checkpoint=False, enable_multi_tier_checkpointing=True,
+          use_replicator_service=True, replicator_backup_interval_minutes="10",
+          multi_tier_checkpointing_backup_interval_minutes=30),
+     "set multi_tier_checkpointing_backup_interval_minutes=10 instead"),
+    (dict(use_replicator_service="maybe"), "use_replicator_service must be true or false"),
+])
+def test_legacy_replicator_keys_are_refused_with_what_to_set(keys, message):
+  with pytest.raises(mtc_config.MaxTextConfigError, match=message):
+    mtc_config.read_settings(_keys(**keys))
+
+
+def test_maxtexts_standalone_factory_refuses_use_replicator_service():
+  # MaxText 0.2.5 calls this factory for enable_emergency_checkpoint=true, whatever
+  # use_replicator_service says; its config is read by attribute.
+  import types
+
+  config = types.SimpleNamespace(**_keys(use_replicator_service=True))
+  with checkpointing.using_config(config), pytest.raises(
+      mtc_config.MaxTextConfigError, match="enable_multi_tier_checkpointing=true in place"):
+    checkpointing.create_orbax_emergency_checkpoint_manager(
+        "/dev/shm/ckpt", "/mnt/out/run1/checkpoints", None, None, 20, 1000)
+
+
+def test_legacy_replicator_keys_that_change_nothing_are_accepted():
+  # MaxText's defaults for them, and values that agree with the keys that replaced them.
+  assert mtc_config.read_settings(_keys(use_replicator_service=False,
+                                        replicator_backup_interval_minutes=0)).mode == \
+      mtc_config.STANDALONE
+  managed = mtc_config.read_settings(_keys(
+      enable_emergency_checkpoint=False, enable_multi_tier_checkpointing=True,
+      use_replicator_service=True, replicator_backup_interval_minutes=15,
+      multi_tier_checkpointing_backup_interval_minutes=15))
+  assert (managed.mode, managed.backup_interval_minutes) == (mtc_config.MANAGED, 15.0)
+  # Neither flag: MaxText's own checkpointing, which ignores them too.
+  assert mtc_config.read_settings(_keys(enable_emergency_checkpoint=False,
+                                        use_replicator_service=True)) is None
 
 
 def test_command_line_split_and_mesh_and_folder_rules():
@@ -271,3 +328,43 @@ def test_which_iterator_is_checkpointed():
     checkpointing.checkpointed_iterator("grain", remote)
   with pytest.raises(TypeError, match="no get_state/set_state"):
     checkpointing.checkpointed_iterator("grain", iter([1, 2]))
+
+
+def test_preemption_exit_code_tells_a_preempted_run_from_a_finished_one(
+    monkeypatch, shm_dir, mesh):
+  # MaxText ends with status 0 both ways; a restart loop (configs/tpu-vm/supervise.sh) restarts
+  # only on another status, so `mtc_preemption_exit_code` marks the preempted end.
+  import os
+  import signal
+
+  import orbax.checkpoint as ocp
+  from conftest import abstract_of, make_state
+
+  from maxtext_patch import managers
+  from maxtext_patch import train as mtc_train
+  from orbax_mtc.save import preemption
+
+  monkeypatch.setattr(preemption, "_STATE", preemption._ProcessState())
+  monkeypatch.setattr(managers, "_last_built", None)
+  before = signal.getsignal(signal.SIGTERM)
+  keys = {"mtc_preemption_exit_code": "75"}
+  assert mtc_train.exit_status(keys) == 0  # no manager built
+  state = make_state(mesh)
+  config = _keys(local_checkpoint_directory=str(shm_dir / "local"),
+                 checkpoint_dir=str(shm_dir / "persistent"), local_checkpoint_period=10)
+  with checkpointing.using_config(config):
+    manager = checkpointing.create_orbax_emergency_checkpoint_manager(
+        str(shm_dir / "local"), str(shm_dir / "persistent"), mesh, abstract_of(state), 10, 1000)
+  try:
+    assert not manager.reached_preemption(1)
+    assert mtc_train.exit_status(keys) == 0  # finished: MaxText's 0
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert manager.reached_preemption(2)
+    assert manager.save(2, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+    assert mtc_train.exit_status(keys) == 75
+    assert mtc_train.exit_status({}) == 0  # MaxText's status unless asked
+  finally:
+    manager.close()
+    signal.signal(signal.SIGTERM, before)
+  with pytest.raises(mtc_config.MaxTextConfigError, match="0 to 255"):
+    mtc_train.exit_status({"mtc_preemption_exit_code": "300"})

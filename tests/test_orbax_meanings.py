@@ -286,3 +286,162 @@ def test_node_replaced_restores_state_from_its_peer_and_dataset_from_persistent(
   results = _results(out)
   assert {n: (f["step"], f["tier"], f["dataset"]) for n, f in results.items()} == \
       {0: ("4", "replicator", "40"), 1: ("4", "replicator", "40")}, tail(out)
+
+
+# ----------------------------------------------------------------------------- Orbax's objects
+
+
+def _orbax_emergency_options():
+  """Orbax's own emergency options, every field away from its default."""
+  import orbax.checkpoint as ocp
+
+  emergency, _ = _orbax()
+  fn = lambda step, last: step % 3 == 0  # noqa: E731
+  return emergency.CheckpointManagerOptions(
+      local=emergency.LocalCheckpointOptions(
+          save_interval_steps=3, max_to_keep=2, read_only=True, should_save_fn=fn,
+          debug_use_full_global_mesh=True),
+      persistent=emergency.PersistentCheckpointOptions(
+          save_interval_steps=7, max_to_keep=4, keep_period=14,
+          save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(7)),
+      replica_axis_index=1,
+      step_name_format=ocp.step.standard_name_format(step_prefix="ckpt"),
+      cleanup_tmp_directories=True, enable_async_checkpointing=False,
+      async_options=ocp.AsyncOptions(timeout_secs=50),
+      multiprocessing_options=emergency.MultiprocessingOptions(45),
+      single_host_load_and_broadcast=False)
+
+
+def _assert_same_fields(ours, theirs):
+  for field in dataclasses.fields(theirs):
+    value = getattr(theirs, field.name)
+    if dataclasses.is_dataclass(value) and field.name != "multiprocessing_options":
+      _assert_same_fields(getattr(ours, field.name), value)
+    else:
+      assert getattr(ours, field.name) == value, field.name
+
+
+def test_orbax_own_emergency_options_are_taken_field_for_field(shm_dir, mesh, warnings_reset):
+  """Issue 44: Orbax's `CheckpointManagerOptions` (and its local/persistent options) given to
+  the manager, or nested in ours, are converted field for field, without a warning."""
+  from conftest import abstract_of, make_state
+
+  import orbax_mtc as mtc
+
+  emergency, _ = _orbax()
+  theirs = _orbax_emergency_options()
+  with mtc.CheckpointManager(shm_dir / "local", shm_dir / "persistent", mesh,
+                             abstract_of(make_state(mesh)), options=theirs) as mgr:
+    assert type(mgr.options) is mtc.CheckpointManagerOptions
+    assert type(mgr.options.local) is mtc.LocalCheckpointOptions
+    _assert_same_fields(mgr.options, theirs)
+    assert mgr.options.agreement_timeout_seconds == 45  # coordination_timeout_secs
+    assert mgr.replica_axis == "model"  # replica_axis_index=1
+  nested = mtc.CheckpointManagerOptions(local=emergency.LocalCheckpointOptions(4),
+                                        persistent=emergency.PersistentCheckpointOptions(8))
+  assert (type(nested.local), nested.local.save_interval_steps, nested.local.max_to_keep) == \
+      (mtc.LocalCheckpointOptions, 4, 1)
+  assert nested.persistent.save_interval_steps == 8
+  assert _warnings(warnings_reset, "orbax-mtc") == 0
+  with pytest.raises(TypeError, match="CheckpointManagerOptions.replication must be an "
+                                      "orbax_mtc.ReplicationOptions"):
+    mtc.CheckpointManagerOptions(replication=emergency.LocalCheckpointOptions())
+
+
+def test_orbax_fields_we_lack_are_warned_about_once(warnings_reset):
+  """A field of Orbax's class that ours lacks (one a newer Orbax adds) is dropped, with one
+  warning per process when it is set."""
+  import orbax_mtc as mtc
+  from orbax_mtc.orbax_options import as_ours
+
+  emergency, _ = _orbax()
+
+  @dataclasses.dataclass
+  class NewerLocal(emergency.LocalCheckpointOptions):
+    future_knob: int = 0
+
+  NewerLocal.__name__ = "LocalCheckpointOptions"
+  assert as_ours(NewerLocal(5), mtc.LocalCheckpointOptions, "local").save_interval_steps == 5
+  assert _warnings(warnings_reset, "future_knob") == 0  # at its default: nothing to say
+  for _ in range(2):
+    converted = as_ours(NewerLocal(5, future_knob=3), mtc.LocalCheckpointOptions, "local")
+    assert converted == mtc.LocalCheckpointOptions(5)
+  assert _warnings(warnings_reset, "LocalCheckpointOptions.future_knob=3 has no counterpart") == 1
+
+
+def test_orbax_own_replicator_options_are_taken(mesh, tmp_path, warnings_reset):
+  """Orbax's `ReplicatorCheckpointManagerOptions` are converted too: the Pathways check (which
+  comes after the conversion) answers, where a TypeError did."""
+  import orbax_mtc as mtc
+  from orbax_mtc.orbax_options import as_ours
+
+  _, replicator = _orbax()
+  theirs = replicator.ReplicatorCheckpointManagerOptions(save_interval_steps=5,
+                                                         enable_async_checkpointing=False)
+  ours = as_ours(theirs, mtc.ReplicatorCheckpointManagerOptions, "options")
+  assert (type(ours), ours.save_interval_steps, ours.enable_async_checkpointing) == \
+      (mtc.ReplicatorCheckpointManagerOptions, 5, False)
+  with pytest.raises(ValueError, match="Pathways"):
+    mtc.ReplicatorCheckpointManager(
+        tmp_path / "local",
+        options=replicator.ReplicatorCheckpointManagerOptions(use_colocated_python=True),
+        global_mesh=mesh)
+
+
+def test_each_constructor_form_has_a_typed_signature():
+  """Issue 44: `CheckpointManager.__init__` has one typed overload per documented form (the
+  signatures the call is bound to), and `help()` shows both."""
+  import inspect
+  import pydoc
+  import typing
+
+  import orbax_mtc as mtc
+  from orbax_mtc.forms import arguments
+
+  overloads = typing.get_overloads(mtc.CheckpointManager.__init__)
+  assert len(overloads) == 2
+  for overload, bound in zip(overloads, (arguments.MULTI_TIER_SIGNATURE,
+                                         arguments.PARENT_STYLE_SIGNATURE), strict=True):
+    params = list(inspect.signature(overload).parameters.values())[1:]  # without self
+    assert [(p.name, p.kind, p.default, p.annotation) for p in params] == \
+        [(p.name, p.kind, p.default, p.annotation) for p in bound.parameters.values()]
+    assert all(p.annotation is not inspect.Parameter.empty for p in params)
+  text = pydoc.render_doc(mtc.CheckpointManager, renderer=pydoc.plaintext)
+  for fragment in ("local_directory: epath.PathLike,", "global_mesh: jax.sharding.Mesh,",
+                   "persistent_non_replicated_directory: epath.PathLike | None = None",
+                   "options: ocp.CheckpointManagerOptions | None = None",
+                   "local_options: LocalCheckpointOptions | None = None"):
+    assert fragment in text, fragment
+
+
+def test_the_public_api_is_typed():
+  """Every public function, method and property of what `orbax_mtc` exports has its
+  parameters and its return annotated (IDEs, type checkers and `help()` show them)."""
+  import inspect
+
+  import orbax_mtc as mtc
+
+  functions = []
+  for name in mtc.__all__:
+    exported = getattr(mtc, name)
+    if inspect.isclass(exported):
+      functions += [(f"{name}.{attr}", member.fget if isinstance(member, property) else member)
+                    for attr, member in vars(exported).items()
+                    if (attr == "__init__" or not attr.startswith("_"))
+                    and (isinstance(member, property) or inspect.isfunction(member))]
+    elif inspect.ismodule(exported):
+      functions += [(f"{name}.{attr}", member) for attr, member in vars(exported).items()
+                    if not attr.startswith("_") and inspect.isfunction(member)
+                    and member.__module__ == exported.__name__]
+    elif inspect.isfunction(exported):
+      functions.append((name, exported))
+  assert "CheckpointManager.restore" in dict(functions)
+  untyped = []
+  for name, function in functions:
+    signature = inspect.signature(function)
+    params = [p for p in signature.parameters.values() if p.name not in ("self", "cls")
+              and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if signature.return_annotation is inspect.Signature.empty or any(
+        p.annotation is inspect.Parameter.empty for p in params):
+      untyped.append(name)
+  assert not untyped, untyped

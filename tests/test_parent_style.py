@@ -81,11 +81,18 @@ def test_choose_form_tells_the_two_forms_apart(tmp_path):
       constructor.MULTI_TIER
   assert form((), {"directory": tmp_path, "item_names": ("a",)}, opts) == \
       constructor.PARENT_STYLE
+  # Orbax's own emergency options mean the multi-tier form too (converted there).
+  from orbax.checkpoint.experimental.emergency import checkpoint_manager as emergency
+  assert form((tmp_path,), {"options": emergency.CheckpointManagerOptions()}, opts) == \
+      constructor.MULTI_TIER
 
 
 def test_wrong_mixes_get_clear_errors(shm_dir, mesh):
   with pytest.raises(TypeError, match="multi-tier form.*persistent_directory"):
     mtc.CheckpointManager(shm_dir / "p", options=mtc.CheckpointManagerOptions())
+  from orbax.checkpoint.experimental.emergency import checkpoint_manager as emergency
+  with pytest.raises(TypeError, match="multi-tier form.*persistent_directory"):
+    mtc.CheckpointManager(shm_dir / "p", options=emergency.CheckpointManagerOptions())
   with pytest.raises(TypeError, match="parent-style form takes options=ocp"):
     mtc.CheckpointManager(shm_dir / "p", options=mtc.PersistentCheckpointOptions())
   with pytest.raises(ValueError, match="global_mesh, local_options only apply to a RAM tier"):
@@ -203,6 +210,33 @@ def test_restore_comes_from_ram_bit_exact(shm_dir, mesh, managers):
   restored = mgr.restore(3, args=ocp.args.PyTreeRestore(restore_args=cast))
   assert mgr.last_restore is None
   assert all(x.dtype == np.float32 for x in jax.tree.leaves(restored))
+
+
+def test_a_target_of_another_dtype_restores_as_the_parent(shm_dir, mesh, managers):
+  """Issue 44: `StandardRestore` of another dtype casts (Orbax builds restore args from the
+  target), and the RAM tier serves it with the same bits; `PyTreeRestore(item=...)` without
+  restore args keeps the saved dtypes in Orbax, so that restore stays the parent's."""
+  options = ocp.CheckpointManagerOptions(save_interval_steps=1)
+  ours = managers(mtc.CheckpointManager(shm_dir / "ours", options=options,
+                                        local_directory=shm_dir / "ram"))
+  theirs = managers(ocp.CheckpointManager(shm_dir / "theirs", options=options))
+  state = _array_state(mesh, 3)
+  for mgr in (ours, theirs):
+    mgr.save(3, args=ocp.args.Composite(a=ocp.args.PyTreeSave(state),
+                                        b=ocp.args.StandardSave(state)))
+    mgr.wait_until_finished()
+  bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, jax.numpy.bfloat16 if x.dtype == np.float32 else x.dtype, sharding=x.sharding),
+      abstract_of(state))
+  for name, args, tier in (("b", ocp.args.StandardRestore(bf16), "local"),
+                           ("a", ocp.args.PyTreeRestore(bf16), None)):
+    ours.last_restore = None
+    got = ours.restore(3, args=ocp.args.Composite(**{name: args}))[name]
+    want = theirs.restore(3, args=ocp.args.Composite(**{name: args}))[name]
+    assert_trees_equal(got, want)
+    assert getattr(ours.last_restore, "tier", None) == tier, name
+  assert got["params"]["w"].dtype == np.float32  # PyTreeRestore(item) does not cast
+  assert want["params"]["w"].dtype == np.float32
 
 
 def test_a_fresh_manager_restores_from_ram_and_survives_corruption(shm_dir, mesh, managers):

@@ -143,9 +143,10 @@ def test_a_second_build_takes_the_folder_over(shm_dir, tmp_path):
         first.writer.submit(lambda: None)  # its writer refuses work
       record = agreement.StartRecord()
       with pytest.raises(mtc.LocalDirectoryTakenOverError):
-        first.ledger.agree(record, "a save")  # it agrees nothing any more ...
-      assert first.ledger.agree_listing(record, "listing") == [record]  # ... but lists
-      assert second.ledger.agree(record, "a save") == [record]
+        first.ledger.summarize(record, "a save")  # it agrees nothing any more ...
+      first.ledger.agree_steps("listing")  # ... but lists
+      assert first.ledger.ram == (1,)
+      assert not second.ledger.summarize(record, "a save").own_faults
       second.delete_local([1])  # the newer set owns the folder
       assert not (shm_dir / "local" / "1").exists()
     finally:

@@ -12,7 +12,6 @@ import stat
 import time
 from pathlib import Path
 
-import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from conftest import make_state
@@ -27,9 +26,6 @@ from orbax_mtc.save import ondemand, preemption
 from orbax_mtc.save.ram import RamSaver
 from orbax_mtc.save.retention import RamRetention
 
-_KINDS = {agreement.row_size(t): t for t in (
-    agreement.SaveRecord, agreement.FinishRecord, agreement.OnDemandRecord)}
-assert len(_KINDS) == 3  # the fake all-gather tells the records apart by their width
 _WHAT = "the on-demand save of step 7"
 _SPENT = "grace budget is spent"
 
@@ -43,17 +39,6 @@ class _Cluster:
     self.other: dict[type, dict] = {}
     self.sent: list[tuple[str, object]] = []
 
-  def allgather(self, row: np.ndarray, what: str) -> np.ndarray:
-    kind = _KINDS[row.size]
-    mine = agreement.decode(kind, row)
-    self.sent.append((what, mine))
-    self.log.append(("agree", what))
-    theirs = dataclasses.replace(mine, **{"fault": agreement.Fault(),
-                                          **self.other.get(kind, {})})
-    rows = [agreement.encode(theirs)]
-    rows.insert(self.me, row)
-    return np.stack(rows)
-
   def reduce(self, rnd: reduction.Round, what: str) -> reduction.Parts:
     """The save agreement's rounds: both processes' contributions from their records."""
     mine = rnd.record
@@ -61,7 +46,7 @@ class _Cluster:
       self.sent.append((what, mine))
       self.log.append(("agree", what))
     # A listing census (no step) stands for the FinishRecord agreement.
-    kind = agreement.FinishRecord if mine.step < 0 else type(mine)
+    kind = agreement.FinishRecord if getattr(mine, "step", 0) < 0 else type(mine)
     theirs = dataclasses.replace(mine, **{"fault": agreement.Fault(),
                                           **self.other.get(kind, {})})
     records = [theirs]
@@ -178,7 +163,7 @@ def rig(shm_dir, mesh, monkeypatch):
     writer = RamWriter(local, me, 2, asynchronous=asynchronous, on_error=unreported.offer)
     persistent = _Persistent()
     backups, copies = _Backups(log, persistent), _Peers(log, local, peers)
-    ledger = StepLedger(process_count=2, allgather=cluster.allgather, process_index=me,
+    ledger = StepLedger(process_count=2, process_index=me,
                         reduce=cluster.reduce, own_steps=local.steps,
                         copies=lambda own: [], persistent_steps=persistent.steps,
                         listing_groups=lambda: None, keep=retention.kept,

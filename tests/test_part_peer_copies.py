@@ -66,21 +66,6 @@ class FakeWriter:
     return self.status
 
 
-class FakeAllgather:
-  """Stacks `count` rows: this process's row, unless `rows(row)` gives other rows."""
-
-  def __init__(self, count: int, rows=None):
-    self.count = count
-    self.rows = rows
-    self.seen: list[np.ndarray] = []
-
-  def __call__(self, row: np.ndarray) -> np.ndarray:
-    self.seen.append(np.asarray(row).copy())
-    if self.rows is not None:
-      return np.stack(self.rows(np.asarray(row)))
-    return np.stack([np.asarray(row)] * self.count)
-
-
 class FakeAllreduce:
   """The reduction of `count` processes: each says what this one says, except in the status
   round, where process p's state is `states[p]` when given (its sizes all 0)."""
@@ -131,14 +116,13 @@ GRID_2X2 = [[0, 1], [2, 3]]  # replicas (0, 1) and (2, 3) along "data"
 
 
 def make(options=None, *, index=0, count=1, local=None, store=None, writer=None,
-         allgather=None, send=True, optional=False, allreduce=None):
+         send=True, optional=False, allreduce=None):
   writer = writer or FakeWriter()
-  allgather = allgather or FakeAllgather(count)
+  allreduce = allreduce or FakeAllreduce(count)
   peers = PeerCopies(options or mtc.CheckpointManagerOptions(), index, count,
-                     local=local, store=store, writer=writer, allgather=allgather,
-                     send=send, optional=optional,
-                     allreduce=allreduce or FakeAllreduce(count))
-  return peers, writer, allgather
+                     local=local, store=store, writer=writer, send=send, optional=optional,
+                     allreduce=allreduce)
+  return peers, writer, allreduce
 
 
 @pytest.fixture
@@ -153,15 +137,15 @@ def tiers(tmp_path):
 
 
 def test_before_set_mesh_nothing_is_known(tiers):
-  peers, writer, allgather = make(local=tiers[0], store=tiers[1])
+  peers, writer, allreduce = make(local=tiers[0], store=tiers[1])
   assert (peers.mesh, peers.replica_axis, peers.topology, peers.replicator) == (None,) * 4
   assert not peers.enabled and peers.in_primary_slice
   assert peers.pending_step is None and peers.last_bytes_sent == 0
-  assert writer.calls == [] and allgather.seen == []
+  assert writer.calls == [] and allreduce.seen == []
 
 
 def test_single_process_names_the_axis_but_sends_nothing(mesh, tiers):
-  peers, writer, allgather = make(local=tiers[0], store=tiers[1])
+  peers, writer, allreduce = make(local=tiers[0], store=tiers[1])
   peers.set_mesh(mesh)
   assert peers.mesh is mesh
   assert peers.replica_axis == "data"  # replica_axis_index 0: the first axis
@@ -177,7 +161,7 @@ def test_single_process_names_the_axis_but_sends_nothing(mesh, tiers):
   assert peers.pending_step is None and peers.last_bytes_sent == 0
   assert peers.listing_groups({"w": state["w"]}, lambda leaf: True) is None
   # With no peers, nothing waits for, drains or asks the writer; nothing is gathered.
-  assert writer.calls == [] and allgather.seen == []
+  assert writer.calls == [] and allreduce.seen == []
 
 
 @pytest.mark.parametrize("replication, index, want", [
@@ -240,7 +224,7 @@ def test_shard_sets_are_cached_per_sharding(mesh):
 def test_two_replicas_topology_and_replicator(index, primary):
   options = mtc.CheckpointManagerOptions(
       replication=mtc.ReplicationOptions(chunk_mib=2, chunks_in_flight=3))
-  peers, writer, allgather = make(options, index=index, count=4)
+  peers, writer, allreduce = make(options, index=index, count=4)
   peers.set_mesh(fake_mesh(GRID_2X2))
   topo = peers.topology
   assert peers.replica_axis == "data"
@@ -249,10 +233,10 @@ def test_two_replicas_topology_and_replicator(index, primary):
   assert peers.in_primary_slice is primary and peers.enabled
   replicator = peers.replicator
   assert replicator.topology is topo and replicator.me == index
-  assert replicator._allgather is allgather and replicator._writer is writer.executor
+  assert replicator._allreduce is allreduce and replicator._writer is writer.executor
   assert (replicator._chunk_bytes, replicator._window) == (2 << 20, 3)
   assert peers.pending_step is None and peers.last_bytes_sent == 0
-  assert writer.calls == [] and allgather.seen == []  # set_mesh moves nothing
+  assert writer.calls == [] and allreduce.seen == []  # set_mesh moves nothing
 
 
 def test_one_replica_is_the_primary_slice_everywhere():
@@ -263,14 +247,14 @@ def test_one_replica_is_the_primary_slice_everywhere():
 
 
 def test_managed_mode_builds_the_topology_but_sends_nothing():
-  peers, writer, allgather = make(index=2, count=4, send=False)
+  peers, writer, allreduce = make(index=2, count=4, send=False)
   peers.set_mesh(fake_mesh(GRID_2X2))
   assert peers.topology.replicas == ((0, 1), (2, 3)) and not peers.in_primary_slice
   assert peers.replicator is None and not peers.enabled
   peers.schedule(5, {})
   peers.finish()
   assert peers.pending_step is None and peers.last_bytes_sent == 0
-  assert writer.calls == [] and allgather.seen == []
+  assert writer.calls == [] and allreduce.seen == []
 
 
 def test_no_peers_per_node_means_no_replicator():
@@ -368,7 +352,7 @@ def test_stale_sources_dropped_once_after_the_first_copies_are_out():
   # The local tier as the sender reads it: never read here, as process 0 sends nothing.
   local = types.SimpleNamespace(directory=pathlib.Path("unused"), manifest=lambda step: None,
                                 keep_floor=None, apply_retention=apply_retention)
-  peers, _, allgather = make(options, index=0, count=4, local=local, store=store,
+  peers, _, _ = make(options, index=0, count=4, local=local, store=store,
                              writer=writer)
   peers.set_mesh(fake_mesh(GRID_2X2))
   assert peers.topology.held_by(0) == (1,)
@@ -410,8 +394,10 @@ def test_a_local_save_leaves_the_previous_copies_moving_and_agrees_them_at_the_n
   peers, _, _ = make(options, index=0, count=4, local=local, store=store, writer=writer,
                      allreduce=allreduce)
   peers.set_mesh(fake_mesh(GRID_2X2))
+  assert not peers.busy
   peers.schedule(4, {})
   assert writer.prepared == [4]  # its streams are read ahead behind its write
+  assert peers.busy  # a continuous policy waits: the step's copies are not out
   peers.issue()
   replicator = peers.replicator
   assert replicator.pending_step == 4 and replicator.unissued_step is None
@@ -419,7 +405,7 @@ def test_a_local_save_leaves_the_previous_copies_moving_and_agrees_them_at_the_n
   assert rounds == 2
   assert replicator.finished_steps == 0 and store.calls == []
   assert ("wait",) not in writer.calls  # the new step's write goes on meanwhile
-  assert not peers.moving  # empty streams: nothing is on its way
+  assert not peers.moving and not peers.busy  # empty streams: nothing is on its way
   peers.schedule(6, {})  # the next step may be scheduled while 4 lands
   peers.settle()
   assert len(allreduce.seen) == rounds + 1 and replicator.finished_steps == 1

@@ -12,8 +12,7 @@ from conftest import abstract_of, assert_trees_equal, make_state
 from orbax.checkpoint import checkpoint_managers as policies
 
 import orbax_mtc
-from orbax_mtc import agreement
-from orbax_mtc.agreement import Status
+from orbax_mtc import agreement, summary
 from orbax_mtc.persistent.tier import AgreedPreemptionManager, PersistentTier
 
 _STATE = {"w": np.arange(6, dtype=np.float32), "n": np.int32(3)}
@@ -50,7 +49,7 @@ class _Agree:
 
   def __call__(self, record, what):
     self.calls.append((record, what))
-    return [record, *self.others]
+    return summary.simulate([record, *self.others])
 
 
 def _saved(tier: PersistentTier, *steps: int) -> PersistentTier:
@@ -104,20 +103,20 @@ def test_restore_round_trips_a_sharded_jax_state(tmp_path, tiers, mesh):
 
 def test_delete_when_every_process_sees_the_step(tmp_path, tiers):
   tier = _saved(tiers(tmp_path / "p"), 1, 2)
-  agree = _Agree(agreement.OutcomeRecord(status=Status.OK))  # two processes
+  agree = _Agree(agreement.OutcomeRecord())  # two processes
   tier.delete(1, agree)
-  assert agree.calls == [(agreement.OutcomeRecord(status=Status.OK, message=""), "delete(1)")]
+  assert agree.calls == [(agreement.OutcomeRecord(), "delete(1)")]
   assert tier.steps() == [2] and not (tmp_path / "p" / "1").exists()
 
 
 def test_delete_refused_when_another_process_does_not_see_the_step(tmp_path, tiers):
   tier = _saved(tiers(tmp_path / "p"), 1, 2)
-  agree = _Agree(agreement.OutcomeRecord(status=Status.FAILED,
-                                         message="FileNotFoundError: not in its view"))
+  agree = _Agree(agreement.OutcomeRecord(
+      fault=agreement.Fault("FileNotFoundError", "not in its view")))
   with pytest.raises(orbax_mtc.CheckpointError, match=r"delete\(1\)") as raised:
     tier.delete(1, agree)
   assert raised.value.origins == {1: "FileNotFoundError: not in its view"}
-  assert agree.calls[0][0].status == Status.OK  # this process does see it
+  assert not agree.calls[0][0].fault.present  # this process does see it
   assert tier.steps() == [1, 2] and (tmp_path / "p" / "1").is_dir()
 
 
@@ -126,9 +125,9 @@ def test_delete_of_a_step_this_process_does_not_see_is_agreed_and_raised(tmp_pat
   agree = _Agree()
   with pytest.raises(orbax_mtc.CheckpointError) as raised:
     tier.delete(9, agree)
-  record = agree.calls[0][0]
-  assert record.status == Status.FAILED
-  assert record.message.startswith("FileNotFoundError: step 9 is not in its view of ")
+  fault = agree.calls[0][0].fault
+  assert fault.kind == "FileNotFoundError"
+  assert fault.message.startswith("step 9 is not in its view of ")
   assert list(raised.value.origins) == [0]
   assert tier.steps() == [1] and (tmp_path / "p" / "1").is_dir()
 
@@ -153,8 +152,8 @@ def test_delete_agrees_a_failure_to_read_the_folder(tmp_path, tiers, monkeypatch
   agree = _Agree()
   with pytest.raises(orbax_mtc.CheckpointError, match="volume gone"):
     tier.delete(3, agree)
-  assert agree.calls[0][0] == agreement.OutcomeRecord(status=Status.FAILED,
-                                                      message="OSError: volume gone")
+  assert agree.calls[0][0] == agreement.OutcomeRecord(
+      fault=agreement.Fault("OSError", "volume gone"))
   assert tier.steps() == [1]
 
 

@@ -8,7 +8,6 @@ import dataclasses
 import types
 from pathlib import Path
 
-import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from conftest import make_state
@@ -24,9 +23,6 @@ from orbax_mtc.reduction import Who
 from orbax_mtc.save.ram import RamSaver
 from orbax_mtc.save.retention import RamRetention
 
-_KINDS = {agreement.row_size(t): t for t in (agreement.SaveRecord, agreement.FinishRecord)}
-assert len(_KINDS) == 2  # the fake all-gather tells the records apart by their width
-
 
 class _Cluster:
   """This process sits at index `me`; each other process answers an agreement with this
@@ -36,17 +32,6 @@ class _Cluster:
     self.count, self.me, self.log = count, me, log
     self.others: dict[type, list[dict]] = {}
     self.sent: list[tuple[str, object]] = []  # (what, this process's decoded record)
-
-  def allgather(self, row: np.ndarray, what: str) -> np.ndarray:
-    kind = _KINDS[row.size]
-    mine = agreement.decode(kind, row)
-    self.sent.append((what, mine))
-    self.log.append(("agree", what))
-    changes = self.others.get(kind, [{}] * (self.count - 1))
-    rows = [agreement.encode(dataclasses.replace(mine, **{"fault": agreement.Fault(), **c}))
-            for c in changes]
-    rows.insert(self.me, row)
-    return np.stack(rows)
 
   def reduce(self, rnd: reduction.Round, what: str) -> reduction.Parts:
     """The save agreement's rounds: every process's contribution from its record."""
@@ -142,7 +127,7 @@ def rig(shm_dir):
     unreported = UnreportedError()
     writer = RamWriter(local, me, count, asynchronous=asynchronous, on_error=unreported.offer)
     persistent, backups, peers = _Persistent(), _Backups(log), _Peers(log)
-    ledger = StepLedger(process_count=count, allgather=cluster.allgather, process_index=me,
+    ledger = StepLedger(process_count=count, process_index=me,
                         reduce=cluster.reduce,
                         own_steps=local.steps, copies=lambda own: [],
                         persistent_steps=persistent.steps, listing_groups=lambda: None,

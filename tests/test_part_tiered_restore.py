@@ -12,7 +12,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 import pytest
 
-from orbax_mtc import agreement, reduction
+from orbax_mtc import agreement, reduction, summary
 from orbax_mtc.agreement import Status
 from orbax_mtc.local import format as local_format
 from orbax_mtc.restore.executor import RamRestoreResult
@@ -103,9 +103,9 @@ class _Ledger:
   def process_count(self) -> int:
     return 1 if self.outcomes is None else len(self.outcomes)
 
-  def agree(self, record, what):
-    self.log.append(("ledger.agree", what))
-    return [record]
+  def summarize(self, record, what):
+    self.log.append(("ledger.summarize", what))
+    return summary.simulate([record])
 
   def reduce(self, rnd, what):
     self.log.append(("ledger.reduce", what))
@@ -134,15 +134,15 @@ class _Rig:
     self.tiers = TieredRestore(ram=self.ram, persistent=self.persistent, local=self.local,
                                store=_Store(self.log), writer=_Writer(self.log),
                                ledger=self.ledger, delete_local=self._delete_local,
-                               agree=self._agree)
+                               summarize=self._summarize)
 
   def _delete_local(self, steps):
     self.log.append(("delete_local", list(steps)))
     self.local.held = [s for s in self.local.held if s not in steps]
 
-  def _agree(self, record, what):
+  def _summarize(self, record, what):
     self.agreed.append((record, what))
-    return [record, *(self.entries or [])]
+    return summary.simulate([record, *(self.entries or [])])
 
   def restore(self, step):
     return self.tiers.restore(step, _TARGETS, True)

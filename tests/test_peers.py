@@ -158,6 +158,15 @@ def test_lost_node_recovers_from_ram_at_newest_step(mixed_run, shm_root, tmp_pat
   verify_copy(shm_root, 3, 1, 10)  # and node 3 a copy of node 1's rewritten step
 
 
+def test_lost_node_restores_a_cast_target_from_its_peer(mixed_run, shm_root, tmp_path):
+  """Issue 44: a target of another dtype (float32 leaves asked for as bfloat16) is cast from
+  a twin's folder or a peer's copy too, as Orbax casts; a cast restore writes nothing back."""
+  persistent = clone(mixed_run, shm_root, tmp_path, wipe=(1,))
+  out = restore(mixed_run, shm_root, persistent, "--cast-to", "bfloat16")
+  assert restored(out) == expect(10, peer_nodes=(1,))
+  assert committed_steps(shm_root / "node1") == []
+
+
 def test_whole_replica_lost_recovers_from_the_other_replica(mixed_run, shm_root, tmp_path):
   persistent = clone(mixed_run, shm_root, tmp_path, wipe=(0, 1))
   out = restore(mixed_run, shm_root, persistent)

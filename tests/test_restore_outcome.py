@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from orbax_mtc import reduction
+from orbax_mtc import reduction, topology
 from orbax_mtc.agreement import BuildRecord, ServeRecord, Status
 from orbax_mtc.peers import exchange
 from orbax_mtc.restore import outcome
@@ -109,16 +109,29 @@ def test_the_exchange_agrees_the_gathered_status_and_every_stream(seed):
   assert served.streams == len(expected)
   if served.streams:
     assert served.early is None
-    first = len(rounds)
     assert served.most == max(len([n for n in s.values() if n > 0]) for s in sends_of)
-    for most in (served.most, 300):  # uint8 counts, and int32 past 255 streams a process
-      streams = exchange.agree_streams(sends_of[0], 0, processes, served.streams, served.bits,
-                                       most, reduce)
-      assert sorted((s.source, s.destination, s.nbytes) for s in streams) == expected
-    # The rounds' sizes are the formula's: status, counts (a byte a process), slots.
-    sizes = [r.nbytes for r in rounds[:1] + rounds[first:first + 2]]
-    assert sum(reduction.received_bytes(v, processes) for v in sizes) == \
-        outcome.exchange_bytes(processes, served.streams, served.bits, served.most)
+    edges = sorted((p, d) for p, d, _ in expected)
+    size = {(p, d): n for p, d, n in expected}
+    for me in sorted({0, processes - 1, rng.randrange(processes)}):
+      for most in (served.most, 300):  # a wider count field than needed agrees the same
+        before = len(rounds)
+        plan = exchange.agree_streams(sends_of[me], me, processes, served.streams,
+                                      served.bits, most, reduce)
+        assert sorted((s.source, s.destination) for s in plan.streams) == edges
+        assert plan.rounds == topology.transfer_rounds(edges)
+        unit = 1 << max(12, served.bits + 1 - 30)
+        for round_edges in plan.rounds:
+          bound = max(-(-(size[e] + exchange.FRAME) // unit) * unit for e in round_edges)
+          for s in (s for s in plan.streams if (s.source, s.destination) in round_edges):
+            framed = size[(s.source, s.destination)] + exchange.FRAME
+            # Its own streams at their size, the others' at the round's largest.
+            assert s.nbytes == (framed if s.source == me else bound)
+        if most == served.most:
+          # The rounds' sizes are the formula's: status, counts, destinations, largest.
+          sizes = [r.nbytes for r in rounds[:1] + rounds[before:before + 3]]
+          assert sum(reduction.received_bytes(v, processes) for v in sizes) == \
+              outcome.exchange_bytes(processes, served.streams, served.most,
+                                     len(plan.rounds))
   elif any(s.early.status == Status.NONE for s in serves):
     assert served.early is None
   else:

@@ -4,15 +4,58 @@
 # shellcheck source=../run.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../run.sh"
 
-# The bucket holds the replicator's backups; without hierarchical namespace they fail.
+# The bucket holds the replicator's backups; without hierarchical namespace they fail, and a
+# bucket cannot be given it later: an existing bucket without it stops the set-up here.
 create_bucket() {
-  if [[ -z "${DRY_RUN:-}" ]] && gcloud storage buckets describe "gs://${BUCKET}" \
-      --project="${PROJECT_ID}" >/dev/null 2>&1; then
-    echo "bucket gs://${BUCKET} exists (it must have hierarchical namespace enabled)"
+  local hns
+  if [[ -z "${DRY_RUN:-}" ]] && hns="$(gcloud storage buckets describe "gs://${BUCKET}" \
+      --project="${PROJECT_ID}" --raw --format='value(hierarchicalNamespace.enabled)' \
+      2>/dev/null)"; then
+    if [[ "${hns,,}" != "true" ]]; then
+      echo "bucket gs://${BUCKET} exists without hierarchical namespace, which multi-tier" \
+        "checkpointing needs and an existing bucket cannot be given: choose another name" \
+        "(BUCKET=... and orbax-mtc size --render ... --bucket ...) for a new bucket" >&2
+      exit 1
+    fi
+    echo "bucket gs://${BUCKET} exists, with hierarchical namespace"
     return
   fi
   run gcloud storage buckets create "gs://${BUCKET}" --project="${PROJECT_ID}" \
     --location="${REGION}" --uniform-bucket-level-access --enable-hierarchical-namespace
+}
+
+# Capacity of the accelerator node pools (default: on-demand): SPOT=1 (--spot: Spot VMs,
+# preempted at any time; JobSet restarts the job, which resumes from its checkpoint) or
+# RESERVATION=NAME (--reservation-affinity=specific --reservation=NAME; a shared reservation
+# of another project is projects/PROJECT/reservations/NAME). Sets CAPACITY_FLAGS.
+capacity_flags() {
+  CAPACITY_FLAGS=()
+  if [[ "${SPOT:-0}" == "1" && -n "${RESERVATION:-}" ]]; then
+    echo "SPOT=1 and RESERVATION=${RESERVATION} exclude each other: choose one" >&2
+    exit 2
+  fi
+  if [[ "${SPOT:-0}" == "1" ]]; then
+    CAPACITY_FLAGS+=(--spot)
+  elif [[ -n "${RESERVATION:-}" ]]; then
+    CAPACITY_FLAGS+=(--reservation-affinity=specific --reservation="${RESERVATION}")
+  fi
+}
+
+# The JobSet's image must be one the nodes can pull. A name without a registry (the default
+# maxtext-orbax-mtc:latest is the local tag of configs/Dockerfile) makes them ask Docker Hub,
+# where no such image is: the pods stay in ErrImagePull.
+warn_unpullable_image() {
+  local jobset="${RENDERED}/jobset-maxtext.yaml" image repository
+  [[ -f "${jobset}" ]] || return 0
+  image="$(sed -n 's/^[[:space:]]*image:[[:space:]]*//p' "${jobset}" | head -n 1)"
+  repository="${image%%@*}"
+  repository="${repository%:*}"
+  if [[ -n "${image}" && "${repository}" != */* ]]; then
+    echo "warning: the JobSet's image ${image} names no registry, so the nodes would pull it" \
+      "from Docker Hub and fail (ErrImagePull). Push the image built from configs/Dockerfile" \
+      "to a registry they can read (Artifact Registry) and render again with" \
+      "--image REGISTRY/PATH/${repository}:TAG (configs/README.md)." >&2
+  fi
 }
 
 # The HighScaleCheckpointing add-on is multi-tier checkpointing; it needs the Cloud Storage
@@ -117,6 +160,7 @@ apply_manifests() {
   run kubectl apply -f "${RENDERED}/checkpoint-configuration.yaml"
   # The driver and replicator pods of the add-on appear here once the nodes are selected.
   run kubectl get pods -n gke-managed-checkpointing
+  warn_unpullable_image
   echo "next: kubectl apply -f ${RENDERED}/jobset-maxtext.yaml"
 }
 

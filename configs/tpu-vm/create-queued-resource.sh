@@ -24,7 +24,14 @@ SLICES="${SLICES:-1}"                           # > 1: a multislice job
 # then goes through `gcloud alpha`; 0: the GA `gcloud compute tpus queued-resources create`
 # (no SIGTERM before maintenance: only the RAM steps, peers and backups protect the run).
 AUTOCHECKPOINT="${AUTOCHECKPOINT:-1}"
-# e.g. --spot, --reserved, --valid-until-duration=6h (GA); --best-effort needs alpha
+# Capacity (default: on-demand). SPOT=1: Spot TPUs (--spot), preempted at any time; orbax-mtc
+# and the launcher's restart loop resume the job. RESERVED=1: the project's reserved capacity
+# (--reserved). RESERVATION=NAME: one named reservation (--reservation, alpha track only, so
+# the request goes through `gcloud alpha` then too).
+SPOT="${SPOT:-0}"
+RESERVED="${RESERVED:-0}"
+RESERVATION="${RESERVATION:-}"
+# e.g. --valid-until-duration=6h (GA); --best-effort needs alpha
 EXTRA_ARGS="${EXTRA_ARGS:-}"
 
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -34,15 +41,25 @@ if ((SLICES == 1)); then
 else
   nodes=(--node-prefix="${JOB_NAME}" --node-count="${SLICES}")
 fi
+if [[ "${SPOT}" == "1" && ( "${RESERVED}" == "1" || -n "${RESERVATION}" ) ]]; then
+  echo "SPOT=1 and a reservation (RESERVED=1 or RESERVATION) exclude each other: choose one" >&2
+  exit 2
+fi
+capacity=()
+[[ "${SPOT}" == "1" ]] && capacity+=(--spot)
+[[ "${RESERVED}" == "1" && -z "${RESERVATION}" ]] && capacity+=(--reserved)
+[[ -n "${RESERVATION}" ]] && capacity+=(--reservation="${RESERVATION}")
 gcloud_track=(gcloud)
-if [[ "${AUTOCHECKPOINT}" == "1" ]]; then
+if [[ "${AUTOCHECKPOINT}" == "1" || -n "${RESERVATION}" ]]; then
   gcloud_track+=(alpha)
+fi
+if [[ "${AUTOCHECKPOINT}" == "1" ]]; then
   nodes+=(--autocheckpoint-enabled)
 fi
 # shellcheck disable=SC2086  # EXTRA_ARGS holds several flags
 run "${gcloud_track[@]}" compute tpus queued-resources create "${QUEUED_RESOURCE_ID}" \
   --project="${PROJECT_ID}" --zone="${ZONE}" \
   --accelerator-type="${ACCELERATOR_TYPE}" --runtime-version="${RUNTIME_VERSION}" \
-  "${nodes[@]}" ${EXTRA_ARGS}
+  "${nodes[@]}" ${capacity[@]+"${capacity[@]}"} ${EXTRA_ARGS}
 echo "wait for ACTIVE: gcloud compute tpus queued-resources describe" \
   "${QUEUED_RESOURCE_ID} --project=${PROJECT_ID} --zone=${ZONE}"

@@ -6,8 +6,12 @@
 #   PROJECT_ID=my-project ZONE=us-east5-b JOB_NAME=my-job SLICES=2 BUCKET=my-ckpt-bucket \
 #     RAMDISK_GI=36 bash configs/tpu-vm/launch-maxtext.sh
 #
-# Needs MaxText and orbax-mtc installed on the workers (in MAXTEXT_DIR). After a maintenance
-# event, run it again: each host restores from its RAM, a peer's copy, or the bucket.
+# Needs MaxText and orbax-mtc installed on the workers (in MAXTEXT_DIR). Training runs detached
+# under supervise.sh on every worker (a systemd unit by default): a dropped ssh connection does
+# not end it, and it is started again after any end but a finished run (a crash, a lost peer,
+# the preemption step, which ends with status 75 here: mtc_preemption_exit_code) and after the
+# VM is restarted for maintenance; each start restores from its RAM, a peer's copy, or the
+# bucket. ACTION=status shows each worker's state and log, ACTION=stop stops the job.
 # Every setting is an environment variable with a default; DRY_RUN=1 prints the commands.
 set -euo pipefail
 
@@ -27,8 +31,9 @@ MAXTEXT_ARGS="${MAXTEXT_ARGS:-dataset_type=synthetic steps=10000}"   # model, da
 
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-run_on_all_workers "cd ${MAXTEXT_DIR} && ${PYTHON} -m maxtext_patch.train \
+supervise_on_all_workers "${JOB_NAME}" "cd ${MAXTEXT_DIR} && ${PYTHON} -m maxtext_patch.train \
 src/maxtext/configs/base.yml run_name=${JOB_NAME} base_output_directory=gs://${BUCKET} \
 enable_emergency_checkpoint=true local_checkpoint_directory=${LOCAL_DIR} \
 local_checkpoint_period=${LOCAL_PERIOD} checkpoint_period=${CHECKPOINT_PERIOD} \
-mtc_peers_per_node=${PEERS} enable_autocheckpoint=true ${MAXTEXT_ARGS}"
+mtc_peers_per_node=${PEERS} enable_autocheckpoint=true mtc_preemption_exit_code=75 \
+${MAXTEXT_ARGS}"

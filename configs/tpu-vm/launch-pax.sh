@@ -6,8 +6,11 @@
 #   PROJECT_ID=my-project ZONE=us-east5-b JOB_NAME=my-job BUCKET=my-ckpt-bucket \
 #     EXP=tasks.lm.params.lm_cloud.LmCloudSpmd2B RAMDISK_GI=36 bash configs/tpu-vm/launch-pax.sh
 #
-# Needs paxml and orbax-mtc installed on the workers. After a maintenance event, run it
-# again: each host restores from its RAM, a peer's copy, or gs://BUCKET/JOB_NAME.
+# Needs paxml and orbax-mtc installed on the workers. Training runs detached under
+# supervise.sh on every worker (a systemd unit by default) and is started again after any end
+# but a finished run (Pax ends with status 1 after the on-demand checkpoint) and after the VM
+# is restarted for maintenance: each start restores from its RAM, a peer's copy, or
+# gs://BUCKET/JOB_NAME. ACTION=status shows each worker's state and log, ACTION=stop stops it.
 # Every setting is an environment variable with a default; DRY_RUN=1 prints the commands.
 set -euo pipefail
 
@@ -25,7 +28,7 @@ PYTHON="${PYTHON:-python3}"
 
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-run_on_all_workers "${PYTHON} -m pax_patch.main --exp=${EXP} \
+supervise_on_all_workers "${JOB_NAME}" "${PYTHON} -m pax_patch.main --exp=${EXP} \
 --job_log_dir=gs://${BUCKET}/${JOB_NAME} --jax_fully_async_checkpoint=1 \
 --exit_after_ondemand_checkpoint=1 --mtc_local_checkpoint_dir=${LOCAL_DIR} \
 --mtc_local_save_interval_steps=${LOCAL_PERIOD} --mtc_peers_per_node=${PEERS}"

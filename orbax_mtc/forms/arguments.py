@@ -15,8 +15,23 @@ from __future__ import annotations
 import hashlib
 import inspect
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from orbax_mtc import orbax_options
+
+if TYPE_CHECKING:
+  import jax
+  import orbax.checkpoint as ocp
+  from etils import epath
+  from orbax.checkpoint.experimental.emergency import checkpoint_manager as emergency
+
+  from orbax_mtc.options import (
+    CheckpointManagerOptions,
+    LocalCheckpointOptions,
+    ReplicationOptions,
+  )
 
 MULTI_TIER = "multi-tier"
 PARENT_STYLE = "parent-style"
@@ -25,27 +40,79 @@ PARENT_STYLE = "parent-style"
 # manager built without `local_directory` a RAM tier under this folder.
 LOCAL_ROOT_ENV = "ORBAX_MTC_PARENT_STYLE_LOCAL_ROOT"
 
-_P = inspect.Parameter
+
+# The two forms' parameters, annotated. Never called: their signatures bind a call
+# (`bind`), and `CheckpointManager.__init__`'s overloads repeat them for type checkers
+# (tests/test_manager_edges.py keeps the two the same).
 
 
-def _signature(positional: list[tuple[str, Any]], keyword_only: list[tuple[str, Any]]):
-  params = [_P(name, _P.POSITIONAL_OR_KEYWORD, default=default) for name, default in positional]
-  params += [_P(name, _P.KEYWORD_ONLY, default=default) for name, default in keyword_only]
-  return inspect.Signature(params)
+def multi_tier(
+    local_directory: epath.PathLike,
+    persistent_directory: epath.PathLike,
+    global_mesh: jax.sharding.Mesh,
+    abstract_state: Any,
+    *,
+    options: CheckpointManagerOptions | emergency.CheckpointManagerOptions | None
+    = None,
+    metadata: Mapping[str, Any] | None = None,
+    logger: ocp.logging.AbstractLogger | None = None,
+    item_handlers: ocp.CheckpointHandler | Mapping[str, ocp.CheckpointHandler] | None = None,
+    handler_registry: ocp.handlers.CheckpointHandlerRegistry | None = None,
+    persistent_non_replicated_directory: epath.PathLike | None = None,
+) -> None:
+  """Orbax's emergency `CheckpointManager` signature."""
 
 
-_REQUIRED = _P.empty
-MULTI_TIER_SIGNATURE = _signature(
-    [("local_directory", _REQUIRED), ("persistent_directory", _REQUIRED),
-     ("global_mesh", _REQUIRED), ("abstract_state", _REQUIRED)],
-    [("options", None), ("metadata", None), ("logger", None), ("item_handlers", None),
-     ("handler_registry", None), ("persistent_non_replicated_directory", None)])
-PARENT_STYLE_SIGNATURE = _signature(
-    [("directory", _REQUIRED), ("checkpointers", None), ("options", None), ("metadata", None),
-     ("item_names", None), ("item_handlers", None), ("logger", None),
-     ("handler_registry", None)],
-    [("local_directory", None), ("global_mesh", None), ("abstract_state", None),
-     ("local_options", None), ("replication_options", None), ("job_name", None)])
+def parent_style(
+    directory: epath.PathLike,
+    checkpointers: ocp.AbstractCheckpointer | Mapping[str, ocp.AbstractCheckpointer] | None
+    = None,
+    options: ocp.CheckpointManagerOptions | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    item_names: Sequence[str] | None = None,
+    item_handlers: ocp.CheckpointHandler | Mapping[str, ocp.CheckpointHandler] | None = None,
+    logger: ocp.logging.AbstractLogger | None = None,
+    handler_registry: ocp.handlers.CheckpointHandlerRegistry | None = None,
+    *,
+    local_directory: epath.PathLike | None = None,
+    global_mesh: jax.sharding.Mesh | None = None,
+    abstract_state: Any = None,
+    local_options: LocalCheckpointOptions | None = None,
+    replication_options: ReplicationOptions | None = None,
+    job_name: str | None = None,
+) -> None:
+  """`ocp.CheckpointManager`'s signature, and the keyword-only parameters of a RAM tier."""
+
+
+MULTI_TIER_SIGNATURE = inspect.signature(multi_tier)
+PARENT_STYLE_SIGNATURE = inspect.signature(parent_style)
+
+
+def describe(signature: inspect.Signature, indent: str = "") -> str:
+  """`signature` as Python spells it, annotations unquoted, one parameter a line (each line
+  after the first starts with `indent`, for a docstring)."""
+  lines, star = [], False
+  for param in signature.parameters.values():
+    if param.kind == inspect.Parameter.KEYWORD_ONLY and not star:
+      lines.append("*")
+      star = True
+    text = param.name
+    if param.annotation is not inspect.Parameter.empty:
+      text += f": {param.annotation}"
+    if param.default is not inspect.Parameter.empty:
+      text += f" = {param.default!r}"
+    lines.append(text)
+  sep = f"\n{indent}    "
+  return "(" + sep + f",{sep}".join(lines) + ")"
+
+
+def _names(signature: inspect.Signature) -> inspect.Signature:
+  """`signature` without its annotations (short enough for an error message)."""
+  empty = inspect.Parameter.empty
+  return signature.replace(
+      parameters=[p.replace(annotation=empty) for p in signature.parameters.values()],
+      return_annotation=empty)
+
 
 _PARENT_ONLY = ("directory", "checkpointers", "item_names")
 
@@ -72,8 +139,8 @@ def choose_form(args: tuple[Any, ...], kwargs: dict[str, Any], mtc_options_type:
   if len(args) >= 2 and _is_path(args[1]):
     return MULTI_TIER
   options = kwargs.get("options", args[2] if len(args) >= 3 else None)
-  if isinstance(options, mtc_options_type):
-    return MULTI_TIER
+  if isinstance(options, mtc_options_type) or orbax_options.is_orbax(options, mtc_options_type):
+    return MULTI_TIER  # ours, or Orbax's emergency options (converted by check_multi_tier)
   if not args and "local_directory" in kwargs and "global_mesh" in kwargs:
     return MULTI_TIER  # all by keyword, persistent_directory forgotten: say so below
   return PARENT_STYLE
@@ -101,8 +168,8 @@ def bind(args: tuple[Any, ...], kwargs: dict[str, Any],
   except TypeError as e:
     raise TypeError(
         f"orbax_mtc.CheckpointManager: this call looks like the {form} form but {e}. The two "
-        f"forms are:\n  multi-tier:   CheckpointManager{MULTI_TIER_SIGNATURE}\n"
-        f"  parent-style: CheckpointManager{PARENT_STYLE_SIGNATURE}") from None
+        f"forms are:\n  multi-tier:   CheckpointManager{_names(MULTI_TIER_SIGNATURE)}\n"
+        f"  parent-style: CheckpointManager{_names(PARENT_STYLE_SIGNATURE)}") from None
   bound.apply_defaults()
   return form, dict(bound.arguments)
 
@@ -135,7 +202,8 @@ def check_multi_tier(local_directory: Any, persistent_directory: Any, global_mes
     local_directory: the RAM-disk folder.
     persistent_directory: the persistent folder.
     global_mesh: the training mesh.
-    options: orbax_mtc options, or None for the defaults.
+    options: orbax_mtc options (or Orbax's emergency ones, converted), or None for the
+      defaults.
     mtc_options_type: `orbax_mtc.CheckpointManagerOptions`.
 
   Returns:
@@ -148,6 +216,8 @@ def check_multi_tier(local_directory: Any, persistent_directory: Any, global_mes
   import jax
 
   options = mtc_options_type() if options is None else options
+  if orbax_options.is_orbax(options, mtc_options_type):  # Orbax's emergency options object
+    options = orbax_options.as_ours(options, mtc_options_type, "options")
   if not isinstance(options, mtc_options_type):
     raise TypeError(
         "options must be an orbax_mtc.CheckpointManagerOptions, got "

@@ -53,7 +53,7 @@ def open_multi_tier(local_directory, persistent_directory, global_mesh, abstract
     # The first restore(None) honours the replicator's entry; 0 = it has nothing.
     form.tiers.replicator_entry = handshake.connect(
         form.local.directory, options, form.peers.topology, form.process_index,
-        form.process_count, form.worker_index, form.ledger.agree)
+        form.process_count, form.worker_index, form.ledger.summarize)
   form.start()
   return form
 
@@ -121,7 +121,7 @@ class MultiTierForm:
     # One answer on every process from the start (rule 8): after a node loss the replaced
     # node's own folder is empty, but the cluster can still restore from twins and peers.
     self.ledger.agree_steps("starting the checkpoint manager")
-    self.backups.start_clock(self.ledger.persistent, self.ledger.agree)  # by minutes: agreed
+    self.backups.start_clock(self.ledger.persistent, self.ledger.summarize)  # by minutes: agreed
     self.tiers.list_elastic_steps()  # steps saved on another process count, rebuilt from RAM
 
   # ------------------------------------------------------------------ state
@@ -197,9 +197,10 @@ class MultiTierForm:
     attempt = self.backups.last_attempt
     return save_policy.AgreedState(
         ram=self.ledger.ram, persistent=self.ledger.persistent, preempted=preempted,
-        # A save is in progress while its copies move too: a continuous policy then waits
-        # instead of a save that would wait for them (it decides on the primary alone).
-        write_in_flight=self.writer.writing or self.peers.moving,
+        # A save is in progress until its copies are out and the writer thread has nothing
+        # left (the read-ahead, received copies): a continuous policy then waits instead of a
+        # save that would wait for them (it decides on the primary alone).
+        write_in_flight=self.writer.busy or self.peers.busy,
         backup_in_progress=self.backups.saving,
         last_backup_attempt=None if attempt is None else attempt[0])
 
@@ -321,7 +322,7 @@ class MultiTierForm:
       self._delete_local([step] if step in self.local.steps() else [])
       self.store.delete_step(step)
     if step in self.ledger.persistent_seen:  # agreed: every process enters, or none (rule 8)
-      self.persistent.delete(step, self.ledger.agree)
+      self.persistent.delete(step, self.ledger.summarize)
     if writable:
       self.ledger.forget(step)
 
@@ -345,7 +346,7 @@ class MultiTierForm:
     agreed (every process calls this; errors are raised on every process alike)."""
     self.writer.wait()
     self.peers.finish()
-    self.backups.flush(self.ledger.agree)
+    self.backups.flush(self.ledger.summarize)
     self.non_replicated.wait_until_finished()
     self.ledger.agree_steps(what, backup_error=self.backups.take_error if report_backup
                             else None)

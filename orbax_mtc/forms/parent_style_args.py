@@ -1,8 +1,9 @@
 """Which parent-style save and restore args the RAM tier can serve exactly as Orbax would (pure).
 
-The RAM tier keeps arrays as saved; Orbax's args can ask for more (per-leaf save options, dtype
-casts, reshapes, transforms, partial restores). Anything not served here exactly goes to the
-parent-style form's Orbax manager.
+The RAM tier keeps arrays as saved and casts them where Orbax would (a `StandardRestore` target
+of another dtype); Orbax's args can ask for more (per-leaf save and restore options, reshapes,
+transforms, partial restores). Anything not served here exactly goes to the parent-style
+form's Orbax manager.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ def _ram_target(item: Any) -> Any:
   leaves = jax.tree_util.tree_leaves(item.item)
   if item.item is None or not leaves or not all(item_args.is_array_target(x) for x in leaves):
     return None
+  if isinstance(item, ocp.args.PyTreeRestore):
+    # Without restore args Orbax restores the saved dtypes; StandardRestore casts to the
+    # target's, as the RAM tier does.
+    return jax.tree_util.tree_map(local_read.UncastLeaf, item.item)
   return item.item
 
 

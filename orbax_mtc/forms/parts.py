@@ -23,11 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import LatestN
 
-from orbax_mtc import agreement, collectives, item_args, reduction
+from orbax_mtc import collectives, item_args, reduction, summary
 from orbax_mtc.ledger import StepLedger, UnreportedError
 from orbax_mtc.local import claim
 from orbax_mtc.local import lock as local_lock
@@ -97,14 +96,6 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
   # folder nor saves, restores or deletes.
   taken_over: list[Exception] = []
 
-  def listing_allgather(row: np.ndarray, what: str) -> np.ndarray:
-    return collectives.allgather(row, what, process_count, options.agreement_timeout_seconds)
-
-  def allgather(row: np.ndarray, what: str) -> np.ndarray:
-    if taken_over:
-      raise taken_over[0]
-    return listing_allgather(row, what)
-
   def listing_allreduce(parts: reduction.Parts, what: str) -> reduction.Parts:
     return collectives.allreduce(parts, what, process_count, options.agreement_timeout_seconds)
 
@@ -117,7 +108,7 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
     taken_over.append(local_lock.LocalDirectoryTakenOverError(local_directory))
     writer.retire(taken_over[0])
 
-  agree = agree_with(allgather)
+  summarize = summarize_with(process_index, process_count, allreduce)
   links = lkg.LinkKeeper(local_directory, options.job_name, process_index, worker_index,
                          managed=managed)
   modes = {"dir_mode": options.local.directory_mode, "file_mode": options.local.file_mode}
@@ -142,7 +133,7 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
 
   lock = claim.claim_local_directory(
       local_directory, job_name=options.job_name, process_index=process_index,
-      prepare=prepare_folder, agree=agree, on_takeover=retire)
+      prepare=prepare_folder, summarize=summarize, on_takeover=retire)
   try:
     asynchronous = options.enable_async_checkpointing
     # The writer's errors wait for the next agreement, which the ledger makes.
@@ -151,7 +142,6 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
                        on_error=unreported.offer)
     peers = PeerCopies(options, process_index, process_count, local=local, store=store,
                        writer=writer,
-                       allgather=lambda row: allgather(row, "the peer copies of a step"),
                        allreduce=lambda parts: allreduce(parts, "the peer copies of a step"),
                        send=not managed, optional=peers_optional)
     backups = BackupScheduler(
@@ -159,11 +149,11 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
         timeout_secs=(options.async_options or ocp.AsyncOptions()).timeout_secs,
         skip_when_busy=options.persistent.skip_backups_when_busy)
     ledger = StepLedger(
-        process_count=process_count, allgather=allgather, own_steps=local.steps,
+        process_count=process_count, own_steps=local.steps,
         copies=lambda own: store.servable(own) if peers.enabled else [],
         persistent_steps=persistent.steps,
         listing_groups=lambda: peers.listing_groups(abstract_state, item_args.is_array_target),
-        keep=retention.kept, listing_allgather=listing_allgather, unreported=unreported,
+        keep=retention.kept, unreported=unreported,
         before_local_raise=lambda: backups.poll(block=True), process_index=process_index,
         allreduce=allreduce, listing_allreduce=listing_allreduce)
     ram = RamSaver(local=local, writer=writer, ledger=ledger, backups=backups, peers=peers,
@@ -196,15 +186,19 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
       links.refresh(local.steps())
 
   tiers = TieredRestore(ram=restorer, persistent=persistent, local=local, store=store,
-                        writer=writer, ledger=ledger, delete_local=delete_local, agree=agree)
+                        writer=writer, ledger=ledger, delete_local=delete_local,
+                        summarize=summarize)
   return Parts(local=local, store=store, lock=lock, links=links, writer=writer, ledger=ledger,
                peers=peers, backups=backups, ram=ram, restorer=restorer, ondemand=ondemand,
                schedule=schedule, tiers=tiers, delete_local=delete_local)
 
 
-def agree_with(allgather: Callable[[np.ndarray, str], np.ndarray]
-               ) -> Callable[[Any, str], list[Any]]:
-  """`agree(record, what)`: every process's record, over `allgather`."""
-  def agree(record: Any, what: str) -> list[Any]:
-    return agreement.gather(record, lambda row: allgather(row, what))
-  return agree
+def summarize_with(process_index: int, process_count: int,
+                   allreduce: Callable[[reduction.Parts, str], reduction.Parts]
+                   ) -> Callable[[Any, str], summary.Summary]:
+  """`summarize(record, what)`: who reports what in every process's record, over
+  `allreduce` (summary.py)."""
+  def summarize(record: Any, what: str) -> summary.Summary:
+    return summary.summarize(record, process_index, process_count,
+                             lambda rnd: allreduce(rnd.parts(), what))
+  return summarize

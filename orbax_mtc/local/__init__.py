@@ -16,6 +16,7 @@ Import the module that holds what you need:
   verify    checking a step's bytes against its manifest (`verify_step`, `verify_buffer`)
   lock      one process per local directory (`LocalDirectoryLock`)
   claim     claiming the folder at start-up, agreed across the job (its one collective)
+  cast      a restore's dtype casts, made as Orbax makes them (TensorStore's cast driver)
 
 None of these but `claim` issues a collective: the writer runs safely in a background
 thread.

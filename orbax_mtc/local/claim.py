@@ -15,10 +15,11 @@ from typing import Any
 
 from orbax_mtc import agreement, files
 from orbax_mtc.local import lock as local_lock
+from orbax_mtc.summary import Summary
 
 
 def claim_local_directory(local_path: Path, *, job_name: str, process_index: int,
-                          prepare: Callable[[], None], agree: Callable[[Any, str], list[Any]],
+                          prepare: Callable[[], None], summarize: Callable[[Any, str], Summary],
                           on_takeover: Callable[[], None] | None = None
                           ) -> local_lock.LocalDirectoryLock | None:
   """Claims `local_path` for this process (a lock naming the holder) and prepares it.
@@ -29,7 +30,7 @@ def claim_local_directory(local_path: Path, *, job_name: str, process_index: int
     process_index: this process.
     prepare: readies what the folder holds once it is claimed (the leftovers of the RAM tier,
       the peer copies and the LKG links), raising OSError or ValueError.
-    agree: gathers one agreement record from every process.
+    summarize: summarizes one agreement record of every process (summary.py).
     on_takeover: runs when a manager made later in this process claims the same folder.
 
   Returns:
@@ -64,14 +65,13 @@ def claim_local_directory(local_path: Path, *, job_name: str, process_index: int
     prepare()
   except (local_lock.LocalDirectoryInUseError, ValueError, OSError) as e:
     error = e
-  records = agree(agreement.StartRecord(fault=agreement.Fault.of(error)),
-                  "opening the local directory")
-  failed = agreement.faults(records)
-  if not failed:
+  found = summarize(agreement.StartRecord(fault=agreement.Fault.of(error)),
+                    "opening the local directory")
+  if not found.own_faults:
     return lock
   if lock is not None:
     lock.release()
   if error is not None:
     raise error
-  raise agreement.CheckpointError(
-      "opening the local directory", {p: f"{f.kind}: {f.message}" for p, f in failed.items()})
+  raise agreement.CheckpointError(found.named("opening the local directory"),
+                                  found.error_origins())

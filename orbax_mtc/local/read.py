@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from orbax_mtc import process_state
+from orbax_mtc.local import cast as local_cast
 from orbax_mtc.local import checksum
 from orbax_mtc.local.format import (
   DATA,
@@ -55,9 +56,11 @@ _PIPELINE_PIECE = 4 << 20  # read, then checksum, this much at a time: it stays 
 
 
 def check_leaf(item: str, path: str, record: LeafRecord, shape: tuple[int, ...],
-                dtype: Any) -> tuple[int, ...]:
+                dtype: Any, *, cast: bool = True) -> tuple[int, ...]:
   """AbstractStateMismatchError unless a target of `shape` and `dtype` (numpy's or a PRNG key
-  dtype) is what `record` holds; returns the dims a key leaf's data adds (() for others)."""
+  dtype) can be built from what `record` holds: the same shape, and the same dtype or (with
+  `cast`, as Orbax) one the saved dtype converts to; returns the dims a key leaf's data adds
+  (() for others)."""
   try:
     saved_shape, saved_dtype, key_dims = saved_spec(record)
   except ValueError as e:
@@ -66,8 +69,10 @@ def check_leaf(item: str, path: str, record: LeafRecord, shape: tuple[int, ...],
   is_key = is_key_dtype(dtype)
   if is_key != (record.key_impl is not None):
     same_dtype = False
-  else:  # key dtypes compare by name: one name per implementation
-    same_dtype = dtype.name == saved_dtype.name if is_key else saved_dtype == dtype
+  elif is_key:  # key dtypes compare by name (one name per implementation); never cast
+    same_dtype = dtype.name == saved_dtype.name
+  else:
+    same_dtype = saved_dtype == dtype or (cast and local_cast.castable(saved_dtype, dtype))
   if saved_shape != tuple(shape) or not same_dtype:
     keys = f" (PRNG keys, {record.key_impl!r})" if record.key_impl is not None else ""
     raise AbstractStateMismatchError(
@@ -76,6 +81,19 @@ def check_leaf(item: str, path: str, record: LeafRecord, shape: tuple[int, ...],
         f"shape {tuple(shape)} dtype {dtype.name}. Pass an abstract state that matches the "
         "saved one (jax.eval_shape of your init function with the same config).")
   return key_dims
+
+
+def cast_of(leaf: Any, record: LeafRecord) -> np.dtype | None:
+  """The dtype a target leaf is cast to on restore, or None (built as saved).
+
+  Orbax casts a `jax.ShapeDtypeStruct`, `jax.Array` or numpy array target to its dtype; a
+  Python scalar target comes back as saved, and PRNG keys are never cast.
+  """
+  if record.key_impl is not None or not isinstance(
+      leaf, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)) or is_key_dtype(leaf.dtype):
+    return None
+  dtype = np.dtype(leaf.dtype)
+  return None if dtype == np_dtype(record.dtype) else dtype
 
 
 class ReshardNeeded(AbstractStateMismatchError):
@@ -92,12 +110,27 @@ class SavedLeaf:
   sharding: jax.sharding.Sharding
 
 
+@dataclasses.dataclass(frozen=True)
+class UncastLeaf:
+  """A restore target leaf (`target`) that is built only in the saved dtype: Orbax's
+  `PyTreeRestore(item=...)` without restore args does not cast, so a parent-style restore that
+  asks for another dtype is a mismatch here and Orbax's restore serves it."""
+
+  target: Any
+
+  @property
+  def sharding(self) -> Any:
+    return getattr(self.target, "sharding", None)
+
+
 def target_spec(leaf: Any, saved: LeafRecord) -> tuple[tuple[int, ...], Any, Any]:
   """(shape, dtype, sharding) a target leaf asks for; the dtype may be a PRNG key dtype."""
+  if isinstance(leaf, UncastLeaf):
+    leaf = leaf.target
   if isinstance(leaf, SavedLeaf):
     try:
       shape, dtype, _ = saved_spec(saved)
-    except ValueError:  # _check_leaf says why
+    except ValueError:  # check_leaf says why
       shape, dtype = tuple(saved.shape), np_dtype(saved.dtype)
     return shape, dtype, leaf.sharding
   shape = tuple(getattr(leaf, "shape", ()))
@@ -321,9 +354,10 @@ def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[s
     for (_, leaf), path in zip(flat, want_paths, strict=True):
       rec = by_path[path]
       shape, dtype, sharding = target_spec(leaf, rec)
-      key_dims = check_leaf(item_name, path, rec, shape, dtype)
-      if rec.key_impl is not None:
-        dtype = np_dtype(rec.dtype)  # the shards hold key data
+      key_dims = check_leaf(item_name, path, rec, shape, dtype,
+                            cast=not isinstance(leaf, UncastLeaf))
+      cast_to = cast_of(leaf, rec)
+      dtype = np_dtype(rec.dtype)  # the shards hold the saved dtype (a key leaf: key data)
       where = f"{where_prefix}: leaf {item_name}{path}"
       if sharding is None:
         full = whole_index(rec.shape)
@@ -336,7 +370,7 @@ def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[s
               "sharding=...)).")
         slot = [None]
         jobs.append((slot, full_rec, dtype, where))
-        leaf_plans.append(("host", slot, rec.python_type, leaf, rec.key_impl))
+        leaf_plans.append(("host", slot, rec.python_type, leaf, rec.key_impl, cast_to))
       else:
         by_index = {s.index: s for s in rec.shards}
         device_slots = []
@@ -348,7 +382,7 @@ def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[s
           slot = [None]
           jobs.append((slot, shard_rec, dtype, where))
           device_slots.append((device, slot))
-        leaf_plans.append(("array", device_slots, sharding, shape, rec.key_impl))
+        leaf_plans.append(("array", device_slots, sharding, shape, rec.key_impl, cast_to))
     plans[item_name] = ("pytree", treedef, leaf_plans)
 
   def run(job):
@@ -370,15 +404,18 @@ def arrays_from_buffer(data: np.ndarray, manifest: StepManifest, targets: dict[s
     leaves = []
     for leaf_plan in leaf_plans:
       if leaf_plan[0] == "host":
-        _, slot, python_type, target_leaf, key_impl = leaf_plan
-        value = slot[0]
+        _, slot, python_type, target_leaf, key_impl, cast_to = leaf_plan
+        value = slot[0] if cast_to is None else local_cast.cast(slot[0], cast_to)
         if key_impl is not None:  # keys are jax arrays: on the default device
           value = jax.random.wrap_key_data(value, impl=key_impl)
         elif python_type is not None and not isinstance(target_leaf, (np.ndarray, jax.Array)):
           value = {"int": int, "float": float, "bool": bool}[python_type](value)
         leaves.append(value)
       else:
-        _, device_slots, sharding, shape, key_impl = leaf_plan
+        _, device_slots, sharding, shape, key_impl, cast_to = leaf_plan
+        if cast_to is not None:  # on the host, as Orbax casts while it reads
+          device_slots = [(device, [local_cast.cast(slot[0], cast_to)])
+                          for device, slot in device_slots]
         if key_impl is not None:
           # Each device's keys from its data. In the default memory even when `memory_kind`
           # asks for another: keys are small, and wrap_key_data computes on the device.

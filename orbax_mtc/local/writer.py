@@ -20,6 +20,25 @@ from orbax_mtc.local import staging as local_staging
 from orbax_mtc.local import store as local_store
 
 
+class _Thread(concurrent.futures.ThreadPoolExecutor):
+  """The one writer thread, which knows whether it still has work (`busy`)."""
+
+  def __init__(self) -> None:
+    super().__init__(1, thread_name_prefix="mtc-local-write")
+    self._last: concurrent.futures.Future | None = None
+
+  def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
+             ) -> concurrent.futures.Future:
+    self._last = super().submit(fn, *args, **kwargs)
+    return self._last
+
+  @property
+  def busy(self) -> bool:
+    # One thread runs the work in order: the newest piece done means all are.
+    last = self._last
+    return last is not None and not last.done()
+
+
 class RamWriter:
   """Writes staged steps into the RAM tier, one at a time.
 
@@ -39,8 +58,7 @@ class RamWriter:
     self._process_count = process_count
     self._asynchronous = asynchronous
     self._on_error = on_error
-    self.executor = concurrent.futures.ThreadPoolExecutor(
-        1, thread_name_prefix="mtc-local-write")
+    self.executor = _Thread()
     self._in_flight: concurrent.futures.Future | None = None
     self._retired: Exception | None = None
 
@@ -53,6 +71,12 @@ class RamWriter:
   def writing(self) -> bool:
     """A write is still running."""
     return self._in_flight is not None and not self._in_flight.done()
+
+  @property
+  def busy(self) -> bool:
+    """The thread still has work: a write, a copy's read-ahead, a received copy's commit
+    (peers/replication hands the thread its work directly)."""
+    return self.executor.busy or self.writing
 
   def status_of(self, step: int) -> Status:
     """WRITING, COMMITTED or FAILED: where this node is with `step` (for peer copies)."""

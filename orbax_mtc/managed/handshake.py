@@ -16,11 +16,12 @@ from absl import logging
 from orbax_mtc import agreement, topology
 from orbax_mtc.managed import protocol, setup
 from orbax_mtc.options import CheckpointManagerOptions
+from orbax_mtc.summary import Summary
 
 
 def connect(local_directory: Any, options: CheckpointManagerOptions,
             topo: topology.Topology | None, process_index: int, process_count: int,
-            worker_index: int, agree: Callable[[Any, str], list[Any]]) -> int:
+            worker_index: int, summarize: Callable[[Any, str], Summary]) -> int:
   """The replicator handshake, agreed: a failure on any process is raised on every one.
 
   Args:
@@ -30,7 +31,7 @@ def connect(local_directory: Any, options: CheckpointManagerOptions,
     process_index: this process.
     process_count: processes in the job.
     worker_index: this process's index inside its host.
-    agree: gathers one agreement record from every process.
+    summarize: summarizes one agreement record of every process (summary.py).
 
   Returns:
     The step this worker's restore entry names (0: the replicator has nothing).
@@ -51,35 +52,34 @@ def connect(local_directory: Any, options: CheckpointManagerOptions,
       error = e
   # Every process learns of a failure anywhere and stops too, instead of waiting in the
   # next collective for a process that has gone.
-  records = agree(agreement.StartRecord(fault=agreement.Fault.of(error)),
-                  "the replicator handshake")
+  found = summarize(agreement.StartRecord(fault=agreement.Fault.of(error)),
+                    "the replicator handshake")
   if error is not None:
     raise error
-  failed = agreement.faults(records)
-  if failed:
+  if found.own_faults:
     raise protocol.ReplicatorError(
-        f"The replicator handshake failed on process(es) {sorted(failed)}: " + "; ".join(
-            f"process {p}: {f.kind}: {f.message}" for p, f in sorted(failed.items())))
+        f"The replicator handshake failed on process(es) {found.own_faults}: " + "; ".join(
+            f"process {p}: {f.kind}: {f.message}" for p, f in sorted(found.faults.items())))
   return step or 0
 
 
 def entry_step(mine: int, own_steps: list[int],
-               agree: Callable[[Any, str], list[Any]]) -> int | None:
+               summarize: Callable[[Any, str], Summary]) -> int | None:
   """The step every process's restore entry names (collective).
 
   Returns:
     0 when all say nothing to restore; None when they disagree or some process cannot read
     the step (then the usual restore plan).
   """
-  records = agree(agreement.EntryRecord(step=mine, readable=mine in own_steps),
-                  "the replicator's restore entries")
-  steps = [r.step for r in records]
-  agreed = protocol.agree(steps)
+  found = summarize(agreement.EntryRecord(step=mine, readable=mine in own_steps),
+                    "the replicator's restore entries")
+  lowest, highest = found.ranges["step"]
+  agreed = protocol.agree((lowest, highest))
   if agreed is None:
     logging.warning("orbax-mtc: the replicator's restore entries disagree across processes "
-                    "(steps %s); restoring the newest step every process holds instead.",
-                    steps)
-  unreadable = [p for p, r in enumerate(records) if not r.readable]
+                    "(steps %d to %d); restoring the newest step every process holds "
+                    "instead.", lowest, highest)
+  unreadable = found.false("readable")
   if agreed and unreadable:
     logging.warning("orbax-mtc: the replicator named step %d but process(es) %s cannot read "
                     "it; restoring the newest step every process holds instead.", agreed,

@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from absl import logging
 
 from orbax_mtc import reduction, topology
@@ -35,7 +34,6 @@ class PeerCopies:
     local: this node's RAM tier (the steps sent).
     store: the copies this node holds for others.
     writer: the RAM tier's writer (copies are committed on its thread).
-    allgather: the collective all-gather of one int64 row.
     send: this manager sends copies itself (False in managed mode).
     optional: a mesh that names no replicas means no copies, with a warning, instead of an
       error (the parent-style form when nobody asked for peers).
@@ -44,7 +42,7 @@ class PeerCopies:
 
   def __init__(self, options: CheckpointManagerOptions, process_index: int, process_count: int,
                *, local: local_store.LocalTier, store: peer_store.PeerStore, writer: RamWriter,
-               allgather: Callable[[np.ndarray], np.ndarray], send: bool, optional: bool,
+               send: bool, optional: bool,
                allreduce: Callable[[reduction.Parts], reduction.Parts] | None = None):
     self._options = options
     self._process_index = process_index
@@ -52,7 +50,6 @@ class PeerCopies:
     self._local = local
     self._store = store
     self._writer = writer
-    self._allgather = allgather
     self._allreduce = allreduce
     self._send = send
     self._optional = optional
@@ -104,7 +101,7 @@ class PeerCopies:
       return
     self.replicator = replication.Replicator(
         self.topology, self._process_index, self._local, self._store, self._writer.executor,
-        self._allgather, chunk_bytes=options.replication.chunk_bytes,
+        chunk_bytes=options.replication.chunk_bytes,
         window=options.replication.chunks_in_flight,
         in_flight_bytes=options.replication.in_flight_mib << 20, allreduce=self._allreduce)
     # Copies of nodes this node no longer holds copies for are dropped at the first copy
@@ -125,6 +122,14 @@ class PeerCopies:
   def pending_step(self) -> int | None:
     """The step whose copies are still going out."""
     return self.replicator.pending_step if self.replicator is not None else None
+
+  @property
+  def busy(self) -> bool:
+    """The newest step's copies are not all out yet: chunks still to issue, or issued and
+    still moving (this process's view)."""
+    replicator = self.replicator
+    return replicator is not None and (replicator.unissued_step is not None or
+                                       replicator.moving)
 
   @property
   def moving(self) -> bool:

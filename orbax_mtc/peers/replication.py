@@ -180,7 +180,7 @@ class Replicator:
 
   def __init__(self, topo: Topology, me: int, local: local_store.LocalTier,
                store: peer_store.PeerStore, writer: concurrent.futures.Executor,
-               allgather: Callable[[np.ndarray], np.ndarray], *, chunk_bytes: int,
+               *, chunk_bytes: int,
                window: int = 2, in_flight_bytes: int = 0,
                allreduce: Callable[[reduction.Parts], reduction.Parts] | None = None):
     self.topology = topo
@@ -188,7 +188,6 @@ class Replicator:
     self._local = local
     self._store = store
     self._writer = writer
-    self._allgather = allgather  # the transfer's agreement on placing spare chunks
     self._allreduce = allreduce  # replication's own agreements (send_census)
     self._chunk_bytes = chunk_bytes
     self._window = window
@@ -379,7 +378,7 @@ class Replicator:
       job.transfer = transport.Transfer(
           streams, me=self.me, reader_for=lambda s: outgoing[s.destination].read,
           sink_for=sink_for, chunk_limit=self._chunk_bytes, window=self._window,
-          allgather=self._allgather, viewer_for=lambda s: outgoing[s.destination].view)
+          reduce=lambda rnd: self._reduce(rnd.parts()), viewer_for=lambda s: outgoing[s.destination].view)
     except transport.TransferError as e:  # agreed: the same on every process
       logging.warning("orbax-mtc: step %d is not replicated: %s", job.step, e)
       self._abort(job)

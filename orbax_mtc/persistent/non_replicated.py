@@ -60,8 +60,11 @@ class NonReplicatedItems:
 
   def restore(self, step: int | None, args: Any, tiers: Any, abstract_state: Any) -> Any:
     """The other items from our tiers (`tiers.restore`), then the `dataset` item of the step
-    they came from."""
+    they came from. Args naming `dataset` alone restore the state from `abstract_state`
+    beside it, as Orbax's emergency manager always does."""
     rest, dataset = self._split(args)
+    if dataset is not None and not rest.keys():
+      rest = None
     restored = tiers.restore(step, *item_args.restore_targets(rest, abstract_state))
     if dataset is None or restored is None:
       return restored

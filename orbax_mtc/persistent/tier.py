@@ -20,8 +20,8 @@ from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
 from orbax_mtc import agreement
-from orbax_mtc.agreement import Status
 from orbax_mtc.persistent import orbax_internals
+from orbax_mtc.summary import Summary
 
 
 class AgreedPreemptionManager(ocp.CheckpointManager):
@@ -117,7 +117,7 @@ class PersistentTier:
   def restore(self, step: int | None, args: Any, directory: epath.PathLike | None = None) -> Any:
     return self.orbax.restore(step, args=args, directory=directory)
 
-  def delete(self, step: int, agree: Callable[[Any, str], list[Any]]) -> None:
+  def delete(self, step: int, summarize: Callable[[Any, str], Summary]) -> None:
     """Orbax's delete of `step` (collective), entered by every process or by none.
 
     A process whose view of the persistent directory lags (a failed finalize) re-reads it
@@ -128,21 +128,20 @@ class PersistentTier:
       CheckpointError: some process does not see `step` even after re-reading (on every
         process alike; nothing was deleted).
     """
+    error = agreement.Fault()
     try:
       if step not in self.steps():
         self.orbax.reload()
-      sees = step in self.steps()
-      message = "" if sees else (f"FileNotFoundError: step {step} is not in its view of "
-                                 f"{self.directory}")
+      if step not in self.steps():
+        error = agreement.Fault("FileNotFoundError",
+                                f"step {step} is not in its view of {self.directory}")
     except Exception as e:  # noqa: BLE001 - agreed below: raised on every process alike
-      sees, message = False, f"{type(e).__name__}: {e}"
-    records = agree(agreement.OutcomeRecord(status=Status.OK if sees else Status.FAILED,
-                                            message=message), f"delete({step})")
-    missing = {p: r.message for p, r in enumerate(records) if r.status != Status.OK}
-    if missing:
-      raise agreement.CheckpointError(
+      error = agreement.Fault.of(e)
+    found = summarize(agreement.OutcomeRecord(fault=error), f"delete({step})")
+    if found.own_faults:
+      raise agreement.CheckpointError(found.named(
           f"delete({step}) of the persistent step (some processes cannot see it; is "
-          f"{self.directory} shared by every host?)", missing)
+          f"{self.directory} shared by every host?)"), found.error_origins())
     self.orbax.delete(step)
 
   # ----------------------------------------------------------------- background work

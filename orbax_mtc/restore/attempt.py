@@ -141,12 +141,12 @@ class StepAttempt:
       buffers, sink_for = receive_buffers()
       failures: list[str] = []
       if agreed_serve.streams:
-        streams = exchange.agree_streams(sends, me, count, agreed_serve.streams,
-                                         agreed_serve.bits, agreed_serve.most,
-                                         lambda rnd: self._ledger.reduce(rnd, what))
+        plan_of_streams = exchange.agree_streams(
+            sends, me, count, agreed_serve.streams, agreed_serve.bits, agreed_serve.most,
+            lambda rnd: self._ledger.reduce(rnd, what))
         transfer = exchange.transfer(
-            streams, me, outgoing, sink_for=sink_for, chunk_limit=self._chunk_bytes,
-            window=self._window, allgather=lambda row: self._ledger.allgather(row, what))
+            plan_of_streams, me, outgoing, sink_for=sink_for, chunk_limit=self._chunk_bytes,
+            window=self._window, reduce=lambda rnd: self._ledger.reduce(rnd, what))
         transfer.run()
         failures = transfer.failures
       if built is None:

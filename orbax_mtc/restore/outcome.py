@@ -255,13 +255,16 @@ def _said(record: Any, me: int, counts: Mapping[Status, int], lowest: Mapping[St
       told[i * _WORDS:(i + 1) * _WORDS]).view(np.int64))) for i, status in enumerate(spoken)}
 
 
-def exchange_bytes(processes: int, streams: int, bits: int, most: int = 255) -> int:
+def exchange_bytes(processes: int, streams: int, most: int = 1, rounds: int = 1) -> int:
   """Bytes one process receives agreeing an exchange that goes ahead: the status round, and
-  with `streams` streams (of at most `bits`-bit sizes, at most `most` from one process) the
-  counts round and the slots round."""
+  with `streams` streams (at most `most` from one process, moved in `rounds` rounds) the
+  rounds of peers/exchange.agree_streams: the counts (bit_length(most) bits a process), the
+  destinations (bit_length(processes - 1) bits a stream) and each round's largest (4 bytes
+  a round)."""
   words = reduction.bitmap_words(processes)
   vectors = [4 * (2 * _STATES + 4 + words) + 4 * (2 * _STATES + 2)]
   if streams:
-    vectors.append(processes if most <= 255 else 4 * processes)
-    vectors.append(streams * (8 if bits <= 31 else 9 if bits <= 39 else 12))
+    vectors.append(4 * reduction.field_words(processes, max(1, most.bit_length())))
+    vectors.append(4 * reduction.field_words(streams, max(1, (processes - 1).bit_length())))
+    vectors.append(4 * rounds)
   return sum(reduction.received_bytes(v, processes) for v in vectors)

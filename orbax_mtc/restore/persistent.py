@@ -1,8 +1,9 @@
 """Restore from the persistent tier: Orbax's own restore, with the RAM tier's clear errors.
 
-The persistent tier is a standard Orbax checkpoint, so Orbax restores it (on any topology).
+The persistent tier is a standard Orbax checkpoint, so Orbax restores it (on any topology),
+casting a leaf to the target's dtype as it always does (the RAM tier casts the same way).
 Before that, the target is checked against the saved tree's metadata, leaf by leaf: Orbax
-alone would raise an error that does not name the leaf, or silently cast dtypes. The checks
+alone would raise an error that does not name the leaf. The checks
 read the step's folder on each process (on Cloud Storage a read can fail on one host), so
 their outcome is agreed before any process enters Orbax's restore and its barriers (rule 9).
 """
@@ -19,6 +20,7 @@ from etils import epath
 
 from orbax_mtc import agreement, item_args, process_state
 from orbax_mtc.agreement import BuildRecord, Status
+from orbax_mtc.local import cast as local_cast
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import specs as local_specs
 from orbax_mtc.persistent.tier import PersistentTier
@@ -130,7 +132,8 @@ def check_item(item_dir: epath.Path, name: str, target: Any) -> None:
   """Raises the RAM tier's clear error for a target that does not match the saved tree.
 
   Raises:
-    local_format.AbstractStateMismatchError: a leaf is missing, or its shape or dtype differs.
+    local_format.AbstractStateMismatchError: a leaf is missing, its shape differs, or its
+      dtype differs and cannot be cast (a PRNG key leaf is never cast).
   """
   with ocp.PyTreeCheckpointer() as checkpointer:
     saved = checkpointer.metadata(item_dir)
@@ -149,7 +152,9 @@ def check_item(item_dir: epath.Path, name: str, target: Any) -> None:
     # Orbax stores (and describes) a PRNG key leaf as its key data.
     want_shape, want_dtype = local_specs.stored_spec(leaf.shape, leaf.dtype)
     have_shape, have_dtype = tuple(meta.shape), np.dtype(meta.dtype)
-    if want_shape != have_shape or want_dtype != have_dtype:
+    cast_ok = not local_specs.is_key_dtype(leaf.dtype) and local_cast.castable(have_dtype,
+                                                                                want_dtype)
+    if want_shape != have_shape or (want_dtype != have_dtype and not cast_ok):
       asked = f"shape {want_shape} dtype {want_dtype.name}"
       if local_specs.is_key_dtype(leaf.dtype):
         asked = f"shape {tuple(leaf.shape)} dtype {leaf.dtype.name} (stored as {asked})"

@@ -26,6 +26,7 @@ from orbax_mtc.persistent.tier import PersistentTier
 from orbax_mtc.restore import outcome as agreed_outcome
 from orbax_mtc.restore import persistent as persistent_restore
 from orbax_mtc.restore.executor import RamRestore, RamRestoreResult
+from orbax_mtc.summary import Summary
 
 
 @dataclasses.dataclass
@@ -51,13 +52,13 @@ class TieredRestore:
     writer: the RAM tier's writer thread.
     ledger: the agreed step lists and faults.
     delete_local: removes RAM steps (and re-points the LKG link).
-    agree: gathers one agreement record from every process.
+    summarize: summarizes one agreement record of every process (summary.py).
   """
 
   def __init__(self, *, ram: RamRestore, persistent: PersistentTier,
                local: local_store.LocalTier, store: peer_store.PeerStore, writer: RamWriter,
                ledger: StepLedger, delete_local: Callable[[list[int]], None],
-               agree: Callable[[Any, str], list[Any]]):
+               summarize: Callable[[Any, str], Summary]):
     self._ram = ram
     self._persistent = persistent
     self._local = local
@@ -65,7 +66,7 @@ class TieredRestore:
     self._writer = writer
     self._ledger = ledger
     self._delete_local = delete_local
-    self._agree = agree
+    self._summarize = summarize
     self.replicator_entry: int | None = None  # managed: the entry, until restore(None)
     self.last: RestoreInfo | None = None
 
@@ -124,7 +125,7 @@ class TieredRestore:
                              started: float) -> Any:
     """Managed mode, first restore(None): the step the replicator's entries name."""
     mine, self.replicator_entry = self.replicator_entry, None
-    entry = handshake.entry_step(mine, self._local.steps(), self._agree)
+    entry = handshake.entry_step(mine, self._local.steps(), self._summarize)
     if entry:
       result = self._from_ram(entry, targets, single, started, tier="replicator",
                               drop_newer=False)

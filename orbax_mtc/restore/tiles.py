@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from orbax_mtc import item_args, process_state
+from orbax_mtc.local import cast as local_cast
 from orbax_mtc.local import checksum
 from orbax_mtc.local import format as local_format
 from orbax_mtc.local import read as local_read
@@ -137,7 +138,8 @@ def target_leaves(layout: StepManifest, targets: dict[str, Any], single: bool | 
     for (_, leaf), path in zip(flat, paths, strict=True):
       rec = by_path[path]
       shape, dtype, sharding = local_read.target_spec(leaf, rec)
-      key_dims = local_read.check_leaf(item_name, path, rec, shape, dtype)
+      key_dims = local_read.check_leaf(item_name, path, rec, shape, dtype,
+                                       cast=not isinstance(leaf, local_read.UncastLeaf))
       out.append((item_name, path, rec, leaf, shape, sharding, key_dims))
   return out
 
@@ -294,6 +296,7 @@ class BuiltStep:
   process_raw: dict[str, tuple[str, bytes]]  # per-process item -> (format, saved bytes)
   complete: bool  # every item of the save but per-process ones was restored
   moved: bool  # some shard here is not a tile its own saved rank held (another layout)
+  cast: bool = False  # some leaf was cast to the target's dtype: not the bytes as saved
 
 
 def build(me: int, count: int, plan: elastic_plan.ElasticPlan, folders: dict[int, Folder],
@@ -339,6 +342,7 @@ def build(me: int, count: int, plan: elastic_plan.ElasticPlan, folders: dict[int
   if single is None:
     targets = item_args.as_saved(targets, layout.default_item)
   moved = plan.count != count
+  cast = False
   leaves_by_item: dict[str, list[Any]] = {}
   for item_name, path, rec, leaf, shape, sharding, key_dims in target_leaves(
       layout, targets, single):
@@ -368,6 +372,10 @@ def build(me: int, count: int, plan: elastic_plan.ElasticPlan, folders: dict[int
         tile = tiles[index].view(dtype).reshape([hi - lo for lo, hi in index])
         out[elastic_plan.relative(part, box)] = tile[elastic_plan.relative(part, index)]
       shards.append((device, out))
+    cast_to = local_read.cast_of(leaf, rec)
+    if cast_to is not None:  # on the host, as Orbax casts while it reads
+      shards = [(device, local_cast.cast(x, cast_to)) for device, x in shards]
+      cast = True
     leaves_by_item.setdefault(item_name, []).append(
         as_leaf(rec, leaf, shape, sharding, shards))
   restored: dict[str, Any] = {}
@@ -388,7 +396,8 @@ def build(me: int, count: int, plan: elastic_plan.ElasticPlan, folders: dict[int
   json_names = {name for name in restored if layout.items[name].kind == "json"}
   complete = {name for name, item in layout.items.items() if item.kind != "process"
               } <= set(restored)
-  return BuiltStep(restored, layout.default_item, json_names, process_raw, complete, moved)
+  return BuiltStep(restored, layout.default_item, json_names, process_raw, complete, moved,
+                   cast)
 
 
 def as_leaf(rec: LeafRecord, target_leaf: Any, shape: tuple, sharding: Any,

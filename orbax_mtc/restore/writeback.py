@@ -7,7 +7,8 @@ the restored step into its own folder, and the peer copies involving it are sent
 (`local.aside`: a replaced layout keeps serving while the step is kept, a damaged folder is
 never read again); old copies are replaced by new ones or dropped once the new layout's first
 copies are out (`PeerCopies`); a re-sent copy never replaces a richer one (`peers.copy_store`). A
-restore that read only some items writes nothing back: that would drop the others.
+restore that read only some items writes nothing back: that would drop the others; nor does one
+that cast a leaf to another dtype (the folder would no longer hold what was saved).
 """
 
 from __future__ import annotations
@@ -62,9 +63,10 @@ class WriteBack:
     if not done.recovered:
       return  # every process restored from its own current folder: nothing to re-protect
     built = done.built
-    if not built.complete:
-      logging.info("orbax-mtc: step %d restored without all its items; its folders are kept "
-                   "as they were saved", done.step)
+    if not built.complete or built.cast:
+      # Either would write back less than was saved: some items, or bytes of another dtype.
+      logging.info("orbax-mtc: step %d restored %s; its folders are kept as they were saved",
+                   done.step, "with a dtype cast" if built.complete else "without all its items")
       return
     trees = {name: value for name, value in built.restored.items()
              if name not in built.json_names and name not in built.process_raw}

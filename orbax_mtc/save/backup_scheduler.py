@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
@@ -29,6 +28,7 @@ from orbax_mtc.local.writer import RamWriter
 from orbax_mtc.persistent.tier import PersistentTier
 from orbax_mtc.reduction import Who
 from orbax_mtc.save import backup
+from orbax_mtc.summary import Summary
 
 
 class BackupScheduler:
@@ -82,10 +82,11 @@ class BackupScheduler:
     return None if self._pending is None else self._pending.step
 
   def start_clock(self, agreed_steps: Sequence[int],
-                  agree: Callable[[Any, str], list[Any]]) -> None:
-    """By minutes: count from the newest agreed persistent step's commit time, as process 0
-    reads it (else the first process that can): one value on every process, so every
-    process finds the same saves due (rule 8). Collective when backing up by minutes."""
+                  summarize: Callable[[Any, str], Summary]) -> None:
+    """By minutes: count from the newest agreed persistent step's commit time, the latest any
+    process reads (all read the same file; one that cannot reads 0): one value on every
+    process, so every process finds the same saves due (rule 8). Collective when backing up
+    by minutes."""
     if self.policy is None or not agreed_steps:
       return
     step = agreed_steps[-1]
@@ -95,11 +96,11 @@ class BackupScheduler:
       logging.warning("orbax-mtc: no commit time for persistent step %d here (%s: %s).",
                       step, type(e).__name__, e)
       seconds = 0.0
-    records = agree(agreement.ClockRecord(commit_ms=int(seconds * 1000)),
-                    "starting the backup clock")
-    read = [r.commit_ms for r in records if r.commit_ms > 0]
-    if read:
-      self.last_attempt = (step, read[0] / 1000)
+    found = summarize(agreement.ClockRecord(commit_ms=int(seconds * 1000)),
+                      "starting the backup clock")
+    _, latest = found.ranges["commit_ms"]
+    if latest > 0:
+      self.last_attempt = (step, latest / 1000)
     else:
       logging.warning("orbax-mtc: no process can read the commit time of persistent step %d; "
                       "the first backup is taken at the first local save.", step)
@@ -114,7 +115,7 @@ class BackupScheduler:
 
   def schedule(self, step: int, args: Any, trees: dict[str, Any], jsons: dict[str, Any],
                metrics: Any, custom_metadata: dict[str, Any] | None, now: float,
-               agree: Callable[[Any, str], list[Any]]) -> None:
+               summarize: Callable[[Any, str], Summary]) -> None:
     """Marks `step` for backup: the writer thread reads it back once its write commits
     (after the write, before any later write can reuse its files). A backup still waiting
     for Orbax keeps its place; this one waits behind it. With both places taken, this call
@@ -125,7 +126,7 @@ class BackupScheduler:
       if self._skip_when_busy:
         self._skip(self._queued.step, step)
       else:
-        self._make_room(agree, step)
+        self._make_room(summarize, step)
     templates, single = backup.templates(args)
     targets = backup.host_targets(trees)
     targets.update({name: None for name in jsons})
@@ -141,7 +142,7 @@ class BackupScheduler:
       self._queued = pending
     self.last_attempt = (step, now)
 
-  def _make_room(self, agree: Callable[[Any, str], list[Any]], newer: int) -> None:
+  def _make_room(self, summarize: Callable[[Any, str], Summary], newer: int) -> None:
     """Waits for the backup Orbax writes and starts the next one (collective). A write that
     still runs after Orbax's own timeout is a storage write that hangs: waiting on would stop
     training for as long, so the step waiting behind it is skipped instead (the failed
@@ -153,12 +154,12 @@ class BackupScheduler:
       idle = self._persistent.wait_idle(self._timeout_secs)
       if idle:
         self.poll(block=True)
-      records = agree(agreement.ReadBackRecord(state=pending.state() if idle else Status.WRITING),
-                      f"waiting to back up step {pending.step}")
-      states = np.asarray([r.state for r in records])
+      found = summarize(
+          agreement.ReadBackRecord(state=pending.state() if idle else Status.WRITING),
+          f"waiting to back up step {pending.step}")
       # Starts the pending backup, or drops it when a read failed: either way the queued
       # one moves up. A process still writing keeps both in place.
-      self._advance_gathered(states, states == Status.WRITING)
+      self._advance_summary(found, found.state("state", Status.WRITING))
     if self._queued is not None:
       stuck = self._queued.step
       self._queued = None
@@ -263,10 +264,11 @@ class BackupScheduler:
     self.start(pending.step, args, pending.metrics, pending.custom_metadata)
     return True
 
-  def _advance_gathered(self, states: np.ndarray, busy: np.ndarray) -> bool:
-    """`advance` from gathered states (the read-back agreements, still all-gathers)."""
-    return self.advance(Who.of(states == Status.FAILED), Who.of(busy),
-                        bool((states == Status.READY).all()))
+  def _advance_summary(self, found: Summary, busy: Who) -> bool:
+    """`advance` from a read-back agreement (summarized)."""
+    ready = found.state("state", Status.READY)
+    return self.advance(found.state("state", Status.FAILED), busy,
+                        ready.count == found.processes)
 
   def _note_waiting(self, step: int, busy: Who) -> None:
     """Warns once when due backups have waited longer than Orbax's timeout for an earlier one
@@ -357,11 +359,11 @@ class BackupScheduler:
     else:
       self._failed(step, RuntimeError("the step was not finalized"))
 
-  def flush(self, agree: Callable[[Any, str], list[Any]]) -> None:
+  def flush(self, summarize: Callable[[Any, str], Summary]) -> None:
     """Starts the pending backup now and waits for it (every process calls this).
 
     Args:
-      agree: gathers one agreement record from every process.
+      summarize: summarizes one agreement record of every process (summary.py).
     """
     for _ in range(2):  # the pending backup, then the one queued behind it
       pending = self._pending
@@ -369,10 +371,9 @@ class BackupScheduler:
         break
       concurrent.futures.wait([pending.read])
       self.poll(block=True)
-      records = agree(agreement.ReadBackRecord(state=pending.state()),
-                      f"the backup of step {pending.step}")
-      states = np.asarray([r.state for r in records])
-      self._advance_gathered(states, np.zeros(states.shape, dtype=bool))
+      found = summarize(agreement.ReadBackRecord(state=pending.state()),
+                        f"the backup of step {pending.step}")
+      self._advance_summary(found, Who())
     self.poll(block=True)
 
   def take_error(self) -> backup.BackupError | None:

@@ -122,11 +122,11 @@ class OnDemandSaver:
     in_budget = time.time() - started < budget  # after the wait above, which may be long
     # Orbax's save has barriers, so every process must take the same branch; their clocks,
     # and when each got here, differ.
-    votes = self._ledger.agree(
+    votes = self._ledger.summarize(
         agreement.OnDemandRecord(fault=self._ledger.take_fault(), wants_backup=wanted,
                                  in_budget=in_budget), f"the on-demand save of step {step}")
-    wanted = all(v.wants_backup for v in votes)
-    in_budget = all(v.in_budget for v in votes)
+    wanted = not votes.false("wants_backup")
+    in_budget = not votes.false("in_budget")
     if wanted and in_budget:
       metadata = dict(custom_metadata or {})
       metadata[ONDEMAND_METADATA_KEY] = {"step": step, "signal_time": signal_time,
@@ -153,7 +153,7 @@ class OnDemandSaver:
                 "" if backed_up else " (not backed up)")
     # A RAM write that failed somewhere is raised on every process alike, after the
     # persistent backup (taken from the arrays) had its chance.
-    self._ledger.raise_agreed_faults(votes, f"the on-demand save of step {step}")
+    self._ledger.raise_summary_faults(votes, f"the on-demand save of step {step}")
     return record
 
   def _write_record(self, record: OnDemandSave) -> None:

@@ -122,9 +122,9 @@ class RamSaver:
       # Committed in RAM everywhere, not yet persistent (e.g. the final step, forced): back
       # up those RAM copies; `args` only describe them.
       self._backups.schedule(step, args, trees, jsons, metrics, custom_metadata, clock_s,
-                             ledger.agree)
+                             ledger.summarize)
       if not self._asynchronous:
-        self._backups.flush(ledger.agree)
+        self._backups.flush(ledger.summarize)
       return
     if not parent_saved and not ondemand and (in_ram or in_persistent):
       # As Orbax: a step is never silently replaced (the tiers would then disagree on it).
@@ -162,9 +162,9 @@ class RamSaver:
     self._writer.write(staged, replace=aside.REPLACED if ondemand and step in own else None)
     if backup_wanted:
       self._backups.schedule(step, args, trees, jsons, metrics, custom_metadata, now,
-                             ledger.agree)
+                             ledger.summarize)
       if not self._asynchronous:
-        self._backups.flush(ledger.agree)  # synchronous: both tiers hold the step on return
+        self._backups.flush(ledger.summarize)  # synchronous: both tiers hold the step on return
     self._peers.issue()  # the previous step's copies, left moving while training goes on
     self._peers.schedule(step, trees)
     if not self._asynchronous and not ondemand:  # on demand: raised after the backup

@@ -84,6 +84,8 @@ def _common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                  help="back up by minutes instead of --persistent-interval steps")
   p.add_argument("--explicit-args", action="store_true",
                  help="restore with Composite(state=PyTreeRestore(item=abstract))")
+  p.add_argument("--cast-to", default=None,
+                 help="restore the float32 leaves as this dtype (e.g. bfloat16), as Orbax casts")
   p.add_argument("--expect-step", default=None, help="a step number, or 'None'")
   p.add_argument("--expect-tier", default=None,
                  choices=("local", "peer", "persistent", "none", "replicator", "elastic"))

@@ -107,9 +107,10 @@ def restore_and_check(args, mgr, mesh) -> tuple[int | None, bool]:
   import jax
   import orbax.checkpoint as ocp
 
-  if args.explicit_args:
+  cast = getattr(args, "cast_to", None)
+  if args.explicit_args or cast:
     restored = mgr.restore(None, args=ocp.args.Composite(
-        state=ocp.args.PyTreeRestore(item=abstract_state(mesh, args.rows))))
+        state=ocp.args.PyTreeRestore(item=_cast(abstract_state(mesh, args.rows), cast))))
   else:
     restored = mgr.restore(None)
   info = mgr.last_restore
@@ -120,7 +121,7 @@ def restore_and_check(args, mgr, mesh) -> tuple[int | None, bool]:
       problems.append(f"restore returned None but last_restore says step {step}")
   else:
     state = restored.state if isinstance(restored, ocp.args.Composite) else restored
-    problems += compare_state(state, make_state(mesh, args.rows, args.seed, step))
+    problems += compare_state(state, _cast(make_state(mesh, args.rows, args.seed, step), cast))
   ok = not problems
   expect_ok = True
   if args.expect_step is not None and str(step) != args.expect_step:
@@ -132,6 +133,23 @@ def restore_and_check(args, mgr, mesh) -> tuple[int | None, bool]:
   emit(f"RESULT process={jax.process_index()} step={step} tier={tier} ok={int(ok)} "
        f"leaves={LEAVES} seconds={seconds} detail={detail}")
   return step, ok and expect_ok
+
+
+def _cast(tree: Any, dtype: str | None) -> Any:
+  """`tree` with its float32 leaves (arrays or abstract ones) as `dtype`; as it is for None."""
+  import jax
+  import numpy as np
+
+  if dtype is None:
+    return tree
+
+  def cast(leaf):
+    if leaf.dtype != np.float32:
+      return leaf
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=leaf.sharding)
+    return leaf.astype(dtype)  # finite values: XLA rounds as TensorStore does
+  return jax.tree.map(cast, tree)
 
 
 def committed(args, mgr) -> None:

@@ -32,6 +32,8 @@ JOBSET_VERSION="${JOBSET_VERSION:-v0.8.0}"
 WORKLOAD_NAMESPACE="${WORKLOAD_NAMESPACE:-default}"
 WORKLOAD_KSA="${WORKLOAD_KSA:-default}"
 RENDERED="${RENDERED:-rendered}"
+SPOT="${SPOT:-0}"                         # 1: a Spot GPU node pool
+RESERVATION="${RESERVATION:-}"            # a GPU reservation for the node pool
 
 # shellcheck source=../lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
@@ -41,13 +43,14 @@ case "${MODE}" in
   upgrade) recreate_checkpoint_configuration ;;
   uninstall) uninstall_multi_tier_checkpointing ;;
   *)
+    capacity_flags
     create_bucket
     create_or_update_cluster
     run gcloud container node-pools create "${CLUSTER_NAME}-gpu" \
       --project="${PROJECT_ID}" --cluster="${CLUSTER_NAME}" --location="${REGION}" \
       --node-locations="${ZONE}" --machine-type="${MACHINE_TYPE}" \
       --accelerator="type=${GPU_TYPE},count=${GPUS_PER_NODE},gpu-driver-version=latest" \
-      --num-nodes="${NODES}"
+      --num-nodes="${NODES}" ${CAPACITY_FLAGS[@]+"${CAPACITY_FLAGS[@]}"}
     grant_bucket_access
     apply_manifests
     ;;

@@ -32,6 +32,8 @@ JOBSET_VERSION="${JOBSET_VERSION:-v0.8.0}"
 WORKLOAD_NAMESPACE="${WORKLOAD_NAMESPACE:-default}"
 WORKLOAD_KSA="${WORKLOAD_KSA:-default}"
 RENDERED="${RENDERED:-rendered}"          # the --render folder of `orbax-mtc size`
+SPOT="${SPOT:-0}"                         # 1: Spot TPU node pools
+RESERVATION="${RESERVATION:-}"            # a TPU reservation for the node pools
 
 # shellcheck source=../lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
@@ -41,13 +43,15 @@ case "${MODE}" in
   upgrade) recreate_checkpoint_configuration ;;
   uninstall) uninstall_multi_tier_checkpointing ;;
   *)
+    capacity_flags
     create_bucket
     create_or_update_cluster
     for ((slice = 0; slice < SLICES; slice++)); do
       run gcloud container node-pools create "${CLUSTER_NAME}-tpu-${slice}" \
         --project="${PROJECT_ID}" --cluster="${CLUSTER_NAME}" --location="${REGION}" \
         --node-locations="${ZONE}" --machine-type="${MACHINE_TYPE}" \
-        --tpu-topology="${TPU_TOPOLOGY}" --num-nodes="${NODES}"
+        --tpu-topology="${TPU_TOPOLOGY}" --num-nodes="${NODES}" \
+        ${CAPACITY_FLAGS[@]+"${CAPACITY_FLAGS[@]}"}
     done
     grant_bucket_access
     apply_manifests

@@ -171,11 +171,12 @@ def _planning(reports: Sequence[restore_plan.HostReport], covers, exact: bool
 
 def restore_agreement(hosts: int, lost: Sequence[int],
                       survivors: Sequence[restore_plan.HostReport], covers,
-                      streams: int) -> dict[str, Any]:
+                      streams: int, most: int, rounds: int) -> dict[str, Any]:
   """The restore agreement's bytes per process at `hosts`: before (all-gathers of the
   `RestoreRecord` and `CoverRecord` rows), after (census + planning rounds), on the
   `survivors` alone (their reports, renumbered) and with the `lost` hosts replaced; and the
-  survivors' exchange (of `streams` streams, each under 2 GiB) and build outcome."""
+  survivors' exchange (of `streams` streams, at most `most` from one process, moved in
+  `rounds` rounds) and build outcome."""
   row = 8 * agreement.row_size(agreement.RestoreRecord)
   cover_row = 8 * 2  # the CoverRecord's two int64 (a restore not planned on its fast path)
   out: dict[str, Any] = {"restore_row_bytes": row}
@@ -207,7 +208,9 @@ def restore_agreement(hosts: int, lost: Sequence[int],
   out["outcome_before_bytes"] = reduction.gathered_bytes(build_row, processes)
   out["outcome_after_bytes"] = outcome.outcome_bytes(processes)
   out["serve_before_bytes"] = reduction.gathered_bytes(serve_row, processes)
-  out["serve_after_bytes"] = outcome.exchange_bytes(processes, streams, bits=31)
+  out["serve_after_bytes"] = outcome.exchange_bytes(processes, streams, most, rounds)
+  out["exchange_rounds"] = rounds
+  out["streams_most"] = most
   return out
 
 

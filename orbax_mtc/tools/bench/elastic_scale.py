@@ -30,6 +30,7 @@ Writes elastic-scale.json, elastic-scale.md and elastic-scale.png (needs matplot
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
 import json
@@ -149,18 +150,19 @@ def _pieces_of(chosen: elastic_plan.ElasticPlan, me: int, fsdp: int,
   return found
 
 
-def _stream_count(chosen: elastic_plan.ElasticPlan, processes: int, fsdp: int,
-                  layouts: Sequence[tuple[_LeafLayout, TileIndex]]) -> int:
+def _streams(chosen: elastic_plan.ElasticPlan, processes: int, fsdp: int,
+             layouts: Sequence[tuple[_LeafLayout, TileIndex]]) -> tuple[int, int, int]:
   """The exchange's streams: per receiving process, the other processes serving a saved rank
   that provides a tile of one of its new shards (every leaf layout once: leaves of one layout
-  share their sources)."""
+  share their sources). Returns (streams, the most one process sends, the transfer's rounds:
+  the most streams one process sends or receives)."""
   server_of = chosen.server_of()
   available = set(server_of)
   preferred = {rank for rank, _, kind in chosen.servers if kind != elastic_plan.COPY}
   served = {p: set() for p in range(processes)}
   for rank, process in server_of.items():
     served[process].add(rank)
-  total = 0
+  total, most_in, sent = 0, 0, collections.Counter()
   for me in range(processes):
     positions = [d % fsdp for d in range(me * DEVICES_PER_HOST, (me + 1) * DEVICES_PER_HOST)]
     sources = set()
@@ -170,8 +172,12 @@ def _stream_count(chosen: elastic_plan.ElasticPlan, processes: int, fsdp: int,
           rank = elastic_plan.provider(layout.tiles[i][1], served[me], available, me, preferred)
           if rank is not None:
             sources.add(server_of[rank])
-    total += len(sources - {me})
-  return total
+    sources.discard(me)
+    total += len(sources)
+    most_in = max(most_in, len(sources))
+    sent.update(sources)
+  most = max(sent.values(), default=0)
+  return total, most, max(most, most_in)
 
 
 def measure(hosts: int, leaves: int, reps: int, seed: int = 0) -> dict[str, Any]:
@@ -220,7 +226,7 @@ def measure(hosts: int, leaves: int, reps: int, seed: int = 0) -> dict[str, Any]
       **agreement_scale.restore_agreement(
           hosts, lost, elastic_plan.decode_reports(encoded),
           lambda c: elastic_plan.covered(sets, c.available),
-          _stream_count(chosen, survivors, fsdp, list(zip(layouts, indexes, strict=True)))),
+          *_streams(chosen, survivors, fsdp, list(zip(layouts, indexes, strict=True)))),
   }
 
 
@@ -282,9 +288,10 @@ def markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
             f"{agreement_scale.EXACT_UP_TO:,} hosts; beyond, the planning rounds' sizes from "
             "the formula."]
   lines += ["", "The elastic restore's exchange (before: an all-gather of `ServeRecord` rows "
-            "with one int64 size per ordered pair of processes; after: a status round, a byte "
-            "per process for how many streams it sends, and a slot per stream of 8 bytes, its "
-            "destination and size, for streams under 2 GiB) and the build's outcome (before: "
+            "with one int64 size per ordered pair of processes; after: a status round, then "
+            "bit_length(most) bits a process for how many streams it sends, bit_length(P - 1) "
+            "bits a stream for its destination, and 4 bytes a transfer round for its largest "
+            "stream; a stream carries its own length) and the build's outcome (before: "
             "an all-gather of `BuildRecord` rows; after: a statuses round of "
             "4 x (22 + P / 32) bytes when all went well):", "",
             "| hosts | streams | exchange, before | exchange, after | outcome, before "
