@@ -72,6 +72,42 @@ def test_summarize_computes_ratios_against_limits_and_orbax():
   assert "10.00x" in text and "4 x 4096 MiB (needs 96 GiB)" in text
 
 
+def test_summarize_sets_orbax_p2p_manager_beside_ours():
+  row = suite.summarize(_record(p2p_save_s=[0.2], p2p_blocking_s=[0.055], p2p_restore_s=[0.08],
+                                p2p_recovery_s=[0.9], p2p_recovery_build_s=[0.3],
+                                mtc_recovery_twin_s=[0.3], mtc_local_restore_twin_s=[0.2],
+                                mtc_replication_twin_s=[0.01],
+                                mtc_replication_twin_bytes=[1.0]),
+                        [])
+  r = row["ratios"]
+  assert r["mtc_save / p2p_save"] == pytest.approx(0.2 / 0.040)
+  assert r["mtc_restore / p2p_restore"] == pytest.approx(0.08 / 0.020)
+  assert r["p2p_blocking / mtc_blocking"] == pytest.approx(0.055 / 0.011)
+  assert r["p2p_recovery / mtc_recovery (twin)"] == pytest.approx(3.0)
+  text = suite.markdown([{**row, "notes": {"p2p": "saves its own shards"}}], [], "cmd")
+  assert "| 2 | 100 | 5.00x | 4.00x | 5.0x | 3.00x | 0.52 / 1.31 | 0.90 s (0.30 s) |" in text
+  assert "Notes: Orbax P2P: saves its own shards." in text
+
+
+def test_orbax_p2p_runs_in_a_job_of_its_own_and_its_figures_join_the_others():
+  assert suite.job_plan(["limits", "orbax", "emergency", "p2p", "mtc", "loop"]) == [
+      ["limits", "orbax", "emergency", "mtc", "loop"], ["p2p"]]
+  assert suite.job_plan(["p2p"]) == [["p2p"]]
+  assert suite.job_plan(["mtc"]) == [["mtc"]]
+  main_job = {**_record(), "notes": {"emergency": "e"}}
+  p2p_job = {"procs": 2, "mib": 100, "bytes_per_process": 100 * 2**20, "replicas": 1,
+             "seconds": {"p2p_save_s": [0.2]}, "notes": {"p2p": "p"}}
+  other_size = {**p2p_job, "mib": 8}
+  merged = suite.merge_records([main_job, p2p_job, other_size])
+  assert [(r["procs"], r["mib"]) for r in merged] == [(2, 100), (2, 8)]
+  assert merged[0]["seconds"]["p2p_save_s"] == [0.2]
+  assert merged[0]["seconds"]["mtc_save_s"] == [0.040]
+  assert merged[0]["notes"] == {"emergency": "e", "p2p": "p"}
+  assert "p2p_save_s" not in main_job["seconds"]  # the inputs are left as they were
+  row = suite.summarize(merged[0])
+  assert row["ratios"]["mtc_save / p2p_save"] == pytest.approx(5.0)
+
+
 def test_summarize_pairs_each_figure_with_the_limit_taken_beside_it():
   # Repetition 2 ran while the machine was slow for both: paired, it is a 1.0x repetition;
   # the medians of the two series would make it 2.0x.
@@ -176,10 +212,15 @@ def test_suite_smoke_run(tmp_path):
     expected = {"memcpy_s", "raw_write_new_s", "raw_read_s", "orbax_save_s", "mtc_save_s",
                 "mtc_blocking_s", "mtc_restore_s", "loop_plain_s", "loop_local_s",
                 "paired_memcpy_s", "paired_raw_write_s", "paired_raw_read_s"}
+    # Orbax's P2P manager, in the same job at the same sizes; its restores were checked
+    # bit for bit by the worker (a mismatch fails the job).
+    expected |= {"p2p_save_s", "p2p_blocking_s", "p2p_restore_s"}
     if run["procs"] == 2:
       expected |= {"raw_ppermute_s", "raw_broadcast_s", "emergency_save_s",
                    "emergency_restore_s", "mtc_replication_ring_s", "mtc_recovery_ring_s",
-                   "mtc_recovery_twin_s", "loop_peers_s"}
+                   "mtc_recovery_twin_s", "loop_peers_s", "p2p_recovery_s",
+                   "p2p_recovery_build_s"}
+    assert "nothing is copied to peers at save time" in run["notes"]["p2p"]
     assert expected <= set(seconds), expected - set(seconds)
     assert all(len(v) >= 1 and all(x > 0 for x in v) for v in seconds.values())
     for ours, limit in (("mtc_blocking_s", "paired_memcpy_s"), ("mtc_save_s",
@@ -187,7 +228,11 @@ def test_suite_smoke_run(tmp_path):
       assert len(seconds[ours]) == len(seconds[limit])  # one pair per repetition
   for row in raw["summary"]:
     assert row["mtc_save_gbps"] > 0 and row["ondemand_s"] > 0
-  assert table.count("\n| 1 | ") == 6 and table.count("\n| 2 | ") == 6  # 2 sizes x 3 tables
+    assert row["p2p_save_gbps"] > 0 and row["ratios"]["mtc_restore / p2p_restore"] > 0
+    if row["procs"] == 2:
+      assert row["ratios"]["p2p_recovery / mtc_recovery (twin)"] > 0
+  assert table.count("\n| 1 | ") == 8 and table.count("\n| 2 | ") == 8  # 2 sizes x 4 tables
+  assert "orbax-mtc against Orbax's P2P manager" in table and "Notes: " in table
   assert all(run["backend"] == "cpu" and run["fresh_state"] is False for run in raw["runs"])
   assert "blocking / memcpy (≤1.25)" in table and "Arrays on: cpu." in table
 

@@ -2,10 +2,13 @@
 """Run one of Orbax's manager test suites against a chosen class.
 
 Own code (not copied from Orbax). The recipe (upstream files, venv) is in README.md beside
-this file and in docs/orbax-conformance.md. By default it runs `checkpoint_manager_test.py`;
-ORBAX_SUITE_TEST_FILE names another test file of the suite dir (Orbax's emergency-manager
-suite), and ORBAX_SUITE_EXTRA_ALIASES rebinds more module-level names of it
-('Name=module:attr,...', e.g. the emergency suite's option classes).
+this file and in docs/orbax-conformance.md. `--fetch` downloads the pinned upstream files
+(fetch_upstream.py) into the suite dir first; by default the suite dir is a cache folder
+outside the repository. By default it runs `checkpoint_manager_test.py`; `--test-file` (or
+ORBAX_SUITE_TEST_FILE) names another test file of the suite dir (Orbax's emergency-manager
+suite), and `--alias Name=module:attr` (repeatable; or ORBAX_SUITE_EXTRA_ALIASES,
+'Name=module:attr,...') rebinds more module-level names of it (e.g. the emergency suite's
+option classes).
 
 The launcher starts N worker processes (N=1 or N=4 is what we use). Each
 worker joins a jax.distributed group on localhost, makes the two upstream
@@ -18,12 +21,12 @@ passes only if it passed on every process) and prints, as its last line:
     N passed, N failed, N skipped
 
 Usage:
-  python run_suite.py --suite-dir DIR [--num-processes N]
+  python run_suite.py [--fetch] [--suite-dir DIR] [--num-processes N]
       [--devices-per-process D] [--cm module:Class | --cm @trivial]
+      [--test-file FILE] [--alias Name=module:attr ...]
       [--count-constructions] [--out DIR] [-k EXPR] [--pytest-arg ARG ...]
 
---suite-dir must contain:
-  checkpoint_manager_test.py
+--suite-dir (default: fetch_upstream.default_suite_dir()) must contain the test file and:
   orbax/checkpoint/_src/testing/multiprocess_test.py
   orbax/checkpoint/_src/testing/oss/multiprocess_test.py
 """
@@ -43,6 +46,7 @@ import subprocess
 import sys
 import time
 
+import fetch_upstream  # beside this script
 from construction_counter import ConstructionCounter  # beside this script
 
 # Modules the test needs that the PyPI wheel does not ship, mapped to their
@@ -55,10 +59,6 @@ OVERLAY_MODULES = {
         'orbax/checkpoint/_src/testing/oss/multiprocess_test.py'
     ),
 }
-TEST_FILE = os.environ.get('ORBAX_SUITE_TEST_FILE', 'checkpoint_manager_test.py')
-# Further module-level names to rebind in the test module, 'Name=module:attr,...'
-# (e.g. the option classes when running Orbax's emergency-manager suite).
-EXTRA_ALIASES = os.environ.get('ORBAX_SUITE_EXTRA_ALIASES', '')
 TEST_MODULE_ATTR = 'CheckpointManager'
 
 
@@ -67,8 +67,23 @@ TEST_MODULE_ATTR = 'CheckpointManager'
 # --------------------------------------------------------------------------
 def parse_args(argv):
   p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  p.add_argument('--suite-dir', required=True,
-                 help='directory holding the upstream test files')
+  p.add_argument('--suite-dir', default=None,
+                 help='directory holding the upstream test files (default: '
+                 f'{fetch_upstream.default_suite_dir()})')
+  p.add_argument('--fetch', action='store_true',
+                 help='first download the pinned upstream files into the suite dir '
+                 '(fetch_upstream.py; files already there with the pinned hash are kept)')
+  p.add_argument('--base-url', default=fetch_upstream.BASE_URL,
+                 help='with --fetch: where google/orbax at the pinned commit is read from, '
+                 'e.g. a mirror or file:///path/to/orbax/ (default: %(default)s)')
+  p.add_argument('--test-file',
+                 default=os.environ.get('ORBAX_SUITE_TEST_FILE', 'checkpoint_manager_test.py'),
+                 help='test file of the suite dir to run (default: %(default)s)')
+  p.add_argument('--alias', action='append',
+                 default=[a for a in os.environ.get('ORBAX_SUITE_EXTRA_ALIASES', '').split(',')
+                          if a.strip()],
+                 help='Name=module:attr: a further module-level name of the test module to '
+                 'rebind with --cm (repeatable), e.g. the emergency suite\'s option classes')
   p.add_argument('--num-processes', type=int, default=1)
   p.add_argument('--devices-per-process', type=int, default=None,
                  help='fake CPU devices per process (default: 8 for N=1, '
@@ -92,7 +107,11 @@ def parse_args(argv):
                  help=argparse.SUPPRESS)
   p.add_argument('--coordinator', default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
-  args.suite_dir = os.path.abspath(args.suite_dir)
+  args.suite_dir = os.path.abspath(args.suite_dir or fetch_upstream.default_suite_dir())
+  for pair in args.alias:
+    name, eq, target = pair.partition('=')
+    if not eq or ':' not in target or not name.strip():
+      p.error(f'--alias must look like Name=module:attr, got {pair!r}')
   if args.devices_per_process is None:
     args.devices_per_process = 8 if args.num_processes == 1 else 2
   return args
@@ -139,8 +158,9 @@ def _resolve_class(spec):
 class _Recorder:
   """pytest plugin: rebinds the class under test and records outcomes."""
 
-  def __init__(self, rank, out_dir, cls, counter):
+  def __init__(self, rank, out_dir, cls, counter, aliases=()):
     self.rank = rank
+    self.aliases = aliases
     self.cls = cls
     self.counter = counter
     self.results_path = os.path.join(out_dir, f'rank{rank}.jsonl')
@@ -162,7 +182,7 @@ class _Recorder:
         if not hasattr(mod, TEST_MODULE_ATTR):
           raise RuntimeError(f'{mod.__name__} has no {TEST_MODULE_ATTR}')
         setattr(mod, TEST_MODULE_ATTR, self.cls)
-        for pair in filter(None, EXTRA_ALIASES.split(',')):
+        for pair in self.aliases:
           name, _, target = pair.partition('=')
           tmod, _, attr = target.partition(':')
           setattr(mod, name.strip(), getattr(importlib.import_module(tmod), attr))
@@ -254,9 +274,9 @@ def worker_main(args):
   # absltest reads flags (e.g. --test_tmpdir) that nobody parses under pytest.
   flags.FLAGS.mark_as_parsed()
 
-  recorder = _Recorder(rank, out_dir, cls, counter)
+  recorder = _Recorder(rank, out_dir, cls, counter, args.alias)
   pytest_args = [
-      os.path.join(args.suite_dir, TEST_FILE),
+      os.path.join(args.suite_dir, args.test_file),
       '--rootdir', args.suite_dir,
       '-p', 'no:cacheprovider',
       '-q', '-rfE', '--tb=short',
@@ -267,7 +287,7 @@ def worker_main(args):
   t0 = time.time()
   rc = pytest.main(pytest_args, plugins=[recorder])
   if cls is not None:
-    mod = sys.modules.get('checkpoint_manager_test')
+    mod = sys.modules.get(os.path.splitext(os.path.basename(args.test_file))[0])
     bound = getattr(mod, TEST_MODULE_ATTR, None) if mod else None
     print(f'[rank {rank}] rebound in {recorder.rebound_modules}; '
           f'alias now {bound!r}', flush=True)
@@ -315,8 +335,31 @@ def _read_jsonl(path):
   return out
 
 
+def _prepare_suite_dir(args):
+  """Fetches the pinned files if asked; returns why the suite dir cannot run, or None."""
+  if args.fetch:
+    try:
+      fetch_upstream.fetch(fetch_upstream.Path(args.suite_dir), base_url=args.base_url)
+    except fetch_upstream.FetchError as e:
+      return str(e)
+  needed = [args.test_file] + list(OVERLAY_MODULES.values())
+  absent = [rel for rel in needed
+            if not os.path.isfile(os.path.join(args.suite_dir, rel))]
+  if absent:
+    return (f'{args.suite_dir} lacks {", ".join(absent)}; run again with --fetch to download '
+            f'the pinned upstream files (google/orbax at {fetch_upstream.UPSTREAM_COMMIT}) '
+            'there, or pass --suite-dir')
+  return None
+
+
 def launcher_main(args, argv):
   n = args.num_processes
+  why = _prepare_suite_dir(args)
+  if why is not None:
+    print(f'run_suite: {why}', file=sys.stderr, flush=True)
+    return 2
+  # Workers read the files the launcher just checked; they never fetch.
+  argv = [a for a in argv if a != '--fetch']
   stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
   out = os.path.abspath(args.out or os.path.join(args.suite_dir, 'runs', stamp))
   os.makedirs(out, exist_ok=True)

@@ -119,10 +119,11 @@ def summarize(record: dict[str, Any], ondemand: Sequence[dict[str, Any]] = ()) -
               "raw_ppermute", "raw_broadcast", "paired_memcpy", "paired_d2h",
               "paired_raw_write", "paired_raw_read",
               "mtc_save", "mtc_restore", "orbax_save", "orbax_restore", "emergency_save",
-              "emergency_restore"):
+              "emergency_restore", "p2p_save", "p2p_restore"):
     if f"{key}_s" in sec:
       out[f"{key}_gbps"] = gbps(f"{key}_s")
-  for key in ("memcpy", "d2h", "mtc_blocking", "orbax_blocking", "emergency_blocking"):
+  for key in ("memcpy", "d2h", "mtc_blocking", "orbax_blocking", "emergency_blocking",
+              "p2p_blocking", "p2p_recovery", "p2p_recovery_build"):
     if f"{key}_s" in sec:
       out[f"{key}_s"] = med(f"{key}_s")
   raw_write = max(out.get("raw_write_new_gbps", float("nan")),
@@ -166,12 +167,19 @@ def summarize(record: dict[str, Any], ondemand: Sequence[dict[str, Any]] = ()) -
   for ours, theirs in (("mtc_save_gbps", "orbax_save_gbps"),
                        ("mtc_restore_gbps", "orbax_restore_gbps"),
                        ("mtc_save_gbps", "emergency_save_gbps"),
-                       ("mtc_restore_gbps", "emergency_restore_gbps")):
+                       ("mtc_restore_gbps", "emergency_restore_gbps"),
+                       ("mtc_save_gbps", "p2p_save_gbps"),
+                       ("mtc_restore_gbps", "p2p_restore_gbps")):
     if ours in out and theirs in out:
       ratios[f"{ours[:-5]} / {theirs[:-5]}"] = ratio(out[ours], out[theirs])
-  for theirs in ("orbax_blocking_s", "emergency_blocking_s"):
-    if theirs in out:
+  for theirs in ("orbax_blocking_s", "emergency_blocking_s", "p2p_blocking_s"):
+    if theirs in out and "mtc_blocking_s" in out:
       ratios[f"{theirs[:-2]} / mtc_blocking"] = ratio(out[theirs], out["mtc_blocking_s"])
+  # A node whose RAM folder was lost, two replicas: Orbax's P2P manager fetches its twin's
+  # files over its sockets; orbax-mtc reads the twin's copy through collectives.
+  if "p2p_recovery_s" in out and "recovery_twin_s" in out:
+    ratios["p2p_recovery / mtc_recovery (twin)"] = ratio(out["p2p_recovery_s"],
+                                                          out["recovery_twin_s"])
   out["ratios"] = ratios
   out["targets"] = {}
   for name, (limit, higher) in TARGETS.items():
@@ -231,9 +239,10 @@ def _say(line: str, bar: Any = None, file: Any = None) -> None:
     file.flush()
 
 
-def _run_job(args, n: int, sizes: list[int], scratch: Path,
-             bar: Any = None) -> tuple[list[dict[str, Any]], str | None]:
-  """Runs one job for every size; returns its records and why it failed (None: it did not)."""
+def _run_job(args, n: int, sizes: list[int], scratch: Path, bar: Any = None,
+             contenders: Sequence[str] = ()) -> tuple[list[dict[str, Any]], str | None]:
+  """Runs one job of `contenders` for every size; returns its records and why it failed
+  (None: it did not)."""
   from orbax_mtc.tools import launch
 
   persistent = scratch / "persistent"
@@ -244,7 +253,7 @@ def _run_job(args, n: int, sizes: list[int], scratch: Path,
              "--sizes", *map(str, sizes), "--reps", str(args.reps),
              "--persistent", str(persistent), "--shared-local", str(shared),
              "--loop-steps", str(args.loop_steps), "--save-every", str(args.save_every),
-             "--step-ms", str(args.step_ms), "--contenders", *args.contenders,
+             "--step-ms", str(args.step_ms), "--contenders", *contenders,
              "--fresh-state", args.fresh_state]
   out = _Collect(echo=not args.quiet, bar=bar)
   try:
@@ -260,8 +269,31 @@ def _run_job(args, n: int, sizes: list[int], scratch: Path,
   if result.returncode != 0 or len(records) != len(sizes):
     killed = " (SIGKILL: out of memory or --timeout-s)" if 137 in result.returncodes else ""
     failure = f"the job failed with exit {result.returncodes}{killed}"
-    _say(f"suite job with {n} processes: {failure}\n" + out.text[-4000:], bar, sys.stderr)
+    _say(f"suite job ({' '.join(contenders)}) with {n} processes: {failure}\n"
+         + out.text[-4000:], bar, sys.stderr)
   return records, failure
+
+
+def job_plan(contenders: Sequence[str]) -> list[list[str]]:
+  """The jobs one process count runs (pure): Orbax's P2P manager in a job of its own, right
+  after the others, so that its TCP service and threads never share a process with another
+  contender."""
+  others = [c for c in contenders if c != "p2p"]
+  return [job for job in (others, ["p2p"] if "p2p" in contenders else []) if job]
+
+
+def merge_records(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+  """One record per (procs, size), the figures of every job that measured it (pure)."""
+  merged: dict[tuple[int, int], dict[str, Any]] = {}
+  for record in records:
+    key = (record["procs"], record["mib"])
+    if key not in merged:
+      merged[key] = {**record, **{k: dict(record.get(k, {})) for k in (
+          "seconds", "notes", "rss_bytes_after", "peak_rss_bytes")}}
+      continue
+    for k in ("seconds", "notes", "rss_bytes_after", "peak_rss_bytes"):
+      merged[key].setdefault(k, {}).update(record.get(k, {}))
+  return list(merged.values())
 
 
 def _environment() -> dict[str, Any]:
@@ -300,10 +332,12 @@ def _parser() -> argparse.ArgumentParser:
                       help="training step length in the loop-overhead figure (device time) "
                       "(default: %(default)s)")
   parser.add_argument("--contenders", nargs="+",
-                      default=["limits", "orbax", "emergency", "mtc", "loop"],
+                      default=["limits", "orbax", "emergency", "p2p", "mtc", "loop"],
+                      choices=["limits", "orbax", "emergency", "p2p", "mtc", "loop"],
                       help="what to measure: limits (memcpy, raw I/O, collectives), orbax "
-                      "(plain CheckpointManager), emergency (Orbax's emergency manager), mtc, "
-                      "loop (train-loop overhead) (default: all five)")
+                      "(plain CheckpointManager), emergency (Orbax's emergency manager), p2p "
+                      "(Orbax's experimental.emergency.p2p manager), mtc, loop (train-loop "
+                      "overhead) (default: all six)")
   parser.add_argument("--out", default="bench-out",
                       help="folder for suite.json/md/png (default: %(default)s)")
   parser.add_argument("--scratch", default="/dev/shm",
@@ -339,21 +373,28 @@ def main(argv: Sequence[str] | None = None) -> int:
   ondemand_runs: list[dict[str, Any]] = []
   failed: list[dict[str, Any]] = []
   started = time.time()
-  # One unit per size measured and per on-demand job: a size whose job failed skips its
-  # on-demand jobs too, so the bar still ends at its total.
-  per_size = 1 + args.ondemand_reps
+  # One unit per size measured by each job and per on-demand job: a size whose first job
+  # failed skips its on-demand jobs too, so the bar still ends at its total.
+  jobs = job_plan(args.contenders)
+  per_size = len(jobs) + args.ondemand_reps
   with console.progress(total=per_size * sum(len(sizes) for sizes in runs.values()),
                     desc="bench suite", unit="run", enabled=not args.quiet) as bar:
     for n, sizes in sorted(runs.items()):
       if not args.quiet:
         _say(f"{n} process(es): sizes {sizes} MiB", bar)
-      scratch = Path(tempfile.mkdtemp(prefix="orbax-mtc-suite-", dir=args.scratch))
-      job_records, failure = _run_job(args, n, sizes, scratch, bar)
-      records += job_records
-      measured = [r["mib"] for r in job_records]
-      failed += [{"procs": n, "mib": mib, "why": failure} for mib in sizes
-                 if mib not in measured]
-      bar.update(per_size * max(0, len(sizes) - len(measured)))
+      measured: list[int] = []
+      for i, contenders in enumerate(jobs):
+        scratch = Path(tempfile.mkdtemp(prefix="orbax-mtc-suite-", dir=args.scratch))
+        job_records, failure = _run_job(args, n, sizes, scratch, bar, contenders)
+        records += job_records
+        done = [r["mib"] for r in job_records]
+        name = "" if contenders != ["p2p"] else "Orbax P2P job: "
+        failed += [{"procs": n, "mib": mib, "why": name + str(failure)} for mib in sizes
+                   if mib not in done]
+        bar.update(max(0, len(sizes) - len(done)))
+        if i == 0:
+          measured = done
+          bar.update(args.ondemand_reps * max(0, len(sizes) - len(done)))
       for mib in measured:
         for _ in range(args.ondemand_reps):
           root = Path(tempfile.mkdtemp(prefix="orbax-mtc-suite-ondemand-", dir=args.scratch))
@@ -362,6 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           finally:
             shutil.rmtree(root, ignore_errors=True)
           bar.update(1)
+  records = merge_records(records)
   rows = [summarize(r, [o for o in ondemand_runs if o["procs"] == r["procs"]
                         and o["mib"] == r["mib"]]) for r in records]
   command = "orbax-mtc bench suite " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -69,6 +69,23 @@ def markdown(rows: Sequence[dict[str, Any]], skipped: Sequence[dict[str, Any]],
         f"{_fmt(r.get('mtc_restore / emergency_restore'), 2, 'x')} | "
         f"{_fmt(r.get('emergency_blocking / mtc_blocking'), 1, 'x')} | "
         f"{_fmt(row.get('ondemand_s'), 2, ' s')} |")
+  lines += ["", "orbax-mtc against Orbax's P2P manager (`experimental.emergency.p2p`) on the same "
+            "RAM disk (higher is better for orbax-mtc; recovery: a node whose RAM folder was "
+            "lost, two replicas; P2P's figure includes building its manager, where its peer "
+            "fetch starts, shown after it):", "",
+            "| procs | MiB/proc | save vs P2P | restore vs P2P | blocking: P2P / ours | "
+            "recovery: P2P / ours | P2P save / restore GB/s | P2P recovery (of it: build) |",
+            "|---|---|---|---|---|---|---|---|"]
+  for row in rows:
+    r = row["ratios"]
+    lines.append(
+        f"| {row['procs']} | {row['mib']} | {_fmt(r.get('mtc_save / p2p_save'), 2, 'x')} | "
+        f"{_fmt(r.get('mtc_restore / p2p_restore'), 2, 'x')} | "
+        f"{_fmt(r.get('p2p_blocking / mtc_blocking'), 1, 'x')} | "
+        f"{_fmt(r.get('p2p_recovery / mtc_recovery (twin)'), 2, 'x')} | "
+        f"{_fmt(row.get('p2p_save_gbps'))} / {_fmt(row.get('p2p_restore_gbps'))} | "
+        f"{_fmt(row.get('p2p_recovery_s'), 2, ' s')} "
+        f"({_fmt(row.get('p2p_recovery_build_s'), 2, ' s')}) |")
   lines += ["", "Bandwidths, GB/s per process (median):", "",
             f"| procs | MiB/proc | {'memcpy / device-to-host' if on_device else 'memcpy'} | "
             "raw write new / overwrite | raw read | ppermute | "
@@ -90,9 +107,10 @@ def markdown(rows: Sequence[dict[str, Any]], skipped: Sequence[dict[str, Any]],
   if skipped:
     lines += ["", "Skipped: " + "; ".join(
         f"{s['procs']} x {s['mib']} MiB ({s['why']})" for s in skipped) + "."]
-  notes = sorted({v for row in rows for v in row.get("notes", {}).values()})
+  names = {"emergency": "Orbax emergency", "p2p": "Orbax P2P"}
+  notes = sorted({(names.get(k, k), v) for row in rows for k, v in row.get("notes", {}).items()})
   if notes:
-    lines += ["", "Notes: " + " ".join(f"Orbax emergency: {n}." for n in notes)]
+    lines += ["", "Notes: " + " ".join(f"{name}: {note}." for name, note in notes)]
   return "\n".join(lines) + "\n"
 
 
@@ -111,6 +129,8 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> str | None:
             ("orbax_restore_gbps", "Orbax restore", "C1-s"),
             ("emergency_save_gbps", "Orbax emergency save", "C2-o"),
             ("emergency_restore_gbps", "Orbax emergency restore", "C2-s"),
+            ("p2p_save_gbps", "Orbax P2P save", "C4-o"),
+            ("p2p_restore_gbps", "Orbax P2P restore", "C4-s"),
             ("replication_ring_gbps", "orbax-mtc replication", "C3-^"),
             ("raw_ppermute_gbps", "raw ppermute", "C3:")]
   for ax, n in zip(axes[0], procs, strict=True):
