@@ -131,7 +131,7 @@ def test_gc_on_steps_of_an_older_orbax_logs_no_warning_per_step(healthy_orbax_di
 
 
 _JSON_VERBS = {"goodput": "goodput", "failure-cost": "failure_cost", "ondemand": "ondemand",
-               "elastic-scale": "elastic_scale", "every-step": "every_step"}
+               "elastic-scale": "elastic_scale", "every-step": "every_step", "suite": "suite"}
 
 
 @pytest.mark.parametrize("verb", sorted(_JSON_VERBS))

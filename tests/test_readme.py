@@ -87,8 +87,10 @@ def test_readme_test_command_says_how_long_it_takes_and_what_maxtext_needs():
   # .ci/run takes the second line after the marker: it must stay the command itself.
   assert marked.splitlines()[2] == "pip install -e '.[test]' && python -m pytest -q tests"
   before = section[:section.index("<!-- test-command -->")]
-  assert "2205 passed, 14 skipped in about 20 minutes on a 2-core VM" in before.replace("\n", " ")
-  assert "1181 s" in before
+  # The figures change with the suite; that they are there, and say what they measure, not.
+  assert re.search(r"\d+ passed, \d+ skipped in about \d+ minutes on a 2-core VM",
+                   before.replace("\n", " "))
+  assert re.search(r"CI took \d+ s", before.replace("\n", " "))
   after = marked.split("```", 3)[-1]
   assert "need Python 3.12" in after and "skip" in after
 

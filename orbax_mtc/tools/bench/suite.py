@@ -24,8 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from orbax_mtc.tools import console
+from orbax_mtc.tools.bench import output
 from orbax_mtc.tools.bench.suite_report import markdown as markdown
 from orbax_mtc.tools.bench.suite_report import plot as plot
+
+SCHEMA = "orbax-mtc/bench-suite/1"  # suite.json and `--json`
 
 # Memory and RAM disk one process needs for one size, in multiples of its state. Measured
 # (`peak_rss_bytes` in suite.json, at 1 and 2 GiB, runtime excluded): one process peaks at
@@ -210,10 +213,11 @@ def _no_nan(value: Any) -> Any:
 
 
 class _Collect:
-  def __init__(self, echo: bool, bar: Any = None):
+  def __init__(self, echo: bool, bar: Any = None, file: Any = None):
     self.text = ""
     self.echo = echo
     self.bar = bar  # a tqdm advanced once per size measured
+    self.file = file  # where progress lines go (stderr under --json)
 
   def write(self, text: str) -> int:
     self.text += text
@@ -222,7 +226,7 @@ class _Collect:
         self.bar.update(1)
       if self.echo:
         line = f"  measured {json.loads(text.split('@@suite ', 1)[1])['mib']} MiB"
-        _say(line, self.bar)
+        _say(line, self.bar, self.file)
     return len(text)
 
   def flush(self) -> None:
@@ -255,7 +259,7 @@ def _run_job(args, n: int, sizes: list[int], scratch: Path, bar: Any = None,
              "--loop-steps", str(args.loop_steps), "--save-every", str(args.save_every),
              "--step-ms", str(args.step_ms), "--contenders", *contenders,
              "--fresh-state", args.fresh_state]
-  out = _Collect(echo=not args.quiet, bar=bar)
+  out = _Collect(echo=not args.quiet, bar=bar, file=output.text(args.json))
   try:
     result = launch.run_processes(command, n, devices_per_process=1,
                                   local_root=scratch / "local",
@@ -351,6 +355,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="save a fresh device copy of the state each time and hold the "
                       "save's blocking time to a device-to-host copy instead of a memcpy "
                       "(auto: on unless the arrays are on CPU) (default: %(default)s)")
+  output.add_json_flag(parser, SCHEMA, also="; suite.json under --out is the same document")
   parser.add_argument("--quiet", action="store_true",
                       help="no progress lines or bar, only the final table "
                       "(default: show progress)")
@@ -381,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     desc="bench suite", unit="run", enabled=not args.quiet) as bar:
     for n, sizes in sorted(runs.items()):
       if not args.quiet:
-        _say(f"{n} process(es): sizes {sizes} MiB", bar)
+        _say(f"{n} process(es): sizes {sizes} MiB", bar, output.text(args.json))
       measured: list[int] = []
       for i, contenders in enumerate(jobs):
         scratch = Path(tempfile.mkdtemp(prefix="orbax-mtc-suite-", dir=args.scratch))
@@ -412,11 +417,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   if why_no_plot:
     text += f"\nNo plot: {why_no_plot}.\n"
   (out_dir / "suite.md").write_text(text)
-  (out_dir / "suite.json").write_text(json.dumps({
-      "args": vars(args), "environment": _environment(), "wall_s": time.time() - started,
-      "skipped": skipped, "failed": failed, "runs": records, "ondemand": ondemand_runs,
-      "summary": _no_nan(rows)}, indent=1, allow_nan=False))
-  print(text)
+  document = {
+      "schema": SCHEMA, "args": vars(args), "environment": _environment(),
+      "wall_s": time.time() - started, "skipped": skipped, "failed": failed, "runs": records,
+      "ondemand": ondemand_runs, "summary": _no_nan(rows)}
+  (out_dir / "suite.json").write_text(json.dumps(_no_nan(document), indent=1, allow_nan=False))
+  output.emit(args.json, document, text)
   return 1 if failed else 0
 
 
