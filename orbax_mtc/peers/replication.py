@@ -378,7 +378,8 @@ class Replicator:
       job.transfer = transport.Transfer(
           streams, me=self.me, reader_for=lambda s: outgoing[s.destination].read,
           sink_for=sink_for, chunk_limit=self._chunk_bytes, window=self._window,
-          reduce=lambda rnd: self._reduce(rnd.parts()), viewer_for=lambda s: outgoing[s.destination].view)
+          reduce=lambda rnd: self._reduce(rnd.parts()),
+          viewer_for=lambda s: outgoing[s.destination].view)
     except transport.TransferError as e:  # agreed: the same on every process
       logging.warning("orbax-mtc: step %d is not replicated: %s", job.step, e)
       self._abort(job)
