@@ -145,7 +145,7 @@ class StartRecord:
 
 @dataclasses.dataclass(frozen=True)
 class SaveRecord:
-  """One local save (every process saves the same steps, so it is gathered everywhere).
+  """One local save (every process saves the same steps, so every process agrees it).
 
   Attributes:
     step: The step being saved.

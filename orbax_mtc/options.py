@@ -353,7 +353,7 @@ class CheckpointManagerOptions:
     multiprocessing_options: `MultiprocessingOptions` (ours or Orbax's emergency one): its
       `coordination_timeout_secs` is the agreement timeout (see `agreement_timeout_seconds`).
     single_host_load_and_broadcast: Accepted; every process lists the persistent steps and
-      one all-gather agrees them, whatever the value.
+      one agreement (a census) agrees them, whatever the value.
     replication: `ReplicationOptions` (peers, the named replica axis).
     job_name: First part of the `<job>-s<step>-n<rank>-w<worker>.restore` LKG links.
     worker_index: This process's index inside its host; None reads it from the environment.

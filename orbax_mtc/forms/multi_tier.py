@@ -259,7 +259,7 @@ class MultiTierForm:
           synchronous=not self.options.enable_async_checkpointing)
     elif action is save_policy.SaveAction.LOCAL:
       # Whether the step is already in RAM or persistent is decided there, after the save's
-      # one all-gather, so that every process takes the same branch.
+      # agreement, so that every process takes the same branch.
       self.ram.save(step, args, backup_wanted=decision.backup, metrics=metrics,
                     custom_metadata=custom_metadata)
     else:  # no RAM tier to take it from (read_only): straight from the arrays

@@ -4,9 +4,9 @@ The parts, and what depends on what::
 
   LocalTier, PeerStore  <- the RAM folder (claimed on every process: local/claim.py)
   RamWriter             <- LocalTier; its errors wait in an UnreportedError for the ledger
-  StepLedger            <- the all-gather; own steps (LocalTier), copies (PeerStore),
+  StepLedger            <- the all-reduce; own steps (LocalTier), copies (PeerStore),
                            persistent steps (PersistentTier), twin groups (PeerCopies)
-  PeerCopies            <- LocalTier, PeerStore, RamWriter, the all-gather
+  PeerCopies            <- LocalTier, PeerStore, RamWriter, the all-reduce
   BackupScheduler       <- PersistentTier, RamWriter, LocalTier
   RamSaver              <- all of the above
   RamRestore            <- LocalTier, PeerStore, RamWriter, StepLedger, PeerCopies

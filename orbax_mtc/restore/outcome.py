@@ -14,8 +14,9 @@ was an all-gather of a 1.2 KiB row per process. Here each process adds (reductio
 * **messages** (only when something failed): the message of the lowest process of each failed
   status, each in its own one-hot slot.
 
-The exchange's `ServeRecord`s are still gathered; `of_records` reads them (and their early
-`BuildRecord`s) into the same `Outcome`. No I/O and no JAX.
+`agree_serve` reduces the exchange's `ServeRecord`s (and their early `BuildRecord`s) the same
+way; `of_records` reads gathered records into the same `Outcome`: the answer the tests hold the
+reductions to. No I/O and no JAX.
 """
 
 from __future__ import annotations

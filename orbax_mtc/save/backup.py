@@ -46,7 +46,7 @@ class BackupIntervalPolicy:
 
   An Orbax `SaveDecisionPolicy`: pure, so it composes with Orbax's policies. Unlike Orbax's
   ContinuousCheckpointingPolicy it does not broadcast: the manager evaluates it on process 0
-  and shares the answer in the all-gather every local save already makes. `previous_steps`
+  and shares the answer in the agreement every local save already makes. `previous_steps`
   are the attempts, failed ones included, so a failure waits for the next interval.
 
   Attributes:
@@ -245,7 +245,7 @@ class PendingBackup:
   read: Any = None  # concurrent.futures.Future of {item: value} read back from RAM
 
   def state(self) -> Status:
-    """Where the read-back is, for the all-gather.
+    """Where the read-back is, for the next agreement.
 
     Returns:
       READING while it has not finished (or not started), FAILED if it raised, else READY.

@@ -3,7 +3,7 @@
 A step chosen for backup is read back from the RAM tier on the writer thread once its local
 write commits (`schedule`). At the next save's agreement, once every process has its copy
 and no earlier backup is being written anywhere, every process hands the arrays to Orbax's
-save together (`advance`): Orbax's save has barriers, so the decision rests on gathered
+save together (`advance`): Orbax's save has barriers, so the decision rests on agreed
 figures alone. How each attempt ends is learnt without a collective (`poll`) and reported
 through the next agreement (`take_error`), so training goes on when storage fails.
 """
