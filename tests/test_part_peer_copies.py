@@ -55,6 +55,8 @@ class FakeWriter:
     self.calls.append(("submit", fn))
     raise AssertionError("nothing else is handed to the writer thread in these tests")
 
+  busy = False  # nothing it is handed runs
+
   def wait(self) -> None:
     self.calls.append(("wait",))
 
@@ -76,10 +78,14 @@ class FakeAllreduce:
 
   def __call__(self, parts: reduction.Parts) -> reduction.Parts:
     self.seen.append(parts)
-    if self.states is not None and parts.shape == (2, 2, 0):  # the status round
-      return reduction.combine(send_census.status(s, p, np.zeros(1))
+    add, top, flags = parts.shape
+    if (top, flags) == (1, 0) and add >= 2 and add % 2 == 0:  # the status round, with sizes
+      if self.states is None:
+        return reduction.combine([parts] * self.count)
+      edges = [(-1, -1)] * ((add - 2) // 2)
+      return reduction.combine(send_census.status_with_sizes(s, p, edges, np.zeros(len(edges)))
                                for p, s in enumerate(self.states))
-    return reduction.combine([parts] * self.count) if parts.shape == (2, 2, 0) else parts
+    return parts
 
 
 class FakeStore:
@@ -324,7 +330,7 @@ def test_progress_waits_while_a_process_still_writes():
   assert writer.calls == [("status_of", 7)]  # no wait for the local write
   # Only the status round while a process writes: failed 0, writing 1; no size sent.
   assert len(allreduce.seen) == 1
-  assert allreduce.seen[0].add.tolist() == [0, 1] and allreduce.seen[0].top[1] == 0
+  assert allreduce.seen[0].add[:2].tolist() == [0, 1] and not allreduce.seen[0].add[2:].any()
   assert peers.pending_step == 7 and peers.last_bytes_sent == 0
   with pytest.raises(RuntimeError, match="still pending"):
     peers.schedule(8, {})
@@ -401,8 +407,8 @@ def test_a_local_save_leaves_the_previous_copies_moving_and_agrees_them_at_the_n
   peers.issue()
   replicator = peers.replicator
   assert replicator.pending_step == 4 and replicator.unissued_step is None
-  rounds = len(allreduce.seen)  # the status and sizes rounds: no outcome agreed yet
-  assert rounds == 2
+  rounds = len(allreduce.seen)  # the status round, sizes in it: no outcome agreed yet
+  assert rounds == 1
   assert replicator.finished_steps == 0 and store.calls == []
   assert ("wait",) not in writer.calls  # the new step's write goes on meanwhile
   assert not peers.moving and not peers.busy  # empty streams: nothing is on its way
@@ -411,6 +417,34 @@ def test_a_local_save_leaves_the_previous_copies_moving_and_agrees_them_at_the_n
   assert len(allreduce.seen) == rounds + 1 and replicator.finished_steps == 1
   assert replicator.pending_step == 6 and replicator.unissued_step == 6
   assert store.calls == [("drop_sources", (1,)), ("drop_other_counts", 4)]
+
+
+def test_stale_copies_wait_for_an_idle_writer_instead_of_draining_it():
+  """The copies an earlier layout left go once the first step's copies are out, after the
+  received copies committed: not by waiting for the writer thread inside a `save()` (it may
+  be writing a whole new step), but at the first call that finds it idle."""
+  options = mtc.CheckpointManagerOptions(
+      replication=mtc.ReplicationOptions(peer_ranks=((), (0,), (3,), (2,))))
+  writer, store = FakeWriter(Status.COMMITTED), FakeStore()
+  local = types.SimpleNamespace(directory=pathlib.Path("unused"), manifest=lambda step: None,
+                                keep_floor=None, steps=lambda: [4],
+                                apply_retention=apply_retention)
+  peers, _, _ = make(options, index=0, count=4, local=local, store=store, writer=writer,
+                     allreduce=FakeAllreduce(4, [Status.COMMITTED] * 4))
+  peers.set_mesh(fake_mesh(GRID_2X2))
+  peers.schedule(4, {})
+  peers.issue()
+  writer.busy = True  # the next step's write runs
+  peers.settle()
+  assert peers.replicator.finished_steps == 1
+  assert store.calls == [] and ("drain",) not in writer.calls
+  peers.progress(block=False)  # still busy: later
+  assert store.calls == []
+  writer.busy = False
+  peers.progress(block=False)
+  assert store.calls == [("drop_sources", (1,)), ("drop_other_counts", 4)]
+  peers.progress(block=False)  # once
+  assert len(store.calls) == 2 and ("drain",) not in writer.calls
 
 
 # ------------------------------------------------------------------ the pure decisions
@@ -443,10 +477,12 @@ def test_chunks_per_call_spreads_what_is_left_over_the_calls_left():
   per_call = replication.chunks_per_call
   assert per_call(100, None, 1, 8) == 8  # no interval seen yet: the floor
   assert per_call(100, 1, 1, 8) == 8  # a local save every call: the next save flushes anyway
-  assert per_call(100, 21, 1, 2) == 5  # 20 calls before the next local save's: 5 chunks each
+  # 20 calls before the next local save's: spread over 19 of them, the last left to land.
+  assert per_call(100, 21, 1, 8) == 6
   assert per_call(100, 21, 5, 2) == 7  # a late start (a process still writing): more each
-  assert per_call(10, 21, 1, 8) == 8  # a small step: never below the floor
-  assert per_call(101, 6, 1, 2) == 21  # rounded up: out within the interval
+  assert per_call(10, 21, 1, 8, 2) == 2  # a small step: never below `least`
+  assert per_call(101, 7, 1, 2) == 21  # rounded up: out within the interval
+  assert per_call(100, 7, 6, 2) == 100  # the call before the save's: what is left
   assert per_call(100, 6, 6, 2) == 2  # the local save's own call, or past the estimate: floor
 
 

@@ -54,3 +54,22 @@ def test_the_outcome_names_the_lowest_failed_process_and_its_words():
   words = send_census.read_message(reduce(
       send_census.message(f[0] if f else "", p, failed.lowest) for p, f in enumerate(failures)))
   assert words == "reading the stream to process 2: OSError"
+
+
+@pytest.mark.parametrize("big", [5, 2 ** 31, 3 << 40])
+def test_few_streams_agree_their_sizes_in_the_status_round(big):
+  """With at most MERGED_STREAMS streams, one round says who failed, who still writes and
+  every stream's size (a writing process adds none yet)."""
+  per_process = [np.asarray([n if src == p else 0 for n, (src, _) in
+                             zip([big, 7, 0, 123], EDGES, strict=True)]) for p in range(3)]
+  votes, agreed = send_census.read_status_with_sizes(reduce(
+      send_census.status_with_sizes(Status.COMMITTED, p, EDGES, per_process[p])
+      for p in range(3)))
+  assert (votes.failed, votes.writing) == (Who(0, -1), 0)
+  assert agreed.tolist() == [big, 7, 0, 123] and votes.bits == max(big, 123).bit_length()
+  states = [Status.COMMITTED, Status.FAILED, Status.WRITING]
+  votes, _ = send_census.read_status_with_sizes(reduce(
+      send_census.status_with_sizes(s, p, EDGES, per_process[p]) for p, s in enumerate(states)))
+  assert (votes.failed, votes.writing) == (Who(1, 1), 1)
+  assert send_census.status_with_sizes(Status.WRITING, 0, EDGES, per_process[0]).nbytes == \
+      4 * (2 + 2 * len(EDGES)) + 4

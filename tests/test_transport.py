@@ -6,6 +6,7 @@ once; every process checks each stream it received byte for byte (`mp_worker tra
 from __future__ import annotations
 
 import ast
+import concurrent.futures
 import re
 import shutil
 
@@ -67,11 +68,13 @@ def test_a_failure_mid_transfer_leaves_no_process_inside_a_collective(fault):
     shutil.rmtree(root, ignore_errors=True)
 
 
-def test_a_read_ahead_stream_lends_its_bytes_in_place(tmp_path):
-  """A prefetched stream gives the same bytes as reading it, padded with zeros to the chunk
-  multiple, as views of one aligned buffer; past the padding it has none."""
+def test_a_read_ahead_stream_lends_its_chunks_within_its_budget(tmp_path):
+  """A stream read ahead in chunks gives the same bytes as reading it (gaps and the tail
+  past its end as zeros), each chunk once, from aligned buffers; no more than the budget is
+  read and not yet taken, and a chunk whose read failed is None (the sender reads it)."""
   tier = local_store.LocalTier(tmp_path / "local", max_to_keep=2)
   tier.prepare()
+  thread = concurrent.futures.ThreadPoolExecutor(1)
   try:
     state = {"a": np.arange(3000, dtype=np.float32), "b": np.arange(17, dtype=np.int8)}
     tier.write(staging.stage(3, {"state": state}, {}, default_item=False), 0, 2)
@@ -79,17 +82,48 @@ def test_a_read_ahead_stream_lends_its_bytes_in_place(tmp_path):
     reference = peer_stream.copy_stream(tier.directory / "3", manifest, 0, skip=set())
     stream = peer_stream.copy_stream(tier.directory / "3", manifest, 0, skip=set())
     assert stream.view(0, 4096) is None  # not read ahead yet
-    stream.prefetch(4096)
+    submitted = []
+
+    def submit(fn, *args):  # the read runs before view asks for it (deterministic)
+      submitted.append(args[0])
+      future = thread.submit(fn, *args)
+      concurrent.futures.wait([future])
+      return future
+
+    stream.read_ahead(4096, 8192, submit)
+    assert submitted == [0, 4096]  # the budget: two chunks ahead
     padded = -(-stream.nbytes // 4096) * 4096
-    assert stream.prefetched.nbytes == padded and stream.prefetched.ctypes.data % 4096 == 0
-    want = np.zeros(stream.nbytes, np.uint8)
-    reference.read(0, want)
-    whole = stream.view(0, padded)
-    assert np.array_equal(whole[:stream.nbytes], want) and not whole[stream.nbytes:].any()
-    assert np.shares_memory(stream.view(4096, 4096), stream.prefetched)
-    assert stream.view(padded - 4096, 8192) is None
-    part = np.zeros(100, np.uint8)
-    stream.read(50, part)  # reading is served from memory too
-    assert np.array_equal(part, want[50:150])
+    want = np.zeros(padded, np.uint8)
+    reference.read(0, want[:stream.nbytes])
+    assert stream.view(100, 4096) is None  # no chunk starts there
+    got = []
+    for offset in range(0, padded, 4096):
+      chunk = stream.view(offset, 4096)
+      assert chunk is not None and chunk.ctypes.data % 4096 == 0, offset
+      got.append(chunk.copy())
+    assert np.array_equal(np.concatenate(got), want)
+    assert submitted == list(range(0, padded, 4096))  # each chunk read once, in order
+    assert stream.view(0, 4096) is None  # taken already
+
+    # A read that fails: the sender reads the chunk itself (and meets the error there).
+    broken = peer_stream.copy_stream(tier.directory / "3", manifest, 0, skip=set())
+    broken.segments[1].path = tmp_path / "gone"
+    broken.read_ahead(4096, 4096, submit)
+    assert broken.view(0, 4096) is None
+    with pytest.raises(OSError):
+      broken.read(0, np.zeros(4096, np.uint8))
+    # A chunk longer than the one read ahead is not lent; dropped reads are not lent either.
+    other = peer_stream.copy_stream(tier.directory / "3", manifest, 0, skip=set())
+    other.read_ahead(4096, 8192, submit)
+    assert other.view(0, 8192) is None
+    other.cancel_read_ahead()
+    assert other.view(4096, 4096) is None
+    # A read still queued behind the thread's other work is not waited for: None, dropped.
+    queued = peer_stream.copy_stream(tier.directory / "3", manifest, 0, skip=set())
+    pending = []
+    queued.read_ahead(4096, 4096, lambda fn, *args: pending.append(
+        concurrent.futures.Future()) or pending[-1])
+    assert queued.view(0, 4096) is None and pending[0].cancelled()
   finally:
+    thread.shutdown()
     tier.close()

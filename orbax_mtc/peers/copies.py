@@ -165,14 +165,21 @@ class PeerCopies:
       self._listing_cache = {key: groups}
     return self._listing_cache[key]
 
-  def _drop_stale_sources(self) -> None:
+  def _drop_stale_sources(self, *, wait: bool = False) -> None:
     """Once the first step's copies of this layout are out (rule 10: never before), the
-    copies an earlier layout left here (nodes no longer held, another process count) go."""
-    if self._stale_sources and self.topology is not None:
-      self._stale_sources = False
-      self._writer.drain()  # the copies just received are committed first
-      self._store.drop_sources(self.topology.held_by(self._process_index))
-      self._store.drop_other_counts(self._process_count)
+    copies an earlier layout left here (nodes no longer held, another process count) go,
+    after the copies just received are committed: at once when the writer thread has
+    nothing left to run (or with `wait`, once it has), else at a later call (a `save()`
+    must not wait for a step's write just to tidy up)."""
+    if not self._stale_sources or self.topology is None:
+      return
+    if wait:
+      self._writer.drain()
+    elif self._writer.busy:
+      return
+    self._stale_sources = False
+    self._store.drop_sources(self.topology.held_by(self._process_index))
+    self._store.drop_other_counts(self._process_count)
 
   def schedule(self, step: int, trees: dict[str, Any]) -> None:
     """Queues the copies of a step just saved (sent by the next `progress` calls, sized so
@@ -194,13 +201,14 @@ class PeerCopies:
     if not block:
       self._calls_since_schedule += 1  # one per save() call: the local interval, in calls
     replicator = self.replicator
-    if replicator is None or replicator.pending_step is None:
+    if replicator is None:
       return
-    if block:
-      self._writer.wait()
-    replicator.progress(self._status(replicator), block=block)
+    if replicator.pending_step is not None:
+      if block:
+        self._writer.wait()
+      replicator.progress(self._status(replicator), block=block)
     if replicator.finished_steps:
-      self._drop_stale_sources()
+      self._drop_stale_sources(wait=block)
 
   def settle(self) -> None:
     """At a local save, before its agreement: the outcome of the copies issued earlier

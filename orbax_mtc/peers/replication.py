@@ -4,14 +4,15 @@
 reaches in the same order (`save()`, `replicate_pending()`, `wait_until_finished()`):
 
 1. `schedule(step, edges)` after a local save (or a recovery) was issued;
-2. `progress()`: one tiny all-reduce of "is the step committed here" (`send_census`); once
-   every node has committed, one all-reduce of the bytes each sends on each edge fixes the
-   streams;
-3. then each `progress()` hands the chunks that have arrived to the writer and issues at
-   least 128 MiB more, so a step's copies are out before the next local save; the next local
-   save issues what is left (`issue`). Chunks are dispatched asynchronously and up to
-   `in_flight_mib` of them are left running when the call returns: they move while training
-   goes on, and the step's outcome is agreed at the next call (`settle`);
+2. `progress()`: one tiny all-reduce of "is the step committed here" (`send_census`; with
+   few edges it carries their sizes too); once every node has committed, the bytes each
+   sends on each edge fix the streams;
+3. then each `progress()` hands the chunks that have arrived to the writer and issues its
+   share (`chunks_per_call`: spread over the calls before the next local save), so a step's
+   copies are out before it; the next local save issues what is left (`issue`). Chunks are
+   dispatched asynchronously and up to `in_flight_mib` of them are left running when the
+   call returns: they move while training goes on, and the step's outcome is agreed at the
+   next call (`settle`). The writer thread reads the chunks ahead (`read_ahead`);
 4. received chunks are written to `<local>/peers/<source>/.tmp-*` by the writer thread, which
    commits the copy by renaming it once the last chunk is in.
 
@@ -43,13 +44,14 @@ from orbax_mtc.topology import Topology
 
 ShardKey = tuple[str, str, local_format.Index]  # (item, leaf path, global index)
 
-# Bytes a non-blocking `progress()` issues per call at least (the replication share of one
-# training step); more when a step would otherwise not be out before the next local save.
+# Bytes a non-blocking `progress()` issues before the interval between local saves is known
+# (the replication share of one training step); once it is, a step's copies are spread over
+# it instead (`chunks_per_call`).
 _BYTES_PER_CALL = 128 << 20
 
 
 def chunks_per_call(remaining_chunks: int, calls_between_saves: int | None, calls_seen: int,
-                    floor: int) -> int:
+                    floor: int, least: int = 1) -> int:
   """Chunks one non-blocking `progress()` issues, so that a step's copies are out before the
   next local save rather than flushed, blocking, by it (pure; the same on every process).
 
@@ -60,16 +62,27 @@ def chunks_per_call(remaining_chunks: int, calls_between_saves: int | None, call
       local saves, the estimate of the coming interval; None before there is one.
     calls_seen: the non-blocking calls since the step was saved, this one included (the
       first ones may have found a process still writing it).
-    floor: the chunks of `_BYTES_PER_CALL`, at least the window.
+    floor: the chunks of `_BYTES_PER_CALL` (at least the window): each call's share without
+      an estimate, or past it (the next local save may come any call).
+    least: the fewest chunks a call issues with an estimate.
 
   Returns:
-    At least `floor`; else what is left spread over the calls left before the one that comes
-    with the next local save (which would flush it, blocking). Past the estimate, `floor`.
+    With an estimate, what is left spread evenly over the calls left but the last before
+    the next local save (which would flush it, blocking), at least `least`: each call's
+    chunks then have a training step to move before the next call, whose collectives would
+    otherwise queue behind them, and the last have landed when the save agrees. Else `floor`.
   """
   calls_left = (calls_between_saves or 0) - calls_seen
   if calls_left <= 0:
     return floor
-  return max(floor, -(-remaining_chunks // calls_left))
+  return max(least, -(-remaining_chunks // max(1, calls_left - 1)))
+
+
+def _done(value: Any) -> concurrent.futures.Future:
+  """A future that holds `value` already."""
+  future: concurrent.futures.Future = concurrent.futures.Future()
+  future.set_result(value)
+  return future
 
 
 def shard_sets(trees: dict[str, Any], process_count: int) -> list[frozenset[ShardKey]]:
@@ -171,8 +184,10 @@ class _StepCopies:
   transfer: transport.Transfer | None = None
   incoming: dict[int, peer_store.IncomingCopy] = dataclasses.field(default_factory=dict)
   sent_bytes: int = 0
-  # The outgoing streams, read ahead on the writer thread once the step is committed.
+  # The outgoing streams, made on the writer thread once the step is committed (their
+  # chunks then read ahead there).
   prepared: concurrent.futures.Future | None = None
+  outgoing: dict[int, peer_stream.OutgoingStream] = dataclasses.field(default_factory=dict)
 
 
 class Replicator:
@@ -240,21 +255,22 @@ class Replicator:
     receivers = {dst: shard_sets_by_process[dst] for src, dst in chosen if src == self.me}
     self._job = job = _StepCopies(step, chosen, receivers, calls_between_saves)
     # Queued behind the step's write on the writer thread (one thread: in order).
-    job.prepared = self._writer.submit(self._outgoing, job, prefetch=True)
+    job.prepared = self._writer.submit(self._outgoing, job, read_ahead=True)
 
-  def _outgoing(self, job: _StepCopies, *, prefetch: bool = False
+  def _outgoing(self, job: _StepCopies, *, read_ahead: bool = False
                 ) -> dict[int, peer_stream.OutgoingStream]:
     """This node's stream to each receiver of the committed step (file I/O only); with
-    `prefetch`, read ahead into memory when they fit `in_flight_mib`, so that sending does
-    not read the RAM disk on the main thread."""
+    `read_ahead`, their chunks are read on the writer thread, `in_flight_mib` of them ahead
+    of the sending, so that sending does not read the RAM disk on the main thread."""
     step_dir = self._local.directory / str(job.step)
     manifest = self._local.manifest(job.step)
     outgoing = {dst: peer_stream.copy_stream(step_dir, manifest, self.me,
                                              skip_ordinals(manifest, job.receivers[dst]))
                 for src, dst in job.edges if src == self.me}
-    if prefetch and sum(o.nbytes for o in outgoing.values()) <= self._in_flight_bytes:
+    if read_ahead:
+      budget = max(self._chunk_bytes, self._in_flight_bytes // max(1, len(outgoing)))
       for stream in outgoing.values():
-        stream.prefetch(self._chunk_bytes)
+        stream.read_ahead(self._chunk_bytes, budget, self._writer.submit)
     return outgoing
 
   def progress(self, status: int, *, block: bool) -> None:
@@ -280,7 +296,7 @@ class Replicator:
         job.transfer.retire_ready()
         job.transfer.advance(chunks_per_call(
             job.transfer.remaining_chunks, job.calls_between_saves, job.calls_seen,
-            self._chunks_per_call), window=self._overlap_window)
+            self._chunks_per_call, self._window), window=self._overlap_window)
         job.transfer.retire_ready()
     except BaseException:
       # Not a failure the transfer records (those are agreed below): a collective itself
@@ -327,7 +343,13 @@ class Replicator:
       raise
     self._finish(job)
 
+  @staticmethod
+  def _drop_reads(job: _StepCopies) -> None:
+    for stream in job.outgoing.values():
+      stream.cancel_read_ahead()
+
   def _abort(self, job: _StepCopies) -> None:
+    self._drop_reads(job)
     for incoming in job.incoming.values():
       self._writer.submit(incoming.abort)
     if self._job is job:
@@ -340,10 +362,12 @@ class Replicator:
     if status == Status.COMMITTED:
       try:
         prepared = job.prepared
-        if prepared is not None and prepared.done() and prepared.exception() is None:
-          outgoing = prepared.result()
-        else:  # still reading ahead, or it failed: read as the chunks go
-          outgoing = self._outgoing(job)
+        if prepared is not None and not prepared.cancel() and prepared.exception() is None:
+          outgoing = prepared.result()  # done, or running (it reads only the manifest)
+        else:  # not run yet, or it failed: here
+          outgoing = self._outgoing(job, read_ahead=prepared is not None)
+        job.prepared = None if prepared is None else _done(outgoing)
+        job.outgoing = outgoing
       except Exception as e:  # noqa: BLE001 - agreed below: every process drops the step
         logging.warning("orbax-mtc: cannot send step %d to peers: %s: %s", job.step,
                         type(e).__name__, e)
@@ -351,18 +375,26 @@ class Replicator:
 
     # While some node still writes the step, each call makes only the status round (a few
     # counts, whatever the process count); the sizes round follows once all have committed.
+    # With few streams their sizes ride in the status round: one round less per step.
     sizes = exchange.outgoing_sizes(job.edges, self.me, outgoing)
-    votes = send_census.read_status(self._reduce(
-        send_census.status(Status(status), self.me, sizes)))
+    agreed = None
+    if len(job.edges) <= send_census.MERGED_STREAMS:
+      votes, agreed = send_census.read_status_with_sizes(self._reduce(
+          send_census.status_with_sizes(Status(status), self.me, job.edges, sizes)))
+    else:
+      votes = send_census.read_status(self._reduce(
+          send_census.status(Status(status), self.me, sizes)))
     if votes.failed:
       logging.warning("orbax-mtc: step %d is not replicated: process(es) %s did not commit "
                       "it", job.step, votes.failed)
+      self._drop_reads(job)
       self._job = None
       return False
     if votes.writing:
       return False
-    agreed = send_census.read_sizes(self._reduce(
-        send_census.sizes(job.edges, self.me, sizes, votes.bits)), job.edges, votes.bits)
+    if agreed is None:
+      agreed = send_census.read_sizes(self._reduce(
+          send_census.sizes(job.edges, self.me, sizes, votes.bits)), job.edges, votes.bits)
 
     def sink_for(stream: transport.Stream) -> transport.Sink:
       incoming = self._store.begin(stream.source, job.step, stream.nbytes)
@@ -396,6 +428,7 @@ class Replicator:
     """After the last chunk (collective): every copy is committed, or, when a read,
     placement or receive failed on any process, every copy of the step is dropped together
     (the next save's copies go out as usual)."""
+    self._drop_reads(job)  # a chunk the transfer read itself leaves its read-ahead behind
     failures = job.transfer.failures if job.transfer is not None else []
     failed = send_census.read_outcome(self._reduce(send_census.outcome(bool(failures), self.me)))
     if failed:

@@ -7,7 +7,9 @@ the same size at any process count. Once all have, one **sizes** round agrees ev
 stream's byte count, which the transfer's plan needs on every process: each stream's sender
 adds its count in the stream's slot and the others add 0, so the sum (or max) is the count:
 one int32 per stream (4 bytes); past 2 GiB its low 31 bits and a uint8 of the bits above
-(5 bytes, to 512 GiB a stream); beyond, two 31-bit halves (8 bytes). After the transfer, an
+(5 bytes, to 512 GiB a stream); beyond, two 31-bit halves (8 bytes). Up to `MERGED_STREAMS` streams
+the sizes travel in the status round itself (`status_with_sizes`: 8 bytes a stream, 4 KiB at
+most), one round less per step where a round costs more than its bytes. After the transfer, an
 **outcome** round counts the processes whose chunks failed and names the lowest, whose
 message follows in one more round only then.
 
@@ -28,6 +30,9 @@ from orbax_mtc.reduction import LOW, Parts, Who
 _NARROW = 31  # sizes of at most 31 bits travel as one int32
 _MEDIUM = 39  # up to 39 bits: 31 in an int32, 8 in a uint8 (maxed: only the sender adds one)
 _MESSAGE = row_codec.Text(1200)
+# Up to this many copy streams, their sizes ride in the status round (two 31-bit halves each:
+# 4 KiB at most); past it, the status round stays a few counts at any process count.
+MERGED_STREAMS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +65,32 @@ def read_status(reduced: Parts) -> Votes:
   failed = int(reduced.add[0])
   return Votes(Who(failed, int(-reduced.top[0]) if failed else -1), int(reduced.add[1]),
                int(reduced.top[1]))
+
+
+def status_with_sizes(state: Status, me: int, edges: Sequence[tuple[int, int]],
+                      outgoing: np.ndarray) -> Parts:
+  """The status round with every stream's size in it (for at most `MERGED_STREAMS`
+  streams): this process's state, and its streams' counts once it has committed."""
+  parts = Parts.empty(2 + 2 * len(edges), 1)
+  parts.add[:2] = [state == Status.FAILED, state == Status.WRITING]
+  if state == Status.FAILED:
+    parts.top[0] = -me
+  if state == Status.COMMITTED:
+    for j, (source, _) in enumerate(edges):
+      if source == me:
+        parts.add[2 + 2 * j:4 + 2 * j] = reduction.split(int(outgoing[j]))
+  return parts
+
+
+def read_status_with_sizes(reduced: Parts) -> tuple[Votes, np.ndarray]:
+  """The answer of a reduced `status_with_sizes` round: the votes, and every stream's byte
+  count (int64, in the order of the edges; meaningful once no process writes or failed)."""
+  failed = int(reduced.add[0])
+  pairs = reduced.add[2:].astype(np.int64).reshape(-1, 2)
+  counts = np.asarray([reduction.join(high, low) for high, low in pairs], dtype=np.int64)
+  bits = max((int(n).bit_length() for n in counts), default=0)
+  return Votes(Who(failed, int(-reduced.top[0]) if failed else -1), int(reduced.add[1]),
+               bits), counts
 
 
 def sizes(edges: Sequence[tuple[int, int]], me: int, outgoing: np.ndarray, bits: int) -> Parts:

@@ -11,12 +11,13 @@ File I/O only: no collectives, safe on the writer thread.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
 import reprlib
 import struct
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -59,34 +60,70 @@ class OutgoingStream:
   nbytes: int
   segments: list[Segment]
   failures: list[tuple[Any, Exception]] | None = None
-  prefetched: np.ndarray | None = None  # the whole stream, read ahead (`prefetch`)
+  # Chunks read ahead on a background thread (`read_ahead`): offset -> the read's future.
+  _ahead: dict[int, concurrent.futures.Future] = dataclasses.field(default_factory=dict)
+  _ahead_state: tuple[int, int, Callable[..., concurrent.futures.Future]] | None = None
+  _ahead_next: int = 0  # the first offset not yet asked of the background thread
 
-  def prefetch(self, multiple: int) -> None:
-    """Reads the whole stream into one aligned buffer, zero-padded to a multiple of
-    `multiple` bytes, from which `view` hands out chunks without a copy (file I/O only: the
-    writer thread does it, so the main thread does not read the RAM disk when it sends)."""
-    padded = -(-self.nbytes // max(1, multiple)) * max(1, multiple)
-    buffer = local_read.aligned_empty(padded, align=4096)
-    self.read(0, buffer[:self.nbytes])
-    at = 0  # the alignment gaps and the padding as zeros, not whatever memory held before
+  def read_ahead(self, chunk_bytes: int, budget_bytes: int,
+                 submit: Callable[..., concurrent.futures.Future]) -> None:
+    """Starts reading the stream in `chunk_bytes` chunks through `submit` (the writer
+    thread: file I/O only), at most `budget_bytes` of them read and not yet taken by `view`,
+    so that sending does not read the RAM disk on the main thread and a step of any size
+    holds a bounded amount of memory."""
+    self._ahead_state = (max(1, chunk_bytes), max(1, budget_bytes), submit)
+    self._fill()
+
+  def _fill(self) -> None:
+    if self._ahead_state is None:
+      return
+    chunk, budget, submit = self._ahead_state
+    while self._ahead_next < self.nbytes and (len(self._ahead) + 1) * chunk <= max(budget,
+                                                                                   chunk):
+      offset = self._ahead_next
+      self._ahead[offset] = submit(self._read_chunk, offset, chunk)
+      self._ahead_next += chunk
+
+  def _read_chunk(self, offset: int, length: int) -> np.ndarray:
+    """Stream bytes [offset, offset + length) in a fresh aligned buffer, the gaps between
+    segments and the tail past the stream's end as zeros."""
+    buffer = local_read.aligned_empty(length, align=4096)
+    stop = min(self.nbytes, offset + length)
+    self.read(offset, buffer[:stop - offset])
+    at = offset  # the alignment gaps as zeros, not whatever memory held before
     for seg in sorted(self.segments, key=lambda seg: seg.offset):
-      buffer[at:seg.offset] = 0
-      at = max(at, seg.offset + seg.nbytes)
-    buffer[at:] = 0
-    self.prefetched = buffer
+      lo, hi = max(offset, seg.offset), min(stop, seg.offset + seg.nbytes)
+      if lo >= hi:
+        continue
+      buffer[at - offset:lo - offset] = 0
+      at = hi
+    buffer[at - offset:] = 0
+    return buffer
 
   def view(self, offset: int, nbytes: int) -> np.ndarray | None:
-    """Stream bytes [offset, offset + nbytes) in place, past the end as zeros, once
-    prefetched; None otherwise (the caller then `read`s them)."""
-    if self.prefetched is None or offset + nbytes > self.prefetched.nbytes:
+    """Stream bytes [offset, offset + nbytes), past the end as zeros, from a chunk read
+    ahead; None when no read-ahead chunk starts at `offset` and covers them, or its read
+    failed or has not started (the caller then `read`s them itself)."""
+    future = self._ahead.pop(offset, None)
+    if future is None:
       return None
-    return self.prefetched[offset:offset + nbytes]
+    # Not started yet (queued behind other work of the thread): cheaper to read here than
+    # to wait for the thread's queue.
+    taken = None if future.cancel() or future.exception() is not None else future.result()
+    self._fill()
+    if taken is None or nbytes > taken.nbytes:
+      return None
+    return taken[:nbytes]
+
+  def cancel_read_ahead(self) -> None:
+    """Drops the reads not yet taken (the transfer ended or was dropped)."""
+    self._ahead_state = None
+    for future in self._ahead.values():
+      future.cancel()
+    self._ahead.clear()
 
   def read(self, offset: int, out: np.ndarray) -> None:
     """Fills `out` with stream bytes [offset, offset + out.nbytes); gaps stay as they are."""
-    if self.prefetched is not None and offset + out.nbytes <= self.prefetched.nbytes:
-      out[:] = self.prefetched[offset:offset + out.nbytes]
-      return
     stop = offset + out.nbytes
     fds: dict[Path, int] = {}
     try:
