@@ -63,7 +63,8 @@ class LocalCheckpointOptions:
   Raises:
     ValueError: If `save_interval_steps` is not positive, `max_to_keep` is < 1, both
       `preservation_policy` and a different `max_to_keep` are set, a `LatestN` policy has a
-      bad `n`, or the modes are not permission bits giving the owner rwx / rw.
+      bad `n`, the modes are not permission bits giving the owner rwx / rw, or
+      `save_overhead_budget` is not in (0, 1].
     TypeError: If `save_interval_steps` or `max_to_keep` is not an int,
       `debug_use_full_global_mesh` is not a bool, or `should_save_fn` is not callable.
   """
@@ -78,10 +79,17 @@ class LocalCheckpointOptions:
   directory_mode: int = 0o700
   file_mode: int = 0o600
   device_copy: bool = True
+  save_overhead_budget: float | None = None
 
   def __post_init__(self):
     check_interval("LocalCheckpointOptions", "save_interval_steps", self.save_interval_steps,
                     allow_none=False)
+    budget = self.save_overhead_budget
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                               or not 0 < budget <= 1):
+      raise ValueError(
+          "LocalCheckpointOptions.save_overhead_budget must be a fraction in (0, 1] of the "
+          f"loop's time (e.g. 0.02), or None; got {budget!r}.")
     check_max_to_keep("LocalCheckpointOptions", self.max_to_keep)
     check_bool("LocalCheckpointOptions", "debug_use_full_global_mesh",
                 self.debug_use_full_global_mesh)

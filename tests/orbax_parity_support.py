@@ -28,6 +28,8 @@ DIFFERENCES: dict[tuple[str, str], tuple[str, str]] = {
         "extra", "save() blocks for a device-side copy, not the device-to-host transfer"),
     ("LocalCheckpointOptions", "file_mode"): (
         "extra", "permissions of the RAM tier's files"),
+    ("LocalCheckpointOptions", "save_overhead_budget"): (
+        "extra", "a continuous policy's saves cost the loop at most this fraction"),
     ("PersistentCheckpointOptions", "backup_interval_minutes"): (
         "extra", "back up by minutes, the GKE replicator's backup-interval-minutes"),
     ("PersistentCheckpointOptions", "best_fn"): (

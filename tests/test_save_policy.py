@@ -150,3 +150,32 @@ def test_should_save_fn_policy_composes_with_orbax_policies():
 def test_first_backup_counts_from_the_attempt_on_its_way(step, last, due):
   persistent = PersistentCheckpointOptions(save_interval_steps=10)
   assert save_policy.first_backup_due(step, last, persistent) is due
+
+
+def test_save_cost_holds_a_save_in_progress_until_its_time_fits_the_budget():
+  """The calls since the newest RAM save (it included) may take `budget` of the time since
+  it began; until then a save counts as in progress. No budget: never."""
+  cost = save_policy.SaveCost(0.02)
+  assert not cost.over(100.0)  # no save yet
+  cost.add(10.0, 10.2, saved=True)  # a RAM save's call took 0.2 s
+  assert cost.over(15.0)  # 0.2 s of 5 s: 4 %
+  assert not cost.over(20.01)  # 0.2 s of 10 s: 2 %
+  cost.add(19.0, 19.5, saved=False, counted=False)  # a call with nothing of it to move
+  assert not cost.over(20.01)
+  cost.add(20.0, 20.1, saved=False)  # a call between saves (copies moving) counts too
+  assert cost.over(20.1) and cost.over(24.9) and not cost.over(25.01)  # 0.3 s of 15 s
+  cost.add(25.0, 25.05, saved=True)  # the next save starts a new count
+  assert (cost.began, round(cost.spent, 6)) == (25.0, 0.05)
+  unlimited = save_policy.SaveCost(None)
+  unlimited.add(0.0, 5.0, saved=True)
+  assert not unlimited.over(5.0)
+  skipped = save_policy.SaveCost(0.5)
+  skipped.add(0.0, 1.0, saved=False)  # calls before any save count for nothing
+  assert skipped.began is None and not skipped.over(1.0)
+
+
+@pytest.mark.parametrize("budget", [0, -0.1, 1.5, True, "2%"])
+def test_a_save_overhead_budget_is_a_fraction(budget):
+  with pytest.raises(ValueError, match="save_overhead_budget must be a fraction"):
+    LocalCheckpointOptions(save_overhead_budget=budget)
+  assert LocalCheckpointOptions(save_overhead_budget=1).save_overhead_budget == 1

@@ -10,6 +10,7 @@ parts.py. `MultiTierForm` decides, per call, what each part does; it is what the
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,8 @@ class MultiTierForm:
     self.writer, self.ledger, self.peers = built.writer, built.ledger, built.peers
     self.backups, self.ram, self.ondemand = built.backups, built.ram, built.ondemand
     self.schedule, self.tiers = built.schedule, built.tiers
+    # The loop time save() takes, against LocalCheckpointOptions.save_overhead_budget.
+    self.save_cost = save_policy.SaveCost(options.local.save_overhead_budget)
     self._delete_local = built.delete_local
     self.non_replicated = non_replicated.NONE
     if mesh is not None:
@@ -200,7 +203,9 @@ class MultiTierForm:
         # A save is in progress until its copies are out and the writer thread has nothing
         # left (the read-ahead, received copies): a continuous policy then waits instead of a
         # save that would wait for them (it decides on the primary alone).
-        write_in_flight=self.writer.busy or self.peers.busy,
+        # With a budget, also until the time save() took since is within it.
+        write_in_flight=self.writer.busy or self.peers.busy or self.save_cost.over(
+            time.monotonic()),
         backup_in_progress=self.backups.saving,
         last_backup_attempt=None if attempt is None else attempt[0])
 
@@ -227,6 +232,19 @@ class MultiTierForm:
            force: bool | None = False, args: Any = None,
            custom_metadata: dict[str, Any] | None = None) -> bool:
     del save_kwargs  # Orbax's legacy per-item kwargs: none of our tiers takes them
+    started = time.monotonic()
+    copying = self.peers.busy  # a call that moves the newest save's copies works for it
+    action = None
+    try:
+      action = self._save(step, items, metrics, force, args, custom_metadata)
+    finally:
+      self.save_cost.add(started, time.monotonic(), counted=copying, saved=action in (
+          save_policy.SaveAction.LOCAL, save_policy.SaveAction.ONDEMAND))
+    return action is not save_policy.SaveAction.SKIP
+
+  def _save(self, step: int, items: Any, metrics: Any, force: bool | None, args: Any,
+            custom_metadata: dict[str, Any] | None) -> save_policy.SaveAction:
+    """One `save()` call; returns what it did."""
     args = item_args.save_args_of(items, args)
     force = bool(force)
     step = save_policy.checked_step(step)
@@ -244,7 +262,7 @@ class MultiTierForm:
       # JAX runs collectives in order, so chunks issued first would hold up its agreement).
       self.peers.progress(block=False)
     if action is save_policy.SaveAction.SKIP:
-      return False
+      return action
     if action is save_policy.SaveAction.ONDEMAND:
       self.ondemand.save(step, args, metrics, custom_metadata)
       if self.options.exit_after_ondemand_checkpoint:
@@ -264,7 +282,7 @@ class MultiTierForm:
                     custom_metadata=custom_metadata)
     else:  # no RAM tier to take it from (read_only): straight from the arrays
       self.backups.start(step, args, metrics, custom_metadata)
-    return True
+    return action
 
   def wait_until_local_finished(self) -> None:
     self.writer.wait()

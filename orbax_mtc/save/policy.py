@@ -9,6 +9,8 @@ these functions can be tested with plain numbers (no JAX, no I/O, no collective)
 - `ram_should_save` asks it with the agreed RAM steps.
 - `first_backup_due` counts the first backup from an attempt that may still be on its way.
 - `decide_save` turns one `save(step)` call into a `SaveDecision`.
+- `SaveCost` keeps the time `save()` calls took since the newest RAM save began
+  (`LocalCheckpointOptions.save_overhead_budget`).
 """
 
 from __future__ import annotations
@@ -172,6 +174,37 @@ def decide_save(step: int, *, force: bool, preempted: bool, read_only: bool, man
   if local:
     return SaveDecision(SaveAction.LOCAL, backup=backup)
   return SaveDecision(SaveAction.PERSISTENT_ONLY, backup=True)
+
+
+@dataclasses.dataclass
+class SaveCost:
+  """The time `save()` calls took since the newest RAM save's call began (times passed in).
+
+  Attributes:
+    budget: `LocalCheckpointOptions.save_overhead_budget` (None: no budget).
+    began: When the newest RAM save's call began (None before the first).
+    spent: Seconds inside `save()` calls since then that worked for it (that call, and those
+      that moved its copies).
+  """
+
+  budget: float | None
+  began: float | None = None
+  spent: float = 0.0
+
+  def add(self, started: float, ended: float, *, saved: bool, counted: bool = True) -> None:
+    """One `save()` call from `started` to `ended`; `saved`: it made a RAM save; `counted`:
+    a call between saves that worked for the newest one (its copies were moving)."""
+    if saved:
+      self.began, self.spent = started, ended - started
+    elif self.began is not None and counted:
+      self.spent += ended - started
+
+  def over(self, now: float) -> bool:
+    """Whether the calls since the newest RAM save took more than the budget's share of the
+    time since it began (a save then still counts as in progress)."""
+    if self.budget is None or self.began is None:
+      return False
+    return self.spent > self.budget * (now - self.began)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,8 @@ backend, jax.distributed on localhost, RAM folders under /dev/shm) runs `every_s
 over every size. A step is `--idle-ms` of idle host time (standing for the accelerator's
 compute) plus a jitted update of the whole state, donated. Each repetition runs, for every
 variant (`every N` for each N of `--every`, then `continuous`: Orbax's
-`ContinuousCheckpointingPolicy` on the RAM tier), a baseline loop without a manager and right
+`ContinuousCheckpointingPolicy` on the RAM tier, and with `--budget` the same with
+`LocalCheckpointOptions.save_overhead_budget`), a baseline loop without a manager and right
 after it the loop with one; with 2 or more processes every node's step also goes to its peer.
 Per variant (slowest process, medians over repetitions): loop time, overhead against the
 baseline of the same repetition, save() blocking p50 and p99, the saves made, the achieved
@@ -68,6 +69,7 @@ def run_job(procs: int, args: argparse.Namespace, root: Path) -> list[dict[str, 
   command = [sys.executable, "-m", "orbax_mtc.tools.bench.every_step_worker",
              "--mib", *map(str, args.mib), "--every", *map(str, args.every),
              "--continuous", "off" if args.no_continuous else "on",
+             *(["--budget", str(args.budget)] if args.budget is not None else []),
              "--steps", str(args.steps), "--reps", str(args.reps),
              "--idle-ms", str(args.idle_ms), "--donate", "off" if args.no_donate else "on",
              "--idle", "before-save" if args.idle_before_save else "after-save",
@@ -194,6 +196,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="local save intervals in steps, one variant each (default: 1 5 20)")
   parser.add_argument("--no-continuous", action="store_true",
                       help="skip the continuous variant (default: run it)")
+  parser.add_argument("--budget", type=float, default=None, metavar="FRACTION",
+                      help="also run the continuous policy with LocalCheckpointOptions."
+                      "save_overhead_budget=FRACTION, e.g. 0.02 (default: not run)")
   parser.add_argument("--steps", type=int, default=40,
                       help="timed steps per loop (default: %(default)s)")
   parser.add_argument("--reps", type=int, default=3,
@@ -226,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.error("--every, --steps and --reps must be >= 1 and --idle-ms >= 0")
   if not args.every and args.no_continuous:
     parser.error("nothing to measure: no --every interval and --no-continuous")
+  if args.budget is not None and (args.no_continuous or not 0 < args.budget <= 1):
+    parser.error("--budget takes a fraction in (0, 1] and needs the continuous variant")
   if threading.current_thread() is threading.main_thread():
     # A SIGTERM to this driver unwinds it like Ctrl-C, so the job's processes are killed
     # (launch.Job's context) and their RAM folders removed.
@@ -242,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     console.error("orbax-mtc bench every-step", str(e))
     return 1
   config = {"mib": args.mib, "procs": args.procs, "every": args.every,
-            "continuous": not args.no_continuous, "steps": args.steps, "reps": args.reps,
+            "continuous": not args.no_continuous, "budget": args.budget,
+            "steps": args.steps, "reps": args.reps,
             "idle_ms": args.idle_ms, "donate": not args.no_donate,
             "idle": "before-save" if args.idle_before_save else "after-save"}
   table = markdown(results, config)

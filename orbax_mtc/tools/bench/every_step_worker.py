@@ -7,7 +7,10 @@ every variant right after a baseline run of the same loop without a manager:
 
 - `every N`: `LocalCheckpointOptions(save_interval_steps=N)` for each N of `--every`;
 - `continuous`: `LocalCheckpointOptions(save_decision_policy=ContinuousCheckpointingPolicy())`
-  (a RAM save whenever the previous one is done).
+  (a RAM save whenever the previous one is done);
+- `continuous, budget B %` (with `--budget`): the same with
+  `LocalCheckpointOptions.save_overhead_budget` (a save also in progress until the time
+  `save()` took since it began is within B % of the time since).
 
 The persistent tier is never due by schedule. One step is `--idle-ms` of idle host time plus a
 jitted update of the whole state, the state donated so that its buffers are reused. Every
@@ -37,6 +40,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--mib", type=int, nargs="+", required=True)
   parser.add_argument("--every", type=int, nargs="*", default=[1, 5, 20])
   parser.add_argument("--continuous", choices=("on", "off"), default="on")
+  parser.add_argument("--budget", type=float, default=None)
   parser.add_argument("--steps", type=int, default=40)
   parser.add_argument("--reps", type=int, default=3)
   parser.add_argument("--idle-ms", type=float, default=200.0)
@@ -118,7 +122,8 @@ class Loop:
     w = jax.jit(lambda: jnp.ones((rows, cols), jnp.float32), out_shardings=sharding)()
     return {"w": jax.block_until_ready(w)}
 
-  def manager(self, folder: Path, abstract: Any, every: int | None):
+  def manager(self, folder: Path, abstract: Any, every: int | None,
+              budget: float | None = None):
     import orbax.checkpoint as ocp
 
     import orbax_mtc as mtc
@@ -126,7 +131,7 @@ class Loop:
     if every is None:
       local = mtc.LocalCheckpointOptions(
           save_decision_policy=ocp.checkpoint_managers.ContinuousCheckpointingPolicy(),
-          max_to_keep=1)
+          max_to_keep=1, save_overhead_budget=budget)
     else:
       local = mtc.LocalCheckpointOptions(save_interval_steps=every, max_to_keep=1)
     options = mtc.CheckpointManagerOptions(
@@ -137,8 +142,8 @@ class Loop:
     return mtc.CheckpointManager(folder, Path(self.args.persistent) / folder.name, self.mesh,
                                  abstract, options=options)
 
-  def run(self, state: dict, abstract: Any, every: int | None, *,
-          manager: bool) -> tuple[dict, dict[str, float]]:
+  def run(self, state: dict, abstract: Any, every: int | None, *, manager: bool,
+          budget: float | None = None) -> tuple[dict, dict[str, float]]:
     """One loop of `--steps` timed steps; `manager` False: the baseline (no manager).
 
     Returns the state after it and this process's figures (`_FIELDS`)."""
@@ -147,7 +152,7 @@ class Loop:
 
     args = self.args
     folder = self.local_root / "every-step"
-    mgr = self.manager(folder, abstract, every) if manager else None
+    mgr = self.manager(folder, abstract, every, budget) if manager else None
 
     def save(step: int, current: dict) -> bool:
       return mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(current)))
@@ -256,9 +261,12 @@ def main(argv: list[str] | None = None) -> int:
   args = _parse(argv)
   distributed.initialize()
   loop = Loop(args)
-  variants: list[tuple[str, int | None]] = [(f"every {n}", n) for n in args.every]
+  variants: list[tuple[str, int | None, float | None]] = [
+      (f"every {n}", n, None) for n in args.every]
   if args.continuous == "on":
-    variants.append(("continuous", None))
+    variants.append(("continuous", None, None))
+    if args.budget is not None:
+      variants.append((f"continuous, budget {100 * args.budget:g} %", None, args.budget))
   for mib in args.mib:
     state = loop.make_state(mib)
     abstract = arrays.abstract_tree(state)
@@ -266,10 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     state, _ = loop.run(state, abstract, None, manager=False)  # compiles the update
     runs = []
     for rep in range(args.reps):
-      for name, every in variants:
-        record: dict[str, Any] = {"rep": rep, "name": name, "every": every}
+      for name, every, budget in variants:
+        record: dict[str, Any] = {"rep": rep, "name": name, "every": every, "budget": budget}
         for key, with_manager in (("baseline", False), ("variant", True)):
-          state, figures = loop.run(state, abstract, every, manager=with_manager)
+          state, figures = loop.run(state, abstract, every, manager=with_manager,
+                                    budget=budget)
           slowest = loop.slowest([figures[f] for f in _FIELDS])
           record[key] = {f: _clean(v) for f, v in zip(_FIELDS, slowest, strict=True)}
         runs.append(record)
