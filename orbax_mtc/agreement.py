@@ -225,6 +225,22 @@ class ClockRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class SaveCostRecord:
+  """What the RAM tier's previous save cycle cost this process's loop
+  (`LocalCheckpointOptions.save_overhead_budget`).
+
+  Attributes:
+    cost_us: Microseconds inside `save()` that worked for that save (its call, and the calls
+      that moved its copies); 0 before the first cycle.
+    call_us: Microseconds between two `save()` calls in that cycle, on average (a training
+      step); 0 before the first cycle.
+  """
+
+  cost_us: int = field(Int(), 0)
+  call_us: int = field(Int(), 0)
+
+
+@dataclasses.dataclass(frozen=True)
 class BuildRecord:
   """One process's attempt to build the restore targets.
 

@@ -1,7 +1,8 @@
 """LocalCheckpointOptions.save_overhead_budget with Orbax's ContinuousCheckpointingPolicy, on a
-real manager in one process: a RAM save counts as in progress until the time `save()` calls
-took since it began fits the budget. The manager's clock is a fake one that the test moves
-(each reading advances it by one tick, as if the call took time), so the counts are exact."""
+real manager in one process: after each RAM save the policy is not asked again until the
+previous cycle's cost fits the budget's share of the calls since. The manager's clock is a
+fake one that the test moves (each reading advances it by one tick, as if the call took
+time), so the counts are exact."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def _options(budget):
 
 
 def _saved_steps(open_manager, mesh, monkeypatch, tmp_path, *, budget, idle, steps=12):
-  clock = _Clock(tick=1.0)  # a save() call reads the clock 3 times: it "takes" 2 s
+  clock = _Clock(tick=1.0)  # a save() call reads the clock at its start and end: 1 s
   monkeypatch.setattr(multi_tier, "time", clock)
   run = tmp_path / f"budget-{budget}-idle-{idle}"
   mgr = open_manager(options=_options(budget), local=run / "local",
@@ -60,16 +61,15 @@ def test_without_a_budget_continuous_saves_whenever_nothing_is_written(
 
 def test_a_budget_spaces_the_saves_by_the_time_save_took(open_manager, mesh, monkeypatch,
                                                          tmp_path):
-  # Each call takes 2 s and a training step 8 s. The saving call began at t and ended at
-  # t + 2; the next call decides at t + 12 (2 s of 12 s: over 10 %), the one after at
-  # t + 23 (2 s of 23 s: within): a save every other step. One process has no copies to
-  # move, so the calls between saves count for nothing.
-  assert _saved_steps(open_manager, mesh, monkeypatch, tmp_path, budget=0.1,
-                      idle=8.0) == [1, 3, 5, 7, 9, 11]
-  # 4 s of training a step, 7 s a call: at the fourth call after a save 2 s of 29 s
-  # (6.9 %), at the fifth 2 s of 36 s (5.6 %, within 6 %).
-  assert _saved_steps(open_manager, mesh, monkeypatch, tmp_path, budget=0.06,
-                      idle=4.0) == [1, 6, 11]
-  # Where the loop spends 10x longer training than saving, every step saves.
+  # Each call takes 1 s and a training step 8 s: 10 s from call to call. The first two
+  # saves have no cycle before them to measure; after that a cycle's 1 s at 5 % needs 20 s
+  # of calls: two calls, a save every other step. One process has no copies to move, so
+  # the calls between saves cost the budget nothing.
+  assert _saved_steps(open_manager, mesh, monkeypatch, tmp_path, budget=0.05,
+                      idle=8.0) == [1, 2, 4, 6, 8, 10, 12]
+  # 6 s a call, 3 %: 1 s needs 33.3 s of calls, 6 calls.
+  assert _saved_steps(open_manager, mesh, monkeypatch, tmp_path, budget=0.03,
+                      idle=4.0) == [1, 2, 8]
+  # Where the loop spends 100x longer training than saving, every step saves.
   assert _saved_steps(open_manager, mesh, monkeypatch, tmp_path, budget=0.1,
                       idle=100.0) == list(range(1, 13))

@@ -152,26 +152,43 @@ def test_first_backup_counts_from_the_attempt_on_its_way(step, last, due):
   assert save_policy.first_backup_due(step, last, persistent) is due
 
 
-def test_save_cost_holds_a_save_in_progress_until_its_time_fits_the_budget():
-  """The calls since the newest RAM save (it included) may take `budget` of the time since
-  it began; until then a save counts as in progress. No budget: never."""
+def test_save_cost_closes_a_cycle_at_each_ram_save():
+  """A cycle's cost is its saving call and the calls that moved its copies; its call time,
+  the time from that call's start to the next save's over the calls between."""
   cost = save_policy.SaveCost(0.02)
-  assert not cost.over(100.0)  # no save yet
-  cost.add(10.0, 10.2, saved=True)  # a RAM save's call took 0.2 s
-  assert cost.over(15.0)  # 0.2 s of 5 s: 4 %
-  assert not cost.over(20.01)  # 0.2 s of 10 s: 2 %
-  cost.add(19.0, 19.5, saved=False, counted=False)  # a call with nothing of it to move
-  assert not cost.over(20.01)
-  cost.add(20.0, 20.1, saved=False)  # a call between saves (copies moving) counts too
-  assert cost.over(20.1) and cost.over(24.9) and not cost.over(25.01)  # 0.3 s of 15 s
-  cost.add(25.0, 25.05, saved=True)  # the next save starts a new count
-  assert (cost.began, round(cost.spent, 6)) == (25.0, 0.05)
-  unlimited = save_policy.SaveCost(None)
-  unlimited.add(0.0, 5.0, saved=True)
-  assert not unlimited.over(5.0)
-  skipped = save_policy.SaveCost(0.5)
-  skipped.add(0.0, 1.0, saved=False)  # calls before any save count for nothing
-  assert skipped.began is None and not skipped.over(1.0)
+  cost.add(0.0, 5.0, saved=False)  # calls before any save count for nothing
+  assert cost.began is None and cost.last is None
+  cost.add(10.0, 10.2, saved=True)  # the first save: no cycle before it
+  assert cost.last is None and (cost.began, cost.calls) == (10.0, 1)
+  cost.add(11.0, 11.1, saved=False)  # its copies moving
+  cost.add(12.0, 12.5, saved=False, counted=False)  # nothing of it to move
+  cost.add(13.0, 13.3, saved=True)
+  assert cost.last == pytest.approx((0.3, 1.0))  # 0.2 + 0.1 s; 3 calls in 3 s
+  assert (cost.began, cost.calls) == (13.0, 1) and cost.spent == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("cost, call, budget, held", [
+    (0.3, 0.2, 0.02, 175),  # 0.3 s is 2 % of 15 s: 75 calls of 0.2 s after step 100
+    (0.003, 0.2, 0.02, 101),  # cheap saves: the next step may save
+    (0.0, 0.0, 0.02, 101),  # no cycle yet: no hold
+    (0.5, 0.0, 0.02, 101)])
+def test_held_until_spans_a_cycles_cost_over_the_budget(cost, call, budget, held):
+  assert save_policy.held_until(100, cost, call, budget) == held
+
+
+def test_a_held_step_is_not_saved_and_the_policy_is_not_asked():
+  asked = []
+
+  class Policy:
+    def should_save(self, step, previous_steps, *, context):
+      asked.append(step.step)
+      return True
+
+  options = LocalCheckpointOptions(save_decision_policy=Policy())
+  assert not save_policy.ram_should_save(5, [4], options, write_in_flight=False, held_until=6)
+  assert asked == []
+  assert save_policy.ram_should_save(6, [4], options, write_in_flight=False, held_until=6)
+  assert asked == [6]
 
 
 @pytest.mark.parametrize("budget", [0, -0.1, 1.5, True, "2%"])

@@ -18,7 +18,7 @@ import jax
 from absl import logging
 from etils import epath
 
-from orbax_mtc import distributed, item_args
+from orbax_mtc import agreement, distributed, item_args
 from orbax_mtc.forms import arguments, parts
 from orbax_mtc.local import specs as local_specs
 from orbax_mtc.managed import handshake
@@ -100,8 +100,10 @@ class MultiTierForm:
     self.writer, self.ledger, self.peers = built.writer, built.ledger, built.peers
     self.backups, self.ram, self.ondemand = built.backups, built.ram, built.ondemand
     self.schedule, self.tiers = built.schedule, built.tiers
-    # The loop time save() takes, against LocalCheckpointOptions.save_overhead_budget.
+    # The loop time save() takes, against LocalCheckpointOptions.save_overhead_budget, and
+    # the agreed step before which the RAM policy is not asked again.
     self.save_cost = save_policy.SaveCost(options.local.save_overhead_budget)
+    self._held_until: int | None = None
     self._delete_local = built.delete_local
     self.non_replicated = non_replicated.NONE
     if mesh is not None:
@@ -203,9 +205,8 @@ class MultiTierForm:
         # A save is in progress until its copies are out and the writer thread has nothing
         # left (the read-ahead, received copies): a continuous policy then waits instead of a
         # save that would wait for them (it decides on the primary alone).
-        # With a budget, also until the time save() took since is within it.
-        write_in_flight=self.writer.busy or self.peers.busy or self.save_cost.over(
-            time.monotonic()),
+        write_in_flight=self.writer.busy or self.peers.busy,
+        held_until=self._held_until,
         backup_in_progress=self.backups.saving,
         last_backup_attempt=None if attempt is None else attempt[0])
 
@@ -240,7 +241,21 @@ class MultiTierForm:
     finally:
       self.save_cost.add(started, time.monotonic(), counted=copying, saved=action in (
           save_policy.SaveAction.LOCAL, save_policy.SaveAction.ONDEMAND))
+    if action is save_policy.SaveAction.LOCAL and self.save_cost.budget is not None:
+      self._hold_after(step)
     return action is not save_policy.SaveAction.SKIP
+
+  def _hold_after(self, step: int) -> None:
+    """Agrees how long the RAM policy waits after this save (`save_overhead_budget`): the
+    previous cycle's cost, the most any process spent, over the budget's share of a call,
+    the shortest any process saw (one round per RAM save; collective, rule 8)."""
+    cost, call = self.save_cost.last or (0.0, 0.0)
+    found = self.ledger.summarize(agreement.SaveCostRecord(
+        cost_us=round(cost * 1e6), call_us=round(call * 1e6)), "spacing saves by their cost")
+    _, most_cost = found.ranges["cost_us"]
+    least_call, _ = found.ranges["call_us"]
+    self._held_until = save_policy.held_until(step, most_cost / 1e6, least_call / 1e6,
+                                              self.save_cost.budget)
 
   def _save(self, step: int, items: Any, metrics: Any, force: bool | None, args: Any,
             custom_metadata: dict[str, Any] | None) -> save_policy.SaveAction:

@@ -9,7 +9,7 @@ these functions can be tested with plain numbers (no JAX, no I/O, no collective)
 - `ram_should_save` asks it with the agreed RAM steps.
 - `first_backup_due` counts the first backup from an attempt that may still be on its way.
 - `decide_save` turns one `save(step)` call into a `SaveDecision`.
-- `SaveCost` keeps the time `save()` calls took since the newest RAM save began
+- `SaveCost` and `held_until` space RAM saves by what they cost the loop
   (`LocalCheckpointOptions.save_overhead_budget`).
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -76,7 +77,8 @@ def ram_policy(local_options: Any) -> policies.SaveDecisionPolicy:
 
 def ram_should_save(step: int, agreed_ram: Sequence[int], local_options: Any, *,
                     write_in_flight: bool, now: float = 0.0,
-                    saved_at: Callable[[int], float] = lambda step: 0.0) -> bool:
+                    saved_at: Callable[[int], float] = lambda step: 0.0,
+                    held_until: int | None = None) -> bool:
   """Whether the RAM tier saves `step`.
 
   Args:
@@ -88,11 +90,14 @@ def ram_should_save(step: int, agreed_ram: Sequence[int], local_options: Any, *,
       `ContinuousCheckpointingPolicy` waits for it, deciding on the primary alone).
     now: the current time, seconds since the epoch.
     saved_at: when a RAM step was saved, seconds since the epoch.
+    held_until: the agreed first step the policy is asked about after the newest save
+      (`save_overhead_budget`); earlier steps are not saved and the policy is not asked.
 
   Returns:
-    False when read-only or when a step at least as new is held; else the policy's answer.
+    False when read-only, held, or when a step at least as new is held; else the policy's
+    answer.
   """
-  if local_options.read_only:
+  if local_options.read_only or (held_until is not None and step < held_until):
     return False
   steps = sorted(agreed_ram)
   if steps and steps[-1] >= step:
@@ -178,33 +183,53 @@ def decide_save(step: int, *, force: bool, preempted: bool, read_only: bool, man
 
 @dataclasses.dataclass
 class SaveCost:
-  """The time `save()` calls took since the newest RAM save's call began (times passed in).
+  """The loop time `save()` calls spend for each RAM save (times passed in).
+
+  A cycle runs from one RAM save's call to the next: its cost is that call and the calls
+  between that moved its copies; its call time, the time between two calls.
 
   Attributes:
     budget: `LocalCheckpointOptions.save_overhead_budget` (None: no budget).
     began: When the newest RAM save's call began (None before the first).
-    spent: Seconds inside `save()` calls since then that worked for it (that call, and those
-      that moved its copies).
+    spent: Seconds of this cycle's cost so far.
+    calls: `save()` calls in this cycle so far.
+    last: The previous cycle's (cost, seconds per call), once there is one.
   """
 
   budget: float | None
   began: float | None = None
   spent: float = 0.0
+  calls: int = 0
+  last: tuple[float, float] | None = None
 
   def add(self, started: float, ended: float, *, saved: bool, counted: bool = True) -> None:
-    """One `save()` call from `started` to `ended`; `saved`: it made a RAM save; `counted`:
-    a call between saves that worked for the newest one (its copies were moving)."""
+    """One `save()` call from `started` to `ended`; `saved`: it made a RAM save (a new
+    cycle); `counted`: a call between saves that moved the newest one's copies."""
     if saved:
-      self.began, self.spent = started, ended - started
-    elif self.began is not None and counted:
-      self.spent += ended - started
+      if self.began is not None:
+        self.last = (self.spent, (started - self.began) / max(1, self.calls))
+      self.began, self.spent, self.calls = started, ended - started, 1
+    elif self.began is not None:
+      self.calls += 1
+      if counted:
+        self.spent += ended - started
 
-  def over(self, now: float) -> bool:
-    """Whether the calls since the newest RAM save took more than the budget's share of the
-    time since it began (a save then still counts as in progress)."""
-    if self.budget is None or self.began is None:
-      return False
-    return self.spent > self.budget * (now - self.began)
+
+def held_until(step: int, cost_s: float, call_s: float, budget: float) -> int:
+  """The first step after RAM save `step` at which the RAM policy is asked again, so that a
+  cycle costing `cost_s` of loop time spans at least `cost_s / budget` seconds of calls
+  `call_s` apart (pure: agreed inputs give the same step on every process).
+
+  Args:
+    step: The step just saved to RAM.
+    cost_s: The previous cycle's cost (the most any process reports).
+    call_s: Seconds between two `save()` calls (the least any process reports); 0 when not
+      known yet (no hold).
+    budget: The fraction of the loop's time saves may take.
+  """
+  if call_s <= 0 or cost_s <= 0:
+    return step + 1
+  return step + max(1, math.ceil(cost_s / (budget * call_s)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +241,7 @@ class AgreedState:
   persistent: tuple[int, ...] = ()  # the persistent steps every process sees
   preempted: bool = False  # the agreed preemption answer for this step
   write_in_flight: bool = False  # a RAM write still runs
+  held_until: int | None = None  # no RAM save before this step (save_overhead_budget)
   backup_in_progress: bool = False  # a backup chosen or still written
   last_backup_attempt: int | None = None  # the newest backup attempt's step
 
@@ -245,7 +271,7 @@ class SaveSchedule:
     """Whether the RAM tier's schedule asks for `step`."""
     return ram_should_save(step, state.ram, self._options.local,
                            write_in_flight=state.write_in_flight, now=time.time(),
-                           saved_at=self._saved_at)
+                           saved_at=self._saved_at, held_until=state.held_until)
 
   def persistent_due(self, step: int, state: AgreedState) -> bool:
     """Whether the persistent tier's schedule asks for `step`."""
