@@ -230,8 +230,8 @@ class SaveCostRecord:
   (`LocalCheckpointOptions.save_overhead_budget`).
 
   Attributes:
-    cost_us: Microseconds inside `save()` that worked for that save (its call, and the calls
-      that moved its copies); 0 before the first cycle.
+    cost_us: Microseconds inside `save()` that worked for that save (its calls' time above
+      the cheapest call's, policy.SaveCost); 0 before the first cycle.
     call_us: Microseconds between two `save()` calls in that cycle, on average (a training
       step); 0 before the first cycle.
   """

@@ -153,18 +153,22 @@ def test_first_backup_counts_from_the_attempt_on_its_way(step, last, due):
 
 
 def test_save_cost_closes_a_cycle_at_each_ram_save():
-  """A cycle's cost is its saving call and the calls that moved its copies; its call time,
-  the time from that call's start to the next save's over the calls between."""
+  """A cycle's cost is its calls' time above the cheapest call after its save (what a call
+  with nothing of a save to do costs); its call time, from its save's call to the next
+  save's over its calls."""
   cost = save_policy.SaveCost(0.02)
-  cost.add(0.0, 5.0, saved=False)  # calls before any save count for nothing
-  assert cost.began is None and cost.last is None
-  cost.add(10.0, 10.2, saved=True)  # the first save: no cycle before it
-  assert cost.last is None and (cost.began, cost.calls) == (10.0, 1)
-  cost.add(11.0, 11.1, saved=False)  # its copies moving
-  cost.add(12.0, 12.5, saved=False, counted=False)  # nothing of it to move
-  cost.add(13.0, 13.3, saved=True)
-  assert cost.last == pytest.approx((0.3, 1.0))  # 0.2 + 0.1 s; 3 calls in 3 s
-  assert (cost.began, cost.calls) == (13.0, 1) and cost.spent == pytest.approx(0.3)
+  cost.add(0.0, 5.0)  # calls before any save count for nothing
+  assert cost.began is None and cost.calls == 0
+  assert cost.begin(10.0) is None  # the first save: no cycle before it
+  cost.add(10.0, 10.2)
+  cost.add(11.0, 11.1)  # its copies moving
+  cost.add(12.0, 12.01)  # nothing of it to do: the cheapest
+  cost.add(12.5, 12.51)
+  closed = cost.begin(13.0)
+  assert closed == pytest.approx((0.2 + 0.09, 3.0 / 4))
+  assert (cost.began, cost.calls, cost.spent) == (13.0, 0, 0.0)
+  cost.add(13.0, 13.3)  # a save every call: its own call is the whole cost
+  assert cost.begin(14.0) == pytest.approx((0.3, 1.0))
 
 
 @pytest.mark.parametrize("cost, call, budget, held", [

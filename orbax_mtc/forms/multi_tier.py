@@ -234,22 +234,21 @@ class MultiTierForm:
            custom_metadata: dict[str, Any] | None = None) -> bool:
     del save_kwargs  # Orbax's legacy per-item kwargs: none of our tiers takes them
     started = time.monotonic()
-    copying = self.peers.busy  # a call that moves the newest save's copies works for it
     action = None
     try:
       action = self._save(step, items, metrics, force, args, custom_metadata)
+      if self.save_cost.budget is not None and action is save_policy.SaveAction.LOCAL:
+        self._hold_after(step, self.save_cost.begin(started))
     finally:
-      self.save_cost.add(started, time.monotonic(), counted=copying, saved=action in (
-          save_policy.SaveAction.LOCAL, save_policy.SaveAction.ONDEMAND))
-    if action is save_policy.SaveAction.LOCAL and self.save_cost.budget is not None:
-      self._hold_after(step)
+      if self.save_cost.budget is not None:
+        self.save_cost.add(started, time.monotonic())
     return action is not save_policy.SaveAction.SKIP
 
-  def _hold_after(self, step: int) -> None:
+  def _hold_after(self, step: int, cycle: tuple[float, float] | None) -> None:
     """Agrees how long the RAM policy waits after this save (`save_overhead_budget`): the
-    previous cycle's cost, the most any process spent, over the budget's share of a call,
-    the shortest any process saw (one round per RAM save; collective, rule 8)."""
-    cost, call = self.save_cost.last or (0.0, 0.0)
+    previous `cycle`'s cost, the most any process spent, over the budget's share of a
+    call, the shortest any process saw (one round per RAM save; collective, rule 8)."""
+    cost, call = cycle or (0.0, 0.0)
     found = self.ledger.summarize(agreement.SaveCostRecord(
         cost_us=round(cost * 1e6), call_us=round(call * 1e6)), "spacing saves by their cost")
     _, most_cost = found.ranges["cost_us"]

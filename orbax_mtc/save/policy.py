@@ -185,34 +185,43 @@ def decide_save(step: int, *, force: bool, preempted: bool, read_only: bool, man
 class SaveCost:
   """The loop time `save()` calls spend for each RAM save (times passed in).
 
-  A cycle runs from one RAM save's call to the next: its cost is that call and the calls
-  between that moved its copies; its call time, the time between two calls.
+  A cycle runs from one RAM save's call to the next. Its cost is the time of its calls
+  above the cheapest call between its saves (what a call costs with nothing of a save to
+  do): its saving call, and the calls that moved its copies or agreed their outcome.
 
   Attributes:
     budget: `LocalCheckpointOptions.save_overhead_budget` (None: no budget).
     began: When the newest RAM save's call began (None before the first).
-    spent: Seconds of this cycle's cost so far.
-    calls: `save()` calls in this cycle so far.
-    last: The previous cycle's (cost, seconds per call), once there is one.
+    spent: Seconds inside this cycle's calls so far.
+    calls: This cycle's calls so far.
+    cheapest: The cheapest of them after the saving call (inf: none yet).
   """
 
   budget: float | None
   began: float | None = None
   spent: float = 0.0
   calls: int = 0
-  last: tuple[float, float] | None = None
+  cheapest: float = math.inf
 
-  def add(self, started: float, ended: float, *, saved: bool, counted: bool = True) -> None:
-    """One `save()` call from `started` to `ended`; `saved`: it made a RAM save (a new
-    cycle); `counted`: a call between saves that moved the newest one's copies."""
-    if saved:
-      if self.began is not None:
-        self.last = (self.spent, (started - self.began) / max(1, self.calls))
-      self.began, self.spent, self.calls = started, ended - started, 1
-    elif self.began is not None:
-      self.calls += 1
-      if counted:
-        self.spent += ended - started
+  def begin(self, started: float) -> tuple[float, float] | None:
+    """A RAM save's call began at `started`: closes the cycle before it and starts its own.
+    Returns the closed cycle's (cost, seconds per call), or None if there was none."""
+    closed = None
+    if self.began is not None and self.calls:
+      base = self.cheapest if self.calls > 1 else 0.0
+      closed = (max(0.0, self.spent - (self.calls - 1) * base),
+                (started - self.began) / self.calls)
+    self.began, self.spent, self.calls, self.cheapest = started, 0.0, 0, math.inf
+    return closed
+
+  def add(self, started: float, ended: float) -> None:
+    """One `save()` call from `started` to `ended` (nothing before the first RAM save)."""
+    if self.began is None:
+      return
+    if self.calls:
+      self.cheapest = min(self.cheapest, ended - started)
+    self.spent += ended - started
+    self.calls += 1
 
 
 def held_until(step: int, cost_s: float, call_s: float, budget: float) -> int:

@@ -70,6 +70,7 @@ def run_job(procs: int, args: argparse.Namespace, root: Path) -> list[dict[str, 
              "--mib", *map(str, args.mib), "--every", *map(str, args.every),
              "--continuous", "off" if args.no_continuous else "on",
              *(["--budget", str(args.budget)] if args.budget is not None else []),
+             *(["--chunk-mib", str(args.chunk_mib)] if args.chunk_mib is not None else []),
              "--steps", str(args.steps), "--reps", str(args.reps),
              "--idle-ms", str(args.idle_ms), "--donate", "off" if args.no_donate else "on",
              "--idle", "before-save" if args.idle_before_save else "after-save",
@@ -199,6 +200,9 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--budget", type=float, default=None, metavar="FRACTION",
                       help="also run the continuous policy with LocalCheckpointOptions."
                       "save_overhead_budget=FRACTION, e.g. 0.02 (default: not run)")
+  parser.add_argument("--chunk-mib", type=int, default=None,
+                      help="ReplicationOptions.chunk_mib of the peer copies (default: its "
+                      "default)")
   parser.add_argument("--steps", type=int, default=40,
                       help="timed steps per loop (default: %(default)s)")
   parser.add_argument("--reps", type=int, default=3,
@@ -231,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.error("--every, --steps and --reps must be >= 1 and --idle-ms >= 0")
   if not args.every and args.no_continuous:
     parser.error("nothing to measure: no --every interval and --no-continuous")
+  if args.chunk_mib is not None and args.chunk_mib < 1:
+    parser.error("--chunk-mib must be >= 1")
   if args.budget is not None and (args.no_continuous or not 0 < args.budget <= 1):
     parser.error("--budget takes a fraction in (0, 1] and needs the continuous variant")
   if threading.current_thread() is threading.main_thread():
@@ -250,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1
   config = {"mib": args.mib, "procs": args.procs, "every": args.every,
             "continuous": not args.no_continuous, "budget": args.budget,
+            "chunk_mib": args.chunk_mib,
             "steps": args.steps, "reps": args.reps,
             "idle_ms": args.idle_ms, "donate": not args.no_donate,
             "idle": "before-save" if args.idle_before_save else "after-save"}

@@ -41,6 +41,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--every", type=int, nargs="*", default=[1, 5, 20])
   parser.add_argument("--continuous", choices=("on", "off"), default="on")
   parser.add_argument("--budget", type=float, default=None)
+  parser.add_argument("--chunk-mib", type=int, default=None)
   parser.add_argument("--steps", type=int, default=40)
   parser.add_argument("--reps", type=int, default=3)
   parser.add_argument("--idle-ms", type=float, default=200.0)
@@ -137,8 +138,9 @@ class Loop:
     options = mtc.CheckpointManagerOptions(
         local=local,
         persistent=mtc.PersistentCheckpointOptions(save_interval_steps=10**9),
-        replication=mtc.ReplicationOptions(replica_axis="data",
-                                           peers_per_node=None if self.n > 1 else 0))
+        replication=mtc.ReplicationOptions(
+            replica_axis="data", peers_per_node=None if self.n > 1 else 0,
+            **({} if self.args.chunk_mib is None else {"chunk_mib": self.args.chunk_mib})))
     return mtc.CheckpointManager(folder, Path(self.args.persistent) / folder.name, self.mesh,
                                  abstract, options=options)
 
