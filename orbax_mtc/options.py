@@ -229,7 +229,8 @@ class ReplicationOptions:
       `peers_per_node`; mutually exclusive, as in the GKE replicator's replicator.yaml.
       Stored as a tuple of tuples.
     chunk_mib: Transfers move in chunks of this many MiB (on CPU, 4-16 MiB chunks moved a
-      64 MiB step 1.2x faster than 64 MiB chunks: benchmarks/transport_chunks.py).
+      64 MiB step 1.2x faster than 32-64 MiB chunks: benchmarks/transport_chunks.py; each
+      chunk costs the calling thread about a millisecond to issue, so 16 rather than 8).
     chunks_in_flight: Chunks in flight at once while a call waits for a step's copies.
     in_flight_mib: MiB of chunks a `save()` may leave in flight when it returns, so copies
       move while training goes on (each chunk holds a send and a receive buffer).
@@ -245,7 +246,7 @@ class ReplicationOptions:
   replica_axis: str | None = None
   peers_per_node: int | None = None
   peer_ranks: Sequence[Sequence[int]] | None = None
-  chunk_mib: int = 8
+  chunk_mib: int = 16
   chunks_in_flight: int = 2
   in_flight_mib: int = 256
 
