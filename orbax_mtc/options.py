@@ -233,7 +233,8 @@ class ReplicationOptions:
       chunk costs the calling thread about a millisecond to issue, so 16 rather than 8).
     chunks_in_flight: Chunks in flight at once while a call waits for a step's copies.
     in_flight_mib: MiB of chunks a `save()` may leave in flight when it returns, so copies
-      move while training goes on (each chunk holds a send and a receive buffer).
+      move while training goes on (each chunk holds a send and a receive buffer), and MiB of
+      a step's copies the writer thread reads ahead of sending them.
 
   Raises:
     ValueError: If `replica_axis` is empty or not a string, both `peers_per_node` and
