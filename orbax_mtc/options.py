@@ -61,10 +61,10 @@ class LocalCheckpointOptions:
       buffers into one reused host buffer first (False: it writes from them directly).
     save_overhead_budget: The fraction of the loop's time RAM saves may cost it (e.g.
       0.02). After each RAM save the RAM policy is not asked again until the steps since
-      span the previous save's cost (the time inside `save()` for it: its call and the calls
-      that moved its copies; the most any process spent) over this fraction: with Orbax's
-      `ContinuousCheckpointingPolicy` the interval then grows where the tier or the link is
-      slow, instead of the loop stalling. None (the default): the policy alone decides.
+      span the previous save's cost (the time its calls took inside `save()` above a call
+      with nothing of a save to do; the most any process spent) over this fraction: with
+      Orbax's `ContinuousCheckpointingPolicy` the interval then grows where the tier or the
+      link is slow, instead of the loop stalling. None (the default): the policy decides.
 
   Raises:
     ValueError: If `save_interval_steps` is not positive, `max_to_keep` is < 1, both
