@@ -387,9 +387,9 @@ def test_recovery_copies_only_the_edges_of_recovered_nodes():
       assert peers.pending_step == 9 and len(peers.replicator._job.edges) == edges
 
 
-def test_a_local_save_leaves_the_previous_copies_moving_and_agrees_them_at_the_next():
-  """`issue` (at the end of a local save) sends every chunk and returns: the step is still
-  pending, nothing is agreed about its outcome yet; `settle` (at the next save) agrees it."""
+def committed_ring():
+  """Process 0 of 4 whose copies' streams are empty (a twin holds them: nothing to send),
+  every process committed: (peers, writer, store, allreduce)."""
   options = mtc.CheckpointManagerOptions(
       replication=mtc.ReplicationOptions(peer_ranks=((), (0,), (3,), (2,))))
   writer, store = FakeWriter(Status.COMMITTED), FakeStore()
@@ -400,6 +400,13 @@ def test_a_local_save_leaves_the_previous_copies_moving_and_agrees_them_at_the_n
   peers, _, _ = make(options, index=0, count=4, local=local, store=store, writer=writer,
                      allreduce=allreduce)
   peers.set_mesh(fake_mesh(GRID_2X2))
+  return peers, writer, store, allreduce
+
+
+def test_a_local_save_leaves_the_previous_copies_moving_and_agrees_them_at_the_next():
+  """`issue` (at the end of a local save) sends every chunk and returns: the step is still
+  pending, nothing is agreed about its outcome yet; `settle` (at the next save) agrees it."""
+  peers, writer, store, allreduce = committed_ring()
   assert not peers.busy
   peers.schedule(4, {})
   assert writer.prepared == [4]  # its streams are read ahead behind its write
@@ -423,15 +430,7 @@ def test_stale_copies_wait_for_an_idle_writer_instead_of_draining_it():
   """The copies an earlier layout left go once the first step's copies are out, after the
   received copies committed: not by waiting for the writer thread inside a `save()` (it may
   be writing a whole new step), but at the first call that finds it idle."""
-  options = mtc.CheckpointManagerOptions(
-      replication=mtc.ReplicationOptions(peer_ranks=((), (0,), (3,), (2,))))
-  writer, store = FakeWriter(Status.COMMITTED), FakeStore()
-  local = types.SimpleNamespace(directory=pathlib.Path("unused"), manifest=lambda step: None,
-                                keep_floor=None, steps=lambda: [4],
-                                apply_retention=apply_retention)
-  peers, _, _ = make(options, index=0, count=4, local=local, store=store, writer=writer,
-                     allreduce=FakeAllreduce(4, [Status.COMMITTED] * 4))
-  peers.set_mesh(fake_mesh(GRID_2X2))
+  peers, writer, store, _ = committed_ring()
   peers.schedule(4, {})
   peers.issue()
   writer.busy = True  # the next step's write runs
