@@ -30,25 +30,22 @@ from pathlib import Path
 from absl import logging
 
 from orbax_mtc.files import check_owner, fsync_dir, make_private_dir, write_atomic
-from orbax_mtc.local import aside, checksum
+from orbax_mtc.local import aside, checksum, data_write
 from orbax_mtc.local.format import (
-    DATA,
-    MANIFEST,
-    PEER_COPY_META,
-    SPARE_PREFIX,
-    TMP_PREFIX,
-    CorruptStepError,
-    LeafRecord,
-    LocalTierError,
-    ManifestError,
-    ShardRecord,
-    StepManifest,
-    validate_for,
+  DATA,
+  MANIFEST,
+  PEER_COPY_META,
+  SPARE_PREFIX,
+  TMP_PREFIX,
+  CorruptStepError,
+  LeafRecord,
+  LocalTierError,
+  ManifestError,
+  ShardRecord,
+  StepManifest,
+  validate_for,
 )
 from orbax_mtc.local.staging import HostPool, StagedStep
-
-_WRITE_CHUNK = 64 << 20
-_IOV_MAX = 1024  # Linux: views per pwritev call
 
 
 def is_step_name(name: str) -> bool:
@@ -217,39 +214,6 @@ def _crc_staged(staged: StagedStep, ranges: Sequence[tuple[int, int]]) -> list[i
   return [checksum.crc(staged.bytes_at(offset, nbytes)) for offset, nbytes in ranges]
 
 
-def _write_views(fd: int, views: Sequence[memoryview]) -> None:
-  """Writes `views` back to back from offset 0: gathered into calls of up to _WRITE_CHUNK
-  bytes and _IOV_MAX views (many small leaves cost few system calls), short writes resumed."""
-  batch: list[memoryview] = []
-  batch_bytes = offset = 0
-
-  def flush() -> None:
-    nonlocal batch_bytes, offset
-    done = os.pwritev(fd, batch, offset)
-    at = offset + done
-    for view in batch:  # resumes a short write (rare): the rest one view at a time
-      if done >= view.nbytes:
-        done -= view.nbytes
-        continue
-      rest, done = view[done:], 0
-      while rest.nbytes:
-        n = os.pwrite(fd, rest, at)
-        rest, at = rest[n:], at + n
-    offset += batch_bytes
-    batch.clear()
-    batch_bytes = 0
-
-  for view in views:
-    for start in range(0, view.nbytes, _WRITE_CHUNK):
-      part = view[start:start + _WRITE_CHUNK]
-      if batch and (batch_bytes + part.nbytes > _WRITE_CHUNK or len(batch) >= _IOV_MAX):
-        flush()
-      batch.append(part)
-      batch_bytes += part.nbytes
-  if batch:
-    flush()
-
-
 class LocalTier:
   """This node's RAM-disk step folders: write, commit, list, retire (`read` reads them).
 
@@ -267,6 +231,8 @@ class LocalTier:
     process_count: when given, `manifest` checks it.
     dir_mode: permission bits of the folders this creates.
     file_mode: permission bits of the files this writes.
+    write_threads: threads that write a step's data at once (None: by the host's cores,
+      data_write.default_threads).
   """
 
   def __init__(self, directory: Path, *, max_to_keep: int | None,
@@ -274,7 +240,8 @@ class LocalTier:
                keep: Callable[[Sequence[int], int | None], set[int]] | None = None,
                reuse_files: bool = True,
                process_index: int | None = None, process_count: int | None = None,
-               dir_mode: int = 0o700, file_mode: int = 0o600):
+               dir_mode: int = 0o700, file_mode: int = 0o600,
+               write_threads: int | None = None):
     self.directory = Path(directory)
     self.max_to_keep = max_to_keep
     self.keep = keep
@@ -290,6 +257,12 @@ class LocalTier:
     self.keep_replicated: int | None = None  # newest step whose peer copies landed: kept too
     self._lock = threading.Lock()  # guards folder renames between writer and main thread
     self._crc_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtc-crc")
+    # Threads that write a step's data with the writer thread (data_write.default_threads).
+    self.write_threads = (data_write.default_threads() if write_threads is None
+                          else max(1, write_threads))
+    self._write_pool = concurrent.futures.ThreadPoolExecutor(
+        self.write_threads - 1, thread_name_prefix="mtc-write") if self.write_threads > 1 \
+        else None
     self._host_pool = HostPool()  # what borrowed pieces are copied into (writer thread)
 
   # -- set-up
@@ -386,11 +359,11 @@ class LocalTier:
     crcs = self._crc_pool.submit(_crc_staged, staged, ranges)
     data_path = tmp / DATA
     try:
-      fd = os.open(data_path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+      fd = os.open(data_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                    self.file_mode)
       try:
         os.fchmod(fd, self.file_mode)  # the umask, or a reused spare's old mode
-        _write_views(fd, staged.views())
+        data_write.write_parallel(fd, staged.views(), self._write_pool, self.write_threads)
         os.ftruncate(fd, staged.size)
         os.fsync(fd)
       finally:
@@ -497,3 +470,5 @@ class LocalTier:
   def close(self) -> None:
     """Stops the checksum thread (after its work); call when no `write` runs any more."""
     self._crc_pool.shutdown(wait=True)
+    if self._write_pool is not None:
+      self._write_pool.shutdown(wait=True)

@@ -1,0 +1,140 @@
+"""Writing a step's bytes into its data file: gathered system calls, and on hosts with cores to
+spare several threads at once. One thread's copies into the page cache fall short of what a
+RAM disk takes, and tmpfs serialises `write` calls into one file on its inode lock, so the
+threads copy into a shared mapping of the file instead, its space reserved first with
+`posix_fallocate` (a full RAM disk is then ENOSPC before any byte is copied, not SIGBUS in
+the middle of a copy).
+
+File I/O only: the RAM tier's writer thread calls it (rule 2).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import mmap
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+WRITE_CHUNK = 64 << 20  # bytes per system call at most
+IOV_MAX = 1024  # Linux: views per pwritev call
+# Below this a step is written by one thread (a thread's start costs more than it saves).
+PARALLEL_MIN_BYTES = 64 << 20
+RUN_ALIGN = 1 << 20  # the threads' ranges start at multiples of this
+
+
+def default_threads(cpus: int | None = None) -> int:
+  """Threads a host writes a step with: one per 4 cores, at most 4, at least 1 (a 2-core
+  host, whose other core runs the training step and the checksums, writes with one)."""
+  cpus = os.cpu_count() if cpus is None else cpus
+  return max(1, min(4, (cpus or 1) // 4))
+
+
+def write_views(fd: int, views: Sequence[memoryview], offset: int = 0) -> None:
+  """Writes `views` back to back from `offset`: gathered into calls of up to WRITE_CHUNK
+  bytes and IOV_MAX views (many small leaves cost few system calls), short writes resumed."""
+  batch: list[memoryview] = []
+  batch_bytes = 0
+
+  def flush() -> None:
+    nonlocal batch_bytes, offset
+    done = os.pwritev(fd, batch, offset)
+    at = offset + done
+    for view in batch:  # resumes a short write (rare): the rest one view at a time
+      if done >= view.nbytes:
+        done -= view.nbytes
+        continue
+      rest, done = view[done:], 0
+      while rest.nbytes:
+        n = os.pwrite(fd, rest, at)
+        rest, at = rest[n:], at + n
+    offset += batch_bytes
+    batch.clear()
+    batch_bytes = 0
+
+  for view in views:
+    for start in range(0, view.nbytes, WRITE_CHUNK):
+      part = view[start:start + WRITE_CHUNK]
+      if batch and (batch_bytes + part.nbytes > WRITE_CHUNK or len(batch) >= IOV_MAX):
+        flush()
+      batch.append(part)
+      batch_bytes += part.nbytes
+  if batch:
+    flush()
+
+
+def split_views(views: Sequence[memoryview], parts: int,
+                align: int = 1 << 20) -> list[tuple[int, list[memoryview]]]:
+  """`views` (back to back from offset 0) cut into at most `parts` runs of about equal bytes,
+  each but the last a multiple of `align`: (the run's offset, its views). Pure."""
+  total = sum(view.nbytes for view in views)
+  target = max(align, -(-total // max(1, parts) // align) * align)
+  runs: list[tuple[int, list[memoryview]]] = []
+  current: list[memoryview] = []
+  start = filled = 0
+  for view in views:
+    view = view.cast("B") if view.ndim != 1 or view.format != "B" else view
+    while view.nbytes:
+      take = min(view.nbytes, target - filled)
+      current.append(view[:take])
+      view, filled = view[take:], filled + take
+      if filled == target:
+        runs.append((start, current))
+        start, current, filled = start + filled, [], 0
+  if current:
+    runs.append((start, current))
+  return runs
+
+
+def _copy_runs(target: memoryview, runs: Sequence[tuple[int, list[memoryview]]],
+               first: int, step: int) -> None:
+  """Copies every `step`-th run from `first` into `target` (numpy copies release the GIL)."""
+  for start, views in runs[first::step]:
+    at = start
+    for view in views:
+      np.frombuffer(target[at:at + view.nbytes], np.uint8)[:] = np.frombuffer(view, np.uint8)
+      at += view.nbytes
+
+
+def write_parallel(fd: int, views: Sequence[memoryview],
+                   pool: concurrent.futures.Executor | None, threads: int) -> None:
+  """Writes `views` back to back from offset 0 with `threads` threads (the calling thread and
+  `pool`'s), through a shared mapping of the file (`fd` open for reading and writing: a
+  shared mapping needs both); one thread with `write_views` below
+  PARALLEL_MIN_BYTES or where the file system cannot reserve the space. Every thread has
+  finished (or failed) before this returns; the first error is raised."""
+  total = sum(view.nbytes for view in views)
+  if pool is None or threads <= 1 or total < PARALLEL_MIN_BYTES:
+    write_views(fd, views)
+    return
+  try:
+    os.posix_fallocate(fd, 0, total)
+  except OSError as e:
+    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+      raise  # ENOSPC: the RAM disk is full; nothing was copied
+    write_views(fd, views)
+    return
+  runs = split_views(views, threads * 4, RUN_ALIGN)  # a few runs each: a slow one evens out
+  mapping = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_WRITE)
+  try:
+    target = memoryview(mapping)
+    try:
+      futures = [pool.submit(_copy_runs, target, runs, i, threads) for i in range(1, threads)]
+      error: BaseException | None = None
+      try:
+        _copy_runs(target, runs, 0, threads)
+      except BaseException as e:  # noqa: BLE001 - raised once the other threads are over
+        error = e
+      for future in futures:  # never leave a thread copying into a mapping being closed
+        try:
+          future.result()
+        except BaseException as e:  # noqa: BLE001 - the first error wins
+          error = error or e
+      if error is not None:
+        raise error
+    finally:
+      target.release()
+  finally:
+    mapping.close()
