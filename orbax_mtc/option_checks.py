@@ -6,6 +6,7 @@ Also `warn_once` (an option that is accepted but not applied is said once per pr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from absl import logging
@@ -83,6 +84,30 @@ def check_max_to_keep(owner: str, value: int | None) -> None:
         f"{owner}.max_to_keep must be >= 1 (or None to keep every step), got {value}: "
         "the newest committed step is always kept."
     )
+
+
+def check_fraction(owner: str, name: str, value: Any) -> None:
+  """None, or a fraction in (0, 1]."""
+  if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                            or not 0 < value <= 1):
+    raise ValueError(f"{owner}.{name} must be a fraction in (0, 1] of the loop's time (e.g. "
+                     f"0.02), or None; got {value!r}.")
+
+
+def checked_peer_ranks(peer_ranks: Any) -> tuple[tuple[int, ...], ...]:
+  """`ReplicationOptions.peer_ranks` checked, as a tuple of tuples."""
+  if isinstance(peer_ranks, (str, bytes)) or not isinstance(peer_ranks, Sequence):
+    raise ValueError("ReplicationOptions.peer_ranks must be one list of ranks per node, "
+                     f"e.g. [[1], [0]]; got {peer_ranks!r}.")
+  for node, ranks in enumerate(peer_ranks):
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence) or any(
+        isinstance(r, bool) or not isinstance(r, int) for r in ranks):
+      raise ValueError(f"ReplicationOptions.peer_ranks[{node}] must be a list of int ranks, "
+                       f"got {ranks!r}.")
+    if node in ranks:
+      raise ValueError(f"ReplicationOptions.peer_ranks[{node}] names node {node} as its own "
+                       "peer: a copy on the same node dies with it. Choose other nodes.")
+  return tuple(tuple(r) for r in peer_ranks)
 
 
 def check_timeout(name: str, value: Any) -> None:

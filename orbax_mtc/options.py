@@ -20,9 +20,11 @@ from orbax.checkpoint import path as ocp_path
 
 from orbax_mtc.option_checks import (
   check_bool,
+  check_fraction,
   check_interval,
   check_max_to_keep,
   check_timeout,
+  checked_peer_ranks,
   ram_keep_from_policy,
 )
 from orbax_mtc.orbax_options import as_ours
@@ -90,12 +92,7 @@ class LocalCheckpointOptions:
   def __post_init__(self):
     check_interval("LocalCheckpointOptions", "save_interval_steps", self.save_interval_steps,
                     allow_none=False)
-    budget = self.save_overhead_budget
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
-                               or not 0 < budget <= 1):
-      raise ValueError(
-          "LocalCheckpointOptions.save_overhead_budget must be a fraction in (0, 1] of the "
-          f"loop's time (e.g. 0.02), or None; got {budget!r}.")
+    check_fraction("LocalCheckpointOptions", "save_overhead_budget", self.save_overhead_budget)
     check_max_to_keep("LocalCheckpointOptions", self.max_to_keep)
     check_bool("LocalCheckpointOptions", "debug_use_full_global_mesh",
                 self.debug_use_full_global_mesh)
@@ -228,9 +225,8 @@ class ReplicationOptions:
     peer_ranks: The explicit list of holders per node (one list per process), instead of
       `peers_per_node`; mutually exclusive, as in the GKE replicator's replicator.yaml.
       Stored as a tuple of tuples.
-    chunk_mib: Transfers move in chunks of this many MiB (on CPU, 4-16 MiB chunks moved a
-      64 MiB step 1.2x faster than 32-64 MiB chunks: benchmarks/transport_chunks.py; each
-      chunk costs the calling thread about a millisecond to issue, so 16 rather than 8).
+    chunk_mib: Transfers move in chunks of this many MiB (on CPU 4-16 MiB moved 64 MiB 1.2x
+      faster than 32-64: benchmarks/transport_chunks.py; 16 issues half the chunks of 8).
     chunks_in_flight: Chunks in flight at once while a call waits for a step's copies.
     in_flight_mib: MiB of chunks a `save()` may leave in flight when it returns, so copies
       move while training goes on (each chunk holds a send and a receive buffer), and MiB of
@@ -266,18 +262,7 @@ class ReplicationOptions:
         raise ValueError(
             f"ReplicationOptions.peers_per_node must be an int >= 0, got {self.peers_per_node!r}.")
     if self.peer_ranks is not None:
-      if isinstance(self.peer_ranks, (str, bytes)) or not isinstance(self.peer_ranks, Sequence):
-        raise ValueError("ReplicationOptions.peer_ranks must be one list of ranks per node, "
-                         f"e.g. [[1], [0]]; got {self.peer_ranks!r}.")
-      for node, ranks in enumerate(self.peer_ranks):
-        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence) or any(
-            isinstance(r, bool) or not isinstance(r, int) for r in ranks):
-          raise ValueError(f"ReplicationOptions.peer_ranks[{node}] must be a list of int ranks, "
-                           f"got {ranks!r}.")
-        if node in ranks:
-          raise ValueError(f"ReplicationOptions.peer_ranks[{node}] names node {node} as its own "
-                           "peer: a copy on the same node dies with it. Choose other nodes.")
-      self.peer_ranks = tuple(tuple(r) for r in self.peer_ranks)
+      self.peer_ranks = checked_peer_ranks(self.peer_ranks)
     for name in ("chunk_mib", "chunks_in_flight", "in_flight_mib"):
       check_interval("ReplicationOptions", name, getattr(self, name), allow_none=False)
 

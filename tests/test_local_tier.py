@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
-import errno
 import os
 import re
 import shutil
@@ -16,7 +14,6 @@ import pytest
 import tensorstore as ts
 from conftest import abstract_of, assert_trees_equal, flip_byte, make_state
 
-from orbax_mtc.local import data_write
 from orbax_mtc.local import read as local_read
 from orbax_mtc.local.format import (
   DATA,
@@ -387,99 +384,6 @@ def test_stage_holds_jax_shards_in_place_and_copies_host_leaves(tier, mesh):
   step_dir = tier.write(staged, 0, 1)
   restored = read_step(step_dir, verify_step(step_dir), {"state": abstract_of(want)})
   assert_trees_equal(restored["state"], want)
-
-
-def test_write_views_gathers_small_views_and_resumes_short_writes(shm_dir, monkeypatch):
-  rng = np.random.default_rng(0)
-  views = [memoryview(rng.integers(0, 256, n, dtype=np.uint8)) for n in
-           (0, 1, 250, 7, 0, 5, 6, 8, 64, 1000, 3, 99, 2)]
-  monkeypatch.setattr(data_write, "WRITE_CHUNK", 100)  # splits and batches at small sizes
-  monkeypatch.setattr(data_write, "IOV_MAX", 3)
-  real_pwritev, real_pwrite = os.pwritev, os.pwrite
-  calls = []
-
-  def short_pwritev(fd, buffers, offset):  # the kernel may write less than asked
-    calls.append(len(buffers))
-    return real_pwritev(fd, [bytes(b)[:17] for b in buffers[:1]], offset)
-
-  monkeypatch.setattr(os, "pwritev", short_pwritev)
-  monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: real_pwrite(fd, bytes(data)[:40],
-                                                                         offset))
-  path = shm_dir / "data.bin"
-  fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-  try:
-    data_write.write_views(fd, views)
-  finally:
-    os.close(fd)
-  assert path.read_bytes() == b"".join(bytes(v) for v in views)
-  assert max(calls) == 3 and len(calls) < sum(-(-v.nbytes // 100) for v in views)
-
-
-@pytest.mark.parametrize("parts", [1, 2, 3, 7])
-def test_split_views_cuts_aligned_runs_that_cover_the_bytes_once(parts):
-  rng = np.random.default_rng(1)
-  views = [memoryview(rng.integers(0, 256, n, dtype=np.uint8)) for n in
-           (0, 300, 17, 1024, 5, 0, 2000, 64)]
-  runs = data_write.split_views(views, parts, align=256)
-  assert 1 <= len(runs) <= parts
-  joined = b"".join(bytes(v) for v in views)
-  at = 0
-  for i, (start, run) in enumerate(runs):
-    assert start == at
-    size = sum(v.nbytes for v in run)
-    if i < len(runs) - 1:
-      assert size % 256 == 0
-    assert b"".join(bytes(v) for v in run) == joined[start:start + size]
-    at += size
-  assert at == len(joined)
-
-
-def test_a_step_written_by_several_threads_is_the_same_file(shm_dir, mesh, monkeypatch):
-  """Several threads copy disjoint ranges into a mapping of one data file; the step reads
-  back bit-exact, and a thread that fails raises only once every thread is done."""
-  monkeypatch.setattr(data_write, "PARALLEL_MIN_BYTES", 1)
-  monkeypatch.setattr(data_write, "RUN_ALIGN", 4096)
-  tier = LocalTier(shm_dir / "parallel", max_to_keep=2, write_threads=3)
-  tier.prepare()
-  try:
-    want = make_state(mesh, 5, scale=64)
-    for step in (7, 8):  # a new file, then a reused one
-      step_dir = tier.write(stage(step, {"state": want}, {}, default_item=False), 0, 1)
-      restored = read_step(step_dir, verify_step(step_dir), {"state": abstract_of(want)})
-      assert_trees_equal(restored["state"], want)
-    real = data_write._copy_runs
-    started = []
-
-    def failing(target, runs, first, step):
-      started.append(first)
-      if first:
-        raise OSError(28, "No space left on device")
-      return real(target, runs, first, step)
-
-    monkeypatch.setattr(data_write, "_copy_runs", failing)
-    with pytest.raises(OSError, match="No space left"):
-      tier.write(stage(9, {"state": want}, {}, default_item=False), 0, 1)
-    assert sorted(started) == [0, 1, 2] and tier.steps() == [7, 8]  # nothing committed
-  finally:
-    tier.close()
-
-
-def test_a_file_system_without_fallocate_is_written_by_one_thread(shm_dir, monkeypatch):
-  monkeypatch.setattr(data_write, "PARALLEL_MIN_BYTES", 1)
-
-  def unsupported(fd, offset, length):
-    raise OSError(errno.EOPNOTSUPP, "Operation not supported")
-
-  monkeypatch.setattr(os, "posix_fallocate", unsupported)
-  views = [memoryview(np.arange(n, dtype=np.uint8)) for n in (10, 0, 300)]
-  path = shm_dir / "data.bin"
-  fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-  with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    try:
-      data_write.write_parallel(fd, views, pool, 2)
-    finally:
-      os.close(fd)
-  assert path.read_bytes() == b"".join(bytes(v) for v in views)
 
 
 def test_manifest_records_the_saved_sharding(tier, mesh):

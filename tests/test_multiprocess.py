@@ -257,7 +257,11 @@ def test_restart_after_sigkill_restores_newest_step_every_process_committed(cras
   assert crash.returncode == 137 and crash.returncodes == [137, 137], (crash, tail(out))
   assert not crash.timed_out
   # Step 5 is a backup step, so it was saved to RAM too (backups are taken from there).
-  assert crashed_run["before"] == {0: [6, 8], 1: [5, 6]}
+  # Node 0 also keeps 5 while step 6's copies have not landed (they land at the save after
+  # the one that issued them: whether that was step 7's call or step 8's depends on when
+  # step 6's writes ended), so that a replaced node still finds a step its peers complete.
+  before = crashed_run["before"]
+  assert before[0] in ([6, 8], [5, 6, 8]) and before[1] == [5, 6], before
   assert crashed_run["before_persistent"] == [0, 5]
 
   restart, restart_out = crashed_run["restart"], crashed_run["restart_out"]
@@ -265,7 +269,8 @@ def test_restart_after_sigkill_restores_newest_step_every_process_committed(cras
   assert_results(restart_out, 2, step=6, tier="local")
   # Step 8, which only node 0 holds, is dropped: a later save of step 8 must not meet it.
   root = crashed_run["root"]
-  assert verified_steps(root / "node0") == [6]
+  after = verified_steps(root / "node0")
+  assert after[-1:] == [6] and set(after) <= {5, 6}, after
   assert verified_steps(root / "node1") == [5, 6]
 
 
@@ -276,7 +281,7 @@ def test_lkg_link_follows_restore_rollback(crashed_run):
   local commit; a GKE-style reader or `status` would be told to restore a deleted step.)
   """
   root = crashed_run["root"]
-  assert crashed_run["before"][0] == [6, 8]
+  assert crashed_run["before"][0][-2:] == [6, 8]
   assert_ok(crashed_run["restart"], crashed_run["restart_out"])
   problems = lkg_problems(root / "node0") + lkg_problems(root / "node1")
   assert not problems, problems
