@@ -92,13 +92,19 @@ def test_a_step_written_by_several_threads_is_the_same_file(shm_dir, mesh, monke
     tier.close()
 
 
-def test_a_file_system_without_fallocate_is_written_by_one_thread(shm_dir, monkeypatch):
+@pytest.mark.parametrize("missing", ["posix_fallocate", "mmap"])
+def test_a_file_system_without_fallocate_or_mmap_is_written_by_one_thread(shm_dir, monkeypatch,
+                                                                          missing):
   monkeypatch.setattr(data_write, "PARALLEL_MIN_BYTES", 1)
 
-  def unsupported(fd, offset, length):
-    raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+  def unsupported(*args, **kwargs):
+    raise OSError(errno.EOPNOTSUPP if missing == "posix_fallocate" else errno.ENODEV,
+                  "not supported")
 
-  monkeypatch.setattr(os, "posix_fallocate", unsupported)
+  if missing == "posix_fallocate":
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+  else:
+    monkeypatch.setattr(data_write.mmap, "mmap", unsupported)
   views = [memoryview(np.arange(n, dtype=np.uint8)) for n in (10, 0, 300)]
   path = shm_dir / "data.bin"
   fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)

@@ -119,8 +119,12 @@ def write_parallel(fd: int, views: Sequence[memoryview],
   runs = split_views(views, threads * 4, RUN_ALIGN)  # a few runs each: a slow one evens out
   # Populated: the kernel maps every page at once (one fault per page costs more than the
   # copy on this 2-core VM: 3.4 against 4.9 GB/s with two threads, 1 GiB).
-  mapping = mmap.mmap(fd, total, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                      mmap.PROT_WRITE)
+  try:
+    mapping = mmap.mmap(fd, total, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                        mmap.PROT_WRITE)
+  except OSError:  # a file system that cannot map it: one thread, as below the threshold
+    write_views(fd, views)
+    return
   try:
     target = memoryview(mapping)
     try:
