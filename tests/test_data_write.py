@@ -6,6 +6,9 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -114,3 +117,16 @@ def test_a_file_system_without_fallocate_or_mmap_is_written_by_one_thread(shm_di
     finally:
       os.close(fd)
   assert path.read_bytes() == b"".join(bytes(v) for v in views)
+
+
+def test_the_write_threads_benchmark_runs_here(shm_dir):
+  """benchmarks/write_threads.py (a phase of benchmarks/gpu_suite.sh, where a failure costs
+  scarce device time) runs here at the size where several threads take over."""
+  repo = Path(__file__).resolve().parents[1]
+  done = subprocess.run(
+      [sys.executable, str(repo / "benchmarks" / "write_threads.py"), "--mib", "64",
+       "--threads", "1", "2", "--reps", "1", "--root", str(shm_dir / "wt")],
+      capture_output=True, text=True, timeout=300, check=False)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert [line.split()[0] for line in done.stdout.splitlines()] == ["1", "2"]
+  assert not (shm_dir / "wt").exists()
