@@ -125,6 +125,33 @@ class Job:
   def record(self, res: dict, name: str, seconds: float) -> None:
     res.setdefault(name, []).append(self.slowest(seconds))
 
+  def save_restore_reps(self, res: dict, prefix: str, state: Any,
+                        save: Callable[[int, Any], Any], finish: Callable[[], Any],
+                        restore: Callable[[int], Any], what: str) -> None:
+    """`--reps` timed saves and restores of a contender, after one untimed warm-up save:
+    `<prefix>_blocking_s` (the save call), `<prefix>_save_s` (until `finish` returns) and
+    `<prefix>_restore_s`; the first timed restore must equal `state` bit for bit."""
+    import jax
+
+    for rep in range(self.args.reps + 1):
+      step = rep + 1
+      current = self.fresh(state)
+      self.barrier()
+      start = time.perf_counter()
+      save(step, current)
+      blocking = time.perf_counter() - start
+      finish()
+      total = time.perf_counter() - start
+      if rep == 0:
+        continue
+      self.record(res, f"{prefix}_blocking_s", blocking)
+      self.record(res, f"{prefix}_save_s", total)
+      restored = self.measure(res, f"{prefix}_restore_s", lambda s=step: jax.block_until_ready(
+          restore(s)), warm=True)
+      if rep == 1 and not self.equal(restored, state):
+        raise AssertionError(f"{what} restore is not bit-exact")
+      del restored
+
   def make_state(self, mib: int, seed: int, mesh=None) -> dict:
     """`mib` MiB per process: 3/4 float32, 1/4 bfloat16, plus a replicated step scalar."""
     import jax

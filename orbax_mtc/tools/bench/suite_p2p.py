@@ -43,26 +43,14 @@ def measure(job: Job, mib: int, state: Any, abstract: Any, res: dict) -> None:
 
   folder = job.local_root / f"p2p-{mib}"
   persistent = Path(job.args.persistent) / f"p2p-{mib}"
-  step = 0
+  step = job.args.reps + 1  # the newest step saved below
   with _manager(job, folder, persistent, abstract) as manager:
-    for rep in range(job.args.reps + 1):
-      step = rep + 1
-      current = job.fresh(state)
-      job.barrier()
-      start = time.perf_counter()
-      manager.save(step, args=p2p_args.Composite(state=ocp.args.PyTreeSave(current)))
-      blocking = time.perf_counter() - start
-      manager.wait_until_finished()
-      total = time.perf_counter() - start
-      if rep == 0:
-        continue
-      job.record(res, "p2p_blocking_s", blocking)
-      job.record(res, "p2p_save_s", total)
-      restored = job.measure(res, "p2p_restore_s", lambda s=step: jax.block_until_ready(
-          manager.restore(s, args=restore_args()).state), warm=True)
-      if rep == 1 and not job.equal(restored, state):
-        raise AssertionError("Orbax P2P restore is not bit-exact")
-      del restored
+    job.save_restore_reps(
+        res, "p2p", state,
+        lambda s, current: manager.save(
+            s, args=p2p_args.Composite(state=ocp.args.PyTreeSave(current))),
+        manager.wait_until_finished,
+        lambda s: manager.restore(s, args=restore_args()).state, "Orbax P2P")
   if job.replicas > 1:
     for rep in range(job.args.reps):
       job.barrier()

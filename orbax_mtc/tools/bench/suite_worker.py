@@ -275,7 +275,6 @@ def _mtc_local(job: Job, mib: int, state: Any, abstract: Any, res: dict) -> None
 
 def _emergency(job: Job, mib: int, state: Any, abstract: Any, res: dict) -> None:
   """Orbax's experimental.emergency.CheckpointManager, set up the way MaxText sets it up."""
-  import jax
   import orbax.checkpoint as ocp
   from orbax.checkpoint.experimental.emergency import checkpoint_manager as emergency
 
@@ -288,24 +287,12 @@ def _emergency(job: Job, mib: int, state: Any, abstract: Any, res: dict) -> None
   persistent = Path(job.args.persistent) / f"emergency-{mib}"
   with emergency.CheckpointManager(folder, persistent, job.mesh, abstract,
                                    options=options) as manager:
-    for rep in range(job.args.reps + 1):
-      step = rep + 1
-      current = job.fresh(state)
-      job.barrier()
-      start = time.perf_counter()
-      manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(current)))
-      blocking = time.perf_counter() - start
-      manager.wait_until_finished()
-      total = time.perf_counter() - start
-      if rep == 0:
-        continue
-      job.record(res, "emergency_blocking_s", blocking)
-      job.record(res, "emergency_save_s", total)
-      restored = job.measure(res, "emergency_restore_s", lambda s=step: jax.block_until_ready(
-          manager.restore(s).state), warm=True)
-      if rep == 1 and not job.equal(restored, state):
-        raise AssertionError("Orbax emergency restore is not bit-exact")
-      del restored
+    job.save_restore_reps(
+        res, "emergency", state,
+        lambda s, current: manager.save(
+            s, args=ocp.args.Composite(state=ocp.args.PyTreeSave(current))),
+        manager.wait_until_finished, lambda s: manager.restore(s).state,
+        "Orbax emergency")
   job.barrier()
   shutil.rmtree(folder, ignore_errors=True)
 
