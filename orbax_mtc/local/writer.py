@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -26,11 +27,15 @@ class _Thread(concurrent.futures.ThreadPoolExecutor):
   def __init__(self) -> None:
     super().__init__(1, thread_name_prefix="mtc-local-write")
     self._last: concurrent.futures.Future | None = None
+    # The main thread and the thread itself (a copy's read-ahead) both hand it work: queue
+    # order and `_last` must agree, or `busy` could miss work queued last.
+    self._submitting = threading.Lock()
 
   def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
              ) -> concurrent.futures.Future:
-    self._last = super().submit(fn, *args, **kwargs)
-    return self._last
+    with self._submitting:
+      self._last = super().submit(fn, *args, **kwargs)
+      return self._last
 
   @property
   def busy(self) -> bool:
