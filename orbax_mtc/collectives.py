@@ -16,6 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from orbax_mtc import reduction
+
 # Re-exported: this error lived here before errors.py; other modules name it through this one.
 from orbax_mtc.errors import AgreementTimeoutError as AgreementTimeoutError
 from orbax_mtc.reduction import LOW, Parts
@@ -103,13 +105,24 @@ def _reduce_fn(shape: tuple[int, int, int]):
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 3))
 
 
+@functools.lru_cache(maxsize=64)
+def _gather_fn(size: int):
+  """One all-gather of every process's `size`-byte row (a gathered round)."""
+  del size  # one compiled function per row size
+  mesh = _node_mesh()
+  return jax.jit(jax.shard_map(lambda row: jax.lax.all_gather(row, _AXIS, tiled=True),
+                               mesh=mesh, in_specs=PartitionSpec(_AXIS),
+                               out_specs=PartitionSpec(), check_vma=False))
+
+
 def _padded(size: int) -> int:
   return max(8, 1 << (size - 1).bit_length())
 
 
 def allreduce(parts: Parts, what: str, process_count: int, timeout_s: float) -> Parts:
   """Sums `parts.add` and maxes `parts.top` and `parts.flags` over every process, after a
-  bounded barrier: each process receives vectors of the size it sent, whatever the count.
+  bounded barrier: each process receives vectors of the size it sent, whatever the count (a
+  small round is one all-gather reduced here, a larger one all-reduces: reduction.gathers).
 
   Args:
     parts: This process's contribution; the same shape on every process.
@@ -131,6 +144,13 @@ def allreduce(parts: Parts, what: str, process_count: int, timeout_s: float) -> 
   mesh = _node_mesh()
   device = mesh.devices[jax.process_index()]
   sharding = NamedSharding(mesh, PartitionSpec(_AXIS))
+  if reduction.gathers(parts.nbytes, process_count):
+    row = reduction.row_bytes(parts)
+    row = np.concatenate([row, np.zeros(_padded(row.size) - row.size, np.uint8)])
+    gathered = _gather_fn(row.size)(jax.make_array_from_single_device_arrays(
+        (row.size * mesh.size,), sharding, [jax.device_put(row, device)]))
+    rows = np.asarray(gathered.addressable_shards[0].data).reshape(mesh.size, row.size)
+    return reduction.combine_rows(rows, parts.shape)
   # Each vector is padded with the reduction's identity to a power of two (at least 8), so
   # that the few shapes the rounds take share their compiled functions.
   vectors = [np.concatenate([v, np.full(_padded(v.size) - v.size, fill, v.dtype)])

@@ -83,12 +83,48 @@ def join(high: int, low: int) -> int:
   return (int(high) << _HALF) | int(low)
 
 
+# A round of at most this many processes whose rows together fit in this many bytes is one
+# all-gather of each process's vectors as one row, reduced by `combine_rows` on every
+# process: one collective instead of one per reduction and dtype (each collective costs a
+# scheduling round trip on a busy host, more than the few bytes). Other rounds are
+# all-reduces: what a process receives stays bounded however many processes there are.
+GATHERED_ROUND_PROCESSES = 32
+GATHERED_ROUND_BYTES = 64 << 10
+
+
+def gathers(vector_bytes: int, processes: int) -> bool:
+  """Whether a round of `vector_bytes` per process is gathered (GATHERED_ROUND_*)."""
+  return processes <= GATHERED_ROUND_PROCESSES and \
+      vector_bytes * processes <= GATHERED_ROUND_BYTES
+
+
 def received_bytes(vector_bytes: int, processes: int) -> int:
-  """Bytes one process receives in an all-reduce of `vector_bytes` (a ring: the reduce-scatter
-  and the all-gather each bring (P - 1) / P of the vector), 0 for one process."""
+  """Bytes one process receives in a round of `vector_bytes` per process: the other rows of a
+  gathered round (`gathers`), else what an all-reduce brings (a ring: the reduce-scatter and
+  the all-gather each bring (P - 1) / P of the vector); 0 for one process."""
   if processes <= 1:
     return 0
+  if gathers(vector_bytes, processes):
+    return gathered_bytes(vector_bytes, processes)
   return -(-2 * vector_bytes * (processes - 1) // processes)
+
+
+def row_bytes(parts: Parts) -> np.ndarray:
+  """One process's vectors as one row of bytes (a gathered round's row)."""
+  return np.concatenate([parts.add.view(np.uint8), parts.top.view(np.uint8), parts.flags])
+
+
+def combine_rows(rows: np.ndarray, shape: tuple[int, int, int]) -> Parts:
+  """The reduction of gathered `rows` (one per process, `row_bytes` of vectors of `shape`,
+  maybe padded at the end): what `combine` computes, in one pass over the rows."""
+  add, top, flags = shape
+  ends = np.cumsum([4 * add, 4 * top, flags])
+  added = np.ascontiguousarray(rows[:, :ends[0]]).view(np.int32)
+  topped = np.ascontiguousarray(rows[:, ends[0]:ends[1]]).view(np.int32)
+  flagged = rows[:, ends[1]:ends[2]]
+  return Parts(added.sum(axis=0, dtype=np.int64).astype(np.int32),
+               topped.max(axis=0, initial=LOW).astype(np.int32),
+               flagged.max(axis=0, initial=0).astype(np.uint8))
 
 
 def gathered_bytes(row_bytes: int, processes: int) -> int:

@@ -1,7 +1,7 @@
-"""The save agreement's reductions across 3 real JAX processes (collectives.allreduce: a
-jitted shard_map psum/pmax over one device per process), with one and with several devices
-per process: every process's answer equals the one simulated from every process's facts
-(`mp_worker reduce`)."""
+"""The save agreement's reductions across 3 real JAX processes (collectives.allreduce: one
+jitted shard_map all-gather, or psum/pmax for rounds too large to gather, over one device per
+process), with one and with several devices per process: every process's answer equals the
+one simulated from every process's facts (`mp_worker reduce`)."""
 
 from __future__ import annotations
 
@@ -22,10 +22,12 @@ def test_the_real_reduction_gives_the_simulated_answer(devices):
     result, out = mp_helpers.run_job(["reduce"], 3, root, devices=devices, timeout_s=150)
     assert_ok(result, out)
     lines = [m.groupdict() for m in map(re.compile(
-        r"REDUCE process=(?P<p>\d+) case=(?P<case>\w+) devices=(?P<d>\d+) same=(?P<same>\d) "
+        r"REDUCE process=(?P<p>\d+) case=(?P<case>\w+) path=(?P<path>\w+) devices=(?P<d>\d+) same=(?P<same>\d) "
         r"rounds=(?P<rounds>\d+) ram=(?P<ram>\[.*?\]) faulty=(?P<faulty>\[.*?\])").search,
         out.lines) if m]
-    assert len(lines) == 6, tail(out)
+    assert len(lines) == 12, tail(out)
+    assert {(line["case"], line["path"]) for line in lines} == {
+        (c, p) for c in ("plain", "faults") for p in ("gathered", "reduced")}, tail(out)
     for line in lines:
       assert line["same"] == "1" and line["d"] == str(devices), tail(out)
       # Node 1 lacks 10, 20 and 2**40: a coverage round lists 20 (node 0 holds its copy).

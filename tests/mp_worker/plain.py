@@ -164,8 +164,9 @@ def _census_records(n: int, case: str):
 
 
 def cmd_reduce(args) -> int:
-  """The save agreement's rounds through the real all-reduce (one device per process of a
-  mesh of all of them): each process's answer equals the one simulated from every record."""
+  """The save agreement's rounds through the real collectives (one device per process of a
+  mesh of all of them), gathered (small rounds, the default) and all-reduced (no round
+  gathered): each process's answer equals the one simulated from every record."""
   import jax
 
   from orbax_mtc import collectives, distributed, reduction, save_census
@@ -173,7 +174,9 @@ def cmd_reduce(args) -> int:
   distributed.initialize()
   me, n = jax.process_index(), jax.process_count()
   same = True
-  for case in ("plain", "faults"):
+  gathered_bytes = reduction.GATHERED_ROUND_BYTES
+  for path, case in [(p, c) for p in ("gathered", "reduced") for c in ("plain", "faults")]:
+    reduction.GATHERED_ROUND_BYTES = gathered_bytes if path == "gathered" else 0
     records = _census_records(n, case)
     real = save_census.agree(
         records[me], me, n, None, [10], [10],
@@ -186,7 +189,7 @@ def cmd_reduce(args) -> int:
               "backup", "steps_error")
     same &= all(getattr(real, f) == getattr(simulated, f) for f in fields)
     same &= real.census.clock_ms == 1_790_000_000_000 and real.census.busy.lowest == 0
-    emit(f"REDUCE process={me} case={case} devices={jax.local_device_count()} "
+    emit(f"REDUCE process={me} case={case} path={path} devices={jax.local_device_count()} "
          f"same={int(same)} rounds={len(real.rounds)} ram={list(real.ram)} "
          f"faulty={sorted(real.local)}")
   return 0 if same else EXIT_MISMATCH
