@@ -475,14 +475,16 @@ def test_topology_from_plain_numbers():
 def test_chunks_per_call_spreads_what_is_left_over_the_calls_left():
   per_call = replication.chunks_per_call
   assert per_call(100, None, 1, 8) == 8  # no interval seen yet: the floor
-  assert per_call(100, 1, 1, 8) == 8  # a local save every call: the next save flushes anyway
-  # 20 calls before the next local save's: spread over 19 of them, the last left to land.
-  assert per_call(100, 21, 1, 8) == 6
-  assert per_call(100, 21, 5, 2) == 7  # a late start (a process still writing): more each
-  assert per_call(10, 21, 1, 8, 2) == 2  # a small step: never below `least`
-  assert per_call(101, 7, 1, 2) == 21  # rounded up: out within the interval
-  assert per_call(100, 7, 6, 2) == 100  # the call before the save's: what is left
-  assert per_call(100, 6, 6, 2) == 2  # the local save's own call, or past the estimate: floor
+  assert per_call(100, 1, 1, 8) == 100  # one call between local saves: all of it there
+  # 20 calls before the next local save's: spread over all of them (the save agrees the
+  # outcome of the last, which had a training step to arrive).
+  assert per_call(100, 20, 1, 8) == 5
+  assert per_call(100, 20, 5, 2) == 7  # a late start (a process still writing): more each
+  assert per_call(10, 20, 1, 8, 2) == 2  # a small step: never below `least`
+  assert per_call(101, 7, 1, 2) == 15  # rounded up: out within the interval
+  assert per_call(100, 7, 6, 2) == 50
+  assert per_call(100, 6, 6, 2) == 100  # the call before the save's: what is left
+  assert per_call(100, 6, 7, 2) == 2  # past the estimate (the save may come any call): floor
 
 
 def test_the_calls_between_local_saves_size_the_next_copies():

@@ -167,10 +167,11 @@ def test_the_save_agreement_carries_the_step_and_this_process_facts(rig, mesh):
   assert record.wants_backup and record.orbax_busy and record.clock_ms > 0
   assert record.backup_state == Status.READING  # the scheduler gets both processes' figures:
   assert r.backups.advanced[-1] == (Who(0, -1), Who(2, 0), False)
-  # The outcome of the copies issued earlier and the read-back are done before the
-  # agreement; the previous step's copies go out after it, once the new write is issued.
+  # The read-back is done before the agreement; the outcome of the copies issued earlier
+  # right after it (the census counts only what the writer committed before), before the
+  # new write; the previous step's copies go out once the new write is issued.
   agreed = r.log.index(("agree", "the save of step 4"))
-  assert r.log.index("peers.settle") < agreed
+  assert agreed < r.log.index("peers.settle") < r.log.index(("local.write", 4))
   assert r.log.index("backups.wait_for_read") < agreed
   assert r.log.index(("local.write", 4)) < r.log.index("peers.issue") < \
       r.log.index(("peers.schedule", 4))

@@ -211,7 +211,7 @@ class PeerCopies:
       self._drop_stale_sources(wait=block)
 
   def settle(self) -> None:
-    """At a local save, before its agreement: the outcome of the copies issued earlier
+    """At a local save, after its agreement: the outcome of the copies issued earlier
     (collective; their chunks have had a training step to arrive)."""
     replicator = self.replicator
     if replicator is not None:

@@ -67,15 +67,16 @@ def chunks_per_call(remaining_chunks: int, calls_between_saves: int | None, call
     least: the fewest chunks a call issues with an estimate.
 
   Returns:
-    With an estimate, what is left spread evenly over the calls left but the last before
+    With an estimate, what is left spread evenly over this call and the calls left before
     the next local save (which would flush it, blocking), at least `least`: each call's
-    chunks then have a training step to move before the next call, whose collectives would
-    otherwise queue behind them, and the last have landed when the save agrees. Else `floor`.
+    chunks then have a training step to move before the next call, whose collectives (and,
+    on a CPU client, its training step's computation) would otherwise queue behind them, and
+    the last have arrived when the save agrees their outcome. Else `floor`.
   """
-  calls_left = (calls_between_saves or 0) - calls_seen
-  if calls_left <= 0:
+  calls_left = (calls_between_saves or 0) - calls_seen  # after this one
+  if calls_left < 0:
     return floor
-  return max(least, -(-remaining_chunks // max(1, calls_left - 1)))
+  return max(least, -(-remaining_chunks // (calls_left + 1)))
 
 
 def _done(value: Any) -> concurrent.futures.Future:

@@ -85,10 +85,6 @@ class RamSaver:
     trees, jsons, processes, default_item = item_args.split_save_args(
         args, on_process_error=self._ledger.note_local_error)
     self._writer.wait()  # one write in flight (as Orbax): steps commit in order
-    # The copies issued at the previous save have had a training step to arrive: their
-    # outcome is agreed now. Those not yet issued go out at the end of this save, after its
-    # collectives (their step stays in RAM meanwhile: it is the floor every node holds).
-    self._peers.settle()
     self._backups.wait_for_read()
     # The save's one agreement (main thread, rule 2). It carries every per-process fact the
     # branches below read, so that every process takes the same ones (rule 8), and any error
@@ -103,6 +99,18 @@ class RamSaver:
         orbax_busy=self._persistent.busy(), clock_ms=int(time.time() * 1000))
     what = f"the save of step {step}"
     answer = ledger.agree_save(record, what)
+    # The copies issued at the previous calls have had a training step to arrive: their
+    # outcome is agreed now, after the census, so that the census counts what the writer
+    # thread has committed since the last settle, the same on every node, not the commits
+    # and retirements this settle queues (a census that saw some of them would take more
+    # rounds). Copies not yet issued go out at the end of this save, after its collectives
+    # (their step stays in RAM meanwhile: it is the floor every node holds). The copies it
+    # commits keep the floor this census agreed (the newest step every node holds), not the
+    # previous one: a copy of a step no node holds any longer would make the next census
+    # take a coverage round for it.
+    if ledger.process_count > 1:
+      self._local.keep_floor = answer.floor
+    self._peers.settle()
     if answer.steps_error is not None:
       raise ValueError(answer.steps_error)
     census = answer.census
