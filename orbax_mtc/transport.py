@@ -27,6 +27,7 @@ import functools
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
@@ -71,15 +72,31 @@ def _node_mesh() -> jax.sharding.Mesh:
   return jax.sharding.Mesh(np.array([first[p] for p in sorted(first)]), (_AXIS,))
 
 
+# JAX's CPU client runs a computation it estimates under 1,000 flops inline, on the calling
+# thread and to its end, once its inputs are ready: a bare ppermute (no flops) would block
+# `save()` for the whole chunk's transfer. A sum over the chunk's first bytes (2 flops a
+# byte: a _MIN_CHUNK chunk is 8,191) makes it a computation the client dispatches, so the
+# chunk moves while training goes on, without first copying it to make an input not ready.
+_DISPATCHED_BYTES = _MIN_CHUNK
+
+
 @functools.lru_cache(maxsize=64)
 def _permute_fn(pairs: tuple[tuple[int, int], ...]):
+  """The jitted ppermute of one chunk round; returns the received chunk (on CPU with the
+  sum that makes it dispatched, unused)."""
   mesh = _node_mesh()
   spec = PartitionSpec(_AXIS)
+  dispatched = mesh.devices.flat[0].platform == "cpu"
 
   def body(x):
-    return jax.lax.ppermute(x, _AXIS, perm=pairs)
+    moved = jax.lax.ppermute(x, _AXIS, perm=pairs)
+    if not dispatched:
+      return moved
+    return moved, jnp.sum(x[:_DISPATCHED_BYTES].astype(jnp.float32))[None]
 
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+  permute = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec,
+                                  out_specs=(spec, spec) if dispatched else spec))
+  return (lambda x: permute(x)[0]) if dispatched else permute
 
 
 # (device id, chunk length) -> a zero chunk placed on that device: what a chunk whose own
@@ -279,12 +296,6 @@ class Transfer:
     sharding = NamedSharding(mesh, PartitionSpec(_AXIS))
     try:
       placed = place(local, device)
-      if device.platform == "cpu":
-        # JAX's CPU client runs a computation whose inputs are all ready inline, on the
-        # calling thread, to its end; the chunk adopted in place above is ready. A copy on
-        # the device is not ready yet when the collective is dispatched, so the collective is
-        # queued behind it and `advance` returns while the bytes move.
-        placed = jax.device_put(placed, device, may_alias=False)
     except Exception as e:  # noqa: BLE001 - the spare goes instead; agreed after the transfer
       self._fail(f"placing a chunk of {chunk.length} bytes", e)
       placed = _SPARES[(device.id, chunk.length)]
