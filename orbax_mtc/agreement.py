@@ -157,6 +157,8 @@ class SaveRecord:
     backup_state: Where the pending backup's read-back is.
     orbax_busy: Whether Orbax still writes an earlier backup here.
     clock_ms: This process's clock; process 0's decides backups by minutes.
+    copies_failed: Whether the peer copies issued before this save failed here (a read,
+      placement or receive): their outcome rides in the save's agreement.
   """
 
   step: int = field(Int(), -1)
@@ -168,6 +170,7 @@ class SaveRecord:
   backup_state: Status = field(EnumCodec(Status), Status.NONE)  # the pending backup's read-back
   orbax_busy: bool = field(Bool(), False)  # Orbax still writes an earlier backup here
   clock_ms: int = field(Int(), 0)  # process 0's clock decides backups by minutes
+  copies_failed: bool = field(Bool(), False)  # the copies issued before it failed here
 
 
 @dataclasses.dataclass(frozen=True)

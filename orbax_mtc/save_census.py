@@ -77,14 +77,15 @@ class _Layout:
   def __init__(self, shape: CensusShape):
     k, a, t = len(shape.slots), _Cursor(), _Cursor()
     self.local_faults, self.backup_faults, self.in_ram = a.take(1), a.take(1), a.take(1)
-    self.in_persistent, self.wants_backup, self.busy = a.take(1), a.take(1), a.take(1)
+    self.in_persistent, self.wants_backup, self.busy, self.copies_failed = \
+        (a.take(1) for _ in range(4))
     self.states, self.clock, self.no_own, self.unknown = a.take(_STATES), a.take(2), \
         a.take(1), a.take(1)
     self.own, self.persistent, self.newest, self.cut, self.copies = (a.take(k) for _ in
                                                                      range(5))
     self.step = t.take(4)  # high, low, -high, -low of step + 1
     self.low_local, self.low_backup, self.low_in_ram = t.take(1), t.take(1), t.take(1)
-    self.low_failed, self.low_busy = t.take(1), t.take(1)
+    self.low_failed, self.low_busy, self.low_copies = t.take(1), t.take(1), t.take(1)
     self.buckets = t.take(4 * shape.buckets)  # per bucket: high, low, -high, -low
     self.add, self.top = a.size, t.size
 
@@ -107,6 +108,7 @@ def census(record: SaveRecord, me: int, shape: CensusShape) -> Parts:
   add[lay.in_ram], add[lay.in_persistent] = int(record.has_step_in_ram), \
       int(record.has_step_persistent)
   add[lay.wants_backup], add[lay.busy] = int(record.wants_backup), int(record.orbax_busy)
+  add[lay.copies_failed] = int(record.copies_failed)
   add[lay.states.start + int(record.backup_state)] = 1
   if me == 0:  # process 0's clock decides backups by minutes: a one-hot slot
     add[lay.clock] = reduction.split(record.clock_ms)
@@ -114,7 +116,8 @@ def census(record: SaveRecord, me: int, shape: CensusShape) -> Parts:
   for flag, where in ((local, lay.low_local), (backup, lay.low_backup),
                       (record.has_step_in_ram, lay.low_in_ram),
                       (record.backup_state == Status.FAILED, lay.low_failed),
-                      (record.orbax_busy, lay.low_busy)):
+                      (record.orbax_busy, lay.low_busy),
+                      (record.copies_failed, lay.low_copies)):
     if flag:
       top[where] = -me
   top[lay.step] = _halves4(record.step)
@@ -156,6 +159,7 @@ class Census:
     in_persistent: How many see it persistent.
     wants_backup: Some process wants the step backed up.
     busy: Processes where Orbax still writes an earlier backup.
+    copies_failed: Processes where the peer copies issued before the save failed.
     failed: Processes whose pending backup read-back failed.
     all_ready: Every process has read the pending backup back.
     clock_ms: Process 0's clock.
@@ -173,6 +177,7 @@ class Census:
   in_persistent: int
   wants_backup: bool
   busy: Who
+  copies_failed: Who
   failed: Who
   all_ready: bool
   clock_ms: int
@@ -208,6 +213,7 @@ def read_census(reduced: Parts, shape: CensusShape, processes: int) -> Census:
       backup_faults=who(lay.backup_faults, lay.low_backup),
       in_ram=who(lay.in_ram, lay.low_in_ram), in_persistent=int(add[lay.in_persistent][0]),
       wants_backup=bool(add[lay.wants_backup][0]), busy=who(lay.busy, lay.low_busy),
+      copies_failed=who(lay.copies_failed, lay.low_copies),
       failed=Who(int(states[Status.FAILED]),
                  int(-top[lay.low_failed][0]) if states[Status.FAILED] else -1),
       all_ready=int(states[Status.READY]) == processes,
@@ -225,7 +231,7 @@ def next_shape(census_: Census) -> CensusShape:
 
 
 def census_bytes(slots: int, buckets: int = FIRST_BUCKETS) -> int:
-  """Bytes of one census contribution: 4 x (20 + 5 x slots) summed, 4 x (9 + 4 x buckets)
+  """Bytes of one census contribution: 4 x (21 + 5 x slots) summed, 4 x (10 + 4 x buckets)
   maxed, whatever the process count."""
   lay = _Layout(CensusShape(tuple(range(slots)), buckets))
   return 4 * (lay.add + lay.top)
@@ -264,10 +270,7 @@ def coverage(record: SaveRecord, me: int, processes: int, groups: Sequence[int] 
   (step_listing.restorable_steps's own folder, twin or peer copy)."""
   parts = Parts.empty(0, 0, len(steps) * processes)
   flags = parts.flags.reshape(len(steps), processes) if steps else parts.flags
-  group = None
-  if groups is not None:
-    ids = np.asarray(groups)
-    group = ids == ids[me]
+  group = None if groups is None else np.asarray(groups) == np.asarray(groups)[me]
   own = set(record.inventory.own_steps)
   for k, step in enumerate(steps):
     if step in own:
@@ -302,11 +305,6 @@ def floor(census_: Census, processes: int) -> int | None:
   return min(held) if held else None
 
 
-def _cut_floor(census_: Census) -> int | None:
-  cut = [s for i, s in enumerate(census_.shape.slots) if census_.cut[i]]
-  return max(cut) if cut else None
-
-
 def persistent_lists(census_: Census, processes: int, own_view: Sequence[int]
                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """(agreed, seen): the persistent steps every process sees and those some process sees, as
@@ -314,7 +312,7 @@ def persistent_lists(census_: Census, processes: int, own_view: Sequence[int]
   slots = census_.shape.slots
   common = {s for i, s in enumerate(slots) if census_.persistent[i] == processes}
   seen = {s for i, s in enumerate(slots) if census_.persistent[i] > 0}
-  cut = _cut_floor(census_)
+  cut = max((s for i, s in enumerate(slots) if census_.cut[i]), default=None)
   if cut is not None:
     common = {s for s in common if s >= cut} | {s for s in own_view if s < cut}
     seen |= {s for s in own_view if s < cut}

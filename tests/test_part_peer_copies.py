@@ -426,6 +426,27 @@ def test_a_local_save_leaves_the_previous_copies_moving_and_agrees_them_at_the_n
   assert store.calls == [("drop_sources", (1,)), ("drop_other_counts", 4)]
 
 
+@pytest.mark.parametrize("failed", [reduction.Who(), reduction.Who(1, 2)])
+def test_an_outcome_the_save_census_agreed_takes_no_round_of_its_own(failed):
+  """At a local save the landed step's chunks are retired before the census, which carries
+  whether they failed here (`retire_landing`); `settle` then applies the census's answer:
+  committed everywhere, or dropped everywhere when any process failed."""
+  peers, _, _, allreduce = committed_ring()
+  assert peers.retire_landing() is None  # nothing landing: nothing for the census to carry
+  peers.schedule(4, {})
+  peers.issue()
+  rounds = len(allreduce.seen)
+  assert peers.retire_landing() is False  # nothing failed here
+  peers.settle(failed)
+  replicator = peers.replicator
+  # The census said it: no outcome round (on a failure, the failed process's words only).
+  assert len(allreduce.seen) == rounds + (1 if failed else 0)
+  assert replicator.pending_step is None and peers.retire_landing() is None
+  assert (replicator.finished_steps, replicator.failed_steps) == \
+      ((1, 0) if not failed else (0, 1))
+  assert replicator.landed_step == (4 if not failed else None)
+
+
 def test_stale_copies_wait_for_an_idle_writer_instead_of_draining_it():
   """The copies an earlier layout left go once the first step's copies are out, after the
   received copies committed: not by waiting for the writer thread inside a `save()` (it may

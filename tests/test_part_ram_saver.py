@@ -83,7 +83,11 @@ class _Peers:
   def progress(self, *, block):
     self.log.append(("peers.progress", block))
 
-  def settle(self):
+  def retire_landing(self):
+    self.log.append("peers.retire_landing")
+    return None
+
+  def settle(self, failed=None):
     self.log.append("peers.settle")
 
   def issue(self):

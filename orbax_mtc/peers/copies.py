@@ -210,12 +210,18 @@ class PeerCopies:
     if replicator.finished_steps:
       self._drop_stale_sources(wait=block)
 
-  def settle(self) -> None:
+  def retire_landing(self) -> bool | None:
+    """At a local save, before its agreement: hands the last chunks of the copies issued
+    earlier to the writer; whether they failed here (None: none landing), for the census."""
+    return None if self.replicator is None else self.replicator.retire_landing()
+
+  def settle(self, failed: reduction.Who | None = None) -> None:
     """At a local save, after its agreement: the outcome of the copies issued earlier
-    (collective; their chunks have had a training step to arrive)."""
+    (collective unless `failed`, the census's answer, is given; their chunks have had a
+    training step to arrive)."""
     replicator = self.replicator
     if replicator is not None:
-      replicator.settle()
+      replicator.settle(failed)
       if replicator.finished_steps:
         self._drop_stale_sources()
 

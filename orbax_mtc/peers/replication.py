@@ -330,19 +330,30 @@ class Replicator:
     self._job = None
     self._landing = job
 
-  def settle(self) -> None:
-    """Hands the landed step's last chunks to the writer (waiting for those still moving)
-    and agrees its outcome; every process calls it at the same point."""
-    job, self._landing = self._landing, None
+  def retire_landing(self) -> bool | None:
+    """Hands the landed step's last chunks to the writer (waiting for those still moving;
+    no collective) and says whether anything failed here; None when no step is landing (the
+    same on every process). Its outcome is then agreed by `settle`."""
+    job = self._landing
     if job is None:
-      return
+      return None
     assert job.transfer is not None
     try:
       job.transfer.retire_finished()
     except BaseException:
+      self._landing = None
       self._abort(job)
       raise
-    self._finish(job)
+    return bool(job.transfer.failures)
+
+  def settle(self, failed: reduction.Who | None = None) -> None:
+    """Agrees the landed step's outcome (its chunks retired first); every process calls it
+    at the same point. `failed`: the processes where it failed, agreed already (the save's
+    census carries it: `retire_landing`), else one round here."""
+    if self.retire_landing() is None:
+      return
+    job, self._landing = self._landing, None
+    self._finish(job, failed)
 
   @staticmethod
   def _drop_reads(job: _StepCopies) -> None:
@@ -425,13 +436,15 @@ class Replicator:
       raise RuntimeError("replication between processes needs the all-reduce")
     return self._allreduce(parts)
 
-  def _finish(self, job: _StepCopies) -> None:
+  def _finish(self, job: _StepCopies, failed: reduction.Who | None = None) -> None:
     """After the last chunk (collective): every copy is committed, or, when a read,
-    placement or receive failed on any process, every copy of the step is dropped together
-    (the next save's copies go out as usual)."""
+    placement or receive failed on any process (`failed`, agreed here unless given), every
+    copy of the step is dropped together (the next save's copies go out as usual)."""
     self._drop_reads(job)  # a chunk the transfer read itself leaves its read-ahead behind
     failures = job.transfer.failures if job.transfer is not None else []
-    failed = send_census.read_outcome(self._reduce(send_census.outcome(bool(failures), self.me)))
+    if failed is None:
+      failed = send_census.read_outcome(self._reduce(send_census.outcome(bool(failures),
+                                                                         self.me)))
     if failed:
       # Only then the lowest failed process's words (one more round, agreed to run).
       words = send_census.read_message(self._reduce(send_census.message(

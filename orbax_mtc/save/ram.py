@@ -86,6 +86,9 @@ class RamSaver:
         args, on_process_error=self._ledger.note_local_error)
     self._writer.wait()  # one write in flight (as Orbax): steps commit in order
     self._backups.wait_for_read()
+    # The copies issued at the previous calls have had a training step to arrive: their last
+    # chunks go to the writer, and whether they failed here rides in the agreement.
+    copies_failed = self._peers.retire_landing()
     # The save's one agreement (main thread, rule 2). It carries every per-process fact the
     # branches below read, so that every process takes the same ones (rule 8), and any error
     # a process holds, so that every process raises it together (rule 9).
@@ -96,21 +99,20 @@ class RamSaver:
         step=step, fault=ledger.take_fault(), inventory=ledger.inventory(own, persistent),
         has_step_in_ram=step in own, has_step_persistent=step in persistent,
         wants_backup=backup_wanted, backup_state=self._backups.pending_state(),
-        orbax_busy=self._persistent.busy(), clock_ms=int(time.time() * 1000))
+        orbax_busy=self._persistent.busy(), clock_ms=int(time.time() * 1000),
+        copies_failed=bool(copies_failed))
     what = f"the save of step {step}"
     answer = ledger.agree_save(record, what)
-    # The copies issued at the previous calls have had a training step to arrive: their
-    # outcome is agreed now, after the census, so that the census counts what the writer
-    # thread has committed since the last settle, the same on every node, not the commits
-    # and retirements this settle queues (a census that saw some of them would take more
-    # rounds). Copies not yet issued go out at the end of this save, after its collectives
-    # (their step stays in RAM meanwhile: it is the floor every node holds). The copies it
-    # commits keep the floor this census agreed (the newest step every node holds), not the
-    # previous one: a copy of a step no node holds any longer would make the next census
-    # take a coverage round for it.
+    # Their outcome, agreed by it: committed or dropped on every node after the census, so
+    # that the census counts what the writer thread committed before, the same on every
+    # node (one round), not the commits and retirements this queues. They keep the floor
+    # this census agreed (the newest step every node holds), not the previous one: a copy
+    # of a step no node holds any longer would make the next census take a coverage round.
+    # Copies not yet issued go out at the end of this save, after its collectives (their
+    # step stays in RAM meanwhile: it is the floor every node holds).
     if ledger.process_count > 1:
       self._local.keep_floor = answer.floor
-    self._peers.settle()
+    self._peers.settle(None if copies_failed is None else answer.census.copies_failed)
     if answer.steps_error is not None:
       raise ValueError(answer.steps_error)
     census = answer.census
