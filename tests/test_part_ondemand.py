@@ -116,7 +116,10 @@ class _Peers:
   def progress(self, *, block):
     pass
 
-  def settle(self):
+  def retire_landing(self):
+    return None
+
+  def settle(self, failed=None):
     pass
 
   def issue(self):
