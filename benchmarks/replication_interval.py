@@ -10,7 +10,10 @@ saved step's copies go to the next process (one replica, a ring). Run it under t
 
 Prints, per interval, the slowest process's `save()` blocking time per step (p50, p99, max),
 how many local saves found the previous step's copies still pending (flushed, blocking, by
-that save), and the raw ring `ppermute` bandwidth of the same bytes in the same run.
+that save), how long after its save a step was protected on its peer (its copies committed,
+median), and the raw ring `ppermute` bandwidth of the same bytes in the same run. The first
+`--warm-saves` local intervals are not timed: their saves create the RAM tier's files (a long
+run pays that once; never-touched memory is slow on some hosts).
 """
 
 from __future__ import annotations
@@ -36,29 +39,41 @@ def _slowest(values: np.ndarray) -> np.ndarray:
 
 
 def run_interval(interval: int, state: jax.Array, mesh: jax.sharding.Mesh, root: Path,
-                 persistent: Path, step_ms: float, intervals: int) -> dict:
+                 persistent: Path, step_ms: float, intervals: int, warm: int = 0) -> dict:
   options = mtc.CheckpointManagerOptions(
       local=mtc.LocalCheckpointOptions(save_interval_steps=interval, max_to_keep=2),
       persistent=mtc.PersistentCheckpointOptions(should_save_fn=lambda step, last: False))
   local = root / f"interval-{interval}"
   abstract = {"w": jax.ShapeDtypeStruct(state.shape, state.dtype, sharding=state.sharding)}
   blocking, flushed = [], 0
+  first = interval * warm + 1  # the first timed call (step 0 sets up the first transfer)
+  saved: list[float] = []  # when each local save returned
+  protected: list[float] = []  # seconds from a save to its copies committed on the peer
   with mtc.CheckpointManager(local, persistent / f"interval-{interval}", mesh, abstract,
                              options=options) as mgr:
-    for step in range(interval * intervals + 1):
+    # Private: no public API says when a step is protected (as `bench every-step`).
+    replicator = mgr._form.peers.replicator  # noqa: SLF001 - the measure
+    for step in range(interval * (warm + intervals) + 1):
       time.sleep(step_ms / 1000)  # the accelerator's step: idle host time
-      if step % interval == 0 and step > 0:
+      if step % interval == 0 and step >= first:
         # The previous step's copies not yet issued or still moving: this save waits for them.
         flushed += mgr._form.peers.busy  # noqa: SLF001 - the measure
       started = time.perf_counter()
       mgr.save(step, args=ocp.args.Composite(w=ocp.args.PyTreeSave(state)))
-      blocking.append(time.perf_counter() - started)
+      now = time.perf_counter()
+      blocking.append(now - started)
+      if step % interval == 0:
+        saved.append(now)
+      while len(protected) < min(replicator.finished_steps, len(saved)):
+        protected.append(now - saved[len(protected)])
     mgr.wait_until_finished()
   shutil.rmtree(local, ignore_errors=True)
-  per_step = _slowest(np.asarray(blocking))[1:]  # step 0 includes the first transfer's set-up
+  per_step = _slowest(np.asarray(blocking))[first:]
+  timed = _slowest(np.asarray(protected[warm:intervals + warm], np.float64))
   return {"interval": interval, "steps": len(per_step), "p50_s": float(np.median(per_step)),
           "p99_s": float(np.quantile(per_step, 0.99)), "max_s": float(per_step.max()),
-          "local_saves": intervals, "flushed_at_local_save": int(flushed)}
+          "local_saves": intervals, "warm_saves": warm, "flushed_at_local_save": int(flushed),
+          "protected_p50_s": float(np.median(timed)) if timed.size else None}
 
 
 def main() -> None:
@@ -66,6 +81,8 @@ def main() -> None:
   parser.add_argument("--mib", type=int, default=512, help="state MiB per process")
   parser.add_argument("--intervals", type=int, nargs="+", default=[1, 5, 20])
   parser.add_argument("--local-saves", type=int, default=3, help="local saves per interval")
+  parser.add_argument("--warm-saves", type=int, default=0,
+                      help="local intervals run first, not timed (steady state)")
   parser.add_argument("--step-ms", type=float, default=50.0)
   parser.add_argument("--persistent", default="/tmp/replication-interval")
   parser.add_argument("--json", help="also write the results here (process 0)")
@@ -89,15 +106,18 @@ def main() -> None:
   ppermute_gbps = (args.mib << 20) / np.median(seconds) / 1e9
   root = Path(distributed.local_directory())
   results = [run_interval(i, state, mesh, root, Path(args.persistent), args.step_ms,
-                          args.local_saves) for i in args.intervals]
+                          args.local_saves, args.warm_saves) for i in args.intervals]
   if me == 0:
     print(f"{args.mib} MiB per process, {n} processes, step {args.step_ms:.0f} ms, ring "
           f"ppermute {ppermute_gbps:.2f} GB/s (same run)")
-    print("| local interval | save() p50 | p99 | max | local saves that flushed pending copies |")
-    print("|---|---|---|---|---|")
+    print("| local interval | save() p50 | p99 | max | local saves that flushed pending copies "
+          "| protected on the peer after (p50) |")
+    print("|---|---|---|---|---|---|")
     for r in results:
+      after = "-" if r["protected_p50_s"] is None else f"{r['protected_p50_s']:.2f} s"
       print(f"| {r['interval']} | {r['p50_s'] * 1000:.1f} ms | {r['p99_s'] * 1000:.1f} ms | "
-            f"{r['max_s'] * 1000:.1f} ms | {r['flushed_at_local_save']} of {r['local_saves']} |")
+            f"{r['max_s'] * 1000:.1f} ms | {r['flushed_at_local_save']} of {r['local_saves']} "
+            f"| {after} |")
     if args.json:
       Path(args.json).write_text(json.dumps({"mib": args.mib, "processes": n,
                                              "ppermute_gbps": ppermute_gbps,

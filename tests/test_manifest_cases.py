@@ -361,3 +361,39 @@ def test_peer_copy_with_a_resigned_bad_manifest_is_refused(manifest_step, tmp_pa
     (folder / MANIFEST).write_text(json.dumps(bad))
     with pytest.raises(LocalTierError):
       store.read(0, STEP, tmp_path / "holder" / str(STEP))
+
+
+def test_a_retired_copy_is_the_next_copys_data_file(manifest_step, tmp_path):
+  """Retention turns a retired copy into its source's spare (un-committed, never listed),
+  and the next copy from that source is written into the spare's data file (its pages
+  touched already), cut to the new stream's length and read back bit-exact."""
+  tier, step_dir, pristine, raw = manifest_step
+  put(step_dir, pristine, raw)
+  manifest = read_manifest(step_dir)
+  good = stream_bytes(peer_stream.copy_stream(step_dir, manifest, 0, set()))
+  store = _copy_store(tmp_path)
+
+  def deliver() -> Path | None:
+    incoming = store.begin(0, STEP, good.nbytes)
+    incoming.write(0, good)
+    return incoming.commit(None)
+
+  committed = deliver()
+  peer_store._retire(committed)
+  spares = [p for p in store.source_dir(0).iterdir() if p.name.startswith(".spare-")]
+  assert store.copies() == [] and len(spares) == 1
+  data = spares[0] / "data.bin"
+  with open(data, "ab") as f:  # a longer old copy: its tail must not survive
+    f.write(b"\xff" * 8192)
+  inode = data.stat().st_ino
+  committed = deliver()
+  assert (committed / "data.bin").stat().st_ino == inode
+  assert (committed / "data.bin").stat().st_size == good.nbytes
+  assert not [p for p in store.source_dir(0).iterdir() if p.name.startswith(".spare-")]
+  got, read = store.read(0, STEP, tmp_path / "holder" / str(STEP))
+  assert got == manifest and read.tobytes() == read_data(step_dir, manifest).tobytes()
+  # With a spare already there, a retired copy is removed.
+  (store.source_dir(0) / ".spare-other").mkdir()
+  peer_store._retire(committed)
+  assert store.copies() == []
+  assert [p.name for p in store.source_dir(0).iterdir()] == [".spare-other"]

@@ -6,6 +6,8 @@ Layout under this node's local directory::
   <local>/peers/<source_rank>/<step>/copy.json       where each shard of it is held here
   <local>/peers/<source_rank>/<step>/data.bin        the stream as received (header + shards)
   <local>/peers/<source_rank>/.tmp-<step>-<id>/      a copy being received (never read)
+  <local>/peers/<source_rank>/.spare-<id>/           a retired copy whose data file the
+                                                     next copy from that source overwrites
 
 A shard that this node already holds in its own folder of the same step (same array, same
 index: a data-parallel twin's identical shard) is not sent; `copy.json` marks it -1 and serving
@@ -76,10 +78,14 @@ class IncomingCopy:
     self.source, self.step, self.nbytes = source, step, nbytes
     parent = store.make_source_dir(source)
     self.tmp = parent / f"{local_format.TMP_PREFIX}{step}-{uuid.uuid4().hex}"
-    files.make_private_dir(self.tmp, store.dir_mode, exist_ok=False)
+    reused = _take_spare(parent, self.tmp)
+    if not reused:
+      files.make_private_dir(self.tmp, store.dir_mode, exist_ok=False)
     self._fd = os.open(self.tmp / local_format.DATA,
                        os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, store.file_mode)
     os.fchmod(self._fd, store.file_mode)  # whatever the umask
+    if reused:  # every byte of it is written again; a longer old file is cut first
+      os.ftruncate(self._fd, nbytes)
     self.failed: BaseException | None = None
     self.received = 0  # bytes written; chunks never overlap, so == nbytes when complete
 
@@ -204,6 +210,42 @@ def _remove(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
+def _retire(path: Path) -> None:
+  """A copy retention no longer keeps: un-committed (renamed) into its source's spare when
+  that has none, so that the next copy from the source overwrites its data file instead of
+  never-touched memory (several times slower to write on some hosts, as the RAM tier's own
+  spare); else removed."""
+  parent = path.parent
+  if path.is_symlink() or not path.is_dir() or any(
+      e.name.startswith(local_format.SPARE_PREFIX) for e in parent.iterdir()):
+    _remove(path)
+    return
+  try:
+    os.rename(path, parent / f"{local_format.SPARE_PREFIX}{uuid.uuid4().hex}")
+  except FileNotFoundError:
+    return
+
+
+def _take_spare(parent: Path, tmp: Path) -> bool:
+  """Moves a spare of `parent` to `tmp` with its data file alone; whether there was one."""
+  for entry in parent.iterdir():
+    if not entry.name.startswith(local_format.SPARE_PREFIX) or not _is_real_dir(entry):
+      continue
+    try:
+      os.rename(entry, tmp)
+    except FileNotFoundError:  # taken meanwhile
+      continue
+    for item in tmp.iterdir():
+      if item.name == local_format.DATA and item.is_file() and not item.is_symlink():
+        continue
+      if _is_real_dir(item):
+        shutil.rmtree(item, ignore_errors=True)
+      else:
+        item.unlink()
+    return True
+  return False
+
+
 def _is_real_dir(path: Path) -> bool:
   return not path.is_symlink() and path.is_dir()
 
@@ -225,7 +267,7 @@ class PeerStore:
     self.file_mode = file_mode
 
   def prepare(self) -> None:
-    """Drops copies interrupted while being received."""
+    """Drops copies interrupted while being received (spares are kept)."""
     if not _is_real_dir(self.root):
       return
     for source in self.root.iterdir():
@@ -386,13 +428,13 @@ class PeerStore:
       kept = self.keep(steps, keep_floor)
       for step in steps:
         if step not in kept:
-          _remove(self.source_dir(source) / str(step))
+          _retire(self.source_dir(source) / str(step))
       return
     if self.max_to_keep is None:
       return
     for step in steps[:max(0, len(steps) - self.max_to_keep)]:
       if step != keep_floor:
-        _remove(self.source_dir(source) / str(step))
+        _retire(self.source_dir(source) / str(step))
 
   def delete_step(self, step: int) -> None:
     for source, s in self.copies():
