@@ -214,10 +214,12 @@ def _retire(path: Path) -> None:
   """A copy retention no longer keeps: un-committed (renamed) into its source's spare when
   that has none, so that the next copy from the source overwrites its data file instead of
   never-touched memory (several times slower to write on some hosts, as the RAM tier's own
-  spare); else removed."""
+  spare); else removed. Removed too while a copy from the source is being received (it did
+  not find the spare: kept, it would hold a step's worth of RAM more than before)."""
   parent = path.parent
   if path.is_symlink() or not path.is_dir() or any(
-      e.name.startswith(local_format.SPARE_PREFIX) for e in parent.iterdir()):
+      e.name.startswith((local_format.SPARE_PREFIX, local_format.TMP_PREFIX))
+      for e in parent.iterdir()):
     _remove(path)
     return
   try:
