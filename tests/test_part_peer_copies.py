@@ -23,7 +23,7 @@ from orbax_mtc import reduction, topology
 from orbax_mtc.agreement import Status
 from orbax_mtc.local import store as local_store
 from orbax_mtc.peers import copy_store as peer_store
-from orbax_mtc.peers import replication, send_census
+from orbax_mtc.peers import send_census
 from orbax_mtc.peers.copies import PeerCopies
 
 pytestmark = pytest.mark.timeout(60)
@@ -465,47 +465,6 @@ def test_stale_copies_wait_for_an_idle_writer_instead_of_draining_it():
   assert store.calls == [("drop_sources", (1,)), ("drop_other_counts", 4)]
   peers.progress(block=False)  # once
   assert len(store.calls) == 2 and ("drain",) not in writer.calls
-
-
-# ------------------------------------------------------------------ the pure decisions
-
-
-def test_replica_axis_name_single_versus_multi_process():
-  options = mtc.CheckpointManagerOptions(replica_axis_index=None)
-  assert topology.replica_axis_name(options, ("a", "b"), multi_process=False) == "a"
-  assert topology.replica_axis_name(options, ("a", "data"), multi_process=True) == "data"
-  with pytest.raises(ValueError, match="no axis named 'data'"):
-    topology.replica_axis_name(options, ("a", "b"), multi_process=True)
-  with pytest.raises(ValueError, match="out of range"):
-    topology.replica_axis_name(mtc.CheckpointManagerOptions(replica_axis_index=2), ("a", "b"))
-
-
-def test_topology_from_plain_numbers():
-  grid = np.array([[0, 1], [2, 3]])
-  topo = topology.build_topology(grid, ("data", "model"), "data", num_processes=4)
-  assert topo.replica_of == (0, 0, 1, 1) and topo.position_of == (0, 1, 0, 1)
-  assert topo.edges == ((0, 2), (1, 3), (2, 0), (3, 1))
-  assert [topo.held_by(r) for r in range(4)] == [(2,), (3,), (0,), (1,)]
-  single = topology.build_topology(np.array([[0]]), ("data", "model"), "data", num_processes=1)
-  assert single.edges == () and single.peers == ((),)
-  assert topology.build_topology(grid, ("data", "model"), "data", num_processes=4,
-                                 peers_per_node=0).edges == ()
-
-
-
-def test_chunks_per_call_spreads_what_is_left_over_the_calls_left():
-  per_call = replication.chunks_per_call
-  assert per_call(100, None, 1, 8) == 8  # no interval seen yet: the floor
-  assert per_call(100, 1, 1, 8) == 100  # one call between local saves: all of it there
-  # 20 calls before the next local save's: spread over all of them (the save agrees the
-  # outcome of the last, which had a training step to arrive).
-  assert per_call(100, 20, 1, 8) == 5
-  assert per_call(100, 20, 5, 2) == 7  # a late start (a process still writing): more each
-  assert per_call(10, 20, 1, 8, 2) == 2  # a small step: never below `least`
-  assert per_call(101, 7, 1, 2) == 15  # rounded up: out within the interval
-  assert per_call(100, 7, 6, 2) == 50
-  assert per_call(100, 6, 6, 2) == 100  # the call before the save's: what is left
-  assert per_call(100, 6, 7, 2) == 2  # past the estimate (the save may come any call): floor
 
 
 def test_the_calls_between_local_saves_size_the_next_copies():

@@ -265,7 +265,7 @@ def markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
         f"| {r['hosts']:,} | {_size(r['save_before_bytes'])} | {_size(r['save_steady_bytes'])}"
         f" ({r['save_steady_rounds']}) | {_size(r['save_lost_bytes'])} "
         f"({r['save_lost_rounds']}) |")
-  lines += ["", "After: a census of 4 x (20 + 5 x slots) + 4 x (9 + 4 x 16) bytes (452 B with "
+  lines += ["", "After: a census of 4 x (21 + 5 x slots) + 4 x (10 + 4 x 16) bytes (460 B with "
             "this run's 4 agreed steps), plus, only while some nodes lack a step, one byte per "
             "node for each such step. Rounds simulated in numpy and checked against the "
             f"all-gather's answer; above {agreement_scale.EXACT_UP_TO:,} hosts the coverage "
