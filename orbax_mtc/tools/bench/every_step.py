@@ -74,6 +74,7 @@ def run_job(procs: int, args: argparse.Namespace, root: Path) -> list[dict[str, 
              "--steps", str(args.steps), "--reps", str(args.reps),
              "--idle-ms", str(args.idle_ms), "--donate", "off" if args.no_donate else "on",
              "--idle", "before-save" if args.idle_before_save else "after-save",
+             "--sync", "on" if args.sync_step else "off",
              "--persistent", str(root / "persistent")]
   try:
     with launch.Job(command, procs, devices_per_process=1, local_root=root / "local",
@@ -149,7 +150,8 @@ def markdown(results: list[dict[str, Any]], config: dict[str, Any]) -> str:
   """The table of every (procs, size, variant) row (pure)."""
   lines = [
       f"{config['steps']} timed steps of a jitted update of the whole state "
-      f"({'donated' if config.get('donate', True) else 'not donated'}), save() and "
+      f"({'donated' if config.get('donate', True) else 'not donated'}"
+      f"{', with a cross-process all-reduce' if config.get('sync_step') else ''}), save() and "
       f"{config['idle_ms']:g} ms idle ({config.get('idle', 'after-save')}); "
       f"medians of {config['reps']} repetitions, slowest process; "
       "overhead against the baseline loop (no manager) run right before, same repetition. "
@@ -217,6 +219,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="order a step update, idle, save instead of update, save, idle: the "
                       "next update then donates the buffer the save just handed to its writer "
                       "(default: idle after the save, as while an accelerator computes)")
+  parser.add_argument("--sync-step", action="store_true",
+                      help="the update also all-reduces a scalar across the processes and "
+                      "waits for it, as a data-parallel step does; the baseline too (default: "
+                      "no cross-process collective in the step)")
   parser.add_argument("--timeout", type=float, default=3600.0,
                       help="seconds one job may run before it is killed (default: %(default)s)")
   output.add_json_flag(parser, SCHEMA)
@@ -259,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             "chunk_mib": args.chunk_mib,
             "steps": args.steps, "reps": args.reps,
             "idle_ms": args.idle_ms, "donate": not args.no_donate,
-            "idle": "before-save" if args.idle_before_save else "after-save"}
+            "idle": "before-save" if args.idle_before_save else "after-save",
+            "sync_step": args.sync_step}
   table = markdown(results, config)
   output.emit(args.json, {
       "schema": SCHEMA, "config": config,
