@@ -91,3 +91,21 @@ def test_a_tiny_grid_runs_every_variant_and_prints_one_document():
       # The peer copies are timed only where there is a peer.
       assert (row["peer_copy_out_s"] is not None) == (record["procs"] > 1) or \
           row["saves"] == 1
+
+
+@pytest.mark.timeout(240)
+def test_sync_step_runs_the_loop_with_a_cross_process_all_reduce_in_both_loops():
+  result = subprocess.run(
+      [sys.executable, "-m", "orbax_mtc", "bench", "every-step", "--mib", "4", "--procs", "2",
+       "--every", "5", "--no-continuous", "--steps", "10", "--reps", "1", "--idle-ms", "20",
+       "--sync-step", "--json", "--quiet"],
+      capture_output=True, text=True, timeout=200, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  doc = json.loads(result.stdout)
+  assert doc["config"]["sync_step"] is True
+  (record,) = doc["results"]
+  assert record["sync"] is True and record["procs"] == 2
+  assert "with a cross-process all-reduce" in result.stderr  # the table says which loop
+  (row,) = record["summary"]
+  assert row["variant"] == "every 5" and row["saves"] == 2
+  assert math.isfinite(row["overhead_pct"])
