@@ -31,3 +31,45 @@ def test_the_writer_is_busy_until_everything_handed_to_its_thread_has_run(tmp_pa
     assert not writer.busy
   finally:
     writer.shutdown()
+
+
+def _writer(tmp_path) -> RamWriter:
+  return RamWriter(LocalTier(tmp_path / "local", max_to_keep=2), 0, 1, asynchronous=True,
+                   on_error=lambda e: True)
+
+
+def test_within_first_the_step_write_goes_ahead_of_the_work_handed_over_meanwhile(tmp_path):
+  writer = _writer(tmp_path)
+  ran: list[str] = []
+  gate = threading.Event()
+  try:
+    writer.executor.submit(gate.wait, 30)  # the thread is busy: the queue order shows
+    with writer.first():
+      chunk = writer.executor.submit(ran.append, "chunk")
+      commit = writer.executor.submit(ran.append, "commit")
+      assert writer.busy  # held work counts
+      cancelled = writer.executor.submit(ran.append, "cancelled")
+      assert cancelled.cancel()  # as `Replicator._start` cancels a read not run yet
+      write = writer.executor.submit_first(ran.append, "write")  # what RamWriter.write uses
+    gate.set()
+    for future in (chunk, commit, write):
+      future.result(timeout=30)
+    writer.drain()
+    assert ran == ["write", "chunk", "commit"]
+    assert not writer.busy
+  finally:
+    gate.set()
+    writer.shutdown()
+
+
+def test_waiting_on_held_work_lets_it_go_instead_of_deadlocking(tmp_path):
+  writer = _writer(tmp_path)
+  try:
+    with writer.first():
+      future = writer.executor.submit(lambda: 7)
+      assert future.result(timeout=30) == 7  # released by the wait itself
+      later = writer.executor.submit(lambda: 8)  # not held any more
+      writer.drain()  # also releases (it would wait forever behind held work)
+      assert later.done() and later.result() == 8
+  finally:
+    writer.shutdown()

@@ -3,15 +3,18 @@
 Everything that touches the RAM disk in the background runs on this one thread, in order:
 the step writes, the read-back of a step chosen for backup, the peer copies' chunks and
 their commits. Steps therefore commit in the order they were saved, and a read-back reads a
-step before any later write can reuse its files. The thread does file I/O only (rule 2).
+step before any later write can reuse its files. One exception: within a save
+(`RamWriter.first`), the step's write goes ahead of the work the save itself handed over
+before it (a peer's landed chunks, their commit). The thread does file I/O only (rule 2).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from absl import logging
@@ -19,6 +22,33 @@ from absl import logging
 from orbax_mtc.agreement import Status
 from orbax_mtc.local import staging as local_staging
 from orbax_mtc.local import store as local_store
+
+
+def _run_into(future: concurrent.futures.Future, fn: Callable[..., Any], args: tuple,
+              kwargs: dict) -> None:
+  """Runs held work, its outcome into the future `submit` handed out for it."""
+  if not future.set_running_or_notify_cancel():
+    return  # cancelled while held
+  try:
+    future.set_result(fn(*args, **kwargs))
+  except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+    future.set_exception(e)
+
+
+class _HeldFuture(concurrent.futures.Future):
+  """The future of held work: waiting on it lets the held work go first (no deadlock)."""
+
+  def __init__(self, release: Callable[[], None]):
+    super().__init__()
+    self._release = release
+
+  def result(self, timeout: float | None = None) -> Any:
+    self._release()
+    return super().result(timeout)
+
+  def exception(self, timeout: float | None = None) -> BaseException | None:
+    self._release()
+    return super().exception(timeout)
 
 
 class _Thread(concurrent.futures.ThreadPoolExecutor):
@@ -30,12 +60,44 @@ class _Thread(concurrent.futures.ThreadPoolExecutor):
     # The main thread and the thread itself (a copy's read-ahead) both hand it work: queue
     # order and `_last` must agree, or `busy` could miss work queued last.
     self._submitting = threading.Lock()
+    # Work handed in while a save holds the queue (`hold`), in order; None: not held.
+    self._held: list[tuple[concurrent.futures.Future, Callable[..., Any], tuple, dict]] | None \
+        = None
 
   def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
              ) -> concurrent.futures.Future:
     with self._submitting:
-      self._last = super().submit(fn, *args, **kwargs)
+      if self._held is not None:
+        self._last = _HeldFuture(self.release)
+        self._held.append((self._last, fn, args, kwargs))
+      else:
+        self._last = super().submit(fn, *args, **kwargs)
       return self._last
+
+  def submit_first(self, fn: Callable[..., Any], /, *args: Any) -> concurrent.futures.Future:
+    """Queues `fn` ahead of the work held since `hold` (after everything queued before)."""
+    with self._submitting:
+      future = super().submit(fn, *args)
+      if not self._held:
+        self._last = future
+      return future
+
+  def hold(self) -> None:
+    """Work submitted from now on waits (in order) until `release`."""
+    with self._submitting:
+      if self._held is None:
+        self._held = []
+
+  def release(self) -> None:
+    """Queues the held work, in the order it came."""
+    with self._submitting:
+      held, self._held = self._held, None
+      for future, fn, args, kwargs in held or ():
+        super().submit(_run_into, future, fn, args, kwargs)
+
+  def shutdown(self, wait: bool = True, **kwargs: Any) -> None:
+    self.release()
+    super().shutdown(wait, **kwargs)
 
   @property
   def busy(self) -> bool:
@@ -101,7 +163,8 @@ class RamWriter:
     """
     self._refuse_if_retired()
     if background if background is not None else self._asynchronous:
-      self._in_flight = self.executor.submit(self._write, staged, replace)
+      # Ahead of work a save holds back (`first`): a peer's chunks wait, the step does not.
+      self._in_flight = self.executor.submit_first(self._write, staged, replace)
       return
     self._in_flight = concurrent.futures.Future()
     try:
@@ -132,7 +195,20 @@ class RamWriter:
 
   def drain(self) -> None:
     """Returns once everything issued so far has run (received copies are committed)."""
+    self.executor.release()
     self.executor.submit(lambda: None).result()
+
+  @contextlib.contextmanager
+  def first(self) -> Iterator[None]:
+    """Within the block, work handed to the thread (a peer's landed chunks and their commit)
+    waits until the block ends, except the step's write (`write`), which goes ahead of it:
+    the newest step commits, and its copies can start, without waiting behind a peer's
+    copy (at 1 GiB, 0.3 s of received chunks landed at each save)."""
+    self.executor.hold()
+    try:
+      yield
+    finally:
+      self.executor.release()
 
   def shutdown(self) -> None:
     self.executor.shutdown(wait=True)

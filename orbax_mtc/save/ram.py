@@ -86,90 +86,95 @@ class RamSaver:
         args, on_process_error=self._ledger.note_local_error)
     self._writer.wait()  # one write in flight (as Orbax): steps commit in order
     self._backups.wait_for_read()
-    # The copies issued at the previous calls have had a training step to arrive: their last
-    # chunks go to the writer, and whether they failed here rides in the agreement.
-    copies_failed = self._peers.retire_landing()
-    # The save's one agreement (main thread, rule 2). It carries every per-process fact the
-    # branches below read, so that every process takes the same ones (rule 8), and any error
-    # a process holds, so that every process raises it together (rule 9).
-    ledger = self._ledger
-    own = self._local.steps()
-    persistent = self._persistent.steps()
-    record = agreement.SaveRecord(
-        step=step, fault=ledger.take_fault(), inventory=ledger.inventory(own, persistent),
-        has_step_in_ram=step in own, has_step_persistent=step in persistent,
-        wants_backup=backup_wanted, backup_state=self._backups.pending_state(),
-        orbax_busy=self._persistent.busy(), clock_ms=int(time.time() * 1000),
-        copies_failed=bool(copies_failed))
-    what = f"the save of step {step}"
-    answer = ledger.agree_save(record, what)
-    # Their outcome, agreed by it: committed or dropped on every node after the census, so
-    # that the census counts what the writer thread committed before, the same on every
-    # node (one round), not the commits and retirements this queues. They keep the floor
-    # this census agreed (the newest step every node holds), not the previous one: a copy
-    # of a step no node holds any longer would make the next census take a coverage round.
-    # Copies not yet issued go out at the end of this save, after its collectives (their
-    # step stays in RAM meanwhile: it is the floor every node holds).
-    if ledger.process_count > 1:
-      self._local.keep_floor = answer.floor
-    self._peers.settle(None if copies_failed is None else answer.census.copies_failed)
-    if answer.steps_error is not None:
-      raise ValueError(answer.steps_error)
-    census = answer.census
-    floor = answer.floor
-    ledger.adopt_answer(answer)
-    ledger.raise_answer_faults(answer, f"{what} (or an earlier local write)")
-    everywhere = census.in_ram.count == ledger.process_count
-    in_ram, in_persistent = census.in_ram, census.in_persistent > 0
-    backup_wanted = census.wants_backup
-    clock_s = census.clock_ms / 1000  # process 0's clock: backups by minutes count from it
-    # Here, on the agreed figures alone, so that every process starts it or none does.
-    backup_started = self._backups.advance(census.failed, census.busy, census.all_ready)
-    if ondemand and everywhere:
-      return  # the preemption step is committed everywhere already
-    if not parent_saved and not ondemand and everywhere and backup_wanted and \
-        not in_persistent:
-      # Committed in RAM everywhere, not yet persistent (e.g. the final step, forced): back
-      # up those RAM copies; `args` only describe them.
-      self._backups.schedule(step, args, trees, jsons, metrics, custom_metadata, clock_s,
-                             ledger.summarize)
-      if not self._asynchronous:
-        self._backups.flush(ledger.summarize)
-      return
-    if not parent_saved and not ondemand and (in_ram or in_persistent):
-      # As Orbax: a step is never silently replaced (the tiers would then disagree on it).
-      where = "" if everywhere or not in_ram else f" of process(es) {in_ram} only"
-      raise ocp.checkpoint_manager.StepAlreadyExistsError(
-          f"Step {step} already exists (RAM tier {self._local.directory}{where} or persistent "
-          f"tier {self._persistent.directory}). Delete it first with mgr.delete({step}) on "
-          "every process to save it again.")
-    # Staged before the step is listed anywhere: a state that cannot be staged (the same on
-    # every process) leaves the lists and folders as they were.
-    started = time.perf_counter()
-    staged = local_staging.stage(step, trees, jsons, default_item=default_item,
-                                 process_items=processes, device_copy=self._device_copy)
-    self.last_blocking_seconds = time.perf_counter() - started
-    if ledger.process_count > 1:
-      # The newest step all nodes hold: kept beyond max_to_keep.
-      self._local.keep_floor = floor
-      # Steps kept only as the previous floor can go now, before this write reuses their file:
-      # the RAM footprint stays at max_to_keep committed steps plus the one being written.
-      self._local.apply_retention()
-    # Before retention asks for them (a preservation policy reads both).
-    self._retention.record(step, clock_s, metrics)
-    ledger.adopt_answer(answer, saved=step, floor=floor)
-    self._retention.forget_others({step, *own, *ledger.ram})
-    # Not whether this process still writes a backup: each process learns that on its own,
-    # so it can differ between processes, and this answer decides whether the step is
-    # backed up.
-    saving_anywhere = bool(census.busy) or backup_started
-    now = clock_s
-    if not backup_wanted:
-      backup_wanted = self._backups.interval_due(step, now, saving_anywhere)
-    # The on-demand step in some folders only (an earlier save of it failed elsewhere) is
-    # written again everywhere, from the same state; a folder of it here is set aside at
-    # the commit instant, not deleted first (rule 10).
-    self._writer.write(staged, replace=aside.REPLACED if ondemand and step in own else None)
+    # Until the step's write is issued, the work this save hands the writer thread (the
+    # landed chunks of a peer's copy, their commit) queues behind that write.
+    with self._writer.first():
+      # The copies issued at the previous calls have had a training step to arrive: their last
+      # chunks go to the writer, and whether they failed here rides in the agreement.
+      copies_failed = self._peers.retire_landing()
+      # The save's one agreement (main thread, rule 2). It carries every per-process fact the
+      # branches below read, so that every process takes the same ones (rule 8), and any error
+      # a process holds, so that every process raises it together (rule 9).
+      ledger = self._ledger
+      own = self._local.steps()
+      persistent = self._persistent.steps()
+      record = agreement.SaveRecord(
+          step=step, fault=ledger.take_fault(), inventory=ledger.inventory(own, persistent),
+          has_step_in_ram=step in own, has_step_persistent=step in persistent,
+          wants_backup=backup_wanted, backup_state=self._backups.pending_state(),
+          orbax_busy=self._persistent.busy(), clock_ms=int(time.time() * 1000),
+          copies_failed=bool(copies_failed))
+      what = f"the save of step {step}"
+      answer = ledger.agree_save(record, what)
+      # Their outcome, agreed by it: committed or dropped on every node after the census, so
+      # that the census counts what the writer thread committed before, the same on every
+      # node (one round), not the commits and retirements this queues. They keep the floor
+      # this census agreed (the newest step every node holds), not the previous one: a copy
+      # of a step no node holds any longer would make the next census take a coverage round.
+      # Copies not yet issued go out at the end of this save, after its collectives (their
+      # step stays in RAM meanwhile: it is the floor every node holds).
+      if ledger.process_count > 1:
+        self._local.keep_floor = answer.floor
+      self._peers.settle(None if copies_failed is None else answer.census.copies_failed)
+      if answer.steps_error is not None:
+        raise ValueError(answer.steps_error)
+      census = answer.census
+      floor = answer.floor
+      ledger.adopt_answer(answer)
+      ledger.raise_answer_faults(answer, f"{what} (or an earlier local write)")
+      everywhere = census.in_ram.count == ledger.process_count
+      in_ram, in_persistent = census.in_ram, census.in_persistent > 0
+      backup_wanted = census.wants_backup
+      clock_s = census.clock_ms / 1000  # process 0's clock: backups by minutes count from it
+      # Here, on the agreed figures alone, so that every process starts it or none does.
+      backup_started = self._backups.advance(census.failed, census.busy, census.all_ready)
+      if ondemand and everywhere:
+        return  # the preemption step is committed everywhere already
+      if not parent_saved and not ondemand and everywhere and backup_wanted and \
+          not in_persistent:
+        # Committed in RAM everywhere, not yet persistent (e.g. the final step, forced): back
+        # up those RAM copies; `args` only describe them. No write follows: the held work
+        # goes now (a synchronous flush waits for the read-back queued behind it).
+        self._writer.executor.release()
+        self._backups.schedule(step, args, trees, jsons, metrics, custom_metadata, clock_s,
+                               ledger.summarize)
+        if not self._asynchronous:
+          self._backups.flush(ledger.summarize)
+        return
+      if not parent_saved and not ondemand and (in_ram or in_persistent):
+        # As Orbax: a step is never silently replaced (the tiers would then disagree on it).
+        where = "" if everywhere or not in_ram else f" of process(es) {in_ram} only"
+        raise ocp.checkpoint_manager.StepAlreadyExistsError(
+            f"Step {step} already exists (RAM tier {self._local.directory}{where} or persistent "
+            f"tier {self._persistent.directory}). Delete it first with mgr.delete({step}) on "
+            "every process to save it again.")
+      # Staged before the step is listed anywhere: a state that cannot be staged (the same on
+      # every process) leaves the lists and folders as they were.
+      started = time.perf_counter()
+      staged = local_staging.stage(step, trees, jsons, default_item=default_item,
+                                   process_items=processes, device_copy=self._device_copy)
+      self.last_blocking_seconds = time.perf_counter() - started
+      if ledger.process_count > 1:
+        # The newest step all nodes hold: kept beyond max_to_keep.
+        self._local.keep_floor = floor
+        # Steps kept only as the previous floor can go now, before this write reuses their file:
+        # the RAM footprint stays at max_to_keep committed steps plus the one being written.
+        self._local.apply_retention()
+      # Before retention asks for them (a preservation policy reads both).
+      self._retention.record(step, clock_s, metrics)
+      ledger.adopt_answer(answer, saved=step, floor=floor)
+      self._retention.forget_others({step, *own, *ledger.ram})
+      # Not whether this process still writes a backup: each process learns that on its own,
+      # so it can differ between processes, and this answer decides whether the step is
+      # backed up.
+      saving_anywhere = bool(census.busy) or backup_started
+      now = clock_s
+      if not backup_wanted:
+        backup_wanted = self._backups.interval_due(step, now, saving_anywhere)
+      # The on-demand step in some folders only (an earlier save of it failed elsewhere) is
+      # written again everywhere, from the same state; a folder of it here is set aside at
+      # the commit instant, not deleted first (rule 10).
+      self._writer.write(staged, replace=aside.REPLACED if ondemand and step in own else None)
     if backup_wanted:
       self._backups.schedule(step, args, trees, jsons, metrics, custom_metadata, now,
                              ledger.summarize)
