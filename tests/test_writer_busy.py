@@ -47,9 +47,9 @@ def test_within_first_the_step_write_goes_ahead_of_the_work_handed_over_meanwhil
     with writer.first():
       chunk = writer.executor.submit(ran.append, "chunk")
       commit = writer.executor.submit(ran.append, "commit")
-      assert writer.busy  # held work counts
       cancelled = writer.executor.submit(ran.append, "cancelled")
       assert cancelled.cancel()  # as `Replicator._start` cancels a read not run yet
+      assert writer.busy  # the held work and the gate still count (the newest was cancelled)
       write = writer.executor.submit_first(ran.append, "write")  # what RamWriter.write uses
     gate.set()
     for future in (chunk, commit, write):

@@ -56,31 +56,36 @@ class _Thread(concurrent.futures.ThreadPoolExecutor):
 
   def __init__(self) -> None:
     super().__init__(1, thread_name_prefix="mtc-local-write")
-    self._last: concurrent.futures.Future | None = None
-    # The main thread and the thread itself (a copy's read-ahead) both hand it work: queue
-    # order and `_last` must agree, or `busy` could miss work queued last.
+    # The main thread and the thread itself (a copy's read-ahead) both hand it work: the
+    # queue and the held list must see one order.
     self._submitting = threading.Lock()
     # Work handed in while a save holds the queue (`hold`), in order; None: not held.
     self._held: list[tuple[concurrent.futures.Future, Callable[..., Any], tuple, dict]] | None \
         = None
+    # Work handed out, pruned as it finishes (not just the newest future: a read cancelled
+    # before it ran, newest or not, must not hide the work still queued).
+    self._outstanding: list[concurrent.futures.Future] = []
+    self._counting = threading.Lock()
+
+  def _counted(self, future: concurrent.futures.Future) -> concurrent.futures.Future:
+    with self._counting:  # pruned here too: a finished future holds its result (a chunk)
+      self._outstanding = [f for f in self._outstanding if not f.done()]
+      self._outstanding.append(future)
+    return future
 
   def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
              ) -> concurrent.futures.Future:
     with self._submitting:
       if self._held is not None:
-        self._last = _HeldFuture(self.release)
-        self._held.append((self._last, fn, args, kwargs))
-      else:
-        self._last = super().submit(fn, *args, **kwargs)
-      return self._last
+        future = self._counted(_HeldFuture(self.release))
+        self._held.append((future, fn, args, kwargs))
+        return future
+      return self._counted(super().submit(fn, *args, **kwargs))
 
   def submit_first(self, fn: Callable[..., Any], /, *args: Any) -> concurrent.futures.Future:
     """Queues `fn` ahead of the work held since `hold` (after everything queued before)."""
     with self._submitting:
-      future = super().submit(fn, *args)
-      if not self._held:
-        self._last = future
-      return future
+      return self._counted(super().submit(fn, *args))
 
   def hold(self) -> None:
     """Work submitted from now on waits (in order) until `release`."""
@@ -101,9 +106,9 @@ class _Thread(concurrent.futures.ThreadPoolExecutor):
 
   @property
   def busy(self) -> bool:
-    # One thread runs the work in order: the newest piece done means all are.
-    last = self._last
-    return last is not None and not last.done()
+    with self._counting:
+      self._outstanding = [f for f in self._outstanding if not f.done()]
+      return bool(self._outstanding)
 
 
 class RamWriter:
