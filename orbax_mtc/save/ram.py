@@ -155,10 +155,9 @@ class RamSaver:
                                    process_items=processes, device_copy=self._device_copy)
       self.last_blocking_seconds = time.perf_counter() - started
       if ledger.process_count > 1:
-        # The newest step all nodes hold: kept beyond max_to_keep.
-        self._local.keep_floor = floor
-        # Steps kept only as the previous floor can go now, before this write reuses their file:
-        # the RAM footprint stays at max_to_keep committed steps plus the one being written.
+        # Steps kept only as the previous floor (keep_floor is this census's, set above) can
+        # go now, before this write reuses their file: the RAM footprint stays at max_to_keep
+        # committed steps plus the one being written.
         self._local.apply_retention()
       # Before retention asks for them (a preservation policy reads both).
       self._retention.record(step, clock_s, metrics)
