@@ -86,6 +86,15 @@ def check_max_to_keep(owner: str, value: int | None) -> None:
     )
 
 
+def check_nice(owner: str, name: str, value: Any) -> None:
+  """A nice increment: an int in 0-19."""
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError(f"{owner}.{name} must be an int (0-19, as `nice -n`), got {value!r}.")
+  if not 0 <= value <= 19:
+    raise ValueError(f"{owner}.{name} must be in 0-19 (as `nice -n`; 0 keeps the process's "
+                     f"priority), got {value!r}.")
+
+
 def check_fraction(owner: str, name: str, value: Any) -> None:
   """None, or a fraction in (0, 1]."""
   if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))

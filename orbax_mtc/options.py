@@ -23,6 +23,7 @@ from orbax_mtc.option_checks import (
   check_fraction,
   check_interval,
   check_max_to_keep,
+  check_nice,
   check_timeout,
   checked_peer_ranks,
   ram_keep_from_policy,
@@ -67,13 +68,17 @@ class LocalCheckpointOptions:
       with nothing of a save to do; the most any process spent) over this fraction: with
       Orbax's `ContinuousCheckpointingPolicy` the interval then grows where the tier or the
       link is slow, instead of the loop stalling. None (the default): the policy decides.
+    background_nice: How much lower (0-19, as `nice -n`) the CPU priority of the RAM tier's
+      background threads is than the process's, on Linux (each thread has its own there):
+      the writes, their checksums and the peer copies' reads and writes yield the cores to
+      the training step when both want them. Default 10; 0 keeps the process's priority.
 
   Raises:
     ValueError: If `save_interval_steps` is not positive, `max_to_keep` is < 1, both
       `preservation_policy` and a different `max_to_keep` are set, a `LatestN` policy has a
       bad `n`, the modes are not permission bits giving the owner rwx / rw, or
-      `save_overhead_budget` is not in (0, 1].
-    TypeError: If `save_interval_steps` or `max_to_keep` is not an int,
+      `save_overhead_budget` is not in (0, 1], or `background_nice` not in 0-19.
+    TypeError: If `save_interval_steps`, `max_to_keep` or `background_nice` is not an int,
       `debug_use_full_global_mesh` is not a bool, or `should_save_fn` is not callable.
   """
 
@@ -88,6 +93,7 @@ class LocalCheckpointOptions:
   file_mode: int = 0o600
   device_copy: bool = True
   save_overhead_budget: float | None = None
+  background_nice: int = 10
 
   def __post_init__(self):
     check_interval("LocalCheckpointOptions", "save_interval_steps", self.save_interval_steps,
@@ -97,6 +103,7 @@ class LocalCheckpointOptions:
     check_bool("LocalCheckpointOptions", "debug_use_full_global_mesh",
                 self.debug_use_full_global_mesh)
     check_bool("LocalCheckpointOptions", "device_copy", self.device_copy)
+    check_nice("LocalCheckpointOptions", "background_nice", self.background_nice)
     if self.preservation_policy is not None:
       keep = ram_keep_from_policy("LocalCheckpointOptions", self.preservation_policy)
       # The value stored here for the policy is accepted again, so dataclasses.replace works.

@@ -22,6 +22,8 @@ JOB_NAME = "parity-job"
 # (owner, name) -> (kind, reason). kind: "extra" (ours only), "absent" (Orbax's only),
 # "default" (same field, another default). Every entry must still be a difference.
 DIFFERENCES: dict[tuple[str, str], tuple[str, str]] = {
+    ("LocalCheckpointOptions", "background_nice"): (
+        "extra", "the RAM tier's background threads yield the cores to the training step"),
     ("LocalCheckpointOptions", "directory_mode"): (
         "extra", "permissions of the RAM tier's folders (weights are private by default)"),
     ("LocalCheckpointOptions", "device_copy"): (

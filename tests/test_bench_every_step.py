@@ -66,6 +66,7 @@ def test_a_tiny_grid_runs_every_variant_and_prints_one_document():
   doc = json.loads(result.stdout)  # one document, nothing else
   assert doc["schema"] == every_step.SCHEMA
   assert doc["config"]["steps"] == STEPS and doc["config"]["every"] == [1, 5]
+  assert doc["config"]["background_nice"] == 10  # the option's default
   assert "| procs | MiB/proc |" in result.stderr  # the table went to stderr
   assert [(r["procs"], r["mib"]) for r in doc["results"]] == [(1, 4), (2, 4)]
   for record in doc["results"]:
@@ -98,14 +99,22 @@ def test_sync_step_runs_the_loop_with_a_cross_process_all_reduce_in_both_loops()
   result = subprocess.run(
       [sys.executable, "-m", "orbax_mtc", "bench", "every-step", "--mib", "4", "--procs", "2",
        "--every", "5", "--no-continuous", "--steps", "10", "--reps", "1", "--idle-ms", "20",
-       "--sync-step", "--json", "--quiet"],
+       "--sync-step", "--background-nice", "0", "--json", "--quiet"],
       capture_output=True, text=True, timeout=200, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   doc = json.loads(result.stdout)
-  assert doc["config"]["sync_step"] is True
+  assert doc["config"]["sync_step"] is True and doc["config"]["background_nice"] == 0
+  assert "background threads at nice +0" in result.stderr
   (record,) = doc["results"]
   assert record["sync"] is True and record["procs"] == 2
   assert "with a cross-process all-reduce" in result.stderr  # the table says which loop
   (row,) = record["summary"]
   assert row["variant"] == "every 5" and row["saves"] == 2
   assert math.isfinite(row["overhead_pct"])
+
+
+def test_a_background_nice_out_of_range_is_refused():
+  result = subprocess.run(
+      [sys.executable, "-m", "orbax_mtc", "bench", "every-step", "--background-nice", "20"],
+      capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 2 and "--background-nice must be in 0-19" in result.stderr

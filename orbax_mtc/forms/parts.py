@@ -120,7 +120,8 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
   local = local_store.LocalTier(local_directory, max_to_keep=options.local.max_to_keep,
                                on_commit=lambda step: links.committed(step), keep=retention.kept,
                                reuse_files=not managed, process_index=process_index,
-                               process_count=process_count, **modes)
+                               process_count=process_count,
+                               nice_increment=options.local.background_nice, **modes)
   store = peer_store.PeerStore(local_directory, max_to_keep=options.local.max_to_keep,
                                keep=retention.kept, **modes)
 
@@ -139,7 +140,7 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
     # The writer's errors wait for the next agreement, which the ledger makes.
     unreported = UnreportedError()
     writer = RamWriter(local, process_index, process_count, asynchronous=asynchronous,
-                       on_error=unreported.offer)
+                       on_error=unreported.offer, nice_increment=options.local.background_nice)
     peers = PeerCopies(options, process_index, process_count, local=local, store=store,
                        writer=writer,
                        allreduce=lambda parts: allreduce(parts, "the peer copies of a step"),

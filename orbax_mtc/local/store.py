@@ -30,7 +30,7 @@ from pathlib import Path
 from absl import logging
 
 from orbax_mtc.files import check_owner, fsync_dir, make_private_dir, write_atomic
-from orbax_mtc.local import aside, checksum, data_write
+from orbax_mtc.local import aside, checksum, data_write, priority
 from orbax_mtc.local.format import (
   DATA,
   MANIFEST,
@@ -233,6 +233,8 @@ class LocalTier:
     file_mode: permission bits of the files this writes.
     write_threads: threads that write a step's data at once (None: by the host's cores,
       data_write.default_threads).
+    nice_increment: how much lower the CPU priority of the threads that checksum and write
+      a step is than the process's (priority.py).
   """
 
   def __init__(self, directory: Path, *, max_to_keep: int | None,
@@ -241,7 +243,7 @@ class LocalTier:
                reuse_files: bool = True,
                process_index: int | None = None, process_count: int | None = None,
                dir_mode: int = 0o700, file_mode: int = 0o600,
-               write_threads: int | None = None):
+               write_threads: int | None = None, nice_increment: int = 0):
     self.directory = Path(directory)
     self.max_to_keep = max_to_keep
     self.keep = keep
@@ -256,13 +258,15 @@ class LocalTier:
     self.keep_floor: int | None = None
     self.keep_replicated: int | None = None  # newest step whose peer copies landed: kept too
     self._lock = threading.Lock()  # guards folder renames between writer and main thread
-    self._crc_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtc-crc")
+    lowered = priority.initializer(nice_increment)
+    self._crc_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtc-crc",
+                                                           initializer=lowered)
     # Threads that write a step's data with the writer thread (data_write.default_threads).
     self.write_threads = (data_write.default_threads() if write_threads is None
                           else max(1, write_threads))
     self._write_pool = concurrent.futures.ThreadPoolExecutor(
-        self.write_threads - 1, thread_name_prefix="mtc-write") if self.write_threads > 1 \
-        else None
+        self.write_threads - 1, thread_name_prefix="mtc-write", initializer=lowered) \
+        if self.write_threads > 1 else None
     self._host_pool = HostPool()  # what borrowed pieces are copied into (writer thread)
 
   # -- set-up

@@ -20,6 +20,7 @@ from typing import Any
 from absl import logging
 
 from orbax_mtc.agreement import Status
+from orbax_mtc.local import priority
 from orbax_mtc.local import staging as local_staging
 from orbax_mtc.local import store as local_store
 
@@ -54,8 +55,9 @@ class _HeldFuture(concurrent.futures.Future):
 class _Thread(concurrent.futures.ThreadPoolExecutor):
   """The one writer thread, which knows whether it still has work (`busy`)."""
 
-  def __init__(self) -> None:
-    super().__init__(1, thread_name_prefix="mtc-local-write")
+  def __init__(self, nice_increment: int = 0) -> None:
+    super().__init__(1, thread_name_prefix="mtc-local-write",
+                     initializer=priority.initializer(nice_increment))
     # The main thread and the thread itself (a copy's read-ahead) both hand it work: the
     # queue and the held list must see one order.
     self._submitting = threading.Lock()
@@ -121,16 +123,19 @@ class RamWriter:
     asynchronous: write on the thread (else in the caller, before `write` returns).
     on_error: receives a failed write's error, once the write is waited for; it returns
       False when an earlier error is still unreported (this one is then only logged).
+    nice_increment: how much lower the thread's CPU priority is than the process's
+      (`LocalCheckpointOptions.background_nice`; priority.py).
   """
 
   def __init__(self, local: local_store.LocalTier, process_index: int, process_count: int, *,
-               asynchronous: bool, on_error: Callable[[BaseException], bool]):
+               asynchronous: bool, on_error: Callable[[BaseException], bool],
+               nice_increment: int = 0):
     self._local = local
     self._process_index = process_index
     self._process_count = process_count
     self._asynchronous = asynchronous
     self._on_error = on_error
-    self.executor = _Thread()
+    self.executor = _Thread(nice_increment)
     self._in_flight: concurrent.futures.Future | None = None
     self._retired: Exception | None = None
 

@@ -75,6 +75,7 @@ def run_job(procs: int, args: argparse.Namespace, root: Path) -> list[dict[str, 
              "--idle-ms", str(args.idle_ms), "--donate", "off" if args.no_donate else "on",
              "--idle", "before-save" if args.idle_before_save else "after-save",
              "--sync", "on" if args.sync_step else "off",
+             "--background-nice", str(args.background_nice),
              "--persistent", str(root / "persistent")]
   try:
     with launch.Job(command, procs, devices_per_process=1, local_root=root / "local",
@@ -154,6 +155,8 @@ def markdown(results: list[dict[str, Any]], config: dict[str, Any]) -> str:
       f"{', with a cross-process all-reduce' if config.get('sync_step') else ''}), save() and "
       f"{config['idle_ms']:g} ms idle ({config.get('idle', 'after-save')}); "
       f"medians of {config['reps']} repetitions, slowest process; "
+      + (f"the RAM tier's background threads at nice +{config['background_nice']}; "
+         if config.get("background_nice") is not None else "") +
       "overhead against the baseline loop (no manager) run right before, same repetition. "
       "Per step: the time inside save(), and what the update and the idle sleep took beyond "
       "the baseline's (the update waits for a donated buffer a save still reads; a sleeper "
@@ -223,6 +226,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="the update also all-reduces a scalar across the processes and "
                       "waits for it, as a data-parallel step does; the baseline too (default: "
                       "no cross-process collective in the step)")
+  parser.add_argument("--background-nice", type=int, default=10, metavar="N",
+                      help="LocalCheckpointOptions.background_nice: how much lower the RAM "
+                      "tier's background threads run than the loop, 0-19 (default: "
+                      "%(default)s, the option's default; 0: the process's priority)")
   parser.add_argument("--timeout", type=float, default=3600.0,
                       help="seconds one job may run before it is killed (default: %(default)s)")
   output.add_json_flag(parser, SCHEMA)
@@ -245,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.error("--chunk-mib must be >= 1")
   if args.budget is not None and (args.no_continuous or not 0 < args.budget <= 1):
     parser.error("--budget takes a fraction in (0, 1] and needs the continuous variant")
+  if not 0 <= args.background_nice <= 19:
+    parser.error("--background-nice must be in 0-19")
   if threading.current_thread() is threading.main_thread():
     # A SIGTERM to this driver unwinds it like Ctrl-C, so the job's processes are killed
     # (launch.Job's context) and their RAM folders removed.
@@ -266,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps, "reps": args.reps,
             "idle_ms": args.idle_ms, "donate": not args.no_donate,
             "idle": "before-save" if args.idle_before_save else "after-save",
-            "sync_step": args.sync_step}
+            "sync_step": args.sync_step, "background_nice": args.background_nice}
   table = markdown(results, config)
   output.emit(args.json, {
       "schema": SCHEMA, "config": config,

@@ -51,6 +51,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--donate", choices=("on", "off"), default="on")
   parser.add_argument("--idle", choices=("after-save", "before-save"), default="after-save")
   parser.add_argument("--sync", choices=("on", "off"), default="off")
+  parser.add_argument("--background-nice", type=int, default=10)
   parser.add_argument("--persistent", required=True)
   return parser.parse_args(argv)
 
@@ -149,9 +150,11 @@ class Loop:
     if every is None:
       local = mtc.LocalCheckpointOptions(
           save_decision_policy=ocp.checkpoint_managers.ContinuousCheckpointingPolicy(),
-          max_to_keep=1, save_overhead_budget=budget)
+          max_to_keep=1, save_overhead_budget=budget,
+          background_nice=self.args.background_nice)
     else:
-      local = mtc.LocalCheckpointOptions(save_interval_steps=every, max_to_keep=1)
+      local = mtc.LocalCheckpointOptions(save_interval_steps=every, max_to_keep=1,
+                                         background_nice=self.args.background_nice)
     options = mtc.CheckpointManagerOptions(
         local=local,
         persistent=mtc.PersistentCheckpointOptions(save_interval_steps=10**9),
