@@ -86,6 +86,17 @@ def check_max_to_keep(owner: str, value: int | None) -> None:
     )
 
 
+def check_modes(owner: str, directory_mode: Any, file_mode: Any) -> None:
+  """Permission bits that give the owner rwx on folders and rw on files."""
+  for name, mode in (("directory_mode", directory_mode), ("file_mode", file_mode)):
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
+      raise ValueError(f"{owner}.{name} must be permission bits such as 0o700, got {mode!r}.")
+  if not directory_mode & 0o700 == 0o700 or not file_mode & 0o600 == 0o600:
+    raise ValueError(f"{owner}: the owner needs rwx on folders (directory_mode & 0o700) and rw "
+                     f"on files (file_mode & 0o600); got {oct(directory_mode)} and "
+                     f"{oct(file_mode)}.")
+
+
 def check_nice(owner: str, name: str, value: Any) -> None:
   """A nice increment: an int in 0-19."""
   if isinstance(value, bool) or not isinstance(value, int):

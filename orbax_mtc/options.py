@@ -23,6 +23,7 @@ from orbax_mtc.option_checks import (
   check_fraction,
   check_interval,
   check_max_to_keep,
+  check_modes,
   check_nice,
   check_timeout,
   checked_peer_ranks,
@@ -68,10 +69,9 @@ class LocalCheckpointOptions:
       with nothing of a save to do; the most any process spent) over this fraction: with
       Orbax's `ContinuousCheckpointingPolicy` the interval then grows where the tier or the
       link is slow, instead of the loop stalling. None (the default): the policy decides.
-    background_nice: How much lower (0-19, as `nice -n`) the CPU priority of the RAM tier's
-      background threads is than the process's, on Linux (each thread has its own there):
-      the writes, their checksums and the peer copies' reads and writes yield the cores to
-      the training step when both want them. Default 10; 0 keeps the process's priority.
+    background_nice: How much lower (0-19, as `nice -n`) the RAM tier's background threads
+      (writes, checksums, peer copies) run than the process, on Linux: they yield the cores
+      to the training step when both want them. 0: the process's priority.
 
   Raises:
     ValueError: If `save_interval_steps` is not positive, `max_to_keep` is < 1, both
@@ -117,15 +117,7 @@ class LocalCheckpointOptions:
       self.max_to_keep = 1
     if self.should_save_fn is not None and not callable(self.should_save_fn):
       raise TypeError("LocalCheckpointOptions.should_save_fn must be callable.")
-    for name in ("directory_mode", "file_mode"):
-      mode = getattr(self, name)
-      if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
-        raise ValueError(f"LocalCheckpointOptions.{name} must be permission bits such as "
-                         f"0o700, got {mode!r}.")
-    if not self.directory_mode & 0o700 == 0o700 or not self.file_mode & 0o600 == 0o600:
-      raise ValueError("LocalCheckpointOptions: the owner needs rwx on folders (directory_mode "
-                       "& 0o700) and rw on files (file_mode & 0o600); got "
-                       f"{oct(self.directory_mode)} and {oct(self.file_mode)}.")
+    check_modes("LocalCheckpointOptions", self.directory_mode, self.file_mode)
 
 
 @dataclasses.dataclass
