@@ -296,11 +296,18 @@ def test_bad_arguments(local_root):
 # -- the command line --------------------------------------------------------------------------
 
 
+def _default_sigint() -> None:
+  # A test run started in the background of a non-interactive shell (`pytest ... &`) inherits
+  # SIGINT ignored, and Python keeps an ignored SIGINT ignored: the launcher started here gets
+  # the default, as from a terminal, so that the Ctrl-C test tests the launcher.
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cli(*args: str, **kwargs) -> subprocess.Popen[str]:
   env = {**os.environ, **_child_env()}
   return subprocess.Popen(
       [sys.executable, "-m", "orbax_mtc", *args], env=env, text=True,
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_default_sigint, **kwargs,
   )
 
 

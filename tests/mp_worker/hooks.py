@@ -21,7 +21,7 @@ uses the manager's public API:
                         orbax_mtc.peers.stream.copy_stream (replaced); chunk-read: the
                         streams copy_stream returns (their read raises EIO); chunk-place:
                         the module function orbax_mtc.transport.place (replaced, failing
-                        while Replicator.progress moves the fault step); receive:
+                        while Replicator.progress or .issue moves the fault step); receive:
                         orbax_mtc.peers.copy_store.IncomingCopy.write (replaced: writing a
                         received chunk fails, ENOSPC); persistent-read:
                         the module function orbax_mtc.restore.persistent.check_item
@@ -278,7 +278,7 @@ def install_fault(args, mgr, me: int) -> Callable[[], None]:
     from orbax_mtc import transport
     from orbax_mtc.peers.replication import Replicator
 
-    progress, place = Replicator.progress, transport.place
+    place = transport.place
     armed = {"on": False}
 
     def failing_place(buffer, device):
@@ -286,14 +286,19 @@ def install_fault(args, mgr, me: int) -> Callable[[], None]:
         raise RuntimeError("RESOURCE_EXHAUSTED: no device memory for a chunk (injected)")
       return place(buffer, device)
 
-    def armed_progress(replicator, *a, **k):
-      armed["on"] = replicator.pending_step == at
-      try:
-        return progress(replicator, *a, **k)
-      finally:
-        armed["on"] = False
+    def arming(method):
+      def moving(replicator, *a, **k):
+        armed["on"] = replicator.pending_step == at
+        try:
+          return method(replicator, *a, **k)
+        finally:
+          armed["on"] = False
+      return moving
     transport.place = failing_place
-    Replicator.progress = armed_progress
+    # The fault step's chunks go out in the calls after its save, or, where a node still
+    # wrote it at those calls (a busy host), all at the next save (`issue`).
+    Replicator.progress = arming(Replicator.progress)
+    Replicator.issue = arming(Replicator.issue)
   elif phase == "receive":
     from orbax_mtc.peers import copy_store as peer_store
 
