@@ -12,6 +12,8 @@ from typing import Any
 from absl import logging
 from orbax.checkpoint import checkpoint_managers as policies
 
+from orbax_mtc.local.priority import MAX_NICE
+
 _warned: set[str] = set()  # keys warned about in this process
 
 
@@ -98,12 +100,13 @@ def check_modes(owner: str, directory_mode: Any, file_mode: Any) -> None:
 
 
 def check_nice(owner: str, name: str, value: Any) -> None:
-  """A nice increment: an int in 0-19."""
+  """A nice increment: an int in 0-MAX_NICE."""
   if isinstance(value, bool) or not isinstance(value, int):
-    raise TypeError(f"{owner}.{name} must be an int (0-19, as `nice -n`), got {value!r}.")
-  if not 0 <= value <= 19:
-    raise ValueError(f"{owner}.{name} must be in 0-19 (as `nice -n`; 0 keeps the process's "
-                     f"priority), got {value!r}.")
+    raise TypeError(f"{owner}.{name} must be an int (0-{MAX_NICE}, as `nice -n`), got "
+                    f"{value!r}.")
+  if not 0 <= value <= MAX_NICE:
+    raise ValueError(f"{owner}.{name} must be in 0-{MAX_NICE} (as `nice -n`; 0 keeps the "
+                     f"process's priority), got {value!r}.")
 
 
 def check_fraction(owner: str, name: str, value: Any) -> None:

@@ -296,18 +296,20 @@ def test_bad_arguments(local_root):
 # -- the command line --------------------------------------------------------------------------
 
 
-def _default_sigint() -> None:
-  # A test run started in the background of a non-interactive shell (`pytest ... &`) inherits
-  # SIGINT ignored, and Python keeps an ignored SIGINT ignored: the launcher started here gets
-  # the default, as from a terminal, so that the Ctrl-C test tests the launcher.
-  signal.signal(signal.SIGINT, signal.SIG_DFL)
+# A test run started in the background of a non-interactive shell (`pytest ... &`) inherits
+# SIGINT ignored, and Python keeps an ignored SIGINT ignored: the launcher gets the default, as
+# from a terminal, so that the Ctrl-C test tests the launcher. Set in a small Python that then
+# execs the CLI in its place (same pid; no preexec_fn, unsafe in this threaded process).
+_WITH_DEFAULT_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, '-m', 'orbax_mtc', *sys.argv[1:]])")
 
 
 def _cli(*args: str, **kwargs) -> subprocess.Popen[str]:
   env = {**os.environ, **_child_env()}
   return subprocess.Popen(
-      [sys.executable, "-m", "orbax_mtc", *args], env=env, text=True,
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_default_sigint, **kwargs,
+      [sys.executable, "-c", _WITH_DEFAULT_SIGINT, *args], env=env, text=True,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs,
   )
 
 

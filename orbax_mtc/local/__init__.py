@@ -17,6 +17,7 @@ Import the module that holds what you need:
   lock      one process per local directory (`LocalDirectoryLock`)
   claim     claiming the folder at start-up, agreed across the job (its one collective)
   cast      a restore's dtype casts, made as Orbax makes them (TensorStore's cast driver)
+  priority  the background threads' CPU priority below the training loop's (Linux nice)
 
 None of these but `claim` issues a collective: the writer runs safely in a background
 thread.
