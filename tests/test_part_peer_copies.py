@@ -57,8 +57,9 @@ class FakeWriter:
 
   busy = False  # nothing it is handed runs
 
-  def wait(self) -> None:
-    self.calls.append(("wait",))
+  def wait(self, timeout_s=None) -> bool:
+    self.calls.append(("wait",) if timeout_s is None else ("wait", timeout_s))
+    return True
 
   def drain(self) -> None:
     self.calls.append(("drain",))

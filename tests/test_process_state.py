@@ -152,32 +152,6 @@ def test_a_manager_keeps_the_iterator_in_ram_and_in_the_persistent_step(shm_dir,
   assert restored.pos == {"step": 2} and np.array_equal(next(fresh), expected)
 
 
-def test_a_twin_serves_its_step_without_its_own_iterator_position(shm_dir, mesh):
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
-
-  from orbax_mtc import arrays
-  from orbax_mtc.local import format as local_format
-  from orbax_mtc.local import store as local_store
-  from orbax_mtc.peers import replication
-
-  state = {"w": jax.device_put(jnp.arange(16.0).reshape(4, 4), NamedSharding(mesh, P("data"))),
-           "n": np.arange(3, dtype=np.int32)}
-  with mtc.CheckpointManager(shm_dir / "local", shm_dir / "persistent", mesh,
-                             arrays.abstract_tree(state)) as mgr:
-    mgr.save(1, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
-                                        pos=mtc.ProcessJsonSave({"mine": True})))
-  manifest = local_store.read_manifest(shm_dir / "local" / "1")
-  served = replication._without_process_items(manifest)
-  assert set(served.items) == {"state"} and served.data_size < manifest.data_size
-  # What the destination parses and checks: a valid manifest of its own.
-  again = local_format.StepManifest.from_json(served.to_json(), where="served")
-  assert again.items == served.items
-  assert replication._without_process_items(served) is served
-
-
 def test_a_value_one_process_cannot_encode_fails_the_save_through_the_agreement(shm_dir, mesh):
   import jax
   import jax.numpy as jnp

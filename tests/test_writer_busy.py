@@ -73,3 +73,45 @@ def test_waiting_on_held_work_lets_it_go_instead_of_deadlocking(tmp_path):
       assert later.done() and later.result() == 8
   finally:
     writer.shutdown()
+
+
+def test_a_bounded_wait_returns_while_the_write_still_runs_and_keeps_it(tmp_path):
+  """`wait(timeout_s)` (peer copies planned without a round wait so for the step's write):
+  False while the write runs, the write still in flight; then True once it committed."""
+  import numpy as np
+
+  from orbax_mtc.agreement import Status
+  from orbax_mtc.local.staging import stage
+
+  tier = LocalTier(tmp_path / "local", max_to_keep=2)
+  tier.prepare()
+  writer = RamWriter(tier, 0, 1, asynchronous=True, on_error=lambda e: True)
+  gate = threading.Event()
+  try:
+    writer.executor.submit(gate.wait, 30)  # the thread is busy: the write queues behind it
+    writer.write(stage(5, {"state": {"w": np.arange(8.0)}}, {}, default_item=False))
+    assert writer.wait(0.01) is False
+    assert writer.writing and writer.status_of(5) == Status.WRITING
+    gate.set()
+    assert writer.wait(30) is True
+    assert not writer.in_flight and writer.status_of(5) == Status.COMMITTED
+    assert writer.wait(0.01) is True  # nothing in flight
+  finally:
+    gate.set()
+    writer.shutdown()
+
+
+def test_a_bounded_wait_hands_a_failed_write_to_the_next_agreement(tmp_path):
+  errors: list[BaseException] = []
+  writer = RamWriter(LocalTier(tmp_path / "local", max_to_keep=2), 0, 1, asynchronous=True,
+                     on_error=lambda e: errors.append(e) or True)
+  try:  # the tier was never prepared: the write fails on the thread
+    import numpy as np
+
+    from orbax_mtc.local.staging import stage
+
+    writer.write(stage(5, {"state": {"w": np.arange(8.0)}}, {}, default_item=False))
+    assert writer.wait(30) is True
+    assert len(errors) == 1 and not writer.in_flight
+  finally:
+    writer.shutdown()

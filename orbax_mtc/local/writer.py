@@ -184,19 +184,25 @@ class RamWriter:
       self._in_flight.set_exception(e)
     self.wait()
 
-  def wait(self) -> None:
-    """Waits for the write in flight. Its error is kept for the next agreement, which raises
-    it on every process alike (raised here, on one process, it would leave the others
-    waiting in their next collective)."""
-    in_flight, self._in_flight = self._in_flight, None
+  def wait(self, timeout_s: float | None = None) -> bool:
+    """Waits for the write in flight, at most `timeout_s` (None: for as long as it runs).
+    Its error is kept for the next agreement, which raises it on every process alike
+    (raised here, on one process, it would leave the others waiting in their next
+    collective). Returns False when the timeout passed first (the write still runs)."""
+    in_flight = self._in_flight
     if in_flight is None:
-      return
+      return True
     try:
-      in_flight.result()
-    except Exception as e:  # noqa: BLE001 - reported through the next agreement
-      if not self._on_error(e):
-        logging.error("orbax-mtc: a further local write failed before the first error was "
-                      "reported: %s: %s", type(e).__name__, e)
+      error = in_flight.exception(timeout_s)
+    except concurrent.futures.TimeoutError:
+      return False
+    except concurrent.futures.CancelledError as e:  # the thread was shut down first
+      error = e
+    self._in_flight = None
+    if error is not None and not self._on_error(error):
+      logging.error("orbax-mtc: a further local write failed before the first error was "
+                    "reported: %s: %s", type(error).__name__, error)
+    return True
 
   def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
     """Runs `fn(*args)` on the writer thread, after everything issued before it."""

@@ -206,6 +206,10 @@ class PeerCopies:
     if replicator.pending_step is not None:
       if block:
         self._writer.wait()
+      elif replicator.starts_without_round:
+        # No round asks whether every node has committed the step: each waits for its own
+        # write, at most the agreement timeout (one still running is sent as failed).
+        self._writer.wait(self._options.agreement_timeout_seconds)
       replicator.progress(self._status(replicator), block=block)
     if replicator.finished_steps:
       self._drop_stale_sources(wait=block)

@@ -110,8 +110,10 @@ class IncomingCopy:
       if self.received != self.nbytes:
         raise local_format.CorruptStepError(
             f"incomplete copy: {self.received} of {self.nbytes} bytes received")
+      manifest, layout, end = self._parse()
+      if end < self.nbytes:  # planned longer than it was (peers/size_plan.py): zeros after
+        os.ftruncate(self._fd, end)
       os.fsync(self._fd)
-      manifest, layout = self._parse()
       file_mode = self._store.file_mode
       files.write_private_file(self.tmp / local_format.MANIFEST,
                                     manifest.to_json().encode(), file_mode)
@@ -138,9 +140,10 @@ class IncomingCopy:
     self._store.apply_retention(self.source, keep_floor)
     return final
 
-  def _parse(self) -> tuple[local_format.StepManifest, list[int]]:
-    """(manifest, layout as absolute offsets) of the received stream, checked against this
-    copy; CorruptStepError / ManifestError for anything malformed."""
+  def _parse(self) -> tuple[local_format.StepManifest, list[int], int]:
+    """(manifest, layout as absolute offsets, where the stream's last shard ends) of the
+    received stream, checked against this copy; CorruptStepError / ManifestError for
+    anything malformed."""
     where = f"copy of step {self.step} from process {self.source}"
     head = os.pread(self._fd, 1 << 16, 0)
     if len(head) < LEN_PREFIX.size:
@@ -164,7 +167,9 @@ class IncomingCopy:
     local_format.validate_for(manifest, where=f"manifest of the {where}", step=self.step,
                             process_index=self.source)
     layout = check_layout(header.get("layout"), manifest, data_start, self.nbytes, where)
-    return manifest, layout
+    ends = [local_format.align(at + shard.nbytes) for at, (_, _, shard)
+            in zip(layout, local_read.manifest_entries(manifest), strict=True) if at >= 0]
+    return manifest, layout, max([data_start, *ends])
 
   def abort(self) -> None:
     """Drops a copy whose transfer failed (its temporary folder goes)."""

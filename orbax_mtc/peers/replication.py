@@ -4,9 +4,10 @@
 reaches in the same order (`save()`, `replicate_pending()`, `wait_until_finished()`):
 
 1. `schedule(step, edges)` after a local save (or a recovery) was issued;
-2. `progress()`: one tiny all-reduce of "is the step committed here" (`send_census`; with
-   few edges it carries their sizes too); once every node has committed, the bytes each
-   sends on each edge fix the streams;
+2. `progress()`: the first step, one tiny all-reduce of "is the step committed here"
+   (`send_census`; with few edges it carries their sizes too) until every node has, and
+   the bytes each sends on each edge fix the streams; later steps take those sizes, padded,
+   with no round: each process waits for its own write (size_plan.py);
 3. then each `progress()` hands the chunks that have arrived to the writer and issues its
    share (`chunks_per_call`: spread over the calls before the next local save), so a step's
    copies are out before it; the next local save issues what is left (`issue`). Chunks are
@@ -16,8 +17,7 @@ reaches in the same order (`save()`, `replicate_pending()`, `wait_until_finished
 4. received chunks are written to `<local>/peers/<source>/.tmp-*` by the writer thread, which
    commits the copy by renaming it once the last chunk is in.
 
-The restore side (`outgoing_step`, `shard_sets`) serves a whole step to a node that lost its
-folder, from a twin's own folder or from a copy.
+`shard_sets` also tells restore which processes are twins (peers/copies.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from orbax_mtc.local import read as local_read
 from orbax_mtc.local import specs as local_specs
 from orbax_mtc.local import store as local_store
 from orbax_mtc.peers import copy_store as peer_store
-from orbax_mtc.peers import exchange, send_census
+from orbax_mtc.peers import exchange, send_census, size_plan
 from orbax_mtc.peers import stream as peer_stream
 from orbax_mtc.topology import Topology
 
@@ -122,57 +122,6 @@ def skip_ordinals(manifest: local_format.StepManifest, receiver: frozenset[Shard
           if leaf.kind == "array" and (name, leaf.path, shard.index) in receiver}
 
 
-# This node's own step as read: manifest, data, and the checksums computed while reading.
-OwnStep = tuple[local_format.StepManifest, np.ndarray, dict[tuple[int, int], int]]
-
-
-def read_own(local: local_store.LocalTier, step: int) -> OwnStep:
-  """Reads this node's committed `step` and verifies every checksum."""
-  manifest = local.manifest(step)
-  crcs: dict[tuple[int, int], int] = {}
-  data = local_read.read_data(local.directory / str(step), manifest, crcs)
-  local_read.verify_buffer(data, manifest, str(local.directory / str(step)), crcs)
-  return manifest, data, crcs
-
-
-def outgoing_step(kind: str, destination: int, step: int, local: local_store.LocalTier,
-                  store: peer_store.PeerStore, own: OwnStep | None) -> peer_stream.OutgoingStream:
-  """A whole step for `destination`: this node's own step `own` (as a twin, read with
-  `read_own`) or a copy it holds.
-
-  Every checksum is verified on the reading side, before anything is sent.
-  """
-  if kind == "twin":
-    assert own is not None, "a twin serves its own step, read by read_own"
-    manifest, data = own[:2]
-    manifest = dataclasses.replace(manifest, process_index=destination)
-    manifest = _without_process_items(manifest)
-  else:
-    manifest, data = store.read(destination, step, local.directory / str(step))
-  return peer_stream.step_stream(manifest, data)
-
-
-def _without_process_items(manifest: local_format.StepManifest) -> local_format.StepManifest:
-  """A twin's step as its twin's: less the twin's own per-process items (a data iterator's
-  position is not the destination's). Staging writes them last, so the data ends earlier.
-
-  (A restore that asks for per-process items never takes a twin's folder; this keeps the
-  destination's rebuilt folder from holding the twin's position as its own.)
-  """
-  kept = {name: item for name, item in manifest.items.items() if item.kind != "process"}
-  if len(kept) == len(manifest.items):
-    return manifest
-  ends = [s.offset + local_format.align(s.nbytes) for item in kept.values()
-          for leaf in item.leaves for s in leaf.shards if s.nbytes]
-  dropped = [s.offset for name, item in manifest.items.items() if name not in kept
-             for leaf in item.leaves for s in leaf.shards]
-  data_size = max(ends, default=0)
-  if dropped and min(dropped) < data_size:
-    raise local_format.CorruptStepError("per-process entries are not at the end of the step's "
-                                        "data: the twin's step cannot be served without them")
-  return dataclasses.replace(manifest, items=kept, data_size=min(data_size, manifest.data_size))
-
-
 @dataclasses.dataclass
 class _StepCopies:
   """The copies of one step being sent and received."""
@@ -214,6 +163,8 @@ class Replicator:
     self._overlap_window = max(window, in_flight_bytes // max(1, chunk_bytes))
     self._in_flight_bytes = in_flight_bytes
     self._job: _StepCopies | None = None
+    # The last agreed copy sizes: the next step's copies are planned with them, no round.
+    self._sizes = size_plan.SizePlan()
     # A step whose chunks are all issued, some maybe still moving: its outcome is agreed at
     # the next call, when they have had a training step's time to arrive.
     self._landing: _StepCopies | None = None
@@ -361,6 +312,7 @@ class Replicator:
       stream.cancel_read_ahead()
 
   def _abort(self, job: _StepCopies) -> None:
+    self._sizes.forget()  # the next step's copies take the round again
     self._drop_reads(job)
     for incoming in job.incoming.values():
       self._writer.submit(incoming.abort)
@@ -368,18 +320,15 @@ class Replicator:
       self._job = None
 
   def _start(self, job: _StepCopies, status: int) -> bool:
-    """One stream exchange: once every process has committed the step, its copies' sizes
-    are agreed and their transfer is planned. Returns whether it was."""
+    """Plans the step's transfer: with the last agreed sizes when they cover its edges (no
+    round: `_start_planned`), else once every process has committed the step and its
+    copies' sizes are agreed. Returns whether it was planned."""
+    if self._sizes.covers(job.edges):
+      return self._start_planned(job, status)
     outgoing: dict[int, peer_stream.OutgoingStream] = {}
     if status == Status.COMMITTED:
       try:
-        prepared = job.prepared
-        if prepared is not None and not prepared.cancel() and prepared.exception() is None:
-          outgoing = prepared.result()  # done, or running (it reads only the manifest)
-        else:  # not run yet, or it failed: here
-          outgoing = self._outgoing(job, read_ahead=prepared is not None)
-        job.prepared = None if prepared is None else _done(outgoing)
-        job.outgoing = outgoing
+        outgoing = self._take_outgoing(job)
       except Exception as e:  # noqa: BLE001 - agreed below: every process drops the step
         logging.warning("orbax-mtc: cannot send step %d to peers: %s: %s", job.step,
                         type(e).__name__, e)
@@ -407,6 +356,76 @@ class Replicator:
     if agreed is None:
       agreed = send_census.read_sizes(self._reduce(
           send_census.sizes(job.edges, self.me, sizes, votes.bits)), job.edges, votes.bits)
+    if not self._plan(job, [int(n) for n in agreed],
+                      lambda s: outgoing[s.destination].read,
+                      lambda s: outgoing[s.destination].view):
+      return False
+    self._sizes.learn(job.edges, agreed)
+    job.sent_bytes = sum(s.nbytes for s in outgoing.values())
+    return True
+
+  def _start_planned(self, job: _StepCopies, status: int) -> bool:
+    """Plans the step's transfer with the last agreed sizes, padded (size_plan.py): no
+    round. Each process has waited for its own write (`PeerCopies.progress`); one whose
+    step is not committed, or whose stream outgrew the plan, sends zeros on it and says so
+    after the transfer, where the outcome is agreed (rule 9). Returns whether it was
+    planned."""
+    planned = self._sizes.planned(job.edges)
+    mine = {dst: n for (src, dst), n in zip(job.edges, planned, strict=True) if src == self.me}
+    failures: list[str] = []
+    outgoing: dict[int, peer_stream.OutgoingStream] = {}
+    if status == Status.COMMITTED:
+      try:
+        outgoing = self._take_outgoing(job)
+      except Exception as e:  # noqa: BLE001 - agreed after the transfer
+        failures.append(f"cannot read step {job.step} to send it: {type(e).__name__}: {e}")
+    else:  # as the round would: no copies of a step some node lacks
+      failures.append(f"step {job.step} is not committed here ({Status(status).name.lower()})")
+    failures += size_plan.outgrown({dst: s.nbytes for dst, s in outgoing.items()}, mine)
+    fitting = {dst: s for dst, s in outgoing.items() if s.nbytes <= mine[dst]}
+
+    def reader_for(stream: transport.Stream) -> transport.Reader:
+      sent = fitting.get(stream.destination)
+      return size_plan.zeros if sent is None else size_plan.padded_reader(sent.read,
+                                                                          sent.nbytes)
+
+    def viewer_for(stream: transport.Stream) -> transport.Viewer | None:
+      sent = fitting.get(stream.destination)
+      return None if sent is None else sent.view
+
+    if not self._plan(job, planned, reader_for, viewer_for):
+      return False
+    assert job.transfer is not None
+    for failure in failures:
+      logging.warning("orbax-mtc: step %d's copies: %s", job.step, failure)
+    job.transfer.failures.extend(failures)
+    job.sent_bytes = sum(s.nbytes for s in fitting.values())
+    return True
+
+  @property
+  def starts_without_round(self) -> bool:
+    """The pending step's transfer will be planned without a round (`_start_planned`): each
+    process waits for its own write first (the same answer on every process)."""
+    job = self._job
+    return job is not None and job.transfer is None and self._sizes.covers(job.edges)
+
+  def _take_outgoing(self, job: _StepCopies) -> dict[int, peer_stream.OutgoingStream]:
+    """This node's streams of the committed step, made on the writer thread when they
+    were (`schedule`), else here."""
+    prepared = job.prepared
+    if prepared is not None and not prepared.cancel() and prepared.exception() is None:
+      outgoing = prepared.result()  # done, or running (it reads only the manifest)
+    else:  # not run yet, or it failed: here
+      outgoing = self._outgoing(job, read_ahead=prepared is not None)
+    job.prepared = None if prepared is None else _done(outgoing)
+    job.outgoing = outgoing
+    return outgoing
+
+  def _plan(self, job: _StepCopies, counts: Sequence[int],
+            reader_for: Callable[[transport.Stream], transport.Reader],
+            viewer_for: Callable[[transport.Stream], transport.Viewer | None]) -> bool:
+    """The step's transfer, its streams `counts` bytes long (in the order of its edges);
+    False when it cannot start (agreed: every process drops the step)."""
 
     def sink_for(stream: transport.Stream) -> transport.Sink:
       incoming = self._store.begin(stream.source, job.step, stream.nbytes)
@@ -417,18 +436,16 @@ class Replicator:
       return sink
 
     streams = [transport.Stream(src, dst, int(n))
-               for (src, dst), n in zip(job.edges, agreed, strict=True)]
+               for (src, dst), n in zip(job.edges, counts, strict=True)]
     try:
       job.transfer = transport.Transfer(
-          streams, me=self.me, reader_for=lambda s: outgoing[s.destination].read,
-          sink_for=sink_for, chunk_limit=self._chunk_bytes, window=self._window,
-          reduce=lambda rnd: self._reduce(rnd.parts()),
-          viewer_for=lambda s: outgoing[s.destination].view)
+          streams, me=self.me, reader_for=reader_for, sink_for=sink_for,
+          chunk_limit=self._chunk_bytes, window=self._window,
+          reduce=lambda rnd: self._reduce(rnd.parts()), viewer_for=viewer_for)
     except transport.TransferError as e:  # agreed: the same on every process
       logging.warning("orbax-mtc: step %d is not replicated: %s", job.step, e)
       self._abort(job)
       return False
-    job.sent_bytes = sum(s.nbytes for s in outgoing.values())
     return True
 
   def _reduce(self, parts: reduction.Parts) -> reduction.Parts:
@@ -479,20 +496,3 @@ class Replicator:
         logging.warning("orbax-mtc: the copy of step %d from process %d was not kept: %s: %s",
                         step, source, type(error).__name__, error)
     self._commits = waiting
-
-
-def receive_buffers() -> tuple[dict[int, np.ndarray], Callable[[transport.Stream],
-                                                               transport.Sink]]:
-  """Sinks that collect whole streams into aligned buffers (restore side)."""
-  buffers: dict[int, np.ndarray] = {}
-
-  def sink_for(stream: transport.Stream) -> transport.Sink:
-    buffer = local_read.aligned_empty(stream.nbytes)
-    buffers[stream.source] = buffer
-
-    def sink(offset: int, data: np.ndarray) -> None:
-      buffer[offset:offset + data.nbytes] = data
-    return sink
-
-  return buffers, sink_for
-

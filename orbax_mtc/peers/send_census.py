@@ -1,9 +1,10 @@
 """Replication's agreements as reductions (pure): what each process adds, and the answer.
 
-The copies of a step move once every node has committed it. Each `save()` call asks, while
-some node still writes, whether all have: one **status** round of a few counts (the
-processes that failed, those still writing, the lowest failed one, the widest stream size),
-the same size at any process count. Once all have, one **sizes** round agrees every copy
+The copies of a step move once every node has committed it. Where no earlier plan sizes
+them (the first step, after a step whose copies failed: peers/size_plan.py), each `save()`
+call asks, while some node still writes, whether all have: one **status** round of a few
+counts (the processes that failed, those still writing, the lowest failed one, the widest
+stream size), the same size at any process count. Once all have, one **sizes** round agrees every copy
 stream's byte count, which the transfer's plan needs on every process: each stream's sender
 adds its count in the stream's slot and the others add 0, so the sum (or max) is the count:
 one int32 per stream (4 bytes); past 2 GiB its low 31 bits and a uint8 of the bits above

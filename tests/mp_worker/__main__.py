@@ -125,6 +125,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--restore-first", action="store_true")
   p.add_argument("--die-at-step", type=int, default=None)
   p.add_argument("--die-process", type=int, default=1)
+  p.add_argument("--count-rounds", action="store_true",
+                 help="a ROUND line per agreement round (hooks.count_rounds)")
   p.set_defaults(fn=save_restore.cmd_save)
 
   p = _common(sub.add_parser("restore"))

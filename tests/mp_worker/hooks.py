@@ -12,6 +12,8 @@ uses the manager's public API:
   peer_copies           a PeerStore opened on the node's folder (read only)
   small_replication_calls
                         module orbax_mtc.peers.replication: _BYTES_PER_CALL
+  count_rounds          the module function orbax_mtc.collectives.allreduce (wrapped: a
+                        ROUND line per agreement round, naming what it agrees)
   install_write_hook    LocalTier.write (wrapped)
   install_restore_hook  StepAttempt.load (wrapped)
   install_fault         by --phase: kill: RamWriter.write (replaced); write, writeback:
@@ -19,7 +21,9 @@ uses the manager's public API:
                         commit: LinkKeeper.committed (replaced); readback:
                         BackupScheduler.read_back (replaced); send: the module function
                         orbax_mtc.peers.stream.copy_stream (replaced); chunk-read: the
-                        streams copy_stream returns (their read raises EIO); chunk-place:
+                        streams copy_stream returns (their read raises EIO); outgrown:
+                        the streams copy_stream returns (1 MiB longer than the step's
+                        planned size, as a grown per-process item would make them); chunk-place:
                         the module function orbax_mtc.transport.place (replaced, failing
                         while Replicator.progress or .issue moves the fault step); receive:
                         orbax_mtc.peers.copy_store.IncomingCopy.write (replaced: writing a
@@ -53,7 +57,8 @@ HOOK_WAIT_S = 60.0  # a hook waits at most this long for the notice or the go fi
 _POLL_S = 0.02
 
 FAULT_PHASES = ("write", "commit", "readback", "send", "chunk-read", "chunk-place", "receive",
-                "restore-plan", "restore-read", "persistent-read", "writeback", "kill")
+                "outgrown", "restore-plan", "restore-read", "persistent-read", "writeback",
+                "kill")
 
 
 # ----------------------------------------------------------------------------- save loop
@@ -114,6 +119,18 @@ def small_replication_calls(nbytes: int = 1 << 20) -> None:
   from orbax_mtc.peers import replication
 
   replication._BYTES_PER_CALL = nbytes
+
+
+def count_rounds() -> None:
+  """Prints `ROUND what=<what>` (spaces as '_') for every agreement round, as it starts."""
+  from orbax_mtc import collectives
+
+  allreduce = collectives.allreduce
+
+  def counted(parts, what, *rest, **kwargs):
+    emit(f"ROUND what={what.replace(' ', '_')}")
+    return allreduce(parts, what, *rest, **kwargs)
+  collectives.allreduce = counted
 
 
 # ----------------------------------------------------------------------------- preemption
@@ -274,6 +291,19 @@ def install_fault(args, mgr, me: int) -> Callable[[], None]:
         stream.read = read
       return stream
     peer_stream.copy_stream = unreadable_stream
+  elif phase == "outgrown":
+    import numpy as np
+
+    copy_stream = peer_stream.copy_stream
+
+    def longer_stream(step_dir, manifest, *rest, **kwargs):
+      stream = copy_stream(step_dir, manifest, *rest, **kwargs)
+      if manifest.step == at:  # more than any planning margin (peers/size_plan.py)
+        stream.segments.append(peer_stream.Segment(stream.nbytes, 1 << 20,
+                                                   buffer=np.zeros(1 << 20, np.uint8)))
+        stream.nbytes += 1 << 20
+      return stream
+    peer_stream.copy_stream = longer_stream
   elif phase == "chunk-place":
     from orbax_mtc import transport
     from orbax_mtc.peers.replication import Replicator

@@ -32,6 +32,8 @@ def cmd_save(args) -> int:
 
   distributed.initialize()
   mesh = make_mesh()
+  if args.count_rounds:
+    hooks.count_rounds()
   with manager(args, mesh) as mgr:
     start, ok = args.start, True
     if args.restore_first:
