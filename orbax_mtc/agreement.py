@@ -159,6 +159,8 @@ class SaveRecord:
     clock_ms: This process's clock; process 0's decides backups by minutes.
     copies_failed: Whether the peer copies issued before this save failed here (a read,
       placement or receive): their outcome rides in the save's agreement.
+    copies_ready_call: The first call after the previous local save that found its write
+      done here (0: none known); the latest one sets when the next copies start.
   """
 
   step: int = field(Int(), -1)
@@ -171,6 +173,7 @@ class SaveRecord:
   orbax_busy: bool = field(Bool(), False)  # Orbax still writes an earlier backup here
   clock_ms: int = field(Int(), 0)  # process 0's clock decides backups by minutes
   copies_failed: bool = field(Bool(), False)  # the copies issued before it failed here
+  copies_ready_call: int = field(Int(), 0)  # the call the previous write was done by here
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,6 +86,7 @@ class _Layout:
     self.step = t.take(4)  # high, low, -high, -low of step + 1
     self.low_local, self.low_backup, self.low_in_ram = t.take(1), t.take(1), t.take(1)
     self.low_failed, self.low_busy, self.low_copies = t.take(1), t.take(1), t.take(1)
+    self.ready_call = t.take(1)  # the most calls a node's previous write took
     self.buckets = t.take(4 * shape.buckets)  # per bucket: high, low, -high, -low
     self.add, self.top = a.size, t.size
 
@@ -121,6 +122,7 @@ def census(record: SaveRecord, me: int, shape: CensusShape) -> Parts:
     if flag:
       top[where] = -me
   top[lay.step] = _halves4(record.step)
+  top[lay.ready_call] = record.copies_ready_call
   unknown: set[int] = set()
 
   def count(vector: slice, step: int) -> None:
@@ -160,6 +162,7 @@ class Census:
     wants_backup: Some process wants the step backed up.
     busy: Processes where Orbax still writes an earlier backup.
     copies_failed: Processes where the peer copies issued before the save failed.
+    copies_ready_call: The most calls after the last save a node's write took (0: unknown).
     failed: Processes whose pending backup read-back failed.
     all_ready: Every process has read the pending backup back.
     clock_ms: Process 0's clock.
@@ -178,6 +181,7 @@ class Census:
   wants_backup: bool
   busy: Who
   copies_failed: Who
+  copies_ready_call: int
   failed: Who
   all_ready: bool
   clock_ms: int
@@ -214,6 +218,7 @@ def read_census(reduced: Parts, shape: CensusShape, processes: int) -> Census:
       in_ram=who(lay.in_ram, lay.low_in_ram), in_persistent=int(add[lay.in_persistent][0]),
       wants_backup=bool(add[lay.wants_backup][0]), busy=who(lay.busy, lay.low_busy),
       copies_failed=who(lay.copies_failed, lay.low_copies),
+      copies_ready_call=max(0, int(top[lay.ready_call][0])),
       failed=Who(int(states[Status.FAILED]),
                  int(-top[lay.low_failed][0]) if states[Status.FAILED] else -1),
       all_ready=int(states[Status.READY]) == processes,
@@ -231,8 +236,8 @@ def next_shape(census_: Census) -> CensusShape:
 
 
 def census_bytes(slots: int, buckets: int = FIRST_BUCKETS) -> int:
-  """Bytes of one census contribution: 4 x (21 + 5 x slots) summed, 4 x (10 + 4 x buckets)
-  maxed, whatever the process count."""
+  """Bytes of one census contribution at any process count: 4 x (21 + 5 x slots) summed,
+  4 x (11 + 4 x buckets) maxed."""
   lay = _Layout(CensusShape(tuple(range(slots)), buckets))
   return 4 * (lay.add + lay.top)
 
@@ -248,8 +253,7 @@ def bytes_per_process(processes: int, slots: int, lacking: int = 0) -> int:
 
 
 def seed(steps: Sequence[int], step: int) -> CensusShape:
-  """The first census's shape: the newest `SEED_SLOTS` agreed steps and the step saved (none:
-  -1)."""
+  """The first census's shape: the newest `SEED_SLOTS` agreed steps and the step saved."""
   kept = sorted({int(s) for s in (*steps, step) if s >= 0}, reverse=True)[:SEED_SLOTS]
   return CensusShape(tuple(sorted(kept)))
 
@@ -258,8 +262,7 @@ def seed(steps: Sequence[int], step: int) -> CensusShape:
 
 
 def partial_steps(census_: Census, processes: int) -> tuple[int, ...]:
-  """Steps held somewhere (own folders or copies) but not in every node's own folder: those
-  whose listing needs the coverage round."""
+  """Steps held somewhere but not in every node's own folder (the coverage round's)."""
   return tuple(s for i, s in enumerate(census_.shape.slots)
                if census_.own[i] < processes and census_.own[i] + census_.copies[i] > 0)
 
@@ -325,7 +328,6 @@ def persistent_lists(census_: Census, processes: int, own_view: Sequence[int]
 @dataclasses.dataclass(frozen=True)
 class NamesShape:
   """An error round's shape: the steps' range, and the processes (bitmaps)."""
-
   steps: tuple[int, int]
   processes: int
 
@@ -379,7 +381,7 @@ def steps_differ_message(found: Names, restoring: bool = False) -> str:
     return f"process {lowest}{others}: {'None' if restoring and step < 0 else step}"
   verb, advice = ("restore", "restore the same step; use step = mgr.latest_step(), which is "
                   "the same on every process.") if restoring else (
-                      "save", "save the same step at the same point of the loop.")
+                  "save", "save the same step at the same point of the loop.")
   return (f"{verb}() was called with different steps on different processes: "
           f"{edge(found.low)}, {edge(found.high)}. Every process must {advice}")
 

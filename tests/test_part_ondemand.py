@@ -125,7 +125,9 @@ class _Peers:
   def issue(self):
     pass
 
-  def schedule(self, step, trees):
+  ready_call = 1  # the census's copies_ready_call
+
+  def schedule(self, step, trees, start_call=1):
     self.log.append(("peers.schedule", step))
 
   def finish(self):

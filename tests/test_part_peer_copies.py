@@ -56,6 +56,7 @@ class FakeWriter:
     raise AssertionError("nothing else is handed to the writer thread in these tests")
 
   busy = False  # nothing it is handed runs
+  writing = False  # no local write runs (the step's status says where it is)
 
   def wait(self, timeout_s=None) -> bool:
     self.calls.append(("wait",) if timeout_s is None else ("wait", timeout_s))

@@ -79,6 +79,7 @@ class _Backups:
 class _Peers:
   def __init__(self, log: list):
     self.log, self.trees = log, {}  # trees: step -> the trees scheduled for copies
+    self.start_calls: dict[int, int] = {}  # step -> the call its copies start at
 
   def progress(self, *, block):
     self.log.append(("peers.progress", block))
@@ -93,9 +94,12 @@ class _Peers:
   def issue(self):
     self.log.append("peers.issue")
 
-  def schedule(self, step, trees):
+  ready_call = 1  # the census's copies_ready_call
+
+  def schedule(self, step, trees, start_call=1):
     self.log.append(("peers.schedule", step))
     self.trees[step] = trees
+    self.start_calls[step] = start_call
 
 
 class _Persistent:
@@ -179,6 +183,16 @@ def test_the_save_agreement_carries_the_step_and_this_process_facts(rig, mesh):
   assert r.log.index("backups.wait_for_read") < agreed
   assert r.log.index(("local.write", 4)) < r.log.index("peers.issue") < \
       r.log.index(("peers.schedule", 4))
+
+
+def test_the_copies_start_at_the_call_the_slowest_previous_write_was_done_by(rig, mesh):
+  """Each process reports the first call after its previous save that found that write done
+  (`PeerCopies.ready_call`, 1 here); the census's maximum is where the step's copies start,
+  the same on every process."""
+  r = rig(count=3)
+  r.cluster.others[agreement.SaveRecord] = [{"copies_ready_call": 4}, {}]
+  r.save(4, make_state(mesh))
+  assert r.peers.start_calls == {4: 4}
 
 
 def test_processes_saving_different_steps_raise_naming_each_and_write_nothing(rig, mesh):

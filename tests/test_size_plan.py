@@ -125,3 +125,55 @@ def test_a_process_whose_write_outlasted_the_wait_fails_the_step_after_the_trans
   assert replicator.failed_steps == 1 and replicator.landed_step == 4
   peers.schedule(8, {})
   assert not replicator.starts_without_round  # the round again
+
+
+def test_the_first_call_that_finds_the_write_done_is_reported_for_the_next_save():
+  peers, writer, _, _ = committed_ring()
+  assert peers.ready_call == 1  # no call yet: the next one
+  peers.schedule(4, {})
+  writer.writing = True  # step 4's write runs through two calls
+  peers.progress(block=False)
+  peers.progress(block=False)
+  assert peers.ready_call == 3  # none found it done yet
+  writer.writing = False
+  peers.progress(block=False)
+  peers.progress(block=False)
+  assert peers.ready_call == 3  # the first that did
+  peers.schedule(6, {}, start_call=3)
+  assert peers.ready_call == 1  # counted again from this save
+
+
+def test_planned_copies_start_at_the_call_the_census_named_without_waiting_before():
+  peers, writer, _, allreduce = committed_ring()
+  replicator = peers.replicator
+  peers.schedule(4, {})
+  peers.issue()
+  peers.settle()
+  rounds = len(allreduce.seen)
+  peers.schedule(6, {}, start_call=3)
+  writer.calls.clear()
+  for _ in range(2):  # calls 1 and 2: nothing moves, nobody waits, no round
+    assert not replicator.starts_without_round
+    peers.progress(block=False)
+    assert replicator.unissued_step == 6
+  assert not any(call[0] == "wait" for call in writer.calls)
+  assert replicator.starts_without_round
+  peers.progress(block=False)  # call 3: each waits for its own write, then sends
+  timeout = mtc.CheckpointManagerOptions().agreement_timeout_seconds
+  assert ("wait", timeout) in writer.calls and replicator.unissued_step is None
+  assert len(allreduce.seen) == rounds
+
+
+def test_a_call_that_moves_nothing_leaves_the_landed_steps_outcome_to_the_census():
+  """Copies issued at a local save land meanwhile; a call with nothing to start or move
+  makes no round for their outcome: the next save's census carries it."""
+  peers, _, _, allreduce = committed_ring()
+  replicator = peers.replicator
+  peers.schedule(4, {})
+  peers.issue()  # at the save: every chunk issued, the step landing
+  rounds = len(allreduce.seen)
+  peers.progress(block=False)  # nothing else pending
+  assert len(allreduce.seen) == rounds and replicator.pending_step == 4
+  assert peers.retire_landing() is False
+  peers.settle(reduction.Who())  # the census's answer
+  assert len(allreduce.seen) == rounds and replicator.finished_steps == 1

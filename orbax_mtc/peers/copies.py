@@ -61,6 +61,7 @@ class PeerCopies:
     self._listing_cache: dict[int, list[int] | None] = {}
     self._stale_sources = False  # copies of nodes no longer held: dropped after the first copy
     self._calls_since_schedule = 0  # non-blocking progress calls since the last local save
+    self._ready_call: int | None = None  # the first of them that found its write done
 
 
   @property
@@ -181,12 +182,25 @@ class PeerCopies:
     self._store.drop_sources(self.topology.held_by(self._process_index))
     self._store.drop_other_counts(self._process_count)
 
-  def schedule(self, step: int, trees: dict[str, Any]) -> None:
-    """Queues the copies of a step just saved (sent by the next `progress` calls, sized so
-    that they are out before the next local save: replication.chunks_per_call)."""
+  @property
+  def ready_call(self) -> int:
+    """The first non-blocking call since the last local save that found its write done here
+    (the calls since plus one while none has). The save's census carries the most any
+    process took; the step it saves starts its copies at that call (`schedule`), where each
+    process then waits for its own write, briefly, instead of a round."""
+    if self._ready_call is not None:
+      return self._ready_call
+    return self._calls_since_schedule + 1
+
+  def schedule(self, step: int, trees: dict[str, Any], start_call: int = 1) -> None:
+    """Queues the copies of a step just saved (sent by the next `progress` calls, from
+    `start_call` on when no round sizes them, and spread so that they are out before the
+    next local save: replication.chunks_per_call)."""
     calls, self._calls_since_schedule = self._calls_since_schedule, 0
+    self._ready_call = None
     if self.replicator is not None:
-      self.replicator.schedule(step, self.shard_sets(trees), calls_between_saves=calls or None)
+      self.replicator.schedule(step, self.shard_sets(trees), calls_between_saves=calls or None,
+                               start_call=start_call)
 
   def schedule_recovery(self, step: int, sets: list, recovered: Sequence[int]) -> None:
     """Queues the copies that involve nodes which got `step` back from elsewhere."""
@@ -203,6 +217,8 @@ class PeerCopies:
     replicator = self.replicator
     if replicator is None:
       return
+    if not block and self._ready_call is None and not self._writer.writing:
+      self._ready_call = self._calls_since_schedule
     if replicator.pending_step is not None:
       if block:
         self._writer.wait()

@@ -44,9 +44,8 @@ from orbax_mtc.topology import Topology
 
 ShardKey = tuple[str, str, local_format.Index]  # (item, leaf path, global index)
 
-# Bytes a non-blocking `progress()` issues before the interval between local saves is known
-# (the replication share of one training step); once it is, a step's copies are spread over
-# it instead (`chunks_per_call`).
+# Bytes a non-blocking `progress()` issues before the interval between local saves is known;
+# once it is, a step's copies are spread over it instead (`chunks_per_call`).
 _BYTES_PER_CALL = 128 << 20
 
 
@@ -56,12 +55,11 @@ def chunks_per_call(remaining_chunks: int, calls_between_saves: int | None, call
   next local save rather than flushed, blocking, by it (pure; the same on every process).
 
   Args:
-    remaining_chunks: the chunks of the step's transfer not yet issued (its plan is the same
-      everywhere).
+    remaining_chunks: the chunks of the step's transfer not yet issued (agreed plan).
     calls_between_saves: the non-blocking calls (one per `save()`) seen between the last two
       local saves, the estimate of the coming interval; None before there is one.
-    calls_seen: the non-blocking calls since the step was saved, this one included (the
-      first ones may have found a process still writing it).
+    calls_seen: the non-blocking calls since the step was saved, this one included (its
+      copies may have started at a later one: a process still writing, `start_call`).
     floor: the chunks of `_BYTES_PER_CALL` (at least the window): each call's share without
       an estimate, or past it (the next local save may come any call).
     least: the fewest chunks a call issues with an estimate.
@@ -69,9 +67,8 @@ def chunks_per_call(remaining_chunks: int, calls_between_saves: int | None, call
   Returns:
     With an estimate, what is left spread evenly over this call and the calls left before
     the next local save (which would flush it, blocking), at least `least`: each call's
-    chunks then have a training step to move before the next call, whose collectives (and,
-    on a CPU client, its training step's computation) would otherwise queue behind them, and
-    the last have arrived when the save agrees their outcome. Else `floor`.
+    chunks have a training step to move before the next call's collectives (and, on a CPU
+    client, its computation) queue behind them. Else `floor`.
   """
   calls_left = (calls_between_saves or 0) - calls_seen  # after this one
   if calls_left < 0:
@@ -131,11 +128,11 @@ class _StepCopies:
   receivers: dict[int, frozenset[ShardKey]]
   calls_between_saves: int | None = None  # the interval's estimate (chunks_per_call)
   calls_seen: int = 0  # non-blocking progress calls since the step was scheduled
+  start_call: int = 1  # the call copies planned without a round start at (`schedule`)
   transfer: transport.Transfer | None = None
   incoming: dict[int, peer_store.IncomingCopy] = dataclasses.field(default_factory=dict)
   sent_bytes: int = 0
-  # The outgoing streams, made on the writer thread once the step is committed (their
-  # chunks then read ahead there).
+  # The outgoing streams, made (and their chunks read ahead) on the writer thread.
   prepared: concurrent.futures.Future | None = None
   outgoing: dict[int, peer_stream.OutgoingStream] = dataclasses.field(default_factory=dict)
 
@@ -145,8 +142,7 @@ class Replicator:
 
   def __init__(self, topo: Topology, me: int, local: local_store.LocalTier,
                store: peer_store.PeerStore, writer: concurrent.futures.Executor,
-               *, chunk_bytes: int,
-               window: int = 2, in_flight_bytes: int = 0,
+               *, chunk_bytes: int, window: int = 2, in_flight_bytes: int = 0,
                allreduce: Callable[[reduction.Parts], reduction.Parts] | None = None):
     self.topology = topo
     self.me = me
@@ -159,14 +155,11 @@ class Replicator:
     # Chunks issued per non-blocking call at least (at most `window` in flight at once):
     # about _BYTES_PER_CALL; more for a step too big to be out within the interval.
     self._chunks_per_call = max(window, _BYTES_PER_CALL // max(1, chunk_bytes))
-    # Chunks a call may leave running when it returns (they overlap the training steps).
-    self._overlap_window = max(window, in_flight_bytes // max(1, chunk_bytes))
+    self._overlap_window = max(window, in_flight_bytes // max(1, chunk_bytes))  # left moving
     self._in_flight_bytes = in_flight_bytes
     self._job: _StepCopies | None = None
-    # The last agreed copy sizes: the next step's copies are planned with them, no round.
-    self._sizes = size_plan.SizePlan()
-    # A step whose chunks are all issued, some maybe still moving: its outcome is agreed at
-    # the next call, when they have had a training step's time to arrive.
+    self._sizes = size_plan.SizePlan()  # the last agreed sizes: later copies take no round
+    # A step whose chunks are all issued, some maybe still moving: agreed at the next call.
     self._landing: _StepCopies | None = None
     self._commits: list[tuple[int, int, concurrent.futures.Future]] = []
     self.last_bytes_sent = 0
@@ -195,9 +188,11 @@ class Replicator:
 
   def schedule(self, step: int, shard_sets_by_process: Sequence[frozenset[ShardKey]],
                edges: Sequence[tuple[int, int]] | None = None, *,
-               calls_between_saves: int | None = None) -> None:
+               calls_between_saves: int | None = None, start_call: int = 1) -> None:
     """Queues `step` for replication on `edges` (default: every copy edge of the topology);
-    `calls_between_saves` sizes the non-blocking calls (`chunks_per_call`)."""
+    `calls_between_saves` sizes the non-blocking calls (`chunks_per_call`); copies planned
+    without a round start at non-blocking call `start_call` (the same on every process),
+    so that each process's wait for its own write there is short."""
     self.reap_commits()
     chosen = tuple(sorted(self.topology.edges if edges is None else edges))
     if not chosen:
@@ -205,7 +200,8 @@ class Replicator:
     if self._job is not None:
       raise RuntimeError("replication of the previous step is still pending; finish it first")
     receivers = {dst: shard_sets_by_process[dst] for src, dst in chosen if src == self.me}
-    self._job = job = _StepCopies(step, chosen, receivers, calls_between_saves)
+    self._job = job = _StepCopies(step, chosen, receivers, calls_between_saves,
+                                  start_call=max(1, start_call))
     # Queued behind the step's write on the writer thread (one thread: in order).
     job.prepared = self._writer.submit(self._outgoing, job, read_ahead=True)
 
@@ -228,16 +224,20 @@ class Replicator:
   def progress(self, status: int, *, block: bool) -> None:
     """Moves the pending replication forward; every process calls it at the same point.
 
-    `status` says whether this node's step is WRITING, COMMITTED or FAILED. With `block`, the
-    caller has waited for its local write, and this returns with the copies handed to the
-    writer thread. Without, it issues this call's share and leaves it moving.
+    `status`: this node's step is WRITING, COMMITTED or FAILED. With `block`, the caller has
+    waited for its local write; this returns with the copies handed to the writer thread.
+    Without, it issues this call's share, left moving (a call that moves nothing leaves a
+    landed step's outcome to the next save's census: no round).
     """
-    self.settle()
     job = self._job
-    if job is None:
-      return
-    if not block:
+    if job is not None and not block:
       job.calls_seen += 1
+    if job is None or not block and job.transfer is None and \
+        job.calls_seen < job.start_call and self._sizes.covers(job.edges):
+      if block:  # (planned copies start at `start_call`: nothing moves before)
+        self.settle()
+      return
+    self.settle()
     if job.transfer is None and not self._start(job, status):
       return
     assert job.transfer is not None
@@ -404,10 +404,12 @@ class Replicator:
 
   @property
   def starts_without_round(self) -> bool:
-    """The pending step's transfer will be planned without a round (`_start_planned`): each
-    process waits for its own write first (the same answer on every process)."""
+    """The next non-blocking call plans the pending step's transfer without a round
+    (`_start_planned`): each process waits for its own write first (the same answer on
+    every process)."""
     job = self._job
-    return job is not None and job.transfer is None and self._sizes.covers(job.edges)
+    return job is not None and job.transfer is None and \
+        job.calls_seen + 1 >= job.start_call and self._sizes.covers(job.edges)
 
   def _take_outgoing(self, job: _StepCopies) -> dict[int, peer_stream.OutgoingStream]:
     """This node's streams of the committed step, made on the writer thread when they

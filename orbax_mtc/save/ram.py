@@ -103,7 +103,7 @@ class RamSaver:
           has_step_in_ram=step in own, has_step_persistent=step in persistent,
           wants_backup=backup_wanted, backup_state=self._backups.pending_state(),
           orbax_busy=self._persistent.busy(), clock_ms=int(time.time() * 1000),
-          copies_failed=bool(copies_failed))
+          copies_failed=bool(copies_failed), copies_ready_call=self._peers.ready_call)
       what = f"the save of step {step}"
       answer = ledger.agree_save(record, what)
       # Their outcome, agreed by it: committed or dropped on every node after the census, so
@@ -180,7 +180,8 @@ class RamSaver:
       if not self._asynchronous:
         self._backups.flush(ledger.summarize)  # synchronous: both tiers hold the step on return
     self._peers.issue()  # the previous step's copies, left moving while training goes on
-    self._peers.schedule(step, trees)
+    # Its copies start at the call by which every node's previous write was done.
+    self._peers.schedule(step, trees, start_call=census.copies_ready_call)
     if not self._asynchronous and not ondemand:  # on demand: raised after the backup
       self._peers.progress(block=True)
       # Synchronous mode: the write is done, and its outcome is raised on every process alike.

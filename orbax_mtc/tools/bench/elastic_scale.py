@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from orbax_mtc import agreement, row_codec
+from orbax_mtc import agreement, row_codec, save_census
 from orbax_mtc.restore import plan as elastic_plan
 from orbax_mtc.restore.plan import Box, FolderRef, HostReport, TileIndex
 from orbax_mtc.tools.bench import agreement_scale, output, plotting
@@ -265,10 +265,11 @@ def markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
         f"| {r['hosts']:,} | {_size(r['save_before_bytes'])} | {_size(r['save_steady_bytes'])}"
         f" ({r['save_steady_rounds']}) | {_size(r['save_lost_bytes'])} "
         f"({r['save_lost_rounds']}) |")
-  lines += ["", "After: a census of 4 x (21 + 5 x slots) + 4 x (10 + 4 x 16) bytes (460 B with "
-            "this run's 4 agreed steps), plus, only while some nodes lack a step, one byte per "
-            "node for each such step. Rounds simulated in numpy and checked against the "
-            f"all-gather's answer; above {agreement_scale.EXACT_UP_TO:,} hosts the coverage "
+  lines += ["", "After: a census of 4 x (21 + 5 x slots) + 4 x (11 + 4 x 16) bytes "
+            f"({save_census.census_bytes(4)} B with this run's 4 agreed steps), plus, only "
+            "while some nodes lack a step, one byte per node for each such step. Rounds "
+            f"simulated in numpy and checked against the all-gather's answer; above "
+            f"{agreement_scale.EXACT_UP_TO:,} hosts the coverage "
             "round's answer is computed in bulk."]
   lines += ["", "Restore (`restore(None)` after 1% of the hosts died), on the survivors alone "
             "(an elastic restore) and with the lost hosts replaced by empty ones:", "",
