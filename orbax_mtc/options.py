@@ -66,7 +66,8 @@ class LocalCheckpointOptions:
     save_overhead_budget: The fraction of the loop's time RAM saves may cost it (e.g.
       0.02). After each RAM save the RAM policy is not asked again until the steps since
       span the previous save's cost (the time its calls took inside `save()` above a call
-      with nothing of a save to do; the most any process spent) over this fraction: with
+      with nothing of a save to do, and how much the loop's steps between them were slowed
+      beside its background work; the most any process spent) over this fraction: with
       Orbax's `ContinuousCheckpointingPolicy` the interval then grows where the tier or the
       link is slow, instead of the loop stalling. None (the default): the policy decides.
     background_nice: How much lower (0-19, as `nice -n`) the RAM tier's background threads

@@ -154,21 +154,28 @@ def test_first_backup_counts_from_the_attempt_on_its_way(step, last, due):
 
 def test_save_cost_closes_a_cycle_at_each_ram_save():
   """A cycle's cost is its calls' time above the cheapest call after its save (what a call
-  with nothing of a save to do costs); its call time, from its save's call to the next
-  save's over its calls."""
+  with nothing of a save to do costs), plus the loop's steps between its calls beyond their
+  median; its call time, from its save's call to the next save's over its calls."""
   cost = save_policy.SaveCost(0.02)
   cost.add(0.0, 5.0)  # calls before any save count for nothing
   assert cost.began is None and cost.calls == 0
   assert cost.begin(10.0) is None  # the first save: no cycle before it
   cost.add(10.0, 10.2)
-  cost.add(11.0, 11.1)  # its copies moving
-  cost.add(12.0, 12.01)  # nothing of it to do: the cheapest
-  cost.add(12.5, 12.51)
+  cost.add(11.0, 11.1)  # its copies moving; the step before it 0.8 s
+  cost.add(12.0, 12.01)  # nothing of it to do: the cheapest; the step before it 0.9 s
+  cost.add(12.5, 12.51)  # steps of 0.49 s from here
   closed = cost.begin(13.0)
-  assert closed == pytest.approx((0.2 + 0.09, 3.0 / 4))
-  assert (cost.began, cost.calls, cost.spent) == (13.0, 0, 0.0)
+  # Steps 0.8, 0.9, 0.49, 0.49: median 0.645, so 0.155 + 0.255 s slower than it.
+  assert closed == pytest.approx((0.2 + 0.09 + 0.41, 3.0 / 4))
+  assert (cost.began, cost.calls, cost.spent, cost.outside) == (13.0, 0, 0.0, [])
   cost.add(13.0, 13.3)  # a save every call: its own call is the whole cost
-  assert cost.begin(14.0) == pytest.approx((0.3, 1.0))
+  assert cost.begin(14.0) == pytest.approx((0.3, 1.0))  # one step: no median to compare
+
+
+def test_a_step_slowed_beside_a_save_counts_up_to_one_median_more():
+  assert save_policy.slowed([0.2, 0.2]) == 0.0  # too few steps to tell
+  # The 0.25 s step counts 0.05 s; the 5 s one (an evaluation, say) only one median, 0.2 s.
+  assert save_policy.slowed([0.2, 0.2, 0.25, 0.2, 5.0]) == pytest.approx(0.25)
 
 
 @pytest.mark.parametrize("cost, call, budget, held", [

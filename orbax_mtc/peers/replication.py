@@ -159,7 +159,7 @@ class Replicator:
     self._in_flight_bytes = in_flight_bytes
     self._job: _StepCopies | None = None
     self._sizes = size_plan.SizePlan()  # the last agreed sizes: later copies take no round
-    # A step whose chunks are all issued, some maybe still moving: agreed at the next call.
+    # A step whose chunks are all issued, some maybe still moving: agreed by the next save.
     self._landing: _StepCopies | None = None
     self._commits: list[tuple[int, int, concurrent.futures.Future]] = []
     self.last_bytes_sent = 0
@@ -234,7 +234,7 @@ class Replicator:
       job.calls_seen += 1
     if job is None or not block and job.transfer is None and \
         job.calls_seen < job.start_call and self._sizes.covers(job.edges):
-      if block:  # (planned copies start at `start_call`: nothing moves before)
+      if block:  # else nothing moves: a landed step waits for the next save's census
         self.settle()
       return
     self.settle()

@@ -4,15 +4,16 @@ The copies of a step move once every node has committed it. Where no earlier pla
 them (the first step, after a step whose copies failed: peers/size_plan.py), each `save()`
 call asks, while some node still writes, whether all have: one **status** round of a few
 counts (the processes that failed, those still writing, the lowest failed one, the widest
-stream size), the same size at any process count. Once all have, one **sizes** round agrees every copy
-stream's byte count, which the transfer's plan needs on every process: each stream's sender
-adds its count in the stream's slot and the others add 0, so the sum (or max) is the count:
-one int32 per stream (4 bytes); past 2 GiB its low 31 bits and a uint8 of the bits above
-(5 bytes, to 512 GiB a stream); beyond, two 31-bit halves (8 bytes). Up to `MERGED_STREAMS` streams
-the sizes travel in the status round itself (`status_with_sizes`: 8 bytes a stream, 4 KiB at
-most), one round less per step where a round costs more than its bytes. After the transfer, an
-**outcome** round counts the processes whose chunks failed and names the lowest, whose
-message follows in one more round only then.
+stream size), the same size at any process count. Once all have, one **sizes** round agrees
+every copy stream's byte count, which the transfer's plan needs on every process: each
+stream's sender adds its count in the stream's slot and the others add 0, so the sum (or
+max) is the count: one int32 per stream (4 bytes); past 2 GiB its low 31 bits and a uint8 of
+the bits above (5 bytes, to 512 GiB a stream); beyond, two 31-bit halves (8 bytes). Up to
+`MERGED_STREAMS` streams the sizes travel in the status round itself (`status_with_sizes`:
+8 bytes a stream, 4 KiB at most), one round less per step where a round costs more than its
+bytes. After the transfer, an **outcome** round counts the processes whose chunks failed and
+names the lowest, whose message follows in one more round only then (or the next save's
+census carries it).
 
 No I/O and no JAX: the collective is passed in (peers/replication.py).
 """

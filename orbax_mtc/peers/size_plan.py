@@ -7,10 +7,10 @@ next step's streams have the same shards and a header that differs by a few digi
 checksums, its step): it is planned with the last agreed counts, each padded by `margin`,
 and no round at all, at the call by which every node's previous write was done (the save's
 census says which: peers/copies.PeerCopies.ready_call), where each process waits for its own
-write. Each sender then checks its real streams against the plan: one that
-outgrew it (a bigger tree, a longer per-process item) is not sent, and the failure is agreed
-after the transfer like any other (rule 9), after which the next step takes the round again
-and learns the new counts. A stream shorter than its plan is sent with zeros after its end;
+write. Each sender then checks its real streams against the plan: one that outgrew it (a
+bigger tree, a longer per-process item) is not sent, and the failure is agreed after the
+transfer like any other (rule 9), after which the next step takes the round again and
+learns the new counts. A stream shorter than its plan is sent with zeros after its end;
 the receiver's header says where the copy's shards lie.
 
 No I/O, no collectives: the replicator (peers/replication.py) keeps one `SizePlan`.

@@ -183,11 +183,14 @@ def decide_save(step: int, *, force: bool, preempted: bool, read_only: bool, man
 
 @dataclasses.dataclass
 class SaveCost:
-  """The loop time `save()` calls spend for each RAM save (times passed in).
+  """The loop time each RAM save costs (times passed in).
 
   A cycle runs from one RAM save's call to the next. Its cost is the time of its calls
   above the cheapest call between its saves (what a call costs with nothing of a save to
-  do): its saving call, and the calls that moved its copies or agreed their outcome.
+  do: its saving call, and the calls that moved its copies or agreed their outcome), plus
+  how much longer than their median the loop's steps between its calls took (the update
+  slowed by the save's background work beside it), each at most one median more: a longer
+  pause is the loop's own (an evaluation, a data stall), not the save's.
 
   Attributes:
     budget: `LocalCheckpointOptions.save_overhead_budget` (None: no budget).
@@ -195,6 +198,8 @@ class SaveCost:
     spent: Seconds inside this cycle's calls so far.
     calls: This cycle's calls so far.
     cheapest: The cheapest of them after the saving call (inf: none yet).
+    outside: The loop's time between this cycle's calls so far.
+    ended: When the last call returned (None before any).
   """
 
   budget: float | None
@@ -202,26 +207,42 @@ class SaveCost:
   spent: float = 0.0
   calls: int = 0
   cheapest: float = math.inf
+  outside: list[float] = dataclasses.field(default_factory=list)
+  ended: float | None = None
 
   def begin(self, started: float) -> tuple[float, float] | None:
     """A RAM save's call began at `started`: closes the cycle before it and starts its own.
     Returns the closed cycle's (cost, seconds per call), or None if there was none."""
     closed = None
     if self.began is not None and self.calls:
+      if self.ended is not None:
+        self.outside.append(started - self.ended)  # the step before this save: its cycle's
       base = self.cheapest if self.calls > 1 else 0.0
-      closed = (max(0.0, self.spent - (self.calls - 1) * base),
+      closed = (max(0.0, self.spent - (self.calls - 1) * base) + slowed(self.outside),
                 (started - self.began) / self.calls)
     self.began, self.spent, self.calls, self.cheapest = started, 0.0, 0, math.inf
+    self.outside = []
     return closed
 
   def add(self, started: float, ended: float) -> None:
     """One `save()` call from `started` to `ended` (nothing before the first RAM save)."""
-    if self.began is None:
-      return
-    if self.calls:
-      self.cheapest = min(self.cheapest, ended - started)
-    self.spent += ended - started
-    self.calls += 1
+    if self.began is not None:
+      if self.calls:
+        self.cheapest = min(self.cheapest, ended - started)
+        if self.ended is not None:
+          self.outside.append(started - self.ended)
+      self.spent += ended - started
+      self.calls += 1
+    self.ended = ended
+
+
+def slowed(outside: Sequence[float]) -> float:
+  """How much longer than their median the loop's steps `outside` took, each counted at
+  most one median (0 for fewer than 3 steps: no median to speak of)."""
+  if len(outside) < 3:
+    return 0.0
+  median = float(np.median(outside))
+  return float(sum(min(max(0.0, step - median), median) for step in outside))
 
 
 def held_until(step: int, cost_s: float, call_s: float, budget: float) -> int:
