@@ -64,6 +64,16 @@ def test_a_stream_shorter_than_its_plan_is_read_then_zeros():
   assert not out.any()
 
 
+def sized_ring():
+  """`committed_ring` whose first step's copies (step 4) went out through the round, their
+  sizes learned: (peers, writer, allreduce)."""
+  peers, writer, _, allreduce = committed_ring()
+  peers.schedule(4, {})
+  peers.issue()
+  peers.settle()
+  return peers, writer, allreduce
+
+
 def test_the_next_steps_copies_start_without_a_round_after_each_waits_for_its_write():
   peers, writer, _, allreduce = committed_ring()
   replicator = peers.replicator
@@ -88,11 +98,8 @@ def test_the_next_steps_copies_start_without_a_round_after_each_waits_for_its_wr
 
 
 def test_after_a_step_whose_copies_failed_the_next_takes_the_round_again():
-  peers, writer, _, allreduce = committed_ring()
+  peers, writer, allreduce = sized_ring()
   replicator = peers.replicator
-  peers.schedule(4, {})
-  peers.issue()
-  peers.settle()
   peers.schedule(6, {})
   peers.issue()  # planned: no round
   rounds = len(allreduce.seen)
@@ -110,11 +117,8 @@ def test_a_process_whose_write_outlasted_the_wait_fails_the_step_after_the_trans
   """No round asked whether every node committed: the one still writing (its bounded wait
   ran out) takes part, records the failure, and the outcome drops the step's copies
   everywhere (here the census's answer, which carries it)."""
-  peers, writer, _, allreduce = committed_ring()
+  peers, writer, allreduce = sized_ring()
   replicator = peers.replicator
-  peers.schedule(4, {})
-  peers.issue()
-  peers.settle()
   peers.schedule(6, {})
   writer.status = Status.WRITING
   rounds = len(allreduce.seen)
@@ -144,11 +148,8 @@ def test_the_first_call_that_finds_the_write_done_is_reported_for_the_next_save(
 
 
 def test_planned_copies_start_at_the_call_the_census_named_without_waiting_before():
-  peers, writer, _, allreduce = committed_ring()
+  peers, writer, allreduce = sized_ring()
   replicator = peers.replicator
-  peers.schedule(4, {})
-  peers.issue()
-  peers.settle()
   rounds = len(allreduce.seen)
   peers.schedule(6, {}, start_call=3)
   writer.calls.clear()

@@ -23,9 +23,10 @@ uses the manager's public API:
                         orbax_mtc.peers.stream.copy_stream (replaced); chunk-read: the
                         streams copy_stream returns (their read raises EIO); outgrown:
                         the streams copy_stream returns (1 MiB longer than the step's
-                        planned size, as a grown per-process item would make them); chunk-place:
-                        the module function orbax_mtc.transport.place (replaced, failing
-                        while Replicator.progress or .issue moves the fault step); receive:
+                        planned size, as a grown per-process item would make them);
+                        chunk-place: the module function orbax_mtc.transport.place
+                        (replaced, failing while Replicator.progress or .issue moves the
+                        fault step); receive:
                         orbax_mtc.peers.copy_store.IncomingCopy.write (replaced: writing a
                         received chunk fails, ENOSPC); persistent-read:
                         the module function orbax_mtc.restore.persistent.check_item
