@@ -9,7 +9,7 @@ reaches in the same order (`save()`, `replicate_pending()`, `wait_until_finished
    the bytes each sends on each edge fix the streams; later steps take those sizes, padded,
    with no round: each process waits for its own write (size_plan.py);
 3. then each `progress()` hands the chunks that have arrived to the writer and issues its
-   share (`chunks_per_call`: spread over the calls before the next local save), so a step's
+   share (spread.py: spread over the calls before the next local save), so a step's
    copies are out before it; the next local save issues what is left (`issue`). Chunks are
    dispatched asynchronously and up to `in_flight_mib` of them are left running when the
    call returns: they move while training goes on, and the step's outcome is agreed at the
@@ -38,43 +38,11 @@ from orbax_mtc.local import read as local_read
 from orbax_mtc.local import specs as local_specs
 from orbax_mtc.local import store as local_store
 from orbax_mtc.peers import copy_store as peer_store
-from orbax_mtc.peers import exchange, send_census, size_plan
+from orbax_mtc.peers import exchange, send_census, size_plan, spread
 from orbax_mtc.peers import stream as peer_stream
 from orbax_mtc.topology import Topology
 
 ShardKey = tuple[str, str, local_format.Index]  # (item, leaf path, global index)
-
-# Bytes a non-blocking `progress()` issues before the interval between local saves is known;
-# once it is, a step's copies are spread over it instead (`chunks_per_call`).
-_BYTES_PER_CALL = 128 << 20
-
-
-def chunks_per_call(remaining_chunks: int, calls_between_saves: int | None, calls_seen: int,
-                    floor: int, least: int = 1) -> int:
-  """Chunks one non-blocking `progress()` issues, so that a step's copies are out before the
-  next local save rather than flushed, blocking, by it (pure; the same on every process).
-
-  Args:
-    remaining_chunks: the chunks of the step's transfer not yet issued (agreed plan).
-    calls_between_saves: the non-blocking calls (one per `save()`) seen between the last two
-      local saves, the estimate of the coming interval; None before there is one.
-    calls_seen: the non-blocking calls since the step was saved, this one included (its
-      copies may have started at a later one: a process still writing, `start_call`).
-    floor: the chunks of `_BYTES_PER_CALL` (at least the window): each call's share without
-      an estimate, or past it (the next local save may come any call).
-    least: the fewest chunks a call issues with an estimate.
-
-  Returns:
-    With an estimate, what is left spread evenly over this call and the calls left before
-    the next local save (which would flush it, blocking), at least `least`: each call's
-    chunks have a training step to move before the next call's collectives (and, on a CPU
-    client, its computation) queue behind them. Else `floor`.
-  """
-  calls_left = (calls_between_saves or 0) - calls_seen  # after this one
-  if calls_left < 0:
-    return floor
-  return max(least, -(-remaining_chunks // (calls_left + 1)))
-
 
 def _done(value: Any) -> concurrent.futures.Future:
   """A future that holds `value` already."""
@@ -129,6 +97,7 @@ class _StepCopies:
   calls_between_saves: int | None = None  # the interval's estimate (chunks_per_call)
   calls_seen: int = 0  # non-blocking progress calls since the step was scheduled
   start_call: int = 1  # the call copies planned without a round start at (`schedule`)
+  chunk_limit: int = 0  # its chunks' longest (size_plan.chunk_limit), read ahead alike
   transfer: transport.Transfer | None = None
   incoming: dict[int, peer_store.IncomingCopy] = dataclasses.field(default_factory=dict)
   sent_bytes: int = 0
@@ -152,10 +121,6 @@ class Replicator:
     self._allreduce = allreduce  # replication's own agreements (send_census)
     self._chunk_bytes = chunk_bytes
     self._window = window
-    # Chunks issued per non-blocking call at least (at most `window` in flight at once):
-    # about _BYTES_PER_CALL; more for a step too big to be out within the interval.
-    self._chunks_per_call = max(window, _BYTES_PER_CALL // max(1, chunk_bytes))
-    self._overlap_window = max(window, in_flight_bytes // max(1, chunk_bytes))  # left moving
     self._in_flight_bytes = in_flight_bytes
     self._job: _StepCopies | None = None
     self._sizes = size_plan.SizePlan()  # the last agreed sizes: later copies take no round
@@ -190,7 +155,8 @@ class Replicator:
                edges: Sequence[tuple[int, int]] | None = None, *,
                calls_between_saves: int | None = None, start_call: int = 1) -> None:
     """Queues `step` for replication on `edges` (default: every copy edge of the topology);
-    `calls_between_saves` sizes the non-blocking calls (`chunks_per_call`); copies planned
+    `calls_between_saves` sizes the calls' shares and, once the sizes are known, the chunks
+    (peers/spread.py; None: waited for at once); copies planned
     without a round start at non-blocking call `start_call` (the same on every process),
     so that each process's wait for its own write there is short."""
     self.reap_commits()
@@ -200,8 +166,11 @@ class Replicator:
     if self._job is not None:
       raise RuntimeError("replication of the previous step is still pending; finish it first")
     receivers = {dst: shard_sets_by_process[dst] for src, dst in chosen if src == self.me}
+    largest = max(self._sizes.planned(chosen)) if self._sizes.covers(chosen) else 0
+    limit = spread.chunk_limit(largest, calls_between_saves, self._chunk_bytes,
+                                  self._in_flight_bytes)
     self._job = job = _StepCopies(step, chosen, receivers, calls_between_saves,
-                                  start_call=max(1, start_call))
+                                  start_call=max(1, start_call), chunk_limit=limit)
     # Queued behind the step's write on the writer thread (one thread: in order).
     job.prepared = self._writer.submit(self._outgoing, job, read_ahead=True)
 
@@ -216,9 +185,9 @@ class Replicator:
                                              skip_ordinals(manifest, job.receivers[dst]))
                 for src, dst in job.edges if src == self.me}
     if read_ahead:
-      budget = max(self._chunk_bytes, self._in_flight_bytes // max(1, len(outgoing)))
+      budget = max(job.chunk_limit, self._in_flight_bytes // max(1, len(outgoing)))
       for stream in outgoing.values():
-        stream.read_ahead(self._chunk_bytes, budget, self._writer.submit)
+        stream.read_ahead(job.chunk_limit, budget, self._writer.submit)
     return outgoing
 
   def progress(self, status: int, *, block: bool) -> None:
@@ -246,9 +215,10 @@ class Replicator:
         job.transfer.run()
       else:
         job.transfer.retire_ready()
-        job.transfer.advance(chunks_per_call(
+        job.transfer.advance(spread.chunks_per_call(
             job.transfer.remaining_chunks, job.calls_between_saves, job.calls_seen,
-            self._chunks_per_call, self._window), window=self._overlap_window)
+            max(self._window, spread.BYTES_PER_CALL // job.chunk_limit), self._window),
+            window=self._overlap(job))
         job.transfer.retire_ready()
     except BaseException:
       # Not a failure the transfer records (those are agreed below): a collective itself
@@ -274,7 +244,7 @@ class Replicator:
     assert job.transfer is not None
     try:
       job.transfer.retire_ready()
-      job.transfer.advance(window=self._overlap_window)
+      job.transfer.advance(window=self._overlap(job))
     except BaseException:
       self._abort(job)  # a collective failed: see progress
       raise
@@ -442,13 +412,17 @@ class Replicator:
     try:
       job.transfer = transport.Transfer(
           streams, me=self.me, reader_for=reader_for, sink_for=sink_for,
-          chunk_limit=self._chunk_bytes, window=self._window,
+          chunk_limit=job.chunk_limit, window=self._window,
           reduce=lambda rnd: self._reduce(rnd.parts()), viewer_for=viewer_for)
     except transport.TransferError as e:  # agreed: the same on every process
       logging.warning("orbax-mtc: step %d is not replicated: %s", job.step, e)
       self._abort(job)
       return False
     return True
+
+  def _overlap(self, job: _StepCopies) -> int:
+    """Chunks a call may leave moving: `in_flight_mib` of them (at least the window)."""
+    return max(self._window, self._in_flight_bytes // job.chunk_limit)
 
   def _reduce(self, parts: reduction.Parts) -> reduction.Parts:
     if self._allreduce is None:

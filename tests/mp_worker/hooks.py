@@ -11,7 +11,7 @@ uses the manager's public API:
   persistent_steps      Orbax's own listing of the persistent directory
   peer_copies           a PeerStore opened on the node's folder (read only)
   small_replication_calls
-                        module orbax_mtc.peers.replication: _BYTES_PER_CALL
+                        module orbax_mtc.peers.spread: BYTES_PER_CALL
   count_rounds          the module function orbax_mtc.collectives.allreduce (wrapped: a
                         ROUND line per agreement round, naming what it agrees)
   install_write_hook    LocalTier.write (wrapped)
@@ -117,9 +117,9 @@ def peer_copies(mgr) -> list[tuple[int, int]]:
 def small_replication_calls(nbytes: int = 1 << 20) -> None:
   """One save() call moves `nbytes` of peer copies (not 128 MiB), so a step's copies are
   still on their way during the next saves, as a large model's are."""
-  from orbax_mtc.peers import replication
+  from orbax_mtc.peers import spread
 
-  replication._BYTES_PER_CALL = nbytes
+  spread.BYTES_PER_CALL = nbytes
 
 
 def count_rounds() -> None:

@@ -1,0 +1,54 @@
+"""How a step's peer copies are spread over the `save()` calls before the next local save
+(pure; the same on every process: it reads only agreed counts).
+
+Each non-blocking call issues its share of the step's chunks, so that the copies are out
+before the next local save instead of flushed by it, blocking; each chunk costs the calling
+thread about a millisecond to issue, so a step spread over the interval goes in about one
+chunk per stream a call. The replicator (peers/replication.py) asks both.
+"""
+
+from __future__ import annotations
+
+# Bytes a non-blocking `progress()` issues before the interval between local saves is known;
+# once it is, a step's copies are spread over it instead (`chunks_per_call`).
+BYTES_PER_CALL = 128 << 20
+
+
+def chunks_per_call(remaining_chunks: int, calls_between_saves: int | None, calls_seen: int,
+                    floor: int, least: int = 1) -> int:
+  """Chunks one non-blocking `progress()` issues, so that a step's copies are out before the
+  next local save rather than flushed, blocking, by it (pure; the same on every process).
+
+  Args:
+    remaining_chunks: the chunks of the step's transfer not yet issued (agreed plan).
+    calls_between_saves: the non-blocking calls (one per `save()`) seen between the last two
+      local saves, the estimate of the coming interval; None before there is one.
+    calls_seen: the non-blocking calls since the step was saved, this one included (its
+      copies may have started at a later one: a process still writing, `start_call`).
+    floor: the chunks of `BYTES_PER_CALL` (at least the window): each call's share without
+      an estimate, or past it (the next local save may come any call).
+    least: the fewest chunks a call issues with an estimate.
+
+  Returns:
+    With an estimate, what is left spread evenly over this call and the calls left before
+    the next local save (which would flush it, blocking), at least `least`: each call's
+    chunks have a training step to move before the next call's collectives (and, on a CPU
+    client, its computation) queue behind them. Else `floor`.
+  """
+  calls_left = (calls_between_saves or 0) - calls_seen  # after this one
+  if calls_left < 0:
+    return floor
+  return max(least, -(-remaining_chunks // (calls_left + 1)))
+
+
+def chunk_limit(largest: int, calls: int | None, chunk_bytes: int, in_flight_bytes: int) -> int:
+  """The longest chunk of a planned step's copies spread over `calls` calls (None: not
+  spread, e.g. waited for at once): about one chunk per stream a call, as a power of two,
+  at least `chunk_bytes` (ReplicationOptions.chunk_mib) and at most a quarter of
+  `in_flight_bytes`. Each chunk costs the calling thread about a millisecond to issue
+  whatever its size, while a transfer waited for at once moves faster in small chunks
+  (benchmarks/transport_chunks.py). The same on every process: agreed sizes and interval."""
+  if not calls or largest <= 0:
+    return chunk_bytes
+  wanted = 1 << max(0, -(-largest // calls) - 1).bit_length()
+  return max(chunk_bytes, min(wanted, in_flight_bytes // 4))
