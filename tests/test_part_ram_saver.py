@@ -80,6 +80,7 @@ class _Peers:
   def __init__(self, log: list):
     self.log, self.trees = log, {}  # trees: step -> the trees scheduled for copies
     self.start_calls: dict[int, int] = {}  # step -> the call its copies start at
+    self.spread: dict[int, bool] = {}  # step -> its copies spread over the interval
 
   def progress(self, *, block):
     self.log.append(("peers.progress", block))
@@ -96,8 +97,9 @@ class _Peers:
 
   ready_call = 1  # the census's copies_ready_call
 
-  def schedule(self, step, trees, start_call=1):
+  def schedule(self, step, trees, start_call=1, spread=True):
     self.log.append(("peers.schedule", step))
+    self.spread[step] = spread
     self.trees[step] = trees
     self.start_calls[step] = start_call
 
@@ -187,12 +189,20 @@ def test_the_save_agreement_carries_the_step_and_this_process_facts(rig, mesh):
 
 def test_the_copies_start_at_the_call_the_slowest_previous_write_was_done_by(rig, mesh):
   """Each process reports the first call after its previous save that found that write done
-  (`PeerCopies.ready_call`, 1 here); the census's maximum is where the step's copies start,
-  the same on every process."""
+  (`PeerCopies.ready_call`, 1 here); the census's maximum, a write that outlasted a call, sets
+  where the step's copies start (one call later: their read-ahead), the same on every
+  process."""
   r = rig(count=3)
   r.cluster.others[agreement.SaveRecord] = [{"copies_ready_call": 4}, {}]
   r.save(4, make_state(mesh))
-  assert r.peers.start_calls == {4: 4}
+  assert r.peers.start_calls == {4: 5}
+  r.cluster.others[agreement.SaveRecord] = [{}, {}]
+  r.save(5, make_state(mesh))
+  assert r.peers.start_calls[5] == 1  # every write done by the first call: that one
+  assert r.peers.spread == {4: False, 5: False}  # synchronous: waited for at the save
+  a = rig(count=2, asynchronous=True)
+  a.save(6, make_state(mesh))
+  assert a.peers.spread == {6: True}  # spread over the calls before the next local save
 
 
 def test_processes_saving_different_steps_raise_naming_each_and_write_nothing(rig, mesh):

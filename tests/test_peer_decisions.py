@@ -77,3 +77,7 @@ def test_the_replicator_sizes_a_planned_steps_chunks_from_the_interval():
   replicator._job = None
   peers.schedule(8, {}, spread=False)  # the synchronous save waits for its copies
   assert replicator._job.chunk_limit == 16 << 20
+
+
+def test_copies_start_a_call_after_a_write_that_outlasted_the_first():
+  assert [spread.start_call(ready) for ready in (0, 1, 2, 3, 7)] == [1, 1, 3, 4, 8]

@@ -21,6 +21,7 @@ from orbax_mtc.local import aside
 from orbax_mtc.local import staging as local_staging
 from orbax_mtc.local import store as local_store
 from orbax_mtc.local.writer import RamWriter
+from orbax_mtc.peers import spread
 from orbax_mtc.peers.copies import PeerCopies
 from orbax_mtc.persistent.tier import PersistentTier
 from orbax_mtc.save.backup_scheduler import BackupScheduler
@@ -180,8 +181,8 @@ class RamSaver:
       if not self._asynchronous:
         self._backups.flush(ledger.summarize)  # synchronous: both tiers hold the step on return
     self._peers.issue()  # the previous step's copies, left moving while training goes on
-    # Its copies start at the call by which every node's previous write was done.
-    self._peers.schedule(step, trees, start_call=census.copies_ready_call,
+    # Its copies start about the call by which every node's previous write was done.
+    self._peers.schedule(step, trees, start_call=spread.start_call(census.copies_ready_call),
                          spread=self._asynchronous)
     if not self._asynchronous and not ondemand:  # on demand: raised after the backup
       self._peers.progress(block=True)
