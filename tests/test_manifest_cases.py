@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import struct
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -245,34 +246,19 @@ def test_conflicting_key_paths_are_a_manifest_error_in_item_metadata(manifest_st
 
 @HYPOTHESIS
 @given(header=HEADER_VALUES)
-def test_received_step_refuses_malformed_headers_with_local_tier_errors(header):
+def test_a_copy_whose_header_is_malformed_is_refused_never_raised(header):
+  """Whatever a received stream's header holds, its commit refuses it (None) and leaves
+  nothing behind: an exception here would end the writer thread's work for the save."""
   if isinstance(header, dict) and header.get("format") is None:
     header = dict(header, format=peer_stream.STREAM_FORMAT)
-  with pytest.raises(LocalTierError):
-    peer_stream.received_step(framed(header, b"\0" * 256))
-
-
-def test_received_step_round_trip_and_named_header_faults(manifest_step):
-  tier, step_dir, pristine, raw = manifest_step
-  put(step_dir, pristine, raw)
-  manifest = read_manifest(step_dir)
-  data = read_data(step_dir, manifest)
-  buffer = stream_bytes(peer_stream.step_stream(manifest, data))
-  got, got_data = peer_stream.received_step(buffer)
-  assert got == manifest and got_data.tobytes() == data.tobytes()
-  fmt = peer_stream.STREAM_FORMAT
-  for header in ([1, 2], None, {"format": fmt}, {"format": fmt, "kind": "step"},
-                 {"format": fmt, "kind": "step", "manifest": 5},
-                 {"format": fmt, "kind": "step", "manifest": {"step": 1}},
-                 {"format": fmt, "kind": "step", "manifest": "null"},
-                 {"format": fmt, "kind": "step", "manifest": json.dumps(raw)[:-5]}):
-    with pytest.raises(LocalTierError):
-      peer_stream.received_step(framed(header, data.tobytes()))
-  with pytest.raises(LocalTierError, match="shorter"):  # the data is cut short
-    peer_stream.received_step(buffer[:buffer.nbytes - 64])
-  for cut in (0, 4, 9):
-    with pytest.raises(LocalTierError):
-      peer_stream.received_step(buffer[:cut])
+  buffer = framed(header, b"\0" * 256)
+  with tempfile.TemporaryDirectory() as tmp:
+    store = _copy_store(Path(tmp))
+    incoming = store.begin(0, STEP, buffer.nbytes)
+    incoming.write(0, buffer)
+    assert incoming.commit(None) is None
+    assert store.copies() == []
+    assert not list(store.source_dir(0).iterdir())
 
 
 def test_peer_copy_round_trip_and_malformed_copy_headers(manifest_step, tmp_path):
@@ -290,7 +276,12 @@ def test_peer_copy_round_trip_and_malformed_copy_headers(manifest_step, tmp_path
   assert deliver(good) is not None
   assert store.copies() == [(0, STEP)]
   got, data = store.read(0, STEP, tmp_path / "holder" / str(STEP))
-  assert got == manifest and data.tobytes() == read_data(step_dir, manifest).tobytes()
+  assert got == manifest
+  # Every shard's bytes (the alignment gaps between them are not sent: zeros in the copy).
+  original = read_data(step_dir, manifest)
+  for _, _, shard in manifest_entries(manifest):
+    span = slice(shard.offset, shard.offset + shard.nbytes)
+    assert data[span].tobytes() == original[span].tobytes()
 
   header, start = peer_stream.parse_stream_header(good)
   body = good[start:].tobytes()

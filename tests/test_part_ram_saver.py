@@ -96,6 +96,7 @@ class _Peers:
     self.log.append("peers.issue")
 
   ready_call = 1  # the census's copies_ready_call
+  calls_since_schedule = 19  # the interval: 20 calls
 
   def schedule(self, step, trees, start_call=1, spread=True):
     self.log.append(("peers.schedule", step))

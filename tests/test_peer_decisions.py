@@ -80,4 +80,6 @@ def test_the_replicator_sizes_a_planned_steps_chunks_from_the_interval():
 
 
 def test_copies_start_a_call_after_a_write_that_outlasted_the_first():
-  assert [spread.start_call(ready) for ready in (0, 1, 2, 3, 7)] == [1, 1, 3, 4, 8]
+  assert [spread.start_call(ready, 20) for ready in (0, 1, 2, 3, 7)] == [1, 1, 3, 4, 8]
+  # Unless no call would be left before the next local save (the write nearly fills it).
+  assert [spread.start_call(ready, 5) for ready in (2, 3, 4, 5)] == [3, 4, 4, 5]

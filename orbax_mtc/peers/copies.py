@@ -192,6 +192,11 @@ class PeerCopies:
       return self._ready_call
     return self._calls_since_schedule + 1
 
+  @property
+  def calls_since_schedule(self) -> int:
+    """Non-blocking calls since the last local save (the same on every process)."""
+    return self._calls_since_schedule
+
   def schedule(self, step: int, trees: dict[str, Any], start_call: int = 1,
                spread: bool = True) -> None:
     """Queues the copies of a step just saved (sent by the next `progress` calls, from

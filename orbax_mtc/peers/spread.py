@@ -53,10 +53,13 @@ def chunk_limit(largest: int, calls: int | None, chunk_bytes: int, in_flight_byt
   return max(chunk_bytes, min(wanted, in_flight_bytes // 4))
 
 
-def start_call(ready_call: int) -> int:
+def start_call(ready_call: int, calls_between_saves: int) -> int:
   """The call a planned step's copies start at, from the census's `copies_ready_call` (the
   call by which every node's previous write was done): that one, or the one after when a
-  write outlasted the first call, so that the chunks' read-ahead, queued behind the write
-  on the writer thread, has had a step too (else the first chunks are read on the calling
-  thread: 0.1-0.3 s a call at 1 GiB here)."""
-  return ready_call + 1 if ready_call > 1 else max(1, ready_call)
+  write outlasted the first call and a call would still be left before the next local save
+  (`calls_between_saves`, the last interval), so that the chunks' read-ahead, queued behind
+  the write on the writer thread, has had a step too (else the first chunks are read on the
+  calling thread: 0.1-0.3 s a call at 1 GiB here)."""
+  if 1 < ready_call and ready_call + 1 < calls_between_saves:
+    return ready_call + 1
+  return max(1, ready_call)

@@ -243,25 +243,3 @@ def copy_stream(step_dir: Path, manifest: local_format.StepManifest, source: int
   return OutgoingStream(nbytes=data_start + offset, segments=segments)
 
 
-def step_stream(manifest: local_format.StepManifest, data: np.ndarray) -> OutgoingStream:
-  """The stream that gives a node a whole step (manifest + data in manifest layout)."""
-  framed, data_start = stream_header({"kind": "step", "manifest": manifest.to_json()})
-  return OutgoingStream(nbytes=data_start + manifest.data_size, segments=[
-      Segment(0, framed.nbytes, buffer=framed),
-      Segment(data_start, manifest.data_size, buffer=data[:manifest.data_size])])
-
-
-def received_step(buffer: np.ndarray) -> tuple[local_format.StepManifest, np.ndarray]:
-  """(manifest, data view) of a whole-step stream received into an aligned buffer."""
-  header, data_start = parse_stream_header(buffer)
-  if header.get("kind") != "step":
-    raise local_format.CorruptStepError(
-        f"expected a step stream, got {reprlib.repr(header.get('kind'))}")
-  manifest = local_format.StepManifest.from_json(header_text(header, "manifest"),
-                                               where="manifest of a received step stream")
-  data = buffer[data_start:data_start + manifest.data_size]
-  if data.nbytes != manifest.data_size:
-    raise local_format.CorruptStepError("step stream is shorter than its manifest says")
-  return manifest, data
-
-
