@@ -54,8 +54,11 @@ def test_a_spread_step_goes_in_about_one_chunk_per_call_within_bounds():
   limit = spread.chunk_limit
   assert limit(256 * mib + (128 << 10), 5, 16 * mib, 256 * mib) == 64 * mib  # 51.2 up to 64
   assert limit(256 * mib, 20, 16 * mib, 256 * mib) == 16 * mib  # 12.8: the option's floor
-  assert limit(1 << 30, 5, 16 * mib, 256 * mib) == 64 * mib  # a quarter of what may move
+  assert limit(512 * mib, 5, 16 * mib, 256 * mib) == 64 * mib  # a quarter of what may move
   assert limit(1 << 30, 5, 16 * mib, 1 << 30) == 256 * mib
+  # Over twice what may move: link-bound, where chunk_mib chunks move faster.
+  assert limit(512 * mib + 1, 5, 16 * mib, 256 * mib) == 16 * mib
+  assert limit(1 << 30, 20, 16 * mib, 256 * mib) == 16 * mib
   assert limit(64 * mib, 1, 16 * mib, 256 * mib) == 64 * mib  # a power of two stays
   assert limit(64 * mib + 1, 1, 16 * mib, 512 * mib) == 128 * mib
   # Not spread (waited for at once: small chunks pipeline), or sizes not known yet.
