@@ -42,7 +42,7 @@ def test_chunks_per_call_spreads_what_is_left_over_the_calls_left():
   # outcome of the last, which had a training step to arrive).
   assert per_call(100, 20, 1, 8) == 5
   assert per_call(100, 20, 5, 2) == 7  # a late start (a process still writing): more each
-  assert per_call(10, 20, 1, 8) == 1  # a small step: one a call, spread as evenly
+  assert per_call(10, 20, 1, 8, 2) == 2  # a small step: never below `least`
   assert per_call(101, 7, 1, 2) == 15  # rounded up: out within the interval
   assert per_call(100, 7, 6, 2) == 50
   assert per_call(100, 6, 6, 2) == 100  # the call before the save's: what is left

@@ -217,7 +217,7 @@ class Replicator:
         job.transfer.retire_ready()
         job.transfer.advance(spread.chunks_per_call(
             job.transfer.remaining_chunks, job.calls_between_saves, job.calls_seen,
-            max(self._window, spread.BYTES_PER_CALL // job.chunk_limit)),
+            max(self._window, spread.BYTES_PER_CALL // job.chunk_limit), self._window),
             window=self._overlap(job))
         job.transfer.retire_ready()
     except BaseException:

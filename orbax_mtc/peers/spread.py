@@ -15,7 +15,7 @@ BYTES_PER_CALL = 128 << 20
 
 
 def chunks_per_call(remaining_chunks: int, calls_between_saves: int | None, calls_seen: int,
-                    floor: int) -> int:
+                    floor: int, least: int = 1) -> int:
   """Chunks one non-blocking `progress()` issues, so that a step's copies are out before the
   next local save rather than flushed, blocking, by it (pure; the same on every process).
 
@@ -27,17 +27,19 @@ def chunks_per_call(remaining_chunks: int, calls_between_saves: int | None, call
       copies may have started at a later one: a process still writing, `start_call`).
     floor: the chunks of `BYTES_PER_CALL` (at least the window): each call's share without
       an estimate, or past it (the next local save may come any call).
+    least: the fewest chunks a call issues with an estimate (the window: a link slower
+      than the spread then has the last calls of the interval as slack).
 
   Returns:
     With an estimate, what is left spread evenly over this call and the calls left before
-    the next local save (which would flush it, blocking), at least one: each call's
+    the next local save (which would flush it, blocking), at least `least`: each call's
     chunks have a training step to move before the next call's collectives (and, on a CPU
     client, its computation) queue behind them. Else `floor`.
   """
   calls_left = (calls_between_saves or 0) - calls_seen  # after this one
   if calls_left < 0:
     return floor
-  return max(1, -(-remaining_chunks // (calls_left + 1)))
+  return max(least, -(-remaining_chunks // (calls_left + 1)))
 
 
 def chunk_limit(largest: int, calls: int | None, chunk_bytes: int, in_flight_bytes: int) -> int:
