@@ -225,8 +225,8 @@ class ReplicationOptions:
     peer_ranks: The explicit list of holders per node (one list per process), instead of
       `peers_per_node`; mutually exclusive, as in the GKE replicator's replicator.yaml.
       Stored as a tuple of tuples.
-    chunk_mib: Transfers waited for move in chunks of this many MiB (16 moved 1.2x faster than
-      64 on CPU); copies spread over the interval, in up to in_flight_mib / 4 (peers/spread).
+    chunk_mib: Transfers move in chunks of this many MiB (on CPU 4-16 MiB moved 64 MiB 1.2x
+      faster than 32-64: benchmarks/transport_chunks.py; 16 issues half the chunks of 8).
     chunks_in_flight: Chunks in flight at once while a call waits for a step's copies.
     in_flight_mib: MiB of chunks a `save()` may leave in flight when it returns, so copies
       move while training goes on (each chunk holds a send and a receive buffer), and MiB of

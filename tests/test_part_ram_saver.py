@@ -80,7 +80,6 @@ class _Peers:
   def __init__(self, log: list):
     self.log, self.trees = log, {}  # trees: step -> the trees scheduled for copies
     self.start_calls: dict[int, int] = {}  # step -> the call its copies start at
-    self.spread: dict[int, bool] = {}  # step -> its copies spread over the interval
 
   def progress(self, *, block):
     self.log.append(("peers.progress", block))
@@ -98,9 +97,8 @@ class _Peers:
   ready_call = 1  # the census's copies_ready_call
   calls_since_schedule = 19  # the interval: 20 calls
 
-  def schedule(self, step, trees, start_call=1, spread=True):
+  def schedule(self, step, trees, start_call=1):
     self.log.append(("peers.schedule", step))
-    self.spread[step] = spread
     self.trees[step] = trees
     self.start_calls[step] = start_call
 
@@ -200,10 +198,6 @@ def test_the_copies_start_at_the_call_the_slowest_previous_write_was_done_by(rig
   r.cluster.others[agreement.SaveRecord] = [{}, {}]
   r.save(5, make_state(mesh))
   assert r.peers.start_calls[5] == 1  # every write done by the first call: that one
-  assert r.peers.spread == {4: False, 5: False}  # synchronous: waited for at the save
-  a = rig(count=2, asynchronous=True)
-  a.save(6, make_state(mesh))
-  assert a.peers.spread == {6: True}  # spread over the calls before the next local save
 
 
 def test_processes_saving_different_steps_raise_naming_each_and_write_nothing(rig, mesh):

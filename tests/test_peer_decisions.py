@@ -49,39 +49,6 @@ def test_chunks_per_call_spreads_what_is_left_over_the_calls_left():
   assert per_call(100, 6, 7, 2) == 2  # past the estimate (the save may come any call): floor
 
 
-def test_a_spread_step_goes_in_about_one_chunk_per_call_within_bounds():
-  mib = 1 << 20
-  limit = spread.chunk_limit
-  assert limit(256 * mib + (128 << 10), 5, 16 * mib, 256 * mib) == 64 * mib  # 51.2 up to 64
-  assert limit(256 * mib, 20, 16 * mib, 256 * mib) == 16 * mib  # 12.8: the option's floor
-  assert limit(512 * mib, 5, 16 * mib, 256 * mib) == 64 * mib  # a quarter of what may move
-  assert limit(1 << 30, 5, 16 * mib, 1 << 30) == 256 * mib
-  # Over twice what may move: link-bound, where chunk_mib chunks move faster.
-  assert limit(512 * mib + 1, 5, 16 * mib, 256 * mib) == 16 * mib
-  assert limit(1 << 30, 20, 16 * mib, 256 * mib) == 16 * mib
-  assert limit(64 * mib, 1, 16 * mib, 256 * mib) == 64 * mib  # a power of two stays
-  assert limit(64 * mib + 1, 1, 16 * mib, 512 * mib) == 128 * mib
-  # Not spread (waited for at once: small chunks pipeline), or sizes not known yet.
-  assert limit(256 * mib, None, 16 * mib, 256 * mib) == 16 * mib
-  assert limit(0, 5, 16 * mib, 256 * mib) == 16 * mib
-
-
-def test_the_replicator_sizes_a_planned_steps_chunks_from_the_interval():
-  from test_size_plan import sized_ring
-
-  peers, _, _ = sized_ring()
-  replicator = peers.replicator
-  edges = replicator.topology.edges
-  replicator._sizes.learn(edges, [256 << 20] * len(edges))  # as a round would have
-  for _ in range(5):  # the interval: five calls between local saves
-    peers.progress(block=False)
-  peers.schedule(6, {})
-  assert replicator._job.chunk_limit == 64 << 20
-  replicator._job = None
-  peers.schedule(8, {}, spread=False)  # the synchronous save waits for its copies
-  assert replicator._job.chunk_limit == 16 << 20
-
-
 def test_copies_start_a_call_after_a_write_that_outlasted_the_first():
   assert [spread.start_call(ready, 20) for ready in (0, 1, 2, 3, 7)] == [1, 1, 3, 4, 8]
   # Unless no call would be left before the next local save (the write nearly fills it).

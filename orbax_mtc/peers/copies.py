@@ -197,16 +197,14 @@ class PeerCopies:
     """Non-blocking calls since the last local save (the same on every process)."""
     return self._calls_since_schedule
 
-  def schedule(self, step: int, trees: dict[str, Any], start_call: int = 1,
-               spread: bool = True) -> None:
+  def schedule(self, step: int, trees: dict[str, Any], start_call: int = 1) -> None:
     """Queues the copies of a step just saved (sent by the next `progress` calls, from
     `start_call` on when no round sizes them, and spread so that they are out before the
-    next local save: peers/spread.py; without `spread`, the caller waits for them at once)."""
+    next local save: peers/spread.py)."""
     calls, self._calls_since_schedule = self._calls_since_schedule, 0
     self._ready_call = None
     if self.replicator is not None:
-      self.replicator.schedule(step, self.shard_sets(trees),
-                               calls_between_saves=(calls or None) if spread else None,
+      self.replicator.schedule(step, self.shard_sets(trees), calls_between_saves=calls or None,
                                start_call=start_call)
 
   def schedule_recovery(self, step: int, sets: list, recovered: Sequence[int]) -> None:

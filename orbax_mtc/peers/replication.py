@@ -97,7 +97,6 @@ class _StepCopies:
   calls_between_saves: int | None = None  # the interval's estimate (chunks_per_call)
   calls_seen: int = 0  # non-blocking progress calls since the step was scheduled
   start_call: int = 1  # the call copies planned without a round start at (`schedule`)
-  chunk_limit: int = 0  # its chunks' longest (size_plan.chunk_limit), read ahead alike
   transfer: transport.Transfer | None = None
   incoming: dict[int, peer_store.IncomingCopy] = dataclasses.field(default_factory=dict)
   sent_bytes: int = 0
@@ -121,6 +120,10 @@ class Replicator:
     self._allreduce = allreduce  # replication's own agreements (send_census)
     self._chunk_bytes = chunk_bytes
     self._window = window
+    # Chunks issued per non-blocking call at least (at most `window` in flight at once):
+    # about BYTES_PER_CALL; more for a step too big to be out within the interval.
+    self._chunks_per_call = max(window, spread.BYTES_PER_CALL // max(1, chunk_bytes))
+    self._overlap_window = max(window, in_flight_bytes // max(1, chunk_bytes))  # left moving
     self._in_flight_bytes = in_flight_bytes
     self._job: _StepCopies | None = None
     self._sizes = size_plan.SizePlan()  # the last agreed sizes: later copies take no round
@@ -155,8 +158,7 @@ class Replicator:
                edges: Sequence[tuple[int, int]] | None = None, *,
                calls_between_saves: int | None = None, start_call: int = 1) -> None:
     """Queues `step` for replication on `edges` (default: every copy edge of the topology);
-    `calls_between_saves` sizes the calls' shares and, once the sizes are known, the chunks
-    (peers/spread.py; None: waited for at once); copies planned
+    `calls_between_saves` sizes the non-blocking calls' shares (peers/spread.py); copies planned
     without a round start at non-blocking call `start_call` (the same on every process),
     so that each process's wait for its own write there is short."""
     self.reap_commits()
@@ -166,11 +168,8 @@ class Replicator:
     if self._job is not None:
       raise RuntimeError("replication of the previous step is still pending; finish it first")
     receivers = {dst: shard_sets_by_process[dst] for src, dst in chosen if src == self.me}
-    largest = max(self._sizes.planned(chosen)) if self._sizes.covers(chosen) else 0
-    limit = spread.chunk_limit(largest, calls_between_saves, self._chunk_bytes,
-                                  self._in_flight_bytes)
     self._job = job = _StepCopies(step, chosen, receivers, calls_between_saves,
-                                  start_call=max(1, start_call), chunk_limit=limit)
+                                  start_call=max(1, start_call))
     # Queued behind the step's write on the writer thread (one thread: in order).
     job.prepared = self._writer.submit(self._outgoing, job, read_ahead=True)
 
@@ -185,9 +184,9 @@ class Replicator:
                                              skip_ordinals(manifest, job.receivers[dst]))
                 for src, dst in job.edges if src == self.me}
     if read_ahead:
-      budget = max(job.chunk_limit, self._in_flight_bytes // max(1, len(outgoing)))
+      budget = max(self._chunk_bytes, self._in_flight_bytes // max(1, len(outgoing)))
       for stream in outgoing.values():
-        stream.read_ahead(job.chunk_limit, budget, self._writer.submit)
+        stream.read_ahead(self._chunk_bytes, budget, self._writer.submit)
     return outgoing
 
   def progress(self, status: int, *, block: bool) -> None:
@@ -217,8 +216,7 @@ class Replicator:
         job.transfer.retire_ready()
         job.transfer.advance(spread.chunks_per_call(
             job.transfer.remaining_chunks, job.calls_between_saves, job.calls_seen,
-            max(self._window, spread.BYTES_PER_CALL // job.chunk_limit), self._window),
-            window=self._overlap(job))
+            self._chunks_per_call, self._window), window=self._overlap_window)
         job.transfer.retire_ready()
     except BaseException:
       # Not a failure the transfer records (those are agreed below): a collective itself
@@ -244,7 +242,7 @@ class Replicator:
     assert job.transfer is not None
     try:
       job.transfer.retire_ready()
-      job.transfer.advance(window=self._overlap(job))
+      job.transfer.advance(window=self._overlap_window)
     except BaseException:
       self._abort(job)  # a collective failed: see progress
       raise
@@ -412,17 +410,13 @@ class Replicator:
     try:
       job.transfer = transport.Transfer(
           streams, me=self.me, reader_for=reader_for, sink_for=sink_for,
-          chunk_limit=job.chunk_limit, window=self._window,
+          chunk_limit=self._chunk_bytes, window=self._window,
           reduce=lambda rnd: self._reduce(rnd.parts()), viewer_for=viewer_for)
     except transport.TransferError as e:  # agreed: the same on every process
       logging.warning("orbax-mtc: step %d is not replicated: %s", job.step, e)
       self._abort(job)
       return False
     return True
-
-  def _overlap(self, job: _StepCopies) -> int:
-    """Chunks a call may leave moving: `in_flight_mib` of them (at least the window)."""
-    return max(self._window, self._in_flight_bytes // job.chunk_limit)
 
   def _reduce(self, parts: reduction.Parts) -> reduction.Parts:
     if self._allreduce is None:

@@ -2,9 +2,9 @@
 (pure; the same on every process: it reads only agreed counts).
 
 Each non-blocking call issues its share of the step's chunks, so that the copies are out
-before the next local save instead of flushed by it, blocking; each chunk costs the calling
-thread about a millisecond to issue, so a step spread over the interval goes in about one
-chunk per stream a call. The replicator (peers/replication.py) asks both.
+before the next local save instead of flushed by it, blocking; they start at a call where
+every node's write of the step is likely done. The replicator (peers/replication.py) and the
+RAM saver (save/ram.py) ask these.
 """
 
 from __future__ import annotations
@@ -40,21 +40,6 @@ def chunks_per_call(remaining_chunks: int, calls_between_saves: int | None, call
   if calls_left < 0:
     return floor
   return max(least, -(-remaining_chunks // (calls_left + 1)))
-
-
-def chunk_limit(largest: int, calls: int | None, chunk_bytes: int, in_flight_bytes: int) -> int:
-  """The longest chunk of a planned step's copies spread over `calls` calls: about one chunk
-  per stream a call, as a power of two, at least `chunk_bytes` (ReplicationOptions.chunk_mib)
-  and at most a quarter of `in_flight_bytes`. Each chunk costs the calling thread about a
-  millisecond to issue whatever its size; but on the wire chunk_mib chunks move faster (on
-  CPU, 1.2x: buffers of 32 MiB and more come from fresh pages), so a transfer waited for at
-  once (`calls` None) and a stream over twice `in_flight_bytes`, whose copies take the link
-  most of the interval, keep `chunk_bytes`. The same on every process: agreed sizes and
-  interval."""
-  if not calls or largest <= 0 or largest > 2 * in_flight_bytes:
-    return chunk_bytes
-  wanted = 1 << max(0, -(-largest // calls) - 1).bit_length()
-  return max(chunk_bytes, min(wanted, in_flight_bytes // 4))
 
 
 def start_call(ready_call: int, calls_between_saves: int) -> int:

@@ -183,7 +183,7 @@ class RamSaver:
     self._peers.issue()  # the previous step's copies, left moving while training goes on
     # Its copies start about the call by which every node's previous write was done.
     start = spread.start_call(census.copies_ready_call, self._peers.calls_since_schedule)
-    self._peers.schedule(step, trees, start_call=start, spread=self._asynchronous)
+    self._peers.schedule(step, trees, start_call=start)
     if not self._asynchronous and not ondemand:  # on demand: raised after the backup
       self._peers.progress(block=True)
       # Synchronous mode: the write is done, and its outcome is raised on every process alike.
