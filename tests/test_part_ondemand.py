@@ -126,6 +126,7 @@ class _Peers:
     pass
 
   ready_call = 1  # the census's copies_ready_call
+  calls_since_schedule = 0
 
   def schedule(self, step, trees, start_call=1):
     self.log.append(("peers.schedule", step))
