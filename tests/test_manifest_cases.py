@@ -247,8 +247,8 @@ def test_conflicting_key_paths_are_a_manifest_error_in_item_metadata(manifest_st
 @HYPOTHESIS
 @given(header=HEADER_VALUES)
 def test_a_copy_whose_header_is_malformed_is_refused_never_raised(header):
-  """Whatever a received stream's header holds, its commit refuses it (None) and leaves
-  nothing behind: an exception here would end the writer thread's work for the save."""
+  """Whatever a received stream's header holds, its commit refuses it (None, logged) and
+  leaves nothing behind: the copy is simply not held, and no error escapes the commit."""
   if isinstance(header, dict) and header.get("format") is None:
     header = dict(header, format=peer_stream.STREAM_FORMAT)
   buffer = framed(header, b"\0" * 256)
