@@ -42,8 +42,17 @@ def _slowest(values: np.ndarray) -> np.ndarray:
   return multihost_utils.process_allgather(np.asarray(values, np.float64)).max(axis=0)
 
 
+def _meet(state: jax.Array, mesh: jax.sharding.Mesh):
+  """A data-parallel step's all-reduce (its gradients, its loss), waited for: the processes
+  meet every step. A scalar from the state, replicated, stands for it."""
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  loss = jax.jit(lambda w: w[:8, 0].sum(), out_shardings=replicated)
+  return lambda: jax.block_until_ready(loss(state))
+
+
 def run_interval(interval: int, state: jax.Array, mesh: jax.sharding.Mesh, root: Path,
-                 persistent: Path, step_ms: float, intervals: int, warm: int = 0) -> dict:
+                 persistent: Path, step_ms: float, intervals: int, warm: int = 0,
+                 sync_step: bool = False) -> dict:
   options = mtc.CheckpointManagerOptions(
       local=mtc.LocalCheckpointOptions(save_interval_steps=interval, max_to_keep=2),
       persistent=mtc.PersistentCheckpointOptions(should_save_fn=lambda step, last: False))
@@ -57,8 +66,11 @@ def run_interval(interval: int, state: jax.Array, mesh: jax.sharding.Mesh, root:
                              options=options) as mgr:
     # Private: no public API says when a step is protected (as `bench every-step`).
     replicator = mgr._form.peers.replicator  # noqa: SLF001 - the measure
+    meet = _meet(state, mesh) if sync_step else None
     for step in range(interval * (warm + intervals) + 1):
       time.sleep(step_ms / 1000)  # the accelerator's step: idle host time
+      if meet is not None:
+        meet()
       if step % interval == 0 and step >= first:
         # The previous step's copies not yet issued or still moving: this save waits for them.
         flushed += mgr._form.peers.busy  # noqa: SLF001 - the measure
@@ -77,7 +89,11 @@ def run_interval(interval: int, state: jax.Array, mesh: jax.sharding.Mesh, root:
   return {"interval": interval, "steps": len(per_step), "p50_s": float(np.median(per_step)),
           "p99_s": float(np.quantile(per_step, 0.99)), "max_s": float(per_step.max()),
           "local_saves": intervals, "warm_saves": warm, "flushed_at_local_save": int(flushed),
-          "protected_p50_s": float(np.median(timed)) if timed.size else None}
+          "protected_p50_s": float(np.median(timed)) if timed.size else None,
+          # Each timed call's blocking (the slowest process), ms; the local saves are the
+          # calls at multiples of the interval (index 0 is the call after step `first` - 1).
+          "per_call_ms": [round(float(v) * 1000, 2) for v in per_step],
+          "first_step": first}
 
 
 def main() -> None:
@@ -90,6 +106,9 @@ def main() -> None:
   parser.add_argument("--step-ms", type=float, default=50.0)
   parser.add_argument("--persistent", default="/tmp/replication-interval")
   parser.add_argument("--json", help="also write the results here (process 0)")
+  parser.add_argument("--sync-step", action="store_true",
+                      help="each step ends with a cross-process all-reduce every process waits "
+                           "for, as a data-parallel step's (the processes meet every step)")
   args = parser.parse_args()
   distributed.initialize()
   me, n = jax.process_index(), jax.process_count()
@@ -110,9 +129,11 @@ def main() -> None:
   ppermute_gbps = (args.mib << 20) / np.median(seconds) / 1e9
   root = Path(distributed.local_directory())
   results = [run_interval(i, state, mesh, root, Path(args.persistent), args.step_ms,
-                          args.local_saves, args.warm_saves) for i in args.intervals]
+                          args.local_saves, args.warm_saves, args.sync_step)
+             for i in args.intervals]
   if me == 0:
-    print(f"{args.mib} MiB per process, {n} processes, step {args.step_ms:.0f} ms, ring "
+    meets = ", processes meet every step" if args.sync_step else ""
+    print(f"{args.mib} MiB per process, {n} processes, step {args.step_ms:.0f} ms{meets}, ring "
           f"ppermute {ppermute_gbps:.2f} GB/s (same run)")
     print("| local interval | save() p50 | p99 | max | local saves that flushed pending copies "
           "| protected on the peer after (p50) |")
@@ -125,6 +146,7 @@ def main() -> None:
     if args.json:
       Path(args.json).write_text(json.dumps({"mib": args.mib, "processes": n,
                                              "ppermute_gbps": ppermute_gbps,
+                                             "sync_step": args.sync_step,
                                              "results": results}, indent=1))
 
 

@@ -161,6 +161,8 @@ class SaveRecord:
       placement or receive): their outcome rides in the save's agreement.
     copies_ready_call: The first call after the previous local save that found its write
       done here (0: none known); the latest one sets when the next copies start.
+    copies_wait_ms: How long this process's calls waited for peer copies' chunks since the
+      previous local save; the most any waited sets how widely the next copies are spread.
   """
 
   step: int = field(Int(), -1)
@@ -174,6 +176,7 @@ class SaveRecord:
   clock_ms: int = field(Int(), 0)  # process 0's clock decides backups by minutes
   copies_failed: bool = field(Bool(), False)  # the copies issued before it failed here
   copies_ready_call: int = field(Int(), 0)  # the call the previous write was done by here
+  copies_wait_ms: int = field(Int(), 0)  # waited for copies' chunks since the last save
 
 
 @dataclasses.dataclass(frozen=True)

@@ -225,18 +225,21 @@ class ReplicationOptions:
     peer_ranks: The explicit list of holders per node (one list per process), instead of
       `peers_per_node`; mutually exclusive, as in the GKE replicator's replicator.yaml.
       Stored as a tuple of tuples.
-    chunk_mib: Transfers move in chunks of this many MiB (on CPU 4-16 MiB moved 64 MiB 1.2x
-      faster than 32-64: benchmarks/transport_chunks.py; 16 issues half the chunks of 8).
+    chunk_mib: Transfers move in chunks of this many MiB (docs/benchmarks.md: 16 on CPU).
     chunks_in_flight: Chunks in flight at once while a call waits for a step's copies.
     in_flight_mib: MiB of chunks a `save()` may leave in flight when it returns, so copies
       move while training goes on (each chunk holds a send and a receive buffer), and MiB of
       a step's copies the writer thread reads ahead of sending them.
+    max_spread_intervals: The most local intervals a step's copies are spread over when the
+      link lags them (their calls waited over 5% of an interval and 20 ms); the local saves
+      between send no copies of their own instead of waiting. 1: each step's copies go out
+      before the next local save, which waits for what is left.
 
   Raises:
     ValueError: If `replica_axis` is empty or not a string, both `peers_per_node` and
       `peer_ranks` are set, `peers_per_node` is not an int >= 0, `peer_ranks` is not one list
       of int ranks per node or names a node as its own peer, or `chunk_mib`,
-      `chunks_in_flight` or `in_flight_mib` is not positive.
+      `chunks_in_flight`, `in_flight_mib` or `max_spread_intervals` is not positive.
     TypeError: If one of them is not an int.
   """
 
@@ -246,6 +249,7 @@ class ReplicationOptions:
   chunk_mib: int = 16
   chunks_in_flight: int = 2
   in_flight_mib: int = 256
+  max_spread_intervals: int = 8
 
   def __post_init__(self):
     if self.replica_axis is not None and (
@@ -263,7 +267,7 @@ class ReplicationOptions:
             f"ReplicationOptions.peers_per_node must be an int >= 0, got {self.peers_per_node!r}.")
     if self.peer_ranks is not None:
       self.peer_ranks = checked_peer_ranks(self.peer_ranks)
-    for name in ("chunk_mib", "chunks_in_flight", "in_flight_mib"):
+    for name in ("chunk_mib", "chunks_in_flight", "in_flight_mib", "max_spread_intervals"):
       check_interval("ReplicationOptions", name, getattr(self, name), allow_none=False)
 
   @property
@@ -469,12 +473,8 @@ class CheckpointManagerOptions:
           "the same bound; set one of them.")
 
   def persistent_manager_options(self) -> ocp_manager.CheckpointManagerOptions:
-    """The plain Orbax options the persistent tier is run with.
-
-    Returns:
-      An `orbax.checkpoint.CheckpointManagerOptions` built from `persistent` and the shared
-      fields (async, clean-up, step naming).
-    """
+    """The plain Orbax `CheckpointManagerOptions` the persistent tier is run with: from
+    `persistent` and the shared fields (async, clean-up, step naming)."""
     persistent = self.persistent
     kwargs: dict[str, Any] = dict(
         # Minutes: the manager decides (BackupIntervalPolicy); the parent only writes.

@@ -86,7 +86,8 @@ class _Layout:
     self.step = t.take(4)  # high, low, -high, -low of step + 1
     self.low_local, self.low_backup, self.low_in_ram = t.take(1), t.take(1), t.take(1)
     self.low_failed, self.low_busy, self.low_copies = t.take(1), t.take(1), t.take(1)
-    self.ready_call = t.take(1)  # the most calls a node's previous write took
+    # The most calls a node's previous write took, the most ms a process waited for copies.
+    self.ready_call, self.copies_wait = t.take(1), t.take(1)
     self.buckets = t.take(4 * shape.buckets)  # per bucket: high, low, -high, -low
     self.add, self.top = a.size, t.size
 
@@ -122,7 +123,7 @@ def census(record: SaveRecord, me: int, shape: CensusShape) -> Parts:
     if flag:
       top[where] = -me
   top[lay.step] = _halves4(record.step)
-  top[lay.ready_call] = record.copies_ready_call
+  top[lay.ready_call], top[lay.copies_wait] = record.copies_ready_call, record.copies_wait_ms
   unknown: set[int] = set()
 
   def count(vector: slice, step: int) -> None:
@@ -157,16 +158,16 @@ class Census:
     shape: Its slots and buckets.
     steps: The lowest and highest step saved.
     local_faults, backup_faults: Processes reporting a fault of their own, of a backup.
-    in_ram: Processes holding the step in their own folder.
-    in_persistent: How many see it persistent.
+    in_ram, in_persistent: Processes holding the step in their own folder; how many see it
+      persistent.
     wants_backup: Some process wants the step backed up.
     busy: Processes where Orbax still writes an earlier backup.
     copies_failed: Processes where the peer copies issued before the save failed.
     copies_ready_call: The most calls after the last save a node's write took (0: unknown).
-    failed: Processes whose pending backup read-back failed.
-    all_ready: Every process has read the pending backup back.
-    clock_ms: Process 0's clock.
-    no_own: How many nodes hold no step of their own.
+    copies_wait_ms: The most a process waited for copies' chunks since the last save.
+    failed, all_ready: Processes whose pending backup read-back failed; whether every
+      process has read it back.
+    clock_ms, no_own: Process 0's clock; how many nodes hold no step of their own.
     unknown: How many steps held somewhere are outside the slots (summed over processes).
     found: Steps outside the slots that a bucket names exactly.
     own, persistent, newest, cut, copies: Per slot, the counts described above.
@@ -182,6 +183,7 @@ class Census:
   busy: Who
   copies_failed: Who
   copies_ready_call: int
+  copies_wait_ms: int
   failed: Who
   all_ready: bool
   clock_ms: int
@@ -219,6 +221,7 @@ def read_census(reduced: Parts, shape: CensusShape, processes: int) -> Census:
       wants_backup=bool(add[lay.wants_backup][0]), busy=who(lay.busy, lay.low_busy),
       copies_failed=who(lay.copies_failed, lay.low_copies),
       copies_ready_call=max(0, int(top[lay.ready_call][0])),
+      copies_wait_ms=max(0, int(top[lay.copies_wait][0])),
       failed=Who(int(states[Status.FAILED]),
                  int(-top[lay.low_failed][0]) if states[Status.FAILED] else -1),
       all_ready=int(states[Status.READY]) == processes,
@@ -237,7 +240,7 @@ def next_shape(census_: Census) -> CensusShape:
 
 def census_bytes(slots: int, buckets: int = FIRST_BUCKETS) -> int:
   """Bytes of one census contribution at any process count: 4 x (21 + 5 x slots) summed,
-  4 x (11 + 4 x buckets) maxed."""
+  4 x (12 + 4 x buckets) maxed."""
   lay = _Layout(CensusShape(tuple(range(slots)), buckets))
   return 4 * (lay.add + lay.top)
 
@@ -387,8 +390,7 @@ def steps_differ_message(found: Names, restoring: bool = False) -> str:
 
 
 def speakers(found: Names) -> tuple[int, ...]:
-  """The processes whose fault messages travel: the lowest local faults, else the lowest
-  failed backup."""
+  """Whose fault messages travel: the lowest local faults, else the lowest failed backup."""
   return found.local[:NAMED_FAULTS] if found.local else found.backup[:1]
 
 
@@ -420,10 +422,9 @@ class SaveAnswer:
     steps_error: Why the processes' steps differ (a ValueError to raise), or None.
     ram: The RAM steps the cluster can assemble, oldest first.
     floor: The newest step every node holds, or None.
-    persistent: The persistent steps every process sees.
-    persistent_seen: The persistent steps some process sees.
-    local: The named processes' own faults (the lowest `NAMED_FAULTS`).
-    local_count: How many processes report a fault of their own.
+    persistent, persistent_seen: The persistent steps every process sees, some process sees.
+    local, local_count: The named processes' own faults (the lowest `NAMED_FAULTS`), and how
+      many processes report one.
     backup: The lowest failed backup's process and fault, when no process has its own.
     rounds: The collectives made, in order (census, coverage, names, messages).
   """
@@ -454,9 +455,6 @@ def agree(record: SaveRecord, me: int, processes: int, groups: Sequence[int] | N
     own_view: The persistent steps this process sees (steps older than a cut list).
     reduce: The collective: a round's reduced `Parts`.
     restoring: The restore's census (`record.step`: the step asked for, -1 for None).
-
-  Returns:
-    The `SaveAnswer`.
   """
   rounds: list[Parts] = []
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -203,6 +204,9 @@ class Transfer:
         collections.deque()
     self._free: list[np.ndarray] = []
     self.failures: list[str] = []
+    # Seconds this process's calls waited for chunks to complete (a full window, the
+    # last chunks): how far the link lags the pace they were issued at.
+    self.waited_seconds = 0.0
     self._broken: set[Stream] = set()  # streams whose reader or sink failed once
     self._reserve({chunk.length for chunk in self._chunks}, reduce)
 
@@ -334,10 +338,19 @@ class Transfer:
     limit = self._window if window is None else max(1, window)
     issued = 0
     while self._chunks and (max_chunks is None or issued < max_chunks):
-      while len(self._in_flight) >= limit:
-        self._retire()
+      if len(self._in_flight) >= limit:
+        self._retire_waiting(len(self._in_flight) - limit + 1)
       self._issue(self._chunks.popleft())
       issued += 1
+
+  def _retire_waiting(self, count: int) -> None:
+    """Retires the oldest `count` chunks, waiting for them (timed: `waited_seconds`)."""
+    started = time.perf_counter()
+    try:
+      for _ in range(min(count, len(self._in_flight))):
+        self._retire()
+    finally:
+      self.waited_seconds += time.perf_counter() - started
 
   def retire_ready(self) -> None:
     """Hands the chunks that have already arrived to their sinks, in order, without waiting.
@@ -350,8 +363,7 @@ class Transfer:
 
   def retire_finished(self) -> None:
     """Hands every chunk already issued to its sink (waits for them; issues nothing)."""
-    while self._in_flight:
-      self._retire()
+    self._retire_waiting(len(self._in_flight))
 
   def run(self) -> None:
     """Issues every remaining chunk and waits until all are handed to their sinks.

@@ -1,7 +1,8 @@
 """SIGKILL at random moments of real saves, then a real restore: never a partial step.
 
 One chain of launcher jobs per test (1 process x 2 devices; 2 processes x 2 devices without
-and with peer replication, whose copies are then moving when the kill lands). A
+and with peer replication, whose copies are then moving when the kill lands, and with each
+step's copies spread over several saves, the saves between carrying them on). A
 first job saves step 0 to both tiers uninterrupted. Each following job (`mp_worker chaos`)
 restores whatever the previous one left, checks it bit for bit in every process against the
 state recomputed for the restored step, then runs "training steps" (an all-reduce over every
@@ -142,12 +143,13 @@ def check_folders_after_kill(root: pathlib.Path, nprocs: int, out, restored: int
 
 
 def run_chain(nprocs: int, kills: int, root: pathlib.Path, logs: pathlib.Path,
-              peers: bool) -> list[str]:
+              peers: bool, extra: tuple[str, ...] = (), saves: tuple[int, int] = (1, 6)
+              ) -> list[str]:
   """`kills` jobs, each SIGKILLed at a random point, then a last restore; returns a summary."""
-  rng = random.Random(f"{SEED}-{nprocs}-{peers}")
+  rng = random.Random(f"{SEED}-{nprocs}-{peers}{'-' if extra else ''}{'-'.join(extra)}")
   persistent = logs / "persistent"
   command = [sys.executable, str(WORKER), "chaos", "--persistent-dir", str(persistent),
-             *CHAOS_ARGS, *([] if peers else ["--peers-per-node", "0"])]
+             *CHAOS_ARGS, *([] if peers else ["--peers-per-node", "0"]), *extra]
   # A first uninterrupted job commits step 0 in both tiers, so that every later restore finds
   # something: a restore that finds nothing leaves abandoned local steps behind (a known bug,
   # see test_multiprocess.test_restart_from_scratch_drops_abandoned_local_steps), which this
@@ -171,7 +173,7 @@ def run_chain(nprocs: int, kills: int, root: pathlib.Path, logs: pathlib.Path,
   for iteration in range(kills + 1):
     last = iteration == kills
     victim = victims[iteration]
-    saves_before_kill = rng.randint(1, 6)
+    saves_before_kill = rng.randint(*saves)
     delay_s = rng.uniform(0.0, 0.04)
     out = mp_events.LineCollector()
     log_file = logs / f"job{iteration}.log"
@@ -230,9 +232,20 @@ def run_chain(nprocs: int, kills: int, root: pathlib.Path, logs: pathlib.Path,
   return summary
 
 
+# Each step's copies spread over several saves (1 MiB chunks, 8 a save, past the next save:
+# the saves between carry them on, as on a link that lags them), so kills land while a step
+# older than the newest is being sent and its folder must outlive the newer saves. Backups
+# every 16 steps, so that the copies, a few steps behind, are what a replaced node restores.
+SPREAD = ("--chunk-mib", "1", "--call-mib", "8", "--stretch", "3", "--persistent-interval",
+          "16")
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("nprocs,kills,peers", [(1, 10, False), (2, 8, False), (2, 6, True)],
-                         ids=["1proc", "2proc", "2proc-peers"])
-def test_sigkill_at_random_points_of_saves(nprocs, kills, peers, shm_root, tmp_path):
-  summary = run_chain(nprocs, kills, shm_root, tmp_path, peers)
+@pytest.mark.parametrize("nprocs,kills,peers,extra", [
+    (1, 10, False, ()), (2, 8, False, ()), (2, 6, True, ()), (2, 9, True, SPREAD)],
+    ids=["1proc", "2proc", "2proc-peers", "2proc-peers-spread"])
+def test_sigkill_at_random_points_of_saves(nprocs, kills, peers, extra, shm_root, tmp_path):
+  # Spread copies land a few saves after their step: jobs run a few saves longer.
+  summary = run_chain(nprocs, kills, shm_root, tmp_path, peers, extra,
+                      saves=(3, 9) if extra else (1, 6))
   print("\n".join(summary))

@@ -127,6 +127,16 @@ class _Peers:
 
   ready_call = 1  # the census's copies_ready_call
   calls_since_schedule = 0
+  carries_on = False  # the previous step's copies still have chunks to issue
+
+  def take_wait_ms(self):
+    return 0
+
+  def adapt(self, waited_ms, clock_ms):
+    pass
+
+  def carry(self):
+    self.log.append("peers.carry")
 
   def schedule(self, step, trees, start_call=1):
     self.log.append(("peers.schedule", step))

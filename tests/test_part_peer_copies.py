@@ -127,6 +127,8 @@ def make(options=None, *, index=0, count=1, local=None, store=None, writer=None,
          send=True, optional=False, allreduce=None):
   writer = writer or FakeWriter()
   allreduce = allreduce or FakeAllreduce(count)
+  if local is None:  # the tests that leave it out never read a step: retention's marks only
+    local = types.SimpleNamespace(keep_sending=None, keep_replicated=None)
   peers = PeerCopies(options or mtc.CheckpointManagerOptions(), index, count,
                      local=local, store=store, writer=writer, send=send, optional=optional,
                      allreduce=allreduce)
@@ -481,3 +483,4 @@ def test_the_calls_between_local_saves_size_the_next_copies():
   peers.replicator._job = None
   peers.schedule(9, {})  # no call in between: the floor again
   assert peers.replicator._job.calls_between_saves is None
+

@@ -96,6 +96,17 @@ class _Peers:
 
   ready_call = 1  # the census's copies_ready_call
   calls_since_schedule = 19  # the interval: 20 calls
+  carries_on = False  # the previous step's copies still have chunks to issue
+  wait_ms = 0  # what this process's calls waited for copies (the census's field)
+
+  def take_wait_ms(self):
+    return self.wait_ms
+
+  def adapt(self, waited_ms, clock_ms):
+    self.log.append(("peers.adapt", waited_ms))
+
+  def carry(self):
+    self.log.append("peers.carry")
 
   def schedule(self, step, trees, start_call=1):
     self.log.append(("peers.schedule", step))
@@ -198,6 +209,38 @@ def test_the_copies_start_at_the_call_the_slowest_previous_write_was_done_by(rig
   r.cluster.others[agreement.SaveRecord] = [{}, {}]
   r.save(5, make_state(mesh))
   assert r.peers.start_calls[5] == 1  # every write done by the first call: that one
+
+
+def test_the_census_carries_the_most_any_process_waited_for_copies_to_the_spread(rig, mesh):
+  """Each process reports how long its calls waited for the copies' chunks since the last
+  save; the census's maximum, the same on every process, is what the spread adapts to."""
+  r = rig(count=3)
+  r.peers.wait_ms = 40
+  r.cluster.others[agreement.SaveRecord] = [{"copies_wait_ms": 250}, {"copies_wait_ms": 7}]
+  r.save(4, make_state(mesh))
+  (_, record), = _save_records(r)
+  assert record.copies_wait_ms == 40
+  assert ("peers.adapt", 250) in r.log
+  # After the agreement (its answer), before the step's copies are planned.
+  assert r.log.index(("agree", "the save of step 4")) < r.log.index(("peers.adapt", 250)) < \
+      r.log.index(("peers.schedule", 4))
+
+
+@pytest.mark.parametrize("ondemand", [False, True])
+def test_copies_still_going_out_carry_on_instead_of_this_steps(rig, mesh, ondemand):
+  """A save that finds the previous step's copies with chunks still to issue (the link
+  lags their spread) lets them go on over the next interval and plans no copies of its own
+  step, instead of issuing them all and waiting for them; an on-demand save (the step a
+  preempted job restores) issues them and sends its own step's copies."""
+  r = rig()
+  state = make_state(mesh)
+  r.save(2, state)
+  r.peers.carries_on = True
+  r.log.clear()
+  r.save(4, state, ondemand=ondemand)
+  sent = [e for e in r.log if e in ("peers.carry", "peers.issue") or e[0] == "peers.schedule"]
+  assert sent == (["peers.issue", ("peers.schedule", 4)] if ondemand else ["peers.carry"])
+  assert r.local.steps() == [2, 4]  # the step is saved either way
 
 
 def test_processes_saving_different_steps_raise_naming_each_and_write_nothing(rig, mesh):

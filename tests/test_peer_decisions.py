@@ -49,6 +49,41 @@ def test_chunks_per_call_spreads_what_is_left_over_the_calls_left():
   assert per_call(100, 6, 7, 2) == 2  # past the estimate (the save may come any call): floor
 
 
+def test_copies_that_waited_for_the_link_are_spread_wider_and_narrow_slowly():
+  def step(stretch, waited_ms, interval_ms, most=8):
+    return spread.next_stretch(stretch, waited_ms, interval_ms, most)
+  one, Stretch = spread.Stretch(), spread.Stretch
+  # Waits over 5 % of the interval between two local saves: twice as many intervals.
+  assert step(one, 51, 1000) == Stretch(2, 0)
+  assert step(Stretch(4, 3), 400, 1000) == Stretch(8, 0)
+  assert step(Stretch(8, 0), 900, 1000) == Stretch(8, 0)  # at most `most` intervals
+  assert step(Stretch(2, 0), 900, 1000, most=3) == Stretch(3, 0)
+  # ...and over MIN_WAIT_MS: a few ms are scheduling noise, whatever the interval.
+  assert step(one, spread.MIN_WAIT_MS, 100) == Stretch(1, 0)
+  assert step(one, spread.MIN_WAIT_MS + 1, 100) == Stretch(2, 0)
+  # Within the share: kept; a quiet save (waits under a quarter of it) counts towards
+  # narrowing, a save with some waiting starts the count again.
+  assert step(Stretch(2, 5), 50, 1000) == Stretch(2, 0)
+  assert step(Stretch(2, 5), 12, 1000) == Stretch(2, 6)
+  assert step(Stretch(2, 6), 0, 1000) == Stretch(2, 7)
+  # `QUIET_SAVES` quiet saves in a row: one interval narrower, never under one.
+  assert step(Stretch(2, spread.QUIET_SAVES - 1), 0, 1000) == Stretch(1, 0)
+  assert step(Stretch(1, spread.QUIET_SAVES - 1), 0, 1000) == Stretch(1, spread.QUIET_SAVES)
+  # No interval measured (the first save, a clock that went back): as it was.
+  assert step(Stretch(2, 1), 500, 0) == Stretch(2, 1)
+  assert step(Stretch(2, 1), 500, -30) == Stretch(2, 1)
+  # `max_spread_intervals=1`: every step's copies within one interval, whatever waited.
+  assert step(one, 900, 1000, most=1) == one and step(Stretch(1, 3), 0, 1000, most=1) == \
+      Stretch(1, 4)
+
+
+def test_a_stretched_spread_covers_the_calls_of_its_intervals():
+  assert spread.budget(None, spread.Stretch(4)) is None  # no interval seen yet
+  assert spread.budget(19, spread.Stretch()) == 19
+  # The local saves between issue none of its chunks: 4 + 4 calls at 5 steps an interval.
+  assert spread.budget(4, spread.Stretch(2)) == 8
+
+
 def test_copies_start_a_call_after_a_write_that_outlasted_the_first():
   assert [spread.start_call(ready, 20) for ready in (0, 1, 2, 3, 7)] == [1, 1, 3, 4, 8]
   # Unless no call would be left before the next local save (the write nearly fills it).

@@ -35,7 +35,7 @@ from orbax_mtc.local.read import SavedLeaf, read_step
 from orbax_mtc.local.specs import describe_sharding, item_metadata
 from orbax_mtc.local.staging import stage
 from orbax_mtc.local.store import LocalTier, read_manifest
-from orbax_mtc.peers import replication
+from orbax_mtc.peers import shards
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -241,12 +241,12 @@ def test_shard_sets_name_key_shards_as_the_manifest_does(tier, mesh):
   shards."""
   state = key_state(mesh, seed=13)
   _, manifest = _write(tier, state)
-  held = replication.shard_sets({"state": abstract_of(state)}, 1)[0]
+  held = shards.shard_sets({"state": abstract_of(state)}, 1)[0]
   saved = {("state", leaf.path, shard.index) for leaf in manifest.items["state"].leaves
            if leaf.kind == "array" for shard in leaf.shards}
   assert saved == held
   assert ("state", "['rngs']['dropout']", ((0, 4), (0, 4))) in held
-  assert len(replication.skip_ordinals(manifest, held)) == len(saved)
+  assert len(shards.skip_ordinals(manifest, held)) == len(saved)
 
 
 # ----------------------------------------------------------------------------- manifest

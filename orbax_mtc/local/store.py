@@ -222,7 +222,8 @@ class LocalTier:
 
   Args:
     directory: this process's local directory, on the RAM disk.
-    max_to_keep: committed steps kept (besides `keep_floor`, `keep_replicated`); None: all.
+    max_to_keep: committed steps kept (besides `keep_floor`, `keep_replicated`,
+      `keep_sending`); None: all.
     on_commit: called by `write` with the newest committed step.
     keep: `keep(steps, floor)`, the steps kept, when retention follows a policy
       (ram_retention.py); else the newest `max_to_keep`.
@@ -257,6 +258,7 @@ class LocalTier:
     # max_to_keep, so a crash between two nodes' commits still leaves a common RAM step.
     self.keep_floor: int | None = None
     self.keep_replicated: int | None = None  # newest step whose peer copies landed: kept too
+    self.keep_sending: int | None = None  # the step whose peer copies are going out: kept too
     self._lock = threading.Lock()  # guards folder renames between writer and main thread
     lowered = priority.initializer(nice_increment)
     self._crc_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtc-crc",
@@ -420,7 +422,7 @@ class LocalTier:
   def apply_retention(self) -> list[int]:
     """Retires committed steps beyond `max_to_keep`, never the newest; returns them."""
     steps = committed_steps(self.directory)
-    spared = (self.keep_floor, self.keep_replicated)
+    spared = (self.keep_floor, self.keep_replicated, self.keep_sending)
     if self.keep is not None:
       kept = self.keep(steps, self.keep_floor)
       victims = [s for s in steps if s not in kept and s not in spared]

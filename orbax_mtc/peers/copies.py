@@ -21,7 +21,7 @@ from orbax_mtc.local import store as local_store
 from orbax_mtc.local.writer import RamWriter
 from orbax_mtc.options import CheckpointManagerOptions
 from orbax_mtc.peers import copy_store as peer_store
-from orbax_mtc.peers import replication
+from orbax_mtc.peers import replication, shards, spread
 
 
 class PeerCopies:
@@ -62,6 +62,10 @@ class PeerCopies:
     self._stale_sources = False  # copies of nodes no longer held: dropped after the first copy
     self._calls_since_schedule = 0  # non-blocking progress calls since the last local save
     self._ready_call: int | None = None  # the first of them that found its write done
+    # Over how many local intervals a step's copies are spread (agreed: peers/spread.py).
+    self.stretch = spread.Stretch()
+    self._clock_ms: int | None = None  # process 0's clock at the last local save's census
+    self._waited_seconds = 0.0  # the replicator's waits up to the last census
 
 
   @property
@@ -145,7 +149,7 @@ class PeerCopies:
                  jax.tree_util.tree_structure(tree))
                 for name, tree in trees.items())
     if self._sets_cache is None or self._sets_cache[0] != key:
-      self._sets_cache = (key, replication.shard_sets(trees, self._process_count))
+      self._sets_cache = (key, shards.shard_sets(trees, self._process_count))
     return self._sets_cache[1]
 
   def listing_groups(self, abstract_state: Any, is_array_target: Any) -> list[int] | None:
@@ -161,8 +165,8 @@ class PeerCopies:
         groups = None
       else:
         # Not through shard_sets, whose one-entry cache serves the saves.
-        groups = replication.shard_groups(
-            replication.shard_sets({"state": abstract_state}, self._process_count))
+        groups = shards.shard_groups(
+            shards.shard_sets({"state": abstract_state}, self._process_count))
       self._listing_cache = {key: groups}
     return self._listing_cache[key]
 
@@ -197,14 +201,54 @@ class PeerCopies:
     """Non-blocking calls since the last local save (the same on every process)."""
     return self._calls_since_schedule
 
+  def take_wait_ms(self) -> int:
+    """Milliseconds this process's calls waited for the copies' chunks since the last call
+    of this (for the save's census: `SaveRecord.copies_wait_ms`)."""
+    if self.replicator is None:
+      return 0
+    total = self.replicator.waited_seconds
+    waited, self._waited_seconds = total - self._waited_seconds, total
+    return max(0, round(waited * 1000))
+
+  def adapt(self, waited_ms: int, clock_ms: int) -> None:
+    """After a local save's census: the spread of the next step's copies, from the most any
+    process waited for them since the previous local save and the agreed clock (rule 8)."""
+    if self._clock_ms is not None:
+      self.stretch = spread.next_stretch(self.stretch, waited_ms, clock_ms - self._clock_ms,
+                                         self._options.replication.max_spread_intervals)
+    self._clock_ms = clock_ms
+
+  @property
+  def carries_on(self) -> bool:
+    """At a local save: the previous step's copies still have chunks to issue while their
+    link is known to lag (spread over several intervals), so they go on over the next
+    interval instead of this step's (the same answer on every process)."""
+    return self.replicator is not None and self.replicator.unissued_step is not None and \
+        self.stretch.intervals > 1
+
+  def carry(self) -> None:
+    """At a local save whose step sends no copies (`carries_on`): the previous step's go on
+    over the calls before the next local save."""
+    calls = self._new_interval()
+    step = None if self.replicator is None else self.replicator.unissued_step
+    if step is not None:  # its write was waited for at the start of the save
+      self.replicator.carry(calls or None, Status.COMMITTED if step in self._local.steps()
+                            else Status.FAILED)
+
+  def _new_interval(self) -> int:
+    """Starts counting the calls of a new local interval; returns the last one's."""
+    calls, self._calls_since_schedule = self._calls_since_schedule, 0
+    self._ready_call = None
+    return calls
+
   def schedule(self, step: int, trees: dict[str, Any], start_call: int = 1) -> None:
     """Queues the copies of a step just saved (sent by the next `progress` calls, from
     `start_call` on when no round sizes them, and spread so that they are out before the
-    next local save: peers/spread.py)."""
-    calls, self._calls_since_schedule = self._calls_since_schedule, 0
-    self._ready_call = None
+    next local save, or over `stretch` intervals: peers/spread.py)."""
+    calls = self._new_interval()
     if self.replicator is not None:
-      self.replicator.schedule(step, self.shard_sets(trees), calls_between_saves=calls or None,
+      self.replicator.schedule(step, self.shard_sets(trees),
+                               calls_between_saves=spread.budget(calls or None, self.stretch),
                                start_call=start_call)
 
   def schedule_recovery(self, step: int, sets: list, recovered: Sequence[int]) -> None:

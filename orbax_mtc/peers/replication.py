@@ -9,15 +9,16 @@ reaches in the same order (`save()`, `replicate_pending()`, `wait_until_finished
    the bytes each sends on each edge fix the streams; later steps take those sizes, padded,
    with no round: each process waits for its own write (size_plan.py);
 3. then each `progress()` hands the chunks that have arrived to the writer and issues its
-   share (spread.py: spread over the calls before the next local save), so a step's
-   copies are out before it; the next local save issues what is left (`issue`). Chunks are
-   dispatched asynchronously and up to `in_flight_mib` of them are left running when the
+   share (spread.py: over the calls before the next local save, or over several intervals
+   when the link lags, the saves between `carry` it then instead of sending their own), so
+   no save waits for a step's copies; an on-demand save issues what is left (`issue`).
+   Chunks are dispatched asynchronously, up to `in_flight_mib` of them left running when a
    call returns: they move while training goes on, and the step's outcome is agreed at the
    next call (`settle`). The writer thread reads the chunks ahead (`read_ahead`);
 4. received chunks are written to `<local>/peers/<source>/.tmp-*` by the writer thread, which
    commits the copy by renaming it once the last chunk is in.
 
-`shard_sets` also tells restore which processes are twins (peers/copies.py).
+Which shards each process holds, and so which it need not be sent: peers/shards.py.
 """
 
 from __future__ import annotations
@@ -27,22 +28,18 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 from absl import logging
 
 from orbax_mtc import reduction, transport
 from orbax_mtc.agreement import Status
-from orbax_mtc.local import format as local_format
-from orbax_mtc.local import read as local_read
-from orbax_mtc.local import specs as local_specs
 from orbax_mtc.local import store as local_store
 from orbax_mtc.peers import copy_store as peer_store
 from orbax_mtc.peers import exchange, send_census, size_plan, spread
 from orbax_mtc.peers import stream as peer_stream
+from orbax_mtc.peers.shards import ShardKey, skip_ordinals
 from orbax_mtc.topology import Topology
 
-ShardKey = tuple[str, str, local_format.Index]  # (item, leaf path, global index)
 
 def _done(value: Any) -> concurrent.futures.Future:
   """A future that holds `value` already."""
@@ -50,41 +47,6 @@ def _done(value: Any) -> concurrent.futures.Future:
   future.set_result(value)
   return future
 
-
-def shard_sets(trees: dict[str, Any], process_count: int) -> list[frozenset[ShardKey]]:
-  """Per process, the (item, path, index) of every array shard it holds under these shardings.
-
-  Leaves are jax.Arrays or ShapeDtypeStructs with a sharding; others (numpy, scalars) are held
-  whole by every process and are not part of the sets. A PRNG key leaf's indices span its key
-  data's dims too, as in the manifest.
-  """
-  sets: list[set[ShardKey]] = [set() for _ in range(process_count)]
-  for item_name, tree in trees.items():
-    if tree is None:
-      continue
-    for key_path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-      sharding = getattr(leaf, "sharding", None)
-      shape = getattr(leaf, "shape", None)
-      if sharding is None or shape is None or not hasattr(sharding, "devices_indices_map"):
-        continue
-      path = jax.tree_util.keystr(key_path)
-      key_dims = tuple((0, n) for n in local_specs.key_data_dims(getattr(leaf, "dtype", None)))
-      for device, index in sharding.devices_indices_map(tuple(shape)).items():
-        sets[device.process_index].add(
-            (item_name, path, local_specs.normalize_index(index, tuple(shape)) + key_dims))
-  return [frozenset(s) for s in sets]
-
-
-def shard_groups(sets: Sequence[frozenset[ShardKey]]) -> list[int]:
-  """Equal ids for processes that hold exactly the same shards (data-parallel twins)."""
-  first: dict[frozenset[ShardKey], int] = {}
-  return [first.setdefault(s, i) for i, s in enumerate(sets)]
-
-
-def skip_ordinals(manifest: local_format.StepManifest, receiver: frozenset[ShardKey]) -> set[int]:
-  """Ordinals of array shards the receiver holds itself (identical bytes: not sent)."""
-  return {i for i, (name, leaf, shard) in enumerate(local_read.manifest_entries(manifest))
-          if leaf.kind == "array" and (name, leaf.path, shard.index) in receiver}
 
 
 @dataclasses.dataclass
@@ -94,7 +56,7 @@ class _StepCopies:
   step: int
   edges: tuple[tuple[int, int], ...]
   receivers: dict[int, frozenset[ShardKey]]
-  calls_between_saves: int | None = None  # the interval's estimate (chunks_per_call)
+  calls_between_saves: int | None = None  # the calls it is spread over (chunks_per_call)
   calls_seen: int = 0  # non-blocking progress calls since the step was scheduled
   start_call: int = 1  # the call copies planned without a round start at (`schedule`)
   transfer: transport.Transfer | None = None
@@ -134,6 +96,7 @@ class Replicator:
     self.finished_steps = 0  # steps whose copies all went out
     self.landed_step: int | None = None  # the newest of them (the same on every process)
     self.failed_steps = 0  # steps whose copies were dropped by every process together
+    self.waited_seconds = 0.0  # the calls' and saves' waits for chunks (this process)
 
   @property
   def pending_step(self) -> int | None:
@@ -145,9 +108,8 @@ class Replicator:
   @property
   def moving(self) -> bool:
     """Chunks issued at an earlier save are still moving here (this process's view)."""
-    landing = self._landing
-    return landing is not None and landing.transfer is not None and \
-        not landing.transfer.arrived
+    transfer = self._landing.transfer if self._landing is not None else None
+    return transfer is not None and not transfer.arrived
 
   @property
   def unissued_step(self) -> int | None:
@@ -170,6 +132,8 @@ class Replicator:
     receivers = {dst: shard_sets_by_process[dst] for src, dst in chosen if src == self.me}
     self._job = job = _StepCopies(step, chosen, receivers, calls_between_saves,
                                   start_call=max(1, start_call))
+    # Read until its copies land or are dropped: retention spares it (rule 10).
+    self._local.keep_sending = step
     # Queued behind the step's write on the writer thread (one thread: in order).
     job.prepared = self._writer.submit(self._outgoing, job, read_ahead=True)
 
@@ -208,26 +172,34 @@ class Replicator:
     self.settle()
     if job.transfer is None and not self._start(job, status):
       return
+    self._move(job, block=block)
+    if block and self._landing is job:
+      self.settle()
+
+  def _move(self, job: _StepCopies, *, block: bool, everything: bool = False) -> None:
+    """Issues the started job's share of this call (`everything`: all that is left), left
+    moving; with `block`, all of it, and waits for it."""
     assert job.transfer is not None
+    transfer = job.transfer
+    waited = transfer.waited_seconds
     try:
       if block:
-        job.transfer.run()
+        transfer.run()
       else:
-        job.transfer.retire_ready()
-        job.transfer.advance(spread.chunks_per_call(
-            job.transfer.remaining_chunks, job.calls_between_saves, job.calls_seen,
+        transfer.retire_ready()
+        transfer.advance(None if everything else spread.chunks_per_call(
+            transfer.remaining_chunks, job.calls_between_saves, job.calls_seen,
             self._chunks_per_call, self._window), window=self._overlap_window)
-        job.transfer.retire_ready()
+        transfer.retire_ready()
+        self.waited_seconds += transfer.waited_seconds - waited
     except BaseException:
-      # Not a failure the transfer records (those are agreed below): a collective itself
+      # Not a failure the transfer records (those are agreed after it): a collective itself
       # failed, so no other process completes it either. Drop this step's copies.
       self._abort(job)
       raise
-    if job.transfer.issued:  # the same call on every process
+    if transfer.issued:  # the same call on every process
       self._job = None
       self._landing = job
-      if block:
-        self.settle()
 
   def issue(self, status: int) -> None:
     """Issues every chunk of the pending step's copies (its local write is over: `status`
@@ -239,15 +211,24 @@ class Replicator:
     self.settle()  # one step landing at a time
     if job.transfer is None and not self._start(job, status):
       return
-    assert job.transfer is not None
-    try:
-      job.transfer.retire_ready()
-      job.transfer.advance(window=self._overlap_window)
-    except BaseException:
-      self._abort(job)  # a collective failed: see progress
-      raise
-    self._job = None
-    self._landing = job
+    self._move(job, block=False, everything=True)
+
+  def carry(self, calls_between_saves: int | None, status: int) -> None:
+    """At a local save that carries the pending step's chunks on instead of sending its own
+    step's copies, after its collectives: a step past its spread is spread again over the
+    coming interval (`calls_between_saves`, the last one's calls), and this call issues its
+    share too (with no call between local saves only saves move them), starting them if
+    need be (the step's write is over: `status` says how). The same on every process."""
+    job = self._job
+    if job is None:
+      return
+    if calls_between_saves and (job.calls_between_saves or 0) <= job.calls_seen:
+      job.calls_between_saves = job.calls_seen + calls_between_saves
+    job.calls_seen += 1
+    self.settle()  # one step landing at a time
+    if job.transfer is None and not self._start(job, status):
+      return
+    self._move(job, block=False)
 
   def retire_landing(self) -> bool | None:
     """Hands the landed step's last chunks to the writer (waiting for those still moving;
@@ -257,12 +238,15 @@ class Replicator:
     if job is None:
       return None
     assert job.transfer is not None
+    waited = job.transfer.waited_seconds
     try:
       job.transfer.retire_finished()
     except BaseException:
       self._landing = None
       self._abort(job)
       raise
+    finally:
+      self.waited_seconds += job.transfer.waited_seconds - waited
     return bool(job.transfer.failures)
 
   def settle(self, failed: reduction.Who | None = None) -> None:
@@ -279,9 +263,15 @@ class Replicator:
     for stream in job.outgoing.values():
       stream.cancel_read_ahead()
 
+  def _release(self, job: _StepCopies) -> None:
+    """The step's copies landed or were dropped: its folder is no longer read for them."""
+    if self._local.keep_sending == job.step:
+      self._local.keep_sending = None
+
   def _abort(self, job: _StepCopies) -> None:
     self._sizes.forget()  # the next step's copies take the round again
     self._drop_reads(job)
+    self._release(job)
     for incoming in job.incoming.values():
       self._writer.submit(incoming.abort)
     if self._job is job:
@@ -317,6 +307,7 @@ class Replicator:
       logging.warning("orbax-mtc: step %d is not replicated: process(es) %s did not commit "
                       "it", job.step, votes.failed)
       self._drop_reads(job)
+      self._release(job)
       self._job = None
       return False
     if votes.writing:
@@ -452,6 +443,7 @@ class Replicator:
     # Kept in RAM until a newer step's copies land (a replaced node restores it with its
     # peers' copies); the step it spared before may go now.
     self._local.keep_replicated = job.step
+    self._release(job)
     self._writer.submit(self._local.apply_retention)
 
   def reap_commits(self) -> None:

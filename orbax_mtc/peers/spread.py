@@ -1,13 +1,17 @@
-"""How a step's peer copies are spread over the `save()` calls before the next local save
-(pure; the same on every process: it reads only agreed counts).
+"""How a step's peer copies are spread over the `save()` calls after its local save (pure;
+the same on every process: it reads only agreed counts).
 
 Each non-blocking call issues its share of the step's chunks, so that the copies are out
 before the next local save instead of flushed by it, blocking; they start at a call where
-every node's write of the step is likely done. The replicator (peers/replication.py) and the
-RAM saver (save/ram.py) ask these.
+every node's write of the step is likely done. When the link cannot move a step within one
+interval (the copies' calls waited for it: `next_stretch`), a step's copies are spread over
+several intervals and the saves between go on without copies of their own, instead of
+waiting for them; the spread follows only agreed figures (rule 8). The replicator (peers/replication.py) and the RAM saver (save/ram.py) ask these.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 # Bytes a non-blocking `progress()` issues before the interval between local saves is known;
 # once it is, a step's copies are spread over it instead (`chunks_per_call`).
@@ -52,3 +56,53 @@ def start_call(ready_call: int, calls_between_saves: int) -> int:
   if 1 < ready_call and ready_call + 1 < calls_between_saves:
     return ready_call + 1
   return max(1, ready_call)
+
+
+# Copies whose calls waited for the link longer than this share of the interval between two
+# local saves, and than MIN_WAIT_MS, were issued faster than it moves them: the next step's
+# are spread wider. (Below a few ms a wait is scheduling noise, not the link.)
+WAIT_SHARE = 0.05
+MIN_WAIT_MS = 20
+# Intervals in a row without such waits before the spread narrows by one interval (slowly:
+# a wider spread only delays protection; a narrower one than the link allows stalls calls).
+QUIET_SAVES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Stretch:
+  """Over how many local intervals a step's copies are spread (the same on every process).
+
+  Attributes:
+    intervals: The intervals (1: out before the next local save).
+    quiet: Local saves in a row whose copies did not wait for the link.
+  """
+
+  intervals: int = 1
+  quiet: int = 0
+
+
+def next_stretch(stretch: Stretch, waited_ms: int, interval_ms: int, most: int) -> Stretch:
+  """The spread after a local save, from the census's `copies_wait_ms` (the most any process's
+  calls waited for the copies' chunks since the previous local save) and the time between
+  the two saves (process 0's clock: agreed).
+
+  Waits over `WAIT_SHARE` of the interval and `MIN_WAIT_MS` double the spread (up to `most`
+  intervals: `ReplicationOptions.max_spread_intervals`); after `QUIET_SAVES` saves in a row
+  without waits it narrows by one interval.
+  """
+  if interval_ms <= 0:
+    return Stretch(min(most, stretch.intervals), stretch.quiet)
+  if waited_ms > max(WAIT_SHARE * interval_ms, MIN_WAIT_MS):
+    return Stretch(max(1, min(most, 2 * stretch.intervals)), 0)
+  quiet = stretch.quiet + 1 if waited_ms * 4 <= WAIT_SHARE * interval_ms else 0
+  if quiet >= QUIET_SAVES and stretch.intervals > 1:
+    return Stretch(min(most, stretch.intervals - 1), 0)
+  return Stretch(max(1, min(most, stretch.intervals)), quiet)
+
+
+def budget(calls_between_saves: int | None, stretch: Stretch) -> int | None:
+  """The non-blocking calls a step's copies are spread over: the interval's times the
+  stretch (the local saves between issue none)."""
+  if calls_between_saves is None:
+    return None
+  return calls_between_saves * stretch.intervals

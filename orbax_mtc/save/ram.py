@@ -104,7 +104,8 @@ class RamSaver:
           has_step_in_ram=step in own, has_step_persistent=step in persistent,
           wants_backup=backup_wanted, backup_state=self._backups.pending_state(),
           orbax_busy=self._persistent.busy(), clock_ms=int(time.time() * 1000),
-          copies_failed=bool(copies_failed), copies_ready_call=self._peers.ready_call)
+          copies_failed=bool(copies_failed), copies_ready_call=self._peers.ready_call,
+          copies_wait_ms=self._peers.take_wait_ms())
       what = f"the save of step {step}"
       answer = ledger.agree_save(record, what)
       # Their outcome, agreed by it: committed or dropped on every node after the census, so
@@ -117,6 +118,7 @@ class RamSaver:
       if ledger.process_count > 1:
         self._local.keep_floor = answer.floor
       self._peers.settle(None if copies_failed is None else answer.census.copies_failed)
+      self._peers.adapt(answer.census.copies_wait_ms, answer.census.clock_ms)
       if answer.steps_error is not None:
         raise ValueError(answer.steps_error)
       census = answer.census
@@ -180,10 +182,15 @@ class RamSaver:
                              ledger.summarize)
       if not self._asynchronous:
         self._backups.flush(ledger.summarize)  # synchronous: both tiers hold the step on return
-    self._peers.issue()  # the previous step's copies, left moving while training goes on
-    # Its copies start about the call by which every node's previous write was done.
-    start = spread.start_call(census.copies_ready_call, self._peers.calls_since_schedule)
-    self._peers.schedule(step, trees, start_call=start)
+    if self._peers.carries_on and not ondemand:
+      # The link lags: the previous step's copies go on over the next interval and this
+      # step sends none, rather than this save waiting for them (the same on every process).
+      self._peers.carry()
+    else:
+      self._peers.issue()  # the previous step's copies, left moving while training goes on
+      # Its copies start about the call by which every node's previous write was done.
+      start = spread.start_call(census.copies_ready_call, self._peers.calls_since_schedule)
+      self._peers.schedule(step, trees, start_call=start)
     if not self._asynchronous and not ondemand:  # on demand: raised after the backup
       self._peers.progress(block=True)
       # Synchronous mode: the write is done, and its outcome is raised on every process alike.

@@ -104,6 +104,19 @@ def _common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
   p.add_argument("--keys", action="store_true",
                  help="typed PRNG key leaves in the state too (rngs/...)")
   p.add_argument("--peers-per-node", type=int, default=None)
+  p.add_argument("--chunk-mib", type=int, default=None,
+                 help="ReplicationOptions.chunk_mib (default: the library's)")
+  p.add_argument("--max-spread", type=int, default=1,
+                 help="ReplicationOptions.max_spread_intervals; 1 here (each step's copies "
+                      "out before the next local save) keeps which steps have copies exact")
+  p.add_argument("--stretch", type=int, default=None,
+                 help="spread every step's copies over this many local intervals, as on a "
+                      "link that lags them (hooks.fixed_stretch)")
+  p.add_argument("--call-mib", type=int, default=None,
+                 help="MiB of copies a save() call moves before the interval is known "
+                      "(hooks.small_replication_calls)")
+  p.add_argument("--report-copies", action="store_true",
+                 help="a HELD line after each save: the peer copies this node holds")
   p.add_argument("--no-land-backups", dest="land_backups", action="store_false",
                  help="do not wait for each scheduled backup to land")
   p.add_argument("--backup-timeout", type=int, default=None,

@@ -68,6 +68,10 @@ def manager(args, mesh, *, exit_after_ondemand_checkpoint: bool | None = None,
   local_dir = args.local_dir or distributed.local_directory()
   if not local_dir:
     raise SystemExit("no --local-dir and no ORBAX_MTC_LOCAL_DIR")
+  if getattr(args, "stretch", None):
+    hooks.fixed_stretch(args.stretch)
+  if getattr(args, "call_mib", None):
+    hooks.small_replication_calls(args.call_mib << 20)
   extra: dict[str, Any] = {}
   if exit_after_ondemand_checkpoint is not None:
     extra["exit_after_ondemand_checkpoint"] = exit_after_ondemand_checkpoint
@@ -91,8 +95,10 @@ def manager(args, mesh, *, exit_after_ondemand_checkpoint: bool | None = None,
           **({"backup_interval_minutes": args.backup_minutes}
              if getattr(args, "backup_minutes", None) else
              {"save_interval_steps": args.persistent_interval})),
-      replication=mtc.ReplicationOptions(replica_axis="data",
-                                         peers_per_node=args.peers_per_node),
+      replication=mtc.ReplicationOptions(
+          replica_axis="data", peers_per_node=args.peers_per_node,
+          max_spread_intervals=getattr(args, "stretch", None) or getattr(args, "max_spread", 1),
+          **({"chunk_mib": args.chunk_mib} if getattr(args, "chunk_mib", None) else {})),
       **extra)
   return mtc.CheckpointManager(local_dir, args.persistent_dir, mesh,
                                abstract_state(mesh, args.rows), options=options)
@@ -217,5 +223,8 @@ def save_loop(args, mgr, mesh, start: int, stop: int) -> None:
       # the next is due and be replaced by it; wait, so every scheduled backup lands.
       mgr.wait_until_finished()
     emit(f"SAVED step={step} saved={int(saved)}")
+    if getattr(args, "report_copies", False):
+      copies = ",".join(f"{a}:{b}" for a, b in hooks.peer_copies(mgr)) or "-"
+      emit(f"HELD step={step} copies={copies}")
   mgr.wait_until_finished()
   committed(args, mgr)

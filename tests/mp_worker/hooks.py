@@ -12,6 +12,8 @@ uses the manager's public API:
   peer_copies           a PeerStore opened on the node's folder (read only)
   small_replication_calls
                         module orbax_mtc.peers.spread: BYTES_PER_CALL
+  fixed_stretch         the module function orbax_mtc.peers.spread.next_stretch (replaced:
+                        a fixed spread)
   count_rounds          the module function orbax_mtc.collectives.allreduce (wrapped: a
                         ROUND line per agreement round, naming what it agrees)
   install_write_hook    LocalTier.write (wrapped)
@@ -120,6 +122,16 @@ def small_replication_calls(nbytes: int = 1 << 20) -> None:
   from orbax_mtc.peers import spread
 
   spread.BYTES_PER_CALL = nbytes
+
+
+def fixed_stretch(intervals: int) -> None:
+  """Every step's copies after the first save are spread over `intervals` local intervals
+  (not adapted to their waits), as on a link slower than one interval's calls: the saves in
+  between carry them on."""
+  from orbax_mtc.peers import spread
+
+  spread.next_stretch = lambda stretch, waited_ms, interval_ms, most: spread.Stretch(
+      min(intervals, most))
 
 
 def count_rounds() -> None:
