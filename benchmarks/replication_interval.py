@@ -10,8 +10,10 @@ saved step's copies go to the next process (one replica, a ring). Run it under t
 
 Prints, per interval, the slowest process's `save()` blocking time per step (p50, p99, max),
 how many local saves found the previous step's copies still pending (flushed, blocking, by
-that save), how long after its save a step was protected on its peer (its copies committed,
-median), and the raw ring `ppermute` bandwidth of the same bytes in the same run. The first
+that save, or carried on when the link lags them: peers/spread.py), how many saved steps got
+copies of their own, how long after its save a step was protected on its peer (its copies
+committed, median), and the raw ring `ppermute` bandwidth of the same bytes in the same run
+(`--sync-step`: each step also meets the other processes, as a data-parallel step). The first
 `--warm-saves` local intervals are not timed: their saves create the RAM tier's files and the
 peer copies' (a long run pays that once). The default 4 is what the RAM tier's 2 steps need:
 the first 3 saves and their copies write new files (the 4th reuses the 1st's), and the 3rd's
@@ -52,16 +54,16 @@ def _meet(state: jax.Array, mesh: jax.sharding.Mesh):
 
 def run_interval(interval: int, state: jax.Array, mesh: jax.sharding.Mesh, root: Path,
                  persistent: Path, step_ms: float, intervals: int, warm: int = 0,
-                 sync_step: bool = False) -> dict:
+                 sync_step: bool = False, keep: int = 2) -> dict:
   options = mtc.CheckpointManagerOptions(
-      local=mtc.LocalCheckpointOptions(save_interval_steps=interval, max_to_keep=2),
+      local=mtc.LocalCheckpointOptions(save_interval_steps=interval, max_to_keep=keep),
       persistent=mtc.PersistentCheckpointOptions(should_save_fn=lambda step, last: False))
   local = root / f"interval-{interval}"
   abstract = {"w": jax.ShapeDtypeStruct(state.shape, state.dtype, sharding=state.sharding)}
-  blocking, flushed = [], 0
+  blocking, pending = [], 0
   first = interval * warm + 1  # the first timed call (step 0 sets up the first transfer)
-  saved: list[float] = []  # when each local save returned
-  protected: list[float] = []  # seconds from a save to its copies committed on the peer
+  saved: dict[int, float] = {}  # when each local save returned
+  protected: dict[int, float] = {}  # step -> seconds from its save to its copies landing
   with mtc.CheckpointManager(local, persistent / f"interval-{interval}", mesh, abstract,
                              options=options) as mgr:
     # Private: no public API says when a step is protected (as `bench every-step`).
@@ -72,23 +74,29 @@ def run_interval(interval: int, state: jax.Array, mesh: jax.sharding.Mesh, root:
       if meet is not None:
         meet()
       if step % interval == 0 and step >= first:
-        # The previous step's copies not yet issued or still moving: this save waits for them.
-        flushed += mgr._form.peers.busy  # noqa: SLF001 - the measure
+        # The previous step's copies not yet issued or still moving: this save waits for
+        # them, or carries them on (its own step then sends none).
+        pending += mgr._form.peers.busy  # noqa: SLF001 - the measure
       started = time.perf_counter()
       mgr.save(step, args=ocp.args.Composite(w=ocp.args.PyTreeSave(state)))
       now = time.perf_counter()
       blocking.append(now - started)
       if step % interval == 0:
-        saved.append(now)
-      while len(protected) < min(replicator.finished_steps, len(saved)):
-        protected.append(now - saved[len(protected)])
+        saved[step] = now
+      landed = replicator.landed_step  # agreed: the same on every process
+      if landed is not None and landed not in protected and landed in saved:
+        protected[landed] = now - saved[landed]
     mgr.wait_until_finished()
   shutil.rmtree(local, ignore_errors=True)
   per_step = _slowest(np.asarray(blocking))[first:]
-  timed = _slowest(np.asarray(protected[warm:intervals + warm], np.float64))
+  timed_steps = sorted(s for s in protected if first <= s < interval * (warm + intervals) + 1)
+  timed = _slowest(np.asarray([protected[s] for s in timed_steps], np.float64))
   return {"interval": interval, "steps": len(per_step), "p50_s": float(np.median(per_step)),
           "p99_s": float(np.quantile(per_step, 0.99)), "max_s": float(per_step.max()),
-          "local_saves": intervals, "warm_saves": warm, "flushed_at_local_save": int(flushed),
+          "local_saves": intervals, "warm_saves": warm, "pending_at_local_save": int(pending),
+          # Timed local saves whose own step's copies landed (the others' saves carried an
+          # earlier step's copies on, the link lagging them: peers/spread.py).
+          "copied_saves": len(timed_steps),
           "protected_p50_s": float(np.median(timed)) if timed.size else None,
           # Each timed call's blocking (the slowest process), ms; the local saves are the
           # calls at multiples of the interval (index 0 is the call after step `first` - 1).
@@ -106,6 +114,8 @@ def main() -> None:
   parser.add_argument("--step-ms", type=float, default=50.0)
   parser.add_argument("--persistent", default="/tmp/replication-interval")
   parser.add_argument("--json", help="also write the results here (process 0)")
+  parser.add_argument("--keep", type=int, default=2,
+                      help="RAM steps kept (max_to_keep; 1 halves the RAM disk's share at 1 GiB)")
   parser.add_argument("--sync-step", action="store_true",
                       help="each step ends with a cross-process all-reduce every process waits "
                            "for, as a data-parallel step's (the processes meet every step)")
@@ -129,24 +139,24 @@ def main() -> None:
   ppermute_gbps = (args.mib << 20) / np.median(seconds) / 1e9
   root = Path(distributed.local_directory())
   results = [run_interval(i, state, mesh, root, Path(args.persistent), args.step_ms,
-                          args.local_saves, args.warm_saves, args.sync_step)
+                          args.local_saves, args.warm_saves, args.sync_step, args.keep)
              for i in args.intervals]
   if me == 0:
     meets = ", processes meet every step" if args.sync_step else ""
     print(f"{args.mib} MiB per process, {n} processes, step {args.step_ms:.0f} ms{meets}, ring "
           f"ppermute {ppermute_gbps:.2f} GB/s (same run)")
-    print("| local interval | save() p50 | p99 | max | local saves that flushed pending copies "
-          "| protected on the peer after (p50) |")
-    print("|---|---|---|---|---|---|")
+    print("| local interval | save() p50 | p99 | max | local saves finding copies pending "
+          "| saves whose copies landed | protected on the peer after (p50) |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
       after = "-" if r["protected_p50_s"] is None else f"{r['protected_p50_s']:.2f} s"
       print(f"| {r['interval']} | {r['p50_s'] * 1000:.1f} ms | {r['p99_s'] * 1000:.1f} ms | "
-            f"{r['max_s'] * 1000:.1f} ms | {r['flushed_at_local_save']} of {r['local_saves']} "
-            f"| {after} |")
+            f"{r['max_s'] * 1000:.1f} ms | {r['pending_at_local_save']} of {r['local_saves']} "
+            f"| {r['copied_saves']} of {r['local_saves']} | {after} |")
     if args.json:
       Path(args.json).write_text(json.dumps({"mib": args.mib, "processes": n,
                                              "ppermute_gbps": ppermute_gbps,
-                                             "sync_step": args.sync_step,
+                                             "sync_step": args.sync_step, "keep": args.keep,
                                              "results": results}, indent=1))
 
 
