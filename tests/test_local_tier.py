@@ -163,6 +163,30 @@ def test_retention_keeps_max_to_keep_and_reuses_a_spare(tier, mesh):
     assert_trees_equal(restored["state"], saved[step])
 
 
+def test_a_step_being_sent_is_kept_and_two_retired_at_once_leave_two_spares(tier, mesh):
+  """The step whose peer copies are going out is kept beside `max_to_keep` (rule 10); with
+  `spares=2` (copies spread over intervals: two steps retire at once when they land) both
+  retired files are kept, and the next two writes reuse them, not fresh pages."""
+  tier.spares = 2
+  for step in (1, 2):
+    _write(tier, mesh, step)
+  tier.keep_sending = 1
+  _write(tier, mesh, 3)
+  assert committed_steps(tier.directory) == [1, 2, 3]
+  tier.keep_replicated, tier.keep_sending = 3, None  # step 1's copies landed
+  _write(tier, mesh, 4)  # 1 and 2 retire together
+  spares = [p for p in tier.directory.iterdir() if p.name.startswith(".spare-")]
+  assert committed_steps(tier.directory) == [3, 4] and len(spares) == 2
+  # The next writes reuse those files (or step 3's, retired meanwhile), never new ones.
+  reusable = {(p / DATA).stat().st_ino for p in spares} | {
+      (tier.directory / "3" / DATA).stat().st_ino}
+  tier.keep_replicated = 4
+  _write(tier, mesh, 5)
+  _write(tier, mesh, 6)
+  assert committed_steps(tier.directory) == [4, 5, 6]
+  assert {(tier.directory / str(s) / DATA).stat().st_ino for s in (5, 6)} <= reusable
+
+
 def test_retention_never_drops_the_newest(shm_dir, mesh):
   tier = LocalTier(shm_dir / "local", max_to_keep=1)
   tier.prepare()

@@ -259,6 +259,7 @@ class LocalTier:
     self.keep_floor: int | None = None
     self.keep_replicated: int | None = None  # newest step whose peer copies landed: kept too
     self.keep_sending: int | None = None  # the step whose peer copies are going out: kept too
+    self.spares = 1  # retired steps kept for the next writes to reuse (their pages)
     self._lock = threading.Lock()  # guards folder renames between writer and main thread
     lowered = priority.initializer(nice_increment)
     self._crc_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtc-crc",
@@ -439,15 +440,15 @@ class LocalTier:
     src = self.directory / str(step)
     aside.remove_step(self.directory, step)
     with self._lock:
-      have_spare = not self.reuse_files or any(
-          e.name.startswith(SPARE_PREFIX) for e in self.directory.iterdir())
-      target = self.directory / (f"{TMP_PREFIX}del-{uuid.uuid4().hex}" if have_spare
+      enough_spares = not self.reuse_files or sum(
+          e.name.startswith(SPARE_PREFIX) for e in self.directory.iterdir()) >= self.spares
+      target = self.directory / (f"{TMP_PREFIX}del-{uuid.uuid4().hex}" if enough_spares
                                  else f"{SPARE_PREFIX}{uuid.uuid4().hex}")
       try:
         os.rename(src, target)
       except FileNotFoundError:
         return
-    if have_spare:
+    if enough_spares:
       shutil.rmtree(target, ignore_errors=True)
 
   def delete(self, step: int) -> None:

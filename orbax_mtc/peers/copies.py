@@ -104,6 +104,11 @@ class PeerCopies:
     self.mesh, self.replica_axis, self.topology = mesh, replica_axis, topo
     if topo is None or not self._send or not topo.edges:
       return
+    if options.replication.max_spread_intervals > 1:
+      # A step whose copies span intervals retires a save after the others, and the one
+      # landed before it goes when they land: two at once. Both files are kept for the next
+      # writes (fresh pages cost several times a reused file's: docs/benchmarks.md).
+      self._local.spares = 2
     self.replicator = replication.Replicator(
         self.topology, self._process_index, self._local, self._store, self._writer.executor,
         chunk_bytes=options.replication.chunk_bytes,
