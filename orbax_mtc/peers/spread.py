@@ -6,7 +6,8 @@ before the next local save instead of flushed by it, blocking; they start at a c
 every node's write of the step is likely done. When the link cannot move a step within one
 interval (the copies' calls waited for it: `next_stretch`), a step's copies are spread over
 several intervals and the saves between go on without copies of their own, instead of
-waiting for them; the spread follows only agreed figures (rule 8). The replicator (peers/replication.py) and the RAM saver (save/ram.py) ask these.
+waiting for them; the spread follows only agreed figures (rule 8). The replicator
+(peers/replication.py) and the RAM saver (save/ram.py) ask these.
 """
 
 from __future__ import annotations
