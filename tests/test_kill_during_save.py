@@ -235,14 +235,14 @@ def run_chain(nprocs: int, kills: int, root: pathlib.Path, logs: pathlib.Path,
 # Each step's copies spread over several saves (1 MiB chunks, 8 a save, past the next save:
 # the saves between carry them on, as on a link that lags them), so kills land while a step
 # older than the newest is being sent and its folder must outlive the newer saves. Backups
-# every 16 steps, so that the copies, a few steps behind, are what a replaced node restores.
+# every 48 steps, so that the copies, a few steps behind, are what a replaced node restores.
 SPREAD = ("--chunk-mib", "1", "--call-mib", "8", "--stretch", "3", "--persistent-interval",
-          "16")
+          "48")
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("nprocs,kills,peers,extra", [
-    (1, 10, False, ()), (2, 8, False, ()), (2, 6, True, ()), (2, 9, True, SPREAD)],
+    (1, 10, False, ()), (2, 8, False, ()), (2, 8, True, ()), (2, 10, True, SPREAD)],
     ids=["1proc", "2proc", "2proc-peers", "2proc-peers-spread"])
 def test_sigkill_at_random_points_of_saves(nprocs, kills, peers, extra, shm_root, tmp_path):
   # Spread copies land a few saves after their step: jobs run a few saves longer.
