@@ -77,11 +77,33 @@ def test_copies_spread_over_intervals_keep_their_step_and_carry_over_saves():
   assert narrow.stretch == spread.Stretch(1, 0) and not narrow.carries_on
 
 
+def test_finish_sends_the_newest_step_a_carrying_save_left_without_copies():
+  """A save that carried an older step's copies sent none of its own step's: a wait
+  (`finish`) sends them after the older ones, unless a later save's copies replaced them."""
+  # Process 0 of 4; process 1 never has the steps, so each step's round drops it at once.
+  writer = FakeWriter(Status.COMMITTED)
+  allreduce = FakeAllreduce(4, [Status.COMMITTED, Status.FAILED, Status.COMMITTED,
+                                Status.COMMITTED])
+  peers, _, _ = make(index=0, count=4, writer=writer, allreduce=allreduce, store=FakeStore())
+  peers.set_mesh(fake_mesh(GRID_2X2))
+  peers.carry(8, {})  # step 8's save carried the copies of an older step
+  peers.finish()
+  assert writer.prepared == [8] and ("status_of", 8) in writer.calls
+  assert peers.pending_step is None and writer.calls[-1] == ("drain",)
+  peers.finish()  # sent (here: dropped, agreed) once, not again
+  assert writer.prepared == [8]
+  peers.carry(9, {})
+  peers.schedule(10, {})  # a later save's own copies: step 9's are not needed any more
+  peers.finish()
+  assert writer.prepared == [8, 10] and ("status_of", 9) not in writer.calls
+
+
 @pytest.mark.timeout(300)
 def test_copies_spread_over_saves_land_whole_and_restore_a_lost_node(tmp_path):
   """Two real processes: the saves between a step's copies carry them on (the same rounds on
   both processes), no copy fails for its step's folder being retired meanwhile, and a node
-  whose RAM is lost restores, bit for bit, the newest step whose copies landed."""
+  whose RAM is lost restores, bit for bit, the newest step: closing the manager sent its
+  copies though its save carried an older step's."""
   root = new_root("copy-spread")
   persistent = tmp_path / "persistent"
   try:
@@ -112,7 +134,8 @@ def test_copies_spread_over_saves_land_whole_and_restore_a_lost_node(tmp_path):
       manifest, _ = store.read(source, steps[-1], root / f"node{holder}" / str(steps[-1]))
       assert (manifest.step, manifest.process_index) == (steps[-1], source)
       assert steps[-1] in committed_steps(root / f"node{holder}"), steps
-    assert newest[0] == newest[1]
+    # `close` waits for the copies: the newest step's too, though its save carried older ones.
+    assert newest[0] == newest[1] == max(saved), (newest, tail(out))
     # Node 1's RAM is lost: the newest step the copies complete comes back, bit for bit.
     shutil.rmtree(root / "node1")
     (root / "node1").mkdir()

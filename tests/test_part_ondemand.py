@@ -135,8 +135,8 @@ class _Peers:
   def adapt(self, waited_ms, clock_ms):
     pass
 
-  def carry(self):
-    self.log.append("peers.carry")
+  def carry(self, step, trees):
+    self.log.append(("peers.carry", step))
 
   def schedule(self, step, trees, start_call=1):
     self.log.append(("peers.schedule", step))

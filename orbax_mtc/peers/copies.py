@@ -66,6 +66,9 @@ class PeerCopies:
     self.stretch = spread.Stretch()
     self._clock_ms: int | None = None  # process 0's clock at the last local save's census
     self._waited_seconds = 0.0  # the replicator's waits up to the last census
+    # The newest step saved without copies of its own (its save carried an older step's) and
+    # its shard sets: `finish` sends them, unless a later save's copies replaced them.
+    self._unsent: tuple[int, list] | None = None
 
 
   @property
@@ -231,9 +234,12 @@ class PeerCopies:
     return self.replicator is not None and self.replicator.unissued_step is not None and \
         self.stretch.intervals > 1
 
-  def carry(self) -> None:
+  def carry(self, step: int | None = None, trees: dict[str, Any] | None = None) -> None:
     """At a local save whose step sends no copies (`carries_on`): the previous step's go on
-    over the calls before the next local save."""
+    over the calls before the next local save. `step` (its arrays `trees`) is the save's
+    own, left without copies unless `finish` comes before the next step's are scheduled."""
+    if step is not None and trees is not None:
+      self._unsent = (step, self.shard_sets(trees))
     calls = self._new_interval()
     step = None if self.replicator is None else self.replicator.unissued_step
     if step is not None:  # its write was waited for at the start of the save
@@ -251,6 +257,7 @@ class PeerCopies:
     `start_call` on when no round sizes them, and spread so that they are out before the
     next local save, or over `stretch` intervals: peers/spread.py)."""
     calls = self._new_interval()
+    self._unsent = None
     if self.replicator is not None:
       self.replicator.schedule(step, self.shard_sets(trees),
                                calls_between_saves=spread.budget(calls or None, self.stretch),
@@ -317,7 +324,15 @@ class PeerCopies:
     return self._writer.status_of(step) if step is not None else Status.COMMITTED
 
   def finish(self) -> None:
-    """Sends the pending copies now and returns once received copies are committed."""
+    """Sends the pending copies now, then the newest step's when its save carried an older
+    step's instead (a wait leaves the newest saved step on its peers too), and returns once
+    received copies are committed."""
     self.progress(block=True)
-    if self.replicator is not None:
-      self._writer.drain()
+    unsent, self._unsent = self._unsent, None
+    replicator = self.replicator
+    if replicator is None:
+      return
+    if unsent is not None and replicator.pending_step is None:  # the same on every process
+      replicator.schedule(*unsent)
+      self.progress(block=True)  # a node without the step says so: dropped everywhere
+    self._writer.drain()

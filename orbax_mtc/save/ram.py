@@ -185,7 +185,7 @@ class RamSaver:
     if self._peers.carries_on and not ondemand:
       # The link lags: the previous step's copies go on over the next interval and this
       # step sends none, rather than this save waiting for them (the same on every process).
-      self._peers.carry()
+      self._peers.carry(step, trees)
     else:
       self._peers.issue()  # the previous step's copies, left moving while training goes on
       # Its copies start about the call by which every node's previous write was done.
