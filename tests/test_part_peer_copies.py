@@ -42,6 +42,7 @@ class FakeWriter:
     self.calls: list[tuple] = []
     self.prepared: list[int] = []  # steps whose streams were queued for reading ahead
     self.executor = types.SimpleNamespace(submit=self._submit)
+    self.reader = self.executor  # the read-ahead of chunks: never queued in these tests
 
   def _submit(self, fn, *args, **kwargs):
     if fn is apply_retention:  # after a step's copies landed

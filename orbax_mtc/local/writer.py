@@ -2,7 +2,8 @@
 
 Everything that touches the RAM disk in the background runs on this one thread, in order:
 the step writes, the read-back of a step chosen for backup, the peer copies' chunks and
-their commits. Steps therefore commit in the order they were saved, and a read-back reads a
+their commits; only the chunks of a step being sent are read ahead on a thread of their own
+(`reader`), after the thread committed that step. Steps therefore commit in the order they were saved, and a read-back reads a
 step before any later write can reuse its files. One exception: within a save
 (`RamWriter.first`), the step's write goes ahead of the work the save itself handed over
 before it (a peer's landed chunks, their commit). The thread does file I/O only (rule 2).
@@ -136,6 +137,11 @@ class RamWriter:
     self._asynchronous = asynchronous
     self._on_error = on_error
     self.executor = _Thread(nice_increment)
+    # Reads a step's chunks ahead of sending its peer copies (peers/replication.py): queued
+    # behind the next step's write on the writer thread they came too late, and the saves'
+    # calls read them instead. The step being sent is not retired meanwhile (keep_sending).
+    self.reader = concurrent.futures.ThreadPoolExecutor(
+        1, thread_name_prefix="mtc-read", initializer=priority.initializer(nice_increment))
     self._in_flight: concurrent.futures.Future | None = None
     self._retired: Exception | None = None
 
@@ -228,6 +234,7 @@ class RamWriter:
 
   def shutdown(self) -> None:
     self.executor.shutdown(wait=True)
+    self.reader.shutdown(wait=True, cancel_futures=True)  # reads nobody will take
 
   def retire(self, error: Exception) -> None:
     """Runs everything issued so far, then refuses any further work with `error` (the

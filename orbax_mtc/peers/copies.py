@@ -116,7 +116,8 @@ class PeerCopies:
         self.topology, self._process_index, self._local, self._store, self._writer.executor,
         chunk_bytes=options.replication.chunk_bytes,
         window=options.replication.chunks_in_flight,
-        in_flight_bytes=options.replication.in_flight_mib << 20, allreduce=self._allreduce)
+        in_flight_bytes=options.replication.in_flight_mib << 20, allreduce=self._allreduce,
+        reader=self._writer.reader)
     # Copies of nodes this node no longer holds copies for are dropped at the first copy
     # sent, not now: after a change of mesh or process count, an elastic restore reads them.
     self._stale_sources = True

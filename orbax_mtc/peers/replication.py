@@ -14,7 +14,7 @@ reaches in the same order (`save()`, `replicate_pending()`, `wait_until_finished
    no save waits for a step's copies; an on-demand save issues what is left (`issue`).
    Chunks are dispatched asynchronously, up to `in_flight_mib` of them left running when a
    call returns: they move while training goes on, and the step's outcome is agreed at the
-   next call (`settle`). The writer thread reads the chunks ahead (`read_ahead`);
+   next call (`settle`). The reader thread reads the chunks ahead (`read_ahead`);
 4. received chunks are written to `<local>/peers/<source>/.tmp-*` by the writer thread, which
    commits the copy by renaming it once the last chunk is in.
 
@@ -73,12 +73,15 @@ class Replicator:
   def __init__(self, topo: Topology, me: int, local: local_store.LocalTier,
                store: peer_store.PeerStore, writer: concurrent.futures.Executor,
                *, chunk_bytes: int, window: int = 2, in_flight_bytes: int = 0,
-               allreduce: Callable[[reduction.Parts], reduction.Parts] | None = None):
+               allreduce: Callable[[reduction.Parts], reduction.Parts] | None = None,
+               reader: concurrent.futures.Executor | None = None):
     self.topology = topo
     self.me = me
     self._local = local
     self._store = store
     self._writer = writer
+    # Reads the chunks ahead (default: the writer thread, behind the writes queued there).
+    self._reader = writer if reader is None else reader
     self._allreduce = allreduce  # replication's own agreements (send_census)
     self._chunk_bytes = chunk_bytes
     self._window = window
@@ -140,7 +143,7 @@ class Replicator:
   def _outgoing(self, job: _StepCopies, *, read_ahead: bool = False
                 ) -> dict[int, peer_stream.OutgoingStream]:
     """This node's stream to each receiver of the committed step (file I/O only); with
-    `read_ahead`, their chunks are read on the writer thread, `in_flight_mib` of them ahead
+    `read_ahead`, their chunks are read on the reader thread, `in_flight_mib` of them ahead
     of the sending, so that sending does not read the RAM disk on the main thread."""
     step_dir = self._local.directory / str(job.step)
     manifest = self._local.manifest(job.step)
@@ -150,7 +153,7 @@ class Replicator:
     if read_ahead:
       budget = max(self._chunk_bytes, self._in_flight_bytes // max(1, len(outgoing)))
       for stream in outgoing.values():
-        stream.read_ahead(self._chunk_bytes, budget, self._writer.submit)
+        stream.read_ahead(self._chunk_bytes, budget, self._reader.submit)
     return outgoing
 
   def progress(self, status: int, *, block: bool) -> None:

@@ -67,7 +67,7 @@ class OutgoingStream:
 
   def read_ahead(self, chunk_bytes: int, budget_bytes: int,
                  submit: Callable[..., concurrent.futures.Future]) -> None:
-    """Starts reading the stream in `chunk_bytes` chunks through `submit` (the writer
+    """Starts reading the stream in `chunk_bytes` chunks through `submit` (a background
     thread: file I/O only), at most `budget_bytes` of them read and not yet taken by `view`,
     so that sending does not read the RAM disk on the main thread and a step of any size
     holds a bounded amount of memory."""
