@@ -130,3 +130,66 @@ def test_the_write_threads_benchmark_runs_here(shm_dir):
   assert done.returncode == 0, done.stdout + done.stderr
   assert [line.split()[0] for line in done.stdout.splitlines()] == ["1", "2"]
   assert not (shm_dir / "wt").exists()
+
+
+def test_a_reused_file_takes_the_arrays_bytes_in_place(shm_dir, mesh, monkeypatch):
+  """A step staged as views of CPU arrays' buffers (`device_copy`), written into a retired
+  step's file, is copied straight into that file's pages (no pool copy), its checksums
+  following the copy; it reads back bit-exact and lets go of the arrays' buffers. A file
+  without such a spare, or a larger step than the spare held, takes the pool's path."""
+  real = data_write.write_in_place
+  used: list[bool] = []
+
+  def spy(*args, **kwargs):
+    values = real(*args, **kwargs)
+    used.append(values is not None)
+    return values
+
+  monkeypatch.setattr(data_write, "write_in_place", spy)
+  tier = LocalTier(shm_dir / "inplace", max_to_keep=1)
+  tier.prepare()
+  try:
+    for step, scale in ((1, 64), (2, 64), (3, 64), (4, 128)):
+      want = make_state(mesh, step, scale=scale)
+      staged = stage(step, {"state": want}, {}, default_item=False, device_copy=True)
+      assert staged.borrowed  # views of the arrays' own buffers, on CPU
+      step_dir = tier.write(staged, 0, 1)
+      assert not staged.borrowed  # the arrays' buffers are let go of (copied in place or out)
+      if step == 3:
+        assert not staged.pieces  # in place: the step is only in the file
+      restored = read_step(step_dir, verify_step(step_dir), {"state": abstract_of(want)})
+      assert_trees_equal(restored["state"], want)
+    # Step 1: a new file; 2: the first retired file is only spared at 2's commit; 3: in
+    # place; 4: larger than the spare (its pages would be new): the pool's path.
+    assert used == [True, False], used
+    assert tier.steps() == [4]
+  finally:
+    tier.close()
+
+
+def test_an_in_place_copy_that_fails_commits_nothing_and_frees_the_checksums(shm_dir):
+  """A copy into the mapping that fails half-way raises its own error once the checksum
+  thread, which waits for the bytes it reads, has given up; nothing is left mapped."""
+  path = shm_dir / "data.bin"
+  path.write_bytes(bytes(8 << 20))
+  fd = os.open(path, os.O_RDWR)
+
+  def half(target, copied):
+    target[:4 << 20] = 1
+    copied(4 << 20)
+    raise OSError(errno.EIO, "copy failed")
+
+  try:
+    with concurrent.futures.ThreadPoolExecutor(1) as crc_pool:
+      with pytest.raises(OSError, match="copy failed"):
+        data_write.write_in_place(fd, 8 << 20, half, [(0, 2 << 20), (6 << 20, 2 << 20)],
+                                  crc_pool)
+      assert data_write.write_in_place(fd, 16 << 20, half, [], crc_pool) is None  # too small
+  finally:
+    os.close(fd)
+  copied = data_write.Copied()
+  copied.advance(10)
+  copied.until(10)
+  copied.stop()
+  with pytest.raises(RuntimeError, match="stopped at byte 10, before 11"):
+    copied.until(11)

@@ -14,9 +14,12 @@ import concurrent.futures
 import errno
 import mmap
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 import numpy as np
+
+from orbax_mtc.local import checksum
 
 WRITE_CHUNK = 64 << 20  # bytes per system call at most
 IOV_MAX = 1024  # Linux: views per pwritev call
@@ -145,3 +148,86 @@ def write_parallel(fd: int, views: Sequence[memoryview],
       target.release()
   finally:
     mapping.close()
+
+
+class Copied:
+  """How far a step's bytes are in its file: the writing thread moves it on, the checksum
+  thread waits for the bytes it reads (`until`)."""
+
+  def __init__(self) -> None:
+    self._changed = threading.Condition()
+    self._end = 0
+    self._stopped = False
+
+  def advance(self, end: int) -> None:
+    with self._changed:
+      self._end = max(self._end, end)
+      self._changed.notify_all()
+
+  def stop(self) -> None:
+    """No more bytes come (the copy is over, or failed)."""
+    with self._changed:
+      self._stopped = True
+      self._changed.notify_all()
+
+  def until(self, end: int) -> None:
+    """Returns once the bytes before `end` are in; raises if the copy stopped short."""
+    with self._changed:
+      self._changed.wait_for(lambda: self._stopped or self._end >= end)
+      if self._end < end:
+        raise RuntimeError(f"the copy stopped at byte {self._end}, before {end}")
+
+
+def _crc_copied(target: np.ndarray, ranges: Sequence[tuple[int, int]], copied: Copied
+                ) -> list[int]:
+  """The CRC32C of each (offset, nbytes) range of `target`, each part once it is copied."""
+  values = []
+  for offset, nbytes in ranges:
+    value = 0
+    for lo in range(offset, offset + nbytes, checksum.CRC_CHUNK):
+      hi = min(offset + nbytes, lo + checksum.CRC_CHUNK)
+      copied.until(hi)
+      value = checksum.crc_extend(value, target[lo:hi])
+    values.append(value)
+  return values
+
+
+def write_in_place(fd: int, size: int,
+                   copy_into: Callable[[np.ndarray, Callable[[int], None]], None],
+                   ranges: Sequence[tuple[int, int]], crc_pool: concurrent.futures.Executor
+                   ) -> list[int] | None:
+  """Copies a step straight into a reused data file's pages (`copy_into(target, copied)`:
+  `StagedStep.copy_into`), the checksums of `ranges` following the copy on `crc_pool`: one
+  copy where the pool and then the file took two. Returns the checksums; None, with nothing
+  written, where the file is smaller than `size` (its pages would be new: the arrays'
+  buffers would be held the longer) or cannot be mapped."""
+  if size <= 0 or os.fstat(fd).st_size < size:
+    return None
+  try:  # reserved (no SIGBUS on a full RAM disk), though a written file holds its pages
+    os.posix_fallocate(fd, 0, size)
+  except OSError as e:
+    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+      raise
+    return None
+  os.ftruncate(fd, size)
+  try:
+    mapping = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                        mmap.PROT_READ | mmap.PROT_WRITE)
+  except OSError:
+    return None
+  target = np.frombuffer(mapping, np.uint8)
+  copied = Copied()
+  try:
+    crcs = crc_pool.submit(_crc_copied, target, ranges, copied)
+    try:
+      copy_into(target, copied.advance)
+    finally:
+      copied.stop()  # a failed copy wakes the checksums (the copy's error is raised)
+      crcs.exception()  # the checksum thread is out of the mapping before it is closed
+    return crcs.result()
+  finally:
+    del target
+    try:
+      mapping.close()
+    except BufferError:  # a view still held (an error's traceback): unmapped once it goes
+      pass

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -84,6 +85,24 @@ class StagedStep:
         piece = target
       pieces.append((start, piece))
     self.pieces, self.borrowed = pieces, frozenset()
+
+  def copy_into(self, target: np.ndarray, copied: Callable[[int], None],
+                chunk_bytes: int = 16 << 20) -> None:
+    """Copies data.bin's bytes into `target` (uint8, `size` of them: the file's mapping), the
+    alignment gaps as zeros, calling `copied(end)` whenever the bytes up to `end` are in
+    (every `chunk_bytes`), then lets go of every piece: borrowed views of the arrays' buffers
+    go as with `release`, and the step is then only in `target`."""
+    at = 0
+    for start, piece in self.pieces:
+      target[at:start] = 0
+      for lo in range(0, piece.nbytes, chunk_bytes):
+        hi = min(piece.nbytes, lo + chunk_bytes)
+        target[start + lo:start + hi] = piece[lo:hi]
+        copied(start + hi)
+      at = start + piece.nbytes
+    target[at:self.size] = 0
+    copied(self.size)
+    self.pieces, self.borrowed = [], frozenset()
 
   def to_host(self) -> None:
     """Moves the pieces still on a device to host memory (the writer thread calls this

@@ -344,8 +344,6 @@ class LocalTier:
       OSError: from writing; nothing is committed then.
     """
     staged.to_host()  # shards staged as device-side copies arrive in host memory here
-    if staged.borrowed:  # views of CPU arrays' buffers: copied out and let go of first
-      staged.release(self._host_pool.get(staged.size))
     root = self.directory
     final = root / str(staged.step)
     tmp = root / f"{TMP_PREFIX}{staged.step}-{uuid.uuid4().hex}"
@@ -363,19 +361,29 @@ class LocalTier:
       make_private_dir(tmp, self.dir_mode, exist_ok=False)
     ranges = [(s.offset, s.nbytes) for it in staged.items.values() for leaf in it.leaves
               for s in leaf.shards]
-    crcs = self._crc_pool.submit(_crc_staged, staged, ranges)
     data_path = tmp / DATA
     try:
       fd = os.open(data_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                    self.file_mode)
       try:
         os.fchmod(fd, self.file_mode)  # the umask, or a reused spare's old mode
-        data_write.write_parallel(fd, staged.views(), self._write_pool, self.write_threads)
-        os.ftruncate(fd, staged.size)
+        values = None
+        if staged.borrowed and spare is not None:
+          # Views of CPU arrays' buffers, straight into a reused file's pages: one copy, not
+          # two (into the pool, then into the file); they are let go of as it ends.
+          values = data_write.write_in_place(fd, staged.size, staged.copy_into, ranges,
+                                             self._crc_pool)
+        if values is None:
+          if staged.borrowed:  # copied out and let go of first
+            staged.release(self._host_pool.get(staged.size))
+          crcs = self._crc_pool.submit(_crc_staged, staged, ranges)
+          data_write.write_parallel(fd, staged.views(), self._write_pool, self.write_threads)
+          os.ftruncate(fd, staged.size)
+          values = crcs.result()
         os.fsync(fd)
       finally:
         os.close(fd)
-      crc_values = iter(crcs.result())
+      crc_values = iter(values)
 
       def checked(item: str, leaf: LeafRecord, shard: ShardRecord) -> ShardRecord:
         value = next(crc_values)
