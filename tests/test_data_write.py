@@ -167,6 +167,19 @@ def test_a_reused_file_takes_the_arrays_bytes_in_place(shm_dir, mesh, monkeypatc
     tier.close()
 
 
+def test_copy_into_fills_the_file_bytes_and_says_how_far_it_got(mesh):
+  """`StagedStep.copy_into` lays out data.bin as `views` does (pieces at their offsets, the
+  gaps as zeros) and reports every chunk's end, in order, up to the step's size."""
+  staged = stage(1, {"state": make_state(mesh, 3, scale=64)}, {}, default_item=False)
+  want = b"".join(bytes(view) for view in staged.views())
+  target = np.full(staged.size, 0xFF, np.uint8)  # not zeros: the gaps must be written
+  ends: list[int] = []
+  staged.copy_into(target, ends.append, chunk_bytes=96)
+  assert target.tobytes() == want
+  assert ends == sorted(ends) and ends[-1] == staged.size and len(ends) > 3
+  assert staged.pieces == [] and not staged.borrowed
+
+
 def test_an_in_place_copy_that_fails_commits_nothing_and_frees_the_checksums(shm_dir):
   """A copy into the mapping that fails half-way raises its own error once the checksum
   thread, which waits for the bytes it reads, has given up; nothing is left mapped."""
@@ -193,3 +206,16 @@ def test_an_in_place_copy_that_fails_commits_nothing_and_frees_the_checksums(shm
   copied.stop()
   with pytest.raises(RuntimeError, match="stopped at byte 10, before 11"):
     copied.until(11)
+
+
+def test_the_write_in_place_benchmark_runs_here(shm_dir):
+  """benchmarks/write_in_place.py runs here, both ways, and removes its files."""
+  repo = Path(__file__).resolve().parents[1]
+  done = subprocess.run(
+      [sys.executable, str(repo / "benchmarks" / "write_in_place.py"), "--mib", "8",
+       "--reps", "1", "--root", str(shm_dir / "wip")],
+      capture_output=True, text=True, timeout=300, check=False)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert [line.split(":")[0] for line in done.stdout.splitlines()] == [
+      "in place", "buffer", "in place / buffer"], done.stdout
+  assert not (shm_dir / "wip").exists()
