@@ -16,7 +16,7 @@ from conftest import abstract_of, assert_trees_equal, make_state
 
 from orbax_mtc.local import data_write
 from orbax_mtc.local.read import read_step, verify_step
-from orbax_mtc.local.staging import stage
+from orbax_mtc.local.staging import StagedStep, stage
 from orbax_mtc.local.store import LocalTier
 
 
@@ -180,26 +180,30 @@ def test_copy_into_fills_the_file_bytes_and_says_how_far_it_got(mesh):
   assert staged.pieces == [] and not staged.borrowed
 
 
-def test_an_in_place_copy_that_fails_commits_nothing_and_frees_the_checksums(shm_dir):
-  """A copy into the mapping that fails half-way raises its own error once the checksum
-  thread, which waits for the bytes it reads, has given up; nothing is left mapped."""
-  path = shm_dir / "data.bin"
-  path.write_bytes(bytes(8 << 20))
-  fd = os.open(path, os.O_RDWR)
-
-  def half(target, copied):
-    target[:4 << 20] = 1
-    copied(4 << 20)
-    raise OSError(errno.EIO, "copy failed")
-
+def test_an_in_place_copy_that_fails_commits_nothing_and_frees_the_checksums(
+    shm_dir, mesh, monkeypatch):
+  """A copy into the reused file's mapping that fails half-way raises its own error once the
+  checksum thread, which waits for the bytes it reads, has given up; nothing is committed
+  and the step before stays."""
+  tier = LocalTier(shm_dir / "failing", max_to_keep=1)
+  tier.prepare()
+  want = make_state(mesh, 1, scale=64)
   try:
-    with concurrent.futures.ThreadPoolExecutor(1) as crc_pool:
-      with pytest.raises(OSError, match="copy failed"):
-        data_write.write_in_place(fd, 8 << 20, half, [(0, 2 << 20), (6 << 20, 2 << 20)],
-                                  crc_pool)
-      assert data_write.write_in_place(fd, 16 << 20, half, [], crc_pool) is None  # too small
+    for step in (1, 2):  # step 1's file is the spare step 3 is written into
+      tier.write(stage(step, {"state": want}, {}, default_item=False, device_copy=True), 0, 1)
+
+    def half(self, target, copied, chunk_bytes=0):
+      target[:self.size // 2] = 1
+      copied(self.size // 2)
+      raise OSError(errno.EIO, "copy failed")
+
+    monkeypatch.setattr(StagedStep, "copy_into", half)
+    with pytest.raises(OSError, match="copy failed"):
+      tier.write(stage(3, {"state": want}, {}, default_item=False, device_copy=True), 0, 1)
+    assert tier.steps() == [2]
+    verify_step(shm_dir / "failing" / "2")
   finally:
-    os.close(fd)
+    tier.close()
   copied = data_write.Copied()
   copied.advance(10)
   copied.until(10)

@@ -25,21 +25,21 @@ import jax
 import numpy as np
 
 from orbax_mtc.local.format import (
-  KEY_IMPL_NAME,
-  Index,
-  ItemRecord,
-  LeafRecord,
-  ShardRecord,
-  align,
-  aligned_empty,
+    KEY_IMPL_NAME,
+    Index,
+    ItemRecord,
+    LeafRecord,
+    ShardRecord,
+    align,
+    aligned_empty,
 )
 from orbax_mtc.local.specs import (
-  describe_sharding,
-  encode_key_path,
-  global_tiles,
-  is_key_dtype,
-  key_spec,
-  normalize_index,
+    describe_sharding,
+    encode_key_path,
+    global_tiles,
+    is_key_dtype,
+    key_spec,
+    normalize_index,
 )
 
 # Bytes copied at a time into a data file's mapping (`StagedStep.copy_into`). Not less: on the

@@ -242,9 +242,9 @@ class PeerCopies:
     if step is not None and trees is not None:
       self._unsent = (step, self.shard_sets(trees))
     calls = self._new_interval()
-    step = None if self.replicator is None else self.replicator.unissued_step
-    if step is not None:  # its write was waited for at the start of the save
-      self.replicator.carry(calls or None, Status.COMMITTED if step in self._local.steps()
+    carried = None if self.replicator is None else self.replicator.unissued_step
+    if carried is not None:  # its write was waited for at the start of the save
+      self.replicator.carry(calls or None, Status.COMMITTED if carried in self._local.steps()
                             else Status.FAILED)
 
   def _new_interval(self) -> int:
