@@ -20,10 +20,16 @@ WORKER = REPO_ROOT / "tests" / "mp_worker"  # run as `python tests/mp_worker <su
 # mp_events: the worker's event lines (LineCollector, events, parse_results); imports no JAX.
 
 
+# A worker still running this long prints every thread's stack to its stderr (once), so that
+# a job the harness kills at its usual 90 s timeout shows where each process waited.
+STACKS_AFTER_S = 80
+
+
 def child_env() -> dict[str, str]:
   """Children import orbax_mtc from this checkout, installed or not."""
   path = os.environ.get("PYTHONPATH")
-  return {"PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT)}
+  return {"PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT),
+          "MTC_TEST_STACKS_AFTER_S": str(STACKS_AFTER_S)}
 
 
 def shm_base() -> pathlib.Path:

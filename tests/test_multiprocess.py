@@ -374,3 +374,15 @@ def test_four_processes_one_device_each_round_trip(shm_root, tmp_path):
                         shm_root, devices=1)
   assert_ok(result, out)
   assert_results(out, 4, step=6, tier="local")
+
+
+def test_a_worker_still_running_prints_where_every_thread_waits(shm_root, tmp_path):
+  """The harness's stack dump (mp_helpers.STACKS_AFTER_S, here 0.5 s): a job that runs past
+  it prints every thread's stack into its output once, so a job killed at its timeout shows
+  where each process waited; it goes on and ends as usual."""
+  result, out = run_job(["save", "--steps", "2", "--persistent-dir", str(tmp_path / "p")], 2,
+                        shm_root, env={"MTC_TEST_STACKS_AFTER_S": "0.5"})
+  assert_ok(result, out)
+  for node in (0, 1):
+    assert any(line.startswith(f"[node {node}] ") and "most recent call first" in line
+               for line in out.lines), tail(out)

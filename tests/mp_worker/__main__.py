@@ -300,7 +300,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+  import faulthandler
   import logging
+  import os
+
+  stacks_after = os.environ.get("MTC_TEST_STACKS_AFTER_S")
+  if stacks_after:  # mp_helpers.STACKS_AFTER_S: where a job about to be killed waits
+    faulthandler.dump_traceback_later(float(stacks_after), exit=False)
 
   # Without Google credentials (the loopback GCS server) gcsfs warns on every bucket access.
   logging.getLogger("gcsfs").setLevel(logging.ERROR)
