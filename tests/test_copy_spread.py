@@ -61,12 +61,12 @@ def test_copies_spread_over_intervals_keep_their_step_and_carry_over_saves():
   for _ in range(4):
     peers.progress(block=False)  # a call each (a process still writes: a status round)
   rounds = len(allreduce.seen)
-  peers.carry()  # the save moves them too: a call (a status round: still not started)
+  peers.carry(9, {})  # the save moves them too: a call (a status round: still not started)
   assert peers.replicator._job is job and job.calls_between_saves == 8  # within its spread
   assert job.calls_seen == 5 and len(allreduce.seen) == rounds + 1
   for _ in range(4):
     peers.progress(block=False)
-  peers.carry()  # past its spread: spread again over the next interval's calls (4)
+  peers.carry(10, {})  # past its spread: spread again over the next interval's calls (4)
   assert job.calls_between_saves == 13 and job.calls_seen == 10
   assert local.keep_sending == 8
   # With `max_spread_intervals=1` the spread never widens: every save sends its own copies.

@@ -4,9 +4,10 @@ Everything that touches the RAM disk in the background runs on this one thread, 
 the step writes, the read-back of a step chosen for backup, the peer copies' chunks and
 their commits; only the chunks of a step being sent are read ahead on a thread of their own
 (`reader`), after this thread committed that step. Steps therefore commit in the order they
-were saved, and a read-back reads a step before any later write can reuse its files. One exception: within a save
-(`RamWriter.first`), the step's write goes ahead of the work the save itself handed over
-before it (a peer's landed chunks, their commit). The thread does file I/O only (rule 2).
+were saved, and a read-back reads a step before any later write can reuse its files. One
+exception: within a save (`RamWriter.first`), the step's write goes ahead of the work the
+save itself handed over before it (a peer's landed chunks, their commit). The thread does
+file I/O only (rule 2).
 """
 
 from __future__ import annotations

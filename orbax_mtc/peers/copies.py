@@ -235,12 +235,11 @@ class PeerCopies:
     return self.replicator is not None and self.replicator.unissued_step is not None and \
         self.stretch.intervals > 1
 
-  def carry(self, step: int | None = None, trees: dict[str, Any] | None = None) -> None:
+  def carry(self, step: int, trees: dict[str, Any]) -> None:
     """At a local save whose step sends no copies (`carries_on`): the previous step's go on
     over the calls before the next local save. `step` (its arrays `trees`) is the save's
     own, left without copies unless `finish` comes before the next step's are scheduled."""
-    if step is not None and trees is not None:
-      self._unsent = (step, self.shard_sets(trees))
+    self._unsent = (step, self.shard_sets(trees))
     calls = self._new_interval()
     carried = None if self.replicator is None else self.replicator.unissued_step
     if carried is not None:  # its write was waited for at the start of the save
