@@ -41,6 +41,7 @@ from orbax_mtc.options import (
 )
 from orbax_mtc.orbax_options import as_ours
 from orbax_mtc.persistent.non_replicated import DATASET_ITEM
+from orbax_mtc.persistent.tier import AgreedPreemptionManager
 
 # The managed manager underneath needs a persistent folder of its own; it writes nothing there
 # (the replicator backs up), so it is an empty folder in the local directory.
@@ -169,10 +170,12 @@ class ReplicatorCheckpointManager(abstract_checkpoint_manager.AbstractCheckpoint
     self._manager = CheckpointManager(
         local, _unused_persistent_folder(local), global_mesh, None,
         options=_manager_options(options, mtc_options, global_mesh))
-    self._dataset: ocp.CheckpointManager | None = None
+    self._dataset: AgreedPreemptionManager | None = None
     if persistent_directory is not None:
       try:
-        self._dataset = ocp.CheckpointManager(
+        # Told the agreed preemption step (reached_preemption): Orbax's own manager would ask
+        # JAX's sync point with the user's step and move the counter our step ids feed.
+        self._dataset = AgreedPreemptionManager(
             persistent_directory, options=ocp.CheckpointManagerOptions(
                 save_interval_steps=options.save_interval_steps,
                 step_name_format=options.step_name_format,
@@ -223,7 +226,10 @@ class ReplicatorCheckpointManager(abstract_checkpoint_manager.AbstractCheckpoint
     self._manager.reload()
 
   def reached_preemption(self, step: int) -> bool:
-    return self._manager.reached_preemption(step)
+    reached = self._manager.reached_preemption(step)
+    if reached and self._dataset is not None:
+      self._dataset.preemption_step = step
+    return reached
 
   def should_save(self, step: int) -> bool:
     return self._manager.should_save(step)

@@ -66,7 +66,21 @@ def tail(out, n: int = 60) -> str:
   return "\n".join(out.text().splitlines()[-n:])
 
 
+def keep_output(out) -> None:
+  """Writes a failed job's whole output under $MTC_TEST_OUTPUT_DIR when set (a failure message
+  shows only its tail)."""
+  folder = os.environ.get("MTC_TEST_OUTPUT_DIR")
+  if folder:
+    test = os.environ.get("PYTEST_CURRENT_TEST", "job").split(" ")[0]
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in test)
+    path = pathlib.Path(folder) / f"{name}-{uuid.uuid4().hex[:6]}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(out.text())
+
+
 def assert_ok(result, out) -> None:
+  if result.returncode != 0 or result.timed_out:
+    keep_output(out)
   assert result.returncode == 0 and not result.timed_out, f"job failed: {result}\n{tail(out)}"
 
 

@@ -429,3 +429,23 @@ def test_loop_exits_itself_when_should_exit(shm_root, tmp_path, request):
     assert saved[node]["step"] == exiting[node]["step"] == str(step), tail(out)
     assert (saved[node].get("info_step"), saved[node].get("persistent")) == (str(step), "1")
   check_ondemand_folders(shm_root, 2, step, persistent, signalled_after=sent)
+
+
+def test_the_dataset_items_orbax_manager_leaves_the_sync_point_alone(shm_root, tmp_path,
+                                                                    request):
+  """`persistent_non_replicated_directory`: Orbax's manager of the `dataset` item sees every
+  save. Asking JAX's sync point itself with the user's steps (1000, 1001, ...) it would move
+  the counter our step ids feed, and the notice would never fire; it is told the agreed step
+  instead, and saves its item on demand there."""
+  persistent, dataset = tmp_path / "persistent", tmp_path / "dataset"
+  victim = _rng(request).randrange(2)
+  command = preempt_cmd(persistent, "--self-exit", "--first-step", "1000", "--max-steps", "300",
+                        "--dataset-dir", str(dataset))
+  with started_job(command, 2, shm_root) as (job, out):
+    wait_all(out, "READY", range(2))
+    sigterm(job.pids[victim])
+    result = job.wait(LAUNCH_TIMEOUT_S)
+  assert_ok(result, out)
+  step = ondemand_step(out, 2)
+  assert step > 1000, step
+  assert (dataset / str(step)).is_dir(), sorted(p.name for p in dataset.iterdir())

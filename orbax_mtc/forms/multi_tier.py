@@ -219,6 +219,7 @@ class MultiTierForm:
     reached = self.sync_point.reached(step)
     if reached:
       self.persistent.note_preemption(step)
+      self.non_replicated.note_preemption(step)
     return reached
 
   def should_exit(self) -> bool:

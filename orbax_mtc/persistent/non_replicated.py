@@ -17,6 +17,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_mtc import item_args
+from orbax_mtc.persistent.tier import AgreedPreemptionManager
 
 DATASET_ITEM = "dataset"  # Orbax's emergency manager's name for the item
 
@@ -33,12 +34,14 @@ class NonReplicatedItems:
   def __init__(self, directory: epath.PathLike | None,
                options: ocp.CheckpointManagerOptions | None = None, *,
                metadata: Any = None, item_handlers: Any = None, handler_registry: Any = None):
-    self.manager: ocp.CheckpointManager | None = None
+    self.manager: AgreedPreemptionManager | None = None
     if directory is not None:
       # Process 0 writes the shared metadata, as Orbax's emergency manager configures it.
       multiprocessing = ocp.options.MultiprocessingOptions(
           primary_host=0, barrier_sync_key_prefix="non_replicated")
-      self.manager = ocp.CheckpointManager(
+      # Told the agreed preemption step: a plain Orbax manager would ask JAX's sync point
+      # itself with the user's step, and that call moves the counter our ids feed.
+      self.manager = AgreedPreemptionManager(
           directory, options=dataclasses.replace(options, multiprocessing_options=multiprocessing),
           metadata=metadata, item_handlers=item_handlers, handler_registry=handler_registry)
 
@@ -71,6 +74,11 @@ class NonReplicatedItems:
     items = dict(restored.items()) if isinstance(restored, ocp.args.Composite) else {}
     items[DATASET_ITEM] = self.manager.restore(tiers.last.step, args=dataset)
     return ocp.args.Composite(**items)
+
+  def note_preemption(self, step: int) -> None:
+    """The agreed preemption step: Orbax's manager saves the item on demand at it."""
+    if self.manager is not None:
+      self.manager.preemption_step = step
 
   def wait_until_finished(self) -> None:
     if self.manager is not None:

@@ -269,6 +269,9 @@ def _parser() -> argparse.ArgumentParser:
                  default="none")
   p.add_argument("--hook-step", type=int, default=None, help="the step --hook write holds")
   p.add_argument("--marker-dir", default=None, help="where --hook ondemand-write looks for go")
+  p.add_argument("--first-step", type=int, default=0, help="the first step without a restore")
+  p.add_argument("--dataset-dir", default=None,
+                 help="persistent_non_replicated_directory; each save adds a `dataset` item")
   p.set_defaults(fn=preempt.cmd_preempt)
 
   # The restore-seam tests (`seams`).

@@ -100,8 +100,9 @@ def manager(args, mesh, *, exit_after_ondemand_checkpoint: bool | None = None,
           max_spread_intervals=getattr(args, "stretch", None) or getattr(args, "max_spread", 1),
           **({"chunk_mib": args.chunk_mib} if getattr(args, "chunk_mib", None) else {})),
       **extra)
-  return mtc.CheckpointManager(local_dir, args.persistent_dir, mesh,
-                               abstract_state(mesh, args.rows), options=options)
+  return mtc.CheckpointManager(
+      local_dir, args.persistent_dir, mesh, abstract_state(mesh, args.rows), options=options,
+      persistent_non_replicated_directory=getattr(args, "dataset_dir", None))
 
 
 def fmt(steps) -> str:

@@ -47,9 +47,10 @@ def _usage_error(args) -> str | None:
 def cmd_preempt(args) -> int:
   """Train and save until a preemption notice (SIGTERM) makes every process save on demand.
 
-  Steps run 0, K, 2K, ... (K = --stride) or, after a restore of step R, R+K, R+2K, ...; each
-  is a training step (an all-reduce), `reached_preemption(step)`, then `save(step)`. At the
-  step all processes agreed on (`reached_preemption` True) the save is the on-demand one:
+  Steps run F, F+K, ... (F = --first-step, K = --stride) or, after a restore of step R, R+K,
+  R+2K, ...; each is a training step (an all-reduce), `reached_preemption(step)`, then
+  `save(step)`. At the step all processes agreed on (`reached_preemption` True) the save is
+  the on-demand one:
     --exit-after  the manager exits the process (status 0) inside that save();
     --self-exit   the loop stops once `mgr.should_exit()` says so (EXITING);
     otherwise     training goes on for --after-steps more steps (DONE).
@@ -80,7 +81,7 @@ def cmd_preempt(args) -> int:
       return EXIT_MISMATCH
     if args.hook in ("write", "ondemand-write"):
       hooks.install_write_hook(args, mgr, me, ondemand_steps)
-    step = 0 if restored is None else restored + args.stride
+    step = args.first_step if restored is None else restored + args.stride
     preempted_at: int | None = None
     ready = False
     for _ in range(args.max_steps):
@@ -95,7 +96,10 @@ def cmd_preempt(args) -> int:
         preempted_at = step
         ondemand_steps.add(step)
         emit(f"PREEMPTED process={me} step={step}")
-      mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+      items = {"state": ocp.args.PyTreeSave(state)}
+      if args.dataset_dir:
+        items["dataset"] = ocp.args.JsonSave({"process": me, "step": step})
+      mgr.save(step, args=ocp.args.Composite(**items))
       if not ready:
         ready = True
         emit(f"READY process={me} step={step}")
