@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import re
 import shutil
 import stat
 import sys
@@ -62,8 +63,39 @@ def run_job(command: list[str], nprocs: int, root: pathlib.Path, *, devices: int
   return result, out
 
 
+_STACK_HEAD = re.compile(r"^\[node \d+\] (Thread 0x|Current thread 0x|Timeout \()")
+_STACK_LINE = re.compile(r"^\[node \d+\] ?( {2}File |$)")
+# Frames of a pool thread waiting for work: such stacks say nothing about a hang.
+_IDLE_FRAME = re.compile(r"(threading|concurrent/futures/thread|queue)\.py\"")
+
+
+def _stacks_apart(lines: list[str]) -> tuple[list[str], list[str]]:
+  """(the output without the stack dumps, the dumped stacks of threads that were not idle)."""
+  others: list[str] = []
+  kept: list[str] = []
+  block: list[str] | None = None
+  for line in lines + [""]:
+    if _STACK_HEAD.match(line) or (block is not None and _STACK_LINE.match(line)):
+      if _STACK_HEAD.match(line):
+        if block and not all(_IDLE_FRAME.search(f) for f in block[1:] if "File" in f):
+          kept.extend(block)
+        block = [line]
+      elif line.split("]", 1)[-1].strip():
+        block.append(line)
+      continue
+    if block and not all(_IDLE_FRAME.search(f) for f in block[1:] if "File" in f):
+      kept.extend(block)
+    block = None
+    others.append(line)
+  return others[:-1], kept
+
+
 def tail(out, n: int = 60) -> str:
-  return "\n".join(out.text().splitlines()[-n:])
+  """The last `n` lines of a job's output, then the stacks it dumped (idle threads left out),
+  so that a hang shows both what was printed last and where each process waited."""
+  others, stacks = _stacks_apart(out.text().splitlines())
+  text = "\n".join(others[-n:])
+  return f"{text}\n--- stacks ---\n" + "\n".join(stacks) if stacks else text
 
 
 def keep_output(out) -> None:

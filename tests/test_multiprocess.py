@@ -386,3 +386,9 @@ def test_a_worker_still_running_prints_where_every_thread_waits(shm_root, tmp_pa
   for node in (0, 1):
     assert any(line.startswith(f"[node {node}] ") and "most recent call first" in line
                for line in out.lines), tail(out)
+  # A failure message keeps the printed lines and, apart, the stacks of threads not idle
+  # (each main thread runs the worker's module).
+  printed, stacks = tail(out).split("\n--- stacks ---\n")
+  assert "most recent call first" not in printed, printed
+  for node in (0, 1):
+    assert f'[node {node}]   File "{WORKER}' in stacks, stacks
