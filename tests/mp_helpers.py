@@ -27,10 +27,12 @@ STACKS_AFTER_S = 80
 
 
 def child_env() -> dict[str, str]:
-  """Children import orbax_mtc from this checkout, installed or not."""
+  """Children import orbax_mtc from this checkout, installed or not, and log XLA's INFO
+  lines too (the preemption protocol's steps; `tail` leaves out the routine ones)."""
   path = os.environ.get("PYTHONPATH")
   return {"PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT),
-          "MTC_TEST_STACKS_AFTER_S": str(STACKS_AFTER_S)}
+          "MTC_TEST_STACKS_AFTER_S": str(STACKS_AFTER_S),
+          "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0")}
 
 
 def shm_base() -> pathlib.Path:
@@ -65,6 +67,9 @@ def run_job(command: list[str], nprocs: int, root: pathlib.Path, *, devices: int
 
 _STACK_HEAD = re.compile(r"^\[node \d+\] (Thread 0x|Current thread 0x|Timeout \()")
 _STACK_LINE = re.compile(r"^\[node \d+\] ?( {2}File |$)")
+# Routine lines (connections, devices, barriers passed) that would crowd out the others.
+_ROUTINE = re.compile(r"\[Gloo\] Rank|has passed with status: OK|grpc_credentials\.cc|"
+                      r"pjrt_client\.cc|connected to coordination service")
 # Frames of a pool thread waiting for work: such stacks say nothing about a hang.
 _IDLE_FRAME = re.compile(r"(threading|concurrent/futures/thread|queue)\.py\"")
 
@@ -94,7 +99,7 @@ def tail(out, n: int = 60) -> str:
   """The last `n` lines of a job's output, then the stacks it dumped (idle threads left out),
   so that a hang shows both what was printed last and where each process waited."""
   others, stacks = _stacks_apart(out.text().splitlines())
-  text = "\n".join(others[-n:])
+  text = "\n".join([line for line in others if not _ROUTINE.search(line)][-n:])
   return f"{text}\n--- stacks ---\n" + "\n".join(stacks) if stacks else text
 
 

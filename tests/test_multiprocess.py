@@ -392,3 +392,6 @@ def test_a_worker_still_running_prints_where_every_thread_waits(shm_root, tmp_pa
   assert "most recent call first" not in printed, printed
   for node in (0, 1):
     assert f'[node {node}]   File "{WORKER}' in stacks, stacks
+    # And how many train steps it had run, twice (a loop that runs on vs a process that waits).
+    assert sum(line.startswith(f"[node {node}] @@mtc PROGRESS train_steps=")
+               for line in out.lines) == 2, printed

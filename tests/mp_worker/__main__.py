@@ -310,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
   stacks_after = os.environ.get("MTC_TEST_STACKS_AFTER_S")
   if stacks_after:  # mp_helpers.STACKS_AFTER_S: where a job about to be killed waits
     faulthandler.dump_traceback_later(float(stacks_after), exit=False)
+    common.report_progress_at(float(stacks_after) - 4, float(stacks_after) - 1)
 
   # Without Google credentials (the loopback GCS server) gcsfs warns on every bucket access.
   logging.getLogger("gcsfs").setLevel(logging.ERROR)

@@ -184,6 +184,24 @@ def raised(error: BaseException) -> None:
 
 
 _REDUCE: Any = None
+_TRAIN_STEPS = [0]  # train_step calls so far (PROGRESS lines)
+
+
+def report_progress_at(*seconds: float) -> None:
+  """Prints PROGRESS (train steps so far) at each of these times after start, from a daemon
+  thread: two lines that differ show a loop still running; equal ones, a process that waits
+  (no line at all: a thread holds the GIL while it waits in C)."""
+  import threading
+  import time
+
+  start = time.monotonic()
+
+  def report() -> None:
+    for at in sorted(seconds):
+      time.sleep(max(0.0, at - (time.monotonic() - start)))
+      emit(f"PROGRESS train_steps={_TRAIN_STEPS[0]} at={at:g}")
+
+  threading.Thread(target=report, name="progress", daemon=True).start()
 
 
 def train_step(state: dict) -> float:
@@ -197,6 +215,7 @@ def train_step(state: dict) -> float:
     _REDUCE = jax.jit(lambda tree: sum(jnp.sum(x.astype(jnp.float32))
                                        for x in jax.tree.leaves(tree)
                                        if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)))
+  _TRAIN_STEPS[0] += 1
   return float(_REDUCE(state))
 
 
