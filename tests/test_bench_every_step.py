@@ -1,12 +1,14 @@
 """`orbax-mtc bench every-step`: a tiny grid through the real command (real processes, one
 and two) gives one JSON document with every variant, the saves each schedule asks for, and
-finite overheads; the summary and table are checked on a fixed record. Nothing here asserts a
-speed."""
+finite overheads; the summary and table are checked on a fixed record. Also
+benchmarks/replication_interval.py, tiny. Nothing here asserts a speed."""
 
 from __future__ import annotations
 
 import json
 import math
+import pathlib
+import statistics
 import subprocess
 import sys
 
@@ -118,3 +120,28 @@ def test_a_background_nice_out_of_range_is_refused():
       [sys.executable, "-m", "orbax_mtc", "bench", "every-step", "--background-nice", "20"],
       capture_output=True, text=True, timeout=120, check=False)
   assert result.returncode == 2 and "--background-nice must be in 0-19" in result.stderr
+
+
+@pytest.mark.timeout(240)
+def test_replication_interval_times_the_saving_calls_apart(tmp_path):
+  """benchmarks/replication_interval.py under the launcher, tiny: per interval, the saving
+  calls' quantiles apart from the calls between saves (a periodic flush shows in the
+  first)."""
+  record_path = tmp_path / "ri.json"
+  script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "replication_interval.py"
+  result = subprocess.run(
+      [sys.executable, "-m", "orbax_mtc", "launch", "--nprocs", "2", "--devices-per-process",
+       "1", "--local-root", str(tmp_path / "ram"), "--", sys.executable, str(script), "--mib",
+       "1", "--intervals", "1", "3", "--local-saves", "2", "--warm-saves", "1", "--step-ms",
+       "1", "--persistent", str(tmp_path / "persistent"), "--json", str(record_path)],
+      capture_output=True, text=True, timeout=200)
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+  by_interval = {r["interval"]: r for r in json.loads(record_path.read_text())["results"]}
+  assert by_interval[1]["between_p50_s"] is None  # every call saves
+  every_3 = by_interval[3]
+  saving = [ms for i, ms in enumerate(every_3["per_call_ms"])
+            if (every_3["first_step"] + i) % 3 == 0]
+  assert len(saving) == 2
+  assert every_3["saving_p50_s"] * 1000 == pytest.approx(statistics.median(saving), abs=0.01)
+  assert every_3["between_p50_s"] > 0
+  assert "saving calls p50 / p99" in result.stdout
