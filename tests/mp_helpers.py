@@ -74,22 +74,26 @@ _ROUTINE = re.compile(r"\[Gloo\] Rank|has passed with status: OK|grpc_credential
 _IDLE_FRAME = re.compile(r"(threading|concurrent/futures/thread|queue)\.py\"")
 
 
+def _busy(block: list[str] | None) -> bool:
+  """Whether a dumped thread's stack has a frame outside an idle pool's wait."""
+  return bool(block) and not all(_IDLE_FRAME.search(f) for f in block[1:] if "File" in f)
+
+
 def _stacks_apart(lines: list[str]) -> tuple[list[str], list[str]]:
   """(the output without the stack dumps, the dumped stacks of threads that were not idle)."""
   others: list[str] = []
   kept: list[str] = []
   block: list[str] | None = None
   for line in lines + [""]:
-    if _STACK_HEAD.match(line) or (block is not None and _STACK_LINE.match(line)):
-      if _STACK_HEAD.match(line):
-        if block and not all(_IDLE_FRAME.search(f) for f in block[1:] if "File" in f):
-          kept.extend(block)
+    head = _STACK_HEAD.match(line)
+    if head or (block is not None and _STACK_LINE.match(line)):
+      if head:
+        kept.extend(block if _busy(block) else [])
         block = [line]
       elif line.split("]", 1)[-1].strip():
         block.append(line)
       continue
-    if block and not all(_IDLE_FRAME.search(f) for f in block[1:] if "File" in f):
-      kept.extend(block)
+    kept.extend(block if _busy(block) else [])
     block = None
     others.append(line)
   return others[:-1], kept
