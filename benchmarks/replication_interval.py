@@ -13,8 +13,11 @@ and apart for the saving calls and the calls between them),
 how many local saves found the previous step's copies still pending (flushed, blocking, by
 that save, or carried on when the link lags them: peers/spread.py), how many saved steps got
 copies of their own, how long after its save a step was protected on its peer (its copies
-committed, median), and the raw ring `ppermute` bandwidth of the same bytes in the same run
-(`--sync-step`: each step also meets the other processes, as a data-parallel step). The first
+committed, median), the spread after each local save (in intervals), and, in the same run,
+the raw ring `ppermute` bandwidth of the same bytes and a step's own work on this host: each
+process writes the bytes to its RAM disk while the ring moves them, then writes the copy it
+received (longer than an interval: no spread keeps the copies within one; `--sync-step`: each
+step also meets the other processes, as a data-parallel step). The first
 `--warm-saves` local intervals are not timed: their saves create the RAM tier's files and the
 peer copies' (a long run pays that once). The default 4 is what the RAM tier's 2 steps need:
 the first 3 saves and their copies write new files (the 4th reuses the 1st's), and the 3rd's
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -55,9 +59,12 @@ def _meet(state: jax.Array, mesh: jax.sharding.Mesh):
 
 def run_interval(interval: int, state: jax.Array, mesh: jax.sharding.Mesh, root: Path,
                  persistent: Path, step_ms: float, intervals: int, warm: int = 0,
-                 sync_step: bool = False, keep: int = 2) -> dict:
+                 sync_step: bool = False, keep: int = 2, max_spread: int | None = None) -> dict:
+  replication = mtc.ReplicationOptions() if max_spread is None else \
+      mtc.ReplicationOptions(max_spread_intervals=max_spread)
   options = mtc.CheckpointManagerOptions(
       local=mtc.LocalCheckpointOptions(save_interval_steps=interval, max_to_keep=keep),
+      replication=replication,
       persistent=mtc.PersistentCheckpointOptions(should_save_fn=lambda step, last: False))
   local = root / f"interval-{interval}"
   abstract = {"w": jax.ShapeDtypeStruct(state.shape, state.dtype, sharding=state.sharding)}
@@ -65,6 +72,7 @@ def run_interval(interval: int, state: jax.Array, mesh: jax.sharding.Mesh, root:
   first = interval * warm + 1  # the first timed call (step 0 sets up the first transfer)
   saved: dict[int, float] = {}  # when each local save returned
   protected: dict[int, float] = {}  # step -> seconds from its save to its copies landing
+  stretches: list[int] = []  # the spread (in intervals) after each timed local save
   with mtc.CheckpointManager(local, persistent / f"interval-{interval}", mesh, abstract,
                              options=options) as mgr:
     # Private: no public API says when a step is protected (as `bench every-step`).
@@ -84,6 +92,8 @@ def run_interval(interval: int, state: jax.Array, mesh: jax.sharding.Mesh, root:
       blocking.append(now - started)
       if step % interval == 0:
         saved[step] = now
+        if step >= first:
+          stretches.append(mgr._form.peers.stretch.intervals)  # noqa: SLF001 - the measure
       landed = replicator.landed_step  # agreed: the same on every process
       if landed is not None and landed not in protected and landed in saved:
         protected[landed] = now - saved[landed]
@@ -106,6 +116,7 @@ def run_interval(interval: int, state: jax.Array, mesh: jax.sharding.Mesh, root:
           # Each timed call's blocking (the slowest process), ms; the local saves are the
           # calls at multiples of the interval (index 0 is the call after step `first` - 1).
           "per_call_ms": [round(float(v) * 1000, 2) for v in per_step],
+          "spread_intervals": stretches,
           "first_step": first}
 
 
@@ -114,6 +125,34 @@ def _quantiles(name: str, seconds: np.ndarray) -> dict[str, float | None]:
     return {f"{name}_p50_s": None, f"{name}_p99_s": None}
   return {f"{name}_p50_s": float(np.median(seconds)),
           f"{name}_p99_s": float(np.quantile(seconds, 0.99))}
+
+
+def _ring_gbps(ring: limits.RingPermute, nbytes: int) -> float:
+  """The ring `ppermute`'s bandwidth, the slowest process's median of three."""
+  seconds = []
+  for _ in range(3):
+    multihost_utils.sync_global_devices("ring")
+    started = time.perf_counter()
+    ring()
+    seconds.append(float(_slowest(np.asarray([time.perf_counter() - started]))[0]))
+  return nbytes / float(np.median(seconds)) / 1e9
+
+
+def _step_work_seconds(ring: limits.RingPermute, data: np.ndarray, paths: list[Path]) -> float:
+  """Seconds (the slowest process, median of three) to write `data` to `paths[0]` while the
+  ring `ppermute` moves as many bytes, then write it to `paths[1]` (the copy received)."""
+  seconds = []
+  for _ in range(3):
+    multihost_utils.sync_global_devices("step work")
+    started = time.perf_counter()
+    writer = threading.Thread(target=limits.raw_write, args=(str(paths[0]), data),
+                              kwargs={"overwrite": True})
+    writer.start()
+    ring()
+    writer.join()
+    limits.raw_write(str(paths[1]), data, overwrite=True)
+    seconds.append(float(_slowest(np.asarray([time.perf_counter() - started]))[0]))
+  return float(np.median(seconds))
 
 
 def _ms(seconds: float | None) -> str:
@@ -135,6 +174,8 @@ def main() -> None:
   parser.add_argument("--sync-step", action="store_true",
                       help="each step ends with a cross-process all-reduce every process waits "
                            "for, as a data-parallel step's (the processes meet every step)")
+  parser.add_argument("--max-spread", type=int,
+                      help="ReplicationOptions.max_spread_intervals (default: the option's)")
   args = parser.parse_args()
   distributed.initialize()
   me, n = jax.process_index(), jax.process_count()
@@ -146,21 +187,29 @@ def main() -> None:
       (rows * n, 1024), sharding,
       lambda index: np.random.default_rng(me).random((rows, 1024), dtype=np.float32))
   ring = limits.RingPermute(args.mib << 20)
-  seconds = []
-  for _ in range(3):
-    multihost_utils.sync_global_devices("ring")
-    started = time.perf_counter()
-    ring()
-    seconds.append(float(_slowest(np.asarray([time.perf_counter() - started]))[0]))
-  ppermute_gbps = (args.mib << 20) / np.median(seconds) / 1e9
   root = Path(distributed.local_directory())
+  ppermute_gbps = _ring_gbps(ring, args.mib << 20)
+  # A step's own work on this host, apart from training: each process writes the step to
+  # its RAM disk while the ring moves the same bytes, then writes the copy it received. More
+  # than an interval, and no spread keeps the copies within one.
+  host_bytes = np.asarray(state.addressable_shards[0].data).view(np.uint8).reshape(-1)
+  scratch = [root / "bench-step-write", root / "bench-copy-write"]
+  for path in scratch:
+    limits.raw_write(str(path), host_bytes, overwrite=False)  # their pages, once
+  try:
+    step_work_s = _step_work_seconds(ring, host_bytes, scratch)
+  finally:
+    for path in scratch:
+      path.unlink()
   results = [run_interval(i, state, mesh, root, Path(args.persistent), args.step_ms,
-                          args.local_saves, args.warm_saves, args.sync_step, args.keep)
+                          args.local_saves, args.warm_saves, args.sync_step, args.keep,
+                          args.max_spread)
              for i in args.intervals]
   if me == 0:
     meets = ", processes meet every step" if args.sync_step else ""
     print(f"{args.mib} MiB per process, {n} processes, step {args.step_ms:.0f} ms{meets}, ring "
-          f"ppermute {ppermute_gbps:.2f} GB/s (same run)")
+          f"ppermute {ppermute_gbps:.2f} GB/s; a step's write, copy and the copy's write "
+          f"{step_work_s:.2f} s (same run)")
     print("| local interval | save() p50 / p99 / max, ms | saving calls p50 / p99 | calls "
           "between saves p50 / p99 | local saves finding copies pending | saves whose copies "
           "landed | protected on the peer after (p50) |")
@@ -175,6 +224,7 @@ def main() -> None:
     if args.json:
       Path(args.json).write_text(json.dumps({"mib": args.mib, "processes": n,
                                              "ppermute_gbps": ppermute_gbps,
+                                             "step_work_s": step_work_s,
                                              "sync_step": args.sync_step, "keep": args.keep,
                                              "results": results}, indent=1))
 

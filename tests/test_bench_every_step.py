@@ -126,7 +126,7 @@ def test_a_background_nice_out_of_range_is_refused():
 def test_replication_interval_times_the_saving_calls_apart(tmp_path):
   """benchmarks/replication_interval.py under the launcher, tiny: per interval, the saving
   calls' quantiles apart from the calls between saves (a periodic flush shows in the
-  first)."""
+  first), and the spread after each local save."""
   record_path = tmp_path / "ri.json"
   script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "replication_interval.py"
   result = subprocess.run(
@@ -136,12 +136,17 @@ def test_replication_interval_times_the_saving_calls_apart(tmp_path):
        "1", "--persistent", str(tmp_path / "persistent"), "--json", str(record_path)],
       capture_output=True, text=True, timeout=200)
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-  by_interval = {r["interval"]: r for r in json.loads(record_path.read_text())["results"]}
+  record = json.loads(record_path.read_text())
+  # The link alone, and a step's write, copy and the copy's write; their scratch files gone.
+  assert record["ppermute_gbps"] > 0 and record["step_work_s"] > 0
+  assert not list((tmp_path / "ram").rglob("bench-*-write"))
+  by_interval = {r["interval"]: r for r in record["results"]}
   assert by_interval[1]["between_p50_s"] is None  # every call saves
   every_3 = by_interval[3]
   saving = [ms for i, ms in enumerate(every_3["per_call_ms"])
             if (every_3["first_step"] + i) % 3 == 0]
   assert len(saving) == 2
+  assert len(every_3["spread_intervals"]) == 2 and min(every_3["spread_intervals"]) >= 1
   assert every_3["saving_p50_s"] * 1000 == pytest.approx(statistics.median(saving), abs=0.01)
   assert every_3["between_p50_s"] > 0
   assert "saving calls p50 / p99" in result.stdout

@@ -49,10 +49,11 @@ def test_chunks_per_call_spreads_what_is_left_over_the_calls_left():
   assert per_call(100, 6, 7, 2) == 2  # past the estimate (the save may come any call): floor
 
 
-def test_copies_that_waited_for_the_link_are_spread_wider_and_narrow_slowly():
+def test_copies_that_waited_for_the_link_are_spread_wider_and_narrow_when_quiet():
   def step(stretch, waited_ms, interval_ms, most=8):
     return spread.next_stretch(stretch, waited_ms, interval_ms, most)
   one, Stretch = spread.Stretch(), spread.Stretch
+  first = spread.QUIET_SAVES
   # Waits over 5 % of the interval between two local saves: twice as many intervals.
   assert step(one, 51, 1000) == Stretch(2, 0)
   assert step(Stretch(4, 3), 400, 1000) == Stretch(8, 0)
@@ -63,12 +64,32 @@ def test_copies_that_waited_for_the_link_are_spread_wider_and_narrow_slowly():
   assert step(one, spread.MIN_WAIT_MS + 1, 100) == Stretch(2, 0)
   # Within the share: kept; a quiet save (waits under a quarter of it) counts towards
   # narrowing, a save with some waiting starts the count again.
-  assert step(Stretch(2, 5), 50, 1000) == Stretch(2, 0)
-  assert step(Stretch(2, 5), 12, 1000) == Stretch(2, 6)
-  assert step(Stretch(2, 6), 0, 1000) == Stretch(2, 7)
-  # `QUIET_SAVES` quiet saves in a row: one interval narrower, never under one.
-  assert step(Stretch(2, spread.QUIET_SAVES - 1), 0, 1000) == Stretch(1, 0)
-  assert step(Stretch(1, spread.QUIET_SAVES - 1), 0, 1000) == Stretch(1, spread.QUIET_SAVES)
+  assert step(Stretch(2, 1, 8), 50, 1000) == Stretch(2, 0, 8)
+  assert step(Stretch(2, 5, 8), 12, 1000) == Stretch(2, 6, 8)
+  # `patience` quiet saves in a row: one interval narrower, never under one; the narrowed
+  # step's intervals and the save after them probe it.
+  assert step(Stretch(4, first - 1), 0, 1000) == Stretch(3, 0, first, probing=4)
+  assert step(Stretch(2, 7, 8), 0, 1000) == Stretch(1, 0, 8, probing=2)
+  assert step(Stretch(1, 7, 8), 0, 1000) == Stretch(1, 8, 8)
+  # Waits during the probe: the narrowing was one too many; back to the spread that bore
+  # the copies (not twice the narrowed one), and twice the quiet saves before the next try
+  # (at most MOST_QUIET_SAVES)...
+  assert step(Stretch(1, 0, 8, probing=1), 300, 1000) == Stretch(2, 0, 16)
+  assert step(Stretch(3, 1, 4, probing=3), 300, 1000) == Stretch(4, 0, 8)
+  most_quiet = spread.MOST_QUIET_SAVES
+  assert step(Stretch(1, 0, most_quiet, probing=2), 300, 1000) == Stretch(2, 0, most_quiet)
+  # ...while a probe that passes halves them (at least QUIET_SAVES), and waits after it
+  # only widen.
+  assert step(Stretch(1, 0, 8, probing=1), 0, 1000) == Stretch(1, 1, 4)
+  assert step(Stretch(1, 0, first, probing=1), 0, 1000) == Stretch(1, 1, first)
+  assert step(Stretch(1, 3, 8), 300, 1000) == Stretch(2, 0, 8)
+  # A link that needs two intervals (waits whenever a step's copies had one): probes of one
+  # interval ever further apart, then one every MOST_QUIET_SAVES + 1 saves.
+  stretch, seen = one, []
+  for _ in range(60):
+    stretch = step(stretch, 300 if stretch.intervals == 1 else 0, 1000)
+    seen.append(stretch.intervals)
+  assert max(seen) == 2 and [i for i, n in enumerate(seen) if n == 1] == [2, 7, 16, 33, 50]
   # No interval measured (the first save, a clock that went back): as it was.
   assert step(Stretch(2, 1), 500, 0) == Stretch(2, 1)
   assert step(Stretch(2, 1), 500, -30) == Stretch(2, 1)

@@ -64,9 +64,13 @@ def start_call(ready_call: int, calls_between_saves: int) -> int:
 # are spread wider. (Below a few ms a wait is scheduling noise, not the link.)
 WAIT_SHARE = 0.05
 MIN_WAIT_MS = 20
-# Intervals in a row without such waits before the spread narrows by one interval (slowly:
-# a wider spread only delays protection; a narrower one than the link allows stalls calls).
-QUIET_SAVES = 8
+# Quiet local saves in a row (no such waits) before the spread narrows by one interval, at
+# first. A narrowing the link could not bear (waits again within the narrowed step's own
+# intervals) is undone and doubles it, up to MOST_QUIET_SAVES: a link that needs the wider
+# spread is probed rarely, each probe costing an interval or two of waits; a narrowing that
+# held halves it again.
+QUIET_SAVES = 2
+MOST_QUIET_SAVES = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +80,14 @@ class Stretch:
   Attributes:
     intervals: The intervals (1: out before the next local save).
     quiet: Local saves in a row whose copies did not wait for the link.
+    patience: The quiet saves in a row that narrow the spread by one interval.
+    probing: Local saves left in which waits mean the last narrowing was one too many.
   """
 
   intervals: int = 1
   quiet: int = 0
+  patience: int = QUIET_SAVES
+  probing: int = 0
 
 
 def next_stretch(stretch: Stretch, waited_ms: int, interval_ms: int, most: int) -> Stretch:
@@ -88,17 +96,26 @@ def next_stretch(stretch: Stretch, waited_ms: int, interval_ms: int, most: int) 
   the two saves (process 0's clock: agreed).
 
   Waits over `WAIT_SHARE` of the interval and `MIN_WAIT_MS` double the spread (up to `most`
-  intervals: `ReplicationOptions.max_spread_intervals`); after `QUIET_SAVES` saves in a row
-  without waits it narrows by one interval.
+  intervals: `ReplicationOptions.max_spread_intervals`); after `patience` saves in a row
+  without waits it narrows by one interval. Waits while a narrowing is probed (its step's
+  intervals and the save after them) undo it and double `patience`; a probe that passes
+  halves it.
   """
+  intervals = max(1, min(most, stretch.intervals))
   if interval_ms <= 0:
-    return Stretch(min(most, stretch.intervals), stretch.quiet)
+    return dataclasses.replace(stretch, intervals=intervals)
   if waited_ms > max(WAIT_SHARE * interval_ms, MIN_WAIT_MS):
-    return Stretch(max(1, min(most, 2 * stretch.intervals)), 0)
+    if stretch.probing:  # back to the spread that bore the copies (not twice the narrowed)
+      return Stretch(min(most, intervals + 1), 0, min(MOST_QUIET_SAVES, 2 * stretch.patience))
+    return Stretch(max(1, min(most, 2 * intervals)), 0, stretch.patience)
+  patience = stretch.patience
+  if stretch.probing == 1:  # the narrowed spread bore its first step's copies
+    patience = max(QUIET_SAVES, patience // 2)
+  probing = max(0, stretch.probing - 1)
   quiet = stretch.quiet + 1 if waited_ms * 4 <= WAIT_SHARE * interval_ms else 0
-  if quiet >= QUIET_SAVES and stretch.intervals > 1:
-    return Stretch(min(most, stretch.intervals - 1), 0)
-  return Stretch(max(1, min(most, stretch.intervals)), quiet)
+  if quiet >= patience and intervals > 1:
+    return Stretch(intervals - 1, 0, patience, probing=intervals)  # `intervals - 1` + 1 saves
+  return Stretch(intervals, quiet, patience, probing)
 
 
 def budget(calls_between_saves: int | None, stretch: Stretch) -> int | None:
