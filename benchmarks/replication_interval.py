@@ -127,32 +127,34 @@ def _quantiles(name: str, seconds: np.ndarray) -> dict[str, float | None]:
           f"{name}_p99_s": float(np.quantile(seconds, 0.99))}
 
 
-def _ring_gbps(ring: limits.RingPermute, nbytes: int) -> float:
-  """The ring `ppermute`'s bandwidth, the slowest process's median of three."""
+def _slowest_median(name: str, run) -> float:
+  """Seconds `run()` took on the slowest process, the median of three (all start together)."""
   seconds = []
   for _ in range(3):
-    multihost_utils.sync_global_devices("ring")
+    multihost_utils.sync_global_devices(name)
     started = time.perf_counter()
-    ring()
+    run()
     seconds.append(float(_slowest(np.asarray([time.perf_counter() - started]))[0]))
-  return nbytes / float(np.median(seconds)) / 1e9
+  return float(np.median(seconds))
+
+
+def _ring_gbps(ring: limits.RingPermute, nbytes: int) -> float:
+  """The ring `ppermute`'s bandwidth."""
+  return nbytes / _slowest_median("ring", ring) / 1e9
 
 
 def _step_work_seconds(ring: limits.RingPermute, data: np.ndarray, paths: list[Path]) -> float:
-  """Seconds (the slowest process, median of three) to write `data` to `paths[0]` while the
-  ring `ppermute` moves as many bytes, then write it to `paths[1]` (the copy received)."""
-  seconds = []
-  for _ in range(3):
-    multihost_utils.sync_global_devices("step work")
-    started = time.perf_counter()
+  """Seconds to write `data` to `paths[0]` while the ring `ppermute` moves as many bytes,
+  then write it to `paths[1]` (the copy received)."""
+
+  def step_work() -> None:
     writer = threading.Thread(target=limits.raw_write, args=(str(paths[0]), data),
                               kwargs={"overwrite": True})
     writer.start()
     ring()
     writer.join()
     limits.raw_write(str(paths[1]), data, overwrite=True)
-    seconds.append(float(_slowest(np.asarray([time.perf_counter() - started]))[0]))
-  return float(np.median(seconds))
+  return _slowest_median("step work", step_work)
 
 
 def _ms(seconds: float | None) -> str:
