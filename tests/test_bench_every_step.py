@@ -1,7 +1,8 @@
 """`orbax-mtc bench every-step`: a tiny grid through the real command (real processes, one
 and two) gives one JSON document with every variant, the saves each schedule asks for, and
 finite overheads; the summary and table are checked on a fixed record. Also
-benchmarks/replication_interval.py, tiny. Nothing here asserts a speed."""
+benchmarks/replication_interval.py and benchmarks/collective_order.py, tiny. Nothing here
+asserts a speed."""
 
 from __future__ import annotations
 
@@ -150,3 +151,22 @@ def test_replication_interval_times_the_saving_calls_apart(tmp_path):
   assert every_3["saving_p50_s"] * 1000 == pytest.approx(statistics.median(saving), abs=0.01)
   assert every_3["between_p50_s"] > 0
   assert "saving calls p50 / p99" in result.stdout
+
+
+def test_collective_order_times_an_update_behind_a_late_chunk(tmp_path):
+  """benchmarks/collective_order.py under the launcher, tiny: the update alone, behind a chunk
+  every process joined at once, and behind one whose last process joined late."""
+  record_path = tmp_path / "order.json"
+  script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "collective_order.py"
+  result = subprocess.run(
+      [sys.executable, "-m", "orbax_mtc", "launch", "--nprocs", "2", "--devices-per-process",
+       "1", "--local-root", str(tmp_path / "ram"), "--", sys.executable, str(script), "--mib",
+       "1", "--chunk-mib", "1", "--late-ms", "50", "--reps", "1", "--json", str(record_path)],
+      capture_output=True, text=True, timeout=200)
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+  record = json.loads(record_path.read_text())
+  assert record["processes"] == 2 and record["late_ms"] == 50
+  medians = record["punctual_update_median_s"]
+  assert sorted(medians) == ["after_joined_chunk_s", "after_late_chunk_s", "alone_s"]
+  assert all(v > 0 for v in medians.values())
+  assert "joined 50 ms late" in result.stdout

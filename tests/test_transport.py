@@ -10,6 +10,7 @@ import concurrent.futures
 import re
 import shutil
 
+import jax
 import mp_helpers
 import numpy as np
 import pytest
@@ -124,6 +125,25 @@ def test_a_read_ahead_stream_lends_its_chunks_within_its_budget(tmp_path):
     queued.read_ahead(4096, 4096, lambda fn, *args: pending.append(
         concurrent.futures.Future()) or pending[-1])
     assert queued.view(0, 4096) is None and pending[0].cancelled()
+
+    # Placed ahead on the reader thread: a chunk taken whole is handed out as placed (the
+    # same bytes), a shorter one as a view of its buffer; a chunk whose placement failed
+    # as a view too (the sender places it).
+    device = jax.local_devices()[0]
+    placed = peer_stream.copy_stream(tier.directory / "3", manifest, 0, skip=set())
+    placed.read_ahead(4096, 8192, submit, place=lambda b: jax.device_put(b, device))
+    whole = placed.view(0, 4096)
+    assert isinstance(whole, jax.Array) and np.array_equal(np.asarray(whole), want[:4096])
+    part = placed.view(4096, 1024)
+    assert isinstance(part, np.ndarray) and np.array_equal(part, want[4096:5120])
+
+    def refuse(buffer):
+      raise RuntimeError("no room on the device")
+
+    unplaced = peer_stream.copy_stream(tier.directory / "3", manifest, 0, skip=set())
+    unplaced.read_ahead(4096, 4096, submit, place=refuse)
+    chunk = unplaced.view(0, 4096)
+    assert isinstance(chunk, np.ndarray) and np.array_equal(chunk, want[:4096])
   finally:
     thread.shutdown()
     tier.close()

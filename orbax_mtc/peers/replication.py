@@ -152,8 +152,9 @@ class Replicator:
                 for src, dst in job.edges if src == self.me}
     if read_ahead:
       budget = max(self._chunk_bytes, self._in_flight_bytes // max(1, len(outgoing)))
+      placer = transport.background_placer(self.me)
       for stream in outgoing.values():
-        stream.read_ahead(self._chunk_bytes, budget, self._reader.submit)
+        stream.read_ahead(self._chunk_bytes, budget, self._reader.submit, place=placer)
     return outgoing
 
   def progress(self, status: int, *, block: bool) -> None:

@@ -60,29 +60,44 @@ class OutgoingStream:
   nbytes: int
   segments: list[Segment]
   failures: list[tuple[Any, Exception]] | None = None
-  # Chunks read ahead on a background thread (`read_ahead`): offset -> the read's future.
+  # Chunks read ahead on a background thread (`read_ahead`): offset -> the future of the
+  # read (its buffer, and that buffer placed for sending or None).
   _ahead: dict[int, concurrent.futures.Future] = dataclasses.field(default_factory=dict)
-  _ahead_state: tuple[int, int, Callable[..., concurrent.futures.Future]] | None = None
+  _ahead_state: tuple[int, int, Callable[..., concurrent.futures.Future],
+                      Callable[[np.ndarray], Any] | None] | None = None
   _ahead_next: int = 0  # the first offset not yet asked of the background thread
 
   def read_ahead(self, chunk_bytes: int, budget_bytes: int,
-                 submit: Callable[..., concurrent.futures.Future]) -> None:
+                 submit: Callable[..., concurrent.futures.Future],
+                 place: Callable[[np.ndarray], Any] | None = None) -> None:
     """Starts reading the stream in `chunk_bytes` chunks through `submit` (a background
     thread: file I/O only), at most `budget_bytes` of them read and not yet taken by `view`,
     so that sending does not read the RAM disk on the main thread and a step of any size
-    holds a bounded amount of memory."""
-    self._ahead_state = (max(1, chunk_bytes), max(1, budget_bytes), submit)
+    holds a bounded amount of memory. With `place`, the same thread also places each chunk
+    for sending (`view` then hands out what it returned; a chunk it fails on goes unplaced)."""
+    self._ahead_state = (max(1, chunk_bytes), max(1, budget_bytes), submit, place)
     self._fill()
 
   def _fill(self) -> None:
     if self._ahead_state is None:
       return
-    chunk, budget, submit = self._ahead_state
+    chunk, budget, submit, place = self._ahead_state
     while self._ahead_next < self.nbytes and (len(self._ahead) + 1) * chunk <= max(budget,
                                                                                    chunk):
       offset = self._ahead_next
-      self._ahead[offset] = submit(self._read_chunk, offset, chunk)
+      self._ahead[offset] = submit(self._read_ahead_chunk, offset, chunk, place)
       self._ahead_next += chunk
+
+  def _read_ahead_chunk(self, offset: int, length: int,
+                        place: Callable[[np.ndarray], Any] | None) -> tuple[np.ndarray, Any]:
+    buffer = self._read_chunk(offset, length)
+    placed = None
+    if place is not None:
+      try:
+        placed = place(buffer)
+      except Exception:  # noqa: BLE001 - the sender places the bytes itself (and reports)
+        placed = None
+    return buffer, placed
 
   def _read_chunk(self, offset: int, length: int) -> np.ndarray:
     """Stream bytes [offset, offset + length) in a fresh aligned buffer, the gaps between
@@ -100,10 +115,11 @@ class OutgoingStream:
     buffer[at - offset:] = 0
     return buffer
 
-  def view(self, offset: int, nbytes: int) -> np.ndarray | None:
+  def view(self, offset: int, nbytes: int) -> Any:
     """Stream bytes [offset, offset + nbytes), past the end as zeros, from a chunk read
-    ahead; None when no read-ahead chunk starts at `offset` and covers them, or its read
-    failed or has not started (the caller then `read`s them itself)."""
+    ahead: as placed by `read_ahead`'s `place` when that placed exactly these bytes, else a
+    uint8 view of its buffer. None when no read-ahead chunk starts at `offset` and covers
+    them, or its read failed or has not started (the caller then `read`s them itself)."""
     future = self._ahead.pop(offset, None)
     if future is None:
       return None
@@ -111,9 +127,12 @@ class OutgoingStream:
     # to wait for the thread's queue.
     taken = None if future.cancel() or future.exception() is not None else future.result()
     self._fill()
-    if taken is None or nbytes > taken.nbytes:
+    if taken is None or nbytes > taken[0].nbytes:
       return None
-    return taken[:nbytes]
+    buffer, placed = taken
+    if placed is not None and nbytes == buffer.nbytes:
+      return placed
+    return buffer[:nbytes]
 
   def cancel_read_ahead(self) -> None:
     """Drops the reads not yet taken (the transfer ended or was dropped)."""
