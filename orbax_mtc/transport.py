@@ -277,6 +277,11 @@ class Transfer:
     self.failures.append(message)
 
   @property
+  def moving_chunks(self) -> int:
+    """Chunks issued and not yet complete on this process (a local view: no collective)."""
+    return sum(1 for _, out, _ in self._in_flight if not out.is_ready())
+
+  @property
   def arrived(self) -> bool:
     """Every chunk issued and complete on this process (a local view: no collective)."""
     return not self._chunks and all(out.is_ready() for _, out, _ in self._in_flight)

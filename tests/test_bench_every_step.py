@@ -95,6 +95,11 @@ def test_a_tiny_grid_runs_every_variant_and_prints_one_document():
       # The peer copies are timed only where there is a peer.
       assert (row["peer_copy_out_s"] is not None) == (record["procs"] > 1) or \
           row["saves"] == 1
+      # Updates behind moving chunks are counted only where chunks move.
+      assert (row["updates_behind_chunks"] is not None) == (record["procs"] > 1)
+      if record["procs"] > 1:
+        assert 0 <= row["updates_behind_chunks"] <= STEPS
+        assert row["behind_chunks_ms_per_step"] is not None
 
 
 @pytest.mark.timeout(240)

@@ -48,6 +48,11 @@ def _done(value: Any) -> concurrent.futures.Future:
   return future
 
 
+def _moving_chunks(*jobs: _StepCopies | None) -> int:
+  """The chunks of these jobs' transfers issued and not yet complete here (each job once)."""
+  transfers = {id(j): j.transfer for j in jobs if j is not None and j.transfer is not None}
+  return sum(transfer.moving_chunks for transfer in transfers.values())
+
 
 @dataclasses.dataclass
 class _StepCopies:
@@ -113,6 +118,11 @@ class Replicator:
     """Chunks issued at an earlier save are still moving here (this process's view)."""
     transfer = self._landing.transfer if self._landing is not None else None
     return transfer is not None and not transfer.arrived
+
+  @property
+  def chunks_moving(self) -> int:
+    """Chunks issued here, not complete yet (local view; a CPU device's next run waits)."""
+    return _moving_chunks(self._job, self._landing)
 
   @property
   def unissued_step(self) -> int | None:

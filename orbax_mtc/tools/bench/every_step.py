@@ -136,6 +136,13 @@ def summarize(record: dict[str, Any]) -> list[dict[str, Any]]:
         "update_extra_ms_per_step": extra_ms("update_sum_s"),
         "sleep_extra_ms_per_step": extra_ms("sleep_sum_s"),
         "update_p50_ms": _ms(med("update_p50_s")),
+        # Updates dispatched while this process's chunks still moved (they wait for them on a
+        # CPU client), and what they took beyond the others, per step.
+        "updates_behind_chunks": _median([run["variant"].get("behind_chunks")
+                                          for run in runs]),
+        "behind_chunks_ms_per_step": _median(
+            [1000 * run["variant"]["behind_chunks_extra_s"] / steps for run in runs
+             if run["variant"].get("behind_chunks_extra_s") is not None]),
         "saves": med("saves"), "interval_steps": med("interval_steps"),
         "interval_s": med("interval_s"), "peer_copy_out_s": med("protected_s"),
         "peer_copy_out_steps": med("protected_steps"), "backups": med("backups"),

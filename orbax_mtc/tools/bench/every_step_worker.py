@@ -34,7 +34,8 @@ from typing import Any
 # Per-process scalars gathered after each run (the slowest process's are kept: max).
 _FIELDS = ("loop_s", "save_p50_s", "save_p99_s", "save_max_s", "in_save_s", "saving_p50_s",
            "interval_steps", "interval_s", "protected_s", "protected_steps", "saves",
-           "protected_count", "backups", "update_p50_s", "update_sum_s", "sleep_sum_s")
+           "protected_count", "backups", "update_p50_s", "update_sum_s", "sleep_sum_s",
+           "behind_chunks", "behind_chunks_extra_s")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -206,6 +207,7 @@ class Loop:
     backups_at_start = len(list(mgr.backup_history)) if mgr is not None else 0
     calls: list[float] = []
     updates: list[float] = []
+    behind: list[bool] = []  # per step: chunks still moving when its update was dispatched
     slept = 0.0
     saving_calls: list[float] = []
     saved: list[tuple[int, float]] = []  # (step, when save() returned)
@@ -214,6 +216,9 @@ class Loop:
     start = time.perf_counter()
     for _ in range(args.steps):
       step += 1
+      # Whether this process's peer-copy chunks still move as the update is dispatched: on
+      # the CPU client it then runs only after them (benchmarks/collective_order.py).
+      behind.append(bool(getattr(replicator, "chunks_moving", 0)))
       began = time.perf_counter()
       # Waits for the buffers too: on CPU a donated buffer that a save still reads is not
       # reused (XLA gives the update a fresh one), which shows here.
@@ -266,9 +271,23 @@ class Loop:
         "backups": float(backups) if mgr is not None else nan,
         "update_p50_s": _percentile(updates, 50),
         "update_sum_s": sum(updates),
+        "behind_chunks": float(sum(behind)) if replicator is not None else nan,
+        # What those updates took beyond the others' median.
+        "behind_chunks_extra_s": _behind_extra(updates, behind) if replicator is not None
+                                 else nan,
         "sleep_sum_s": slept,
     }
     return state, figures
+
+
+def _behind_extra(updates: list[float], behind: list[bool]) -> float:
+  """The time the updates dispatched behind moving chunks took beyond the median of the
+  others (0 when none was)."""
+  clear = [u for u, b in zip(updates, behind, strict=True) if not b]
+  if not clear or len(clear) == len(updates):
+    return 0.0
+  typical = _percentile(clear, 50)
+  return sum(u - typical for u, b in zip(updates, behind, strict=True) if b)
 
 
 def _clean(value: float) -> float | None:
