@@ -123,7 +123,7 @@ def background_placer(me: int) -> Callable[[np.ndarray], jax.Array] | None:
   None on accelerators.
 
   On a CPU device an aligned buffer is placed without a copy, so placing ahead costs no
-  memory, and it took the main thread 0.5-1.5 ms a call under a save's load. On an
+  memory, and it took the main thread 0.85-1.5 ms a call under a save's load. On an
   accelerator it would hold every chunk read ahead in device memory as well: there chunks
   are placed as they are issued, a window at a time.
   """
