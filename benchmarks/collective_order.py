@@ -27,19 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
 
 from orbax_mtc import distributed, transport
-
-
-def _chunk(nbytes: int) -> jax.Array:
-  """One chunk's collective input, as the replicator makes it (placed, then the global array)."""
-  mesh = transport._node_mesh()  # noqa: SLF001 - the transfers' own mesh
-  device = mesh.devices[jax.process_index()]
-  placed = transport.place(np.zeros(nbytes, np.uint8), device)
-  return jax.make_array_from_single_device_arrays(
-      (nbytes * mesh.size,), NamedSharding(mesh, PartitionSpec(transport._AXIS)),  # noqa: SLF001
-      [placed])
+from orbax_mtc.local import read as local_read
 
 
 def _ring(n: int) -> tuple[tuple[int, int], ...]:
@@ -59,12 +49,22 @@ def main(argv: list[str] | None = None) -> int:
   n, me = jax.process_count(), jax.process_index()
   if n < 2:
     raise SystemExit("run it under `orbax-mtc launch --nprocs 2` (or more)")
+  # Each chunk's collective input, made as the replicator's reader thread makes it.
+  make_input = transport.background_placer(me)
+  if make_input is None:
+    raise SystemExit("this measures JAX's CPU client: run it with CPU devices")
+
+  def chunk() -> jax.Array:
+    buffer = local_read.aligned_empty(chunk_bytes, align=4096)
+    buffer[:] = 0
+    return make_input(buffer)
+
   permute = transport._permute_fn(_ring(n))  # noqa: SLF001 - the replicator's collective
   update = jax.jit(lambda w: w * 1.0001 + 1.0, donate_argnums=0)
   state = jnp.ones((args.mib << 20) // 4, jnp.float32)
   chunk_bytes = args.chunk_mib << 20
   state = jax.block_until_ready(update(state))  # compiled, warm
-  jax.block_until_ready(permute(_chunk(chunk_bytes)))
+  jax.block_until_ready(permute(chunk()))
   late = me == n - 1
   figures: dict[str, list[float]] = {"alone_s": [], "after_joined_chunk_s": [],
                                      "after_late_chunk_s": []}
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
       multihost_utils.sync_global_devices(f"collective-order-{rep}-{key}")
       if late:
         time.sleep(wait / 1000)  # the last process reaches its save() later
-      out = permute(_chunk(chunk_bytes))
+      out = permute(chunk())
       began = time.perf_counter()
       state = jax.block_until_ready(update(state))
       figures[key].append(time.perf_counter() - began)

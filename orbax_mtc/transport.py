@@ -44,9 +44,8 @@ Reader = Callable[[int, np.ndarray], None]
 # Receives one chunk of an incoming stream: (offset, bytes as a uint8 numpy array).
 Sink = Callable[[int, np.ndarray], None]
 # An outgoing stream's bytes [offset, offset + nbytes) in place, aligned, zero past its end,
-# for sending without a copy into a send buffer, or placed already (`background_placer`: the
-# chunk's collective input, or its bytes on this process's transfer device); None where it
-# has none (the Reader then fills one).
+# for sending without a copy into a send buffer, or already made into the chunk's collective
+# input (`background_placer`); None where it has none (the Reader then fills one).
 Viewer = Callable[[int, int], "np.ndarray | jax.Array | None"]
 
 
@@ -300,9 +299,9 @@ class Transfer:
     return local_read.aligned_empty(length)
 
   def _read_chunk(self, chunk: _Chunk) -> tuple[np.ndarray | jax.Array, bool]:
-    """The bytes this process sends in `chunk` (placed already where its stream's read-ahead
-    placed them), and whether the buffer is its own to reuse (a stream read ahead lends its
-    own bytes, without a copy)."""
+    """The bytes this process sends in `chunk` (the collective's input already where its
+    stream's read-ahead made it), and whether the buffer is its own to reuse (a stream read
+    ahead lends its own bytes, without a copy)."""
     sending = chunk.send is not None and chunk.offset < chunk.send.nbytes and \
         chunk.send not in self._broken
     if sending and chunk.send in self._viewers:
@@ -327,17 +326,14 @@ class Transfer:
     local, owned = self._read_chunk(chunk)
     device = mesh.devices[self._me]
     sharding = NamedSharding(mesh, PartitionSpec(_AXIS))
-    if isinstance(local, jax.Array) and local.shape == (chunk.length * mesh.size,):
-      global_in = local  # placed ahead (`background_placer`)
+    if isinstance(local, jax.Array):
+      global_in = local  # the collective's input, made ahead (`background_placer`)
     else:
-      if isinstance(local, jax.Array):
-        placed = local
-      else:
-        try:
-          placed = place(local, device)
-        except Exception as e:  # noqa: BLE001 - the spare goes; agreed after the transfer
-          self._fail(f"placing a chunk of {chunk.length} bytes", e)
-          placed = _SPARES[(device.id, chunk.length)]
+      try:
+        placed = place(local, device)
+      except Exception as e:  # noqa: BLE001 - the spare goes instead; agreed after the transfer
+        self._fail(f"placing a chunk of {chunk.length} bytes", e)
+        placed = _SPARES[(device.id, chunk.length)]
       global_in = jax.make_array_from_single_device_arrays(
           (chunk.length * mesh.size,), sharding, [placed])
     out = _permute_fn(chunk.pairs)(global_in)

@@ -48,12 +48,6 @@ def _done(value: Any) -> concurrent.futures.Future:
   return future
 
 
-def _moving_chunks(*jobs: _StepCopies | None) -> int:
-  """The chunks of these jobs' transfers issued and not yet complete here (each job once)."""
-  transfers = {id(j): j.transfer for j in jobs if j is not None and j.transfer is not None}
-  return sum(transfer.moving_chunks for transfer in transfers.values())
-
-
 @dataclasses.dataclass
 class _StepCopies:
   """The copies of one step being sent and received."""
@@ -122,7 +116,7 @@ class Replicator:
   @property
   def chunks_moving(self) -> int:
     """Chunks issued here, not complete yet (local view; a CPU device's next run waits)."""
-    return _moving_chunks(self._job, self._landing)
+    return sum(j.transfer.moving_chunks for j in (self._job, self._landing) if j and j.transfer)
 
   @property
   def unissued_step(self) -> int | None:

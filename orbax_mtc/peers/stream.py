@@ -91,13 +91,12 @@ class OutgoingStream:
   def _read_ahead_chunk(self, offset: int, length: int,
                         place: Callable[[np.ndarray], Any] | None) -> tuple[np.ndarray, Any]:
     buffer = self._read_chunk(offset, length)
-    placed = None
-    if place is not None:
-      try:
-        placed = place(buffer)
-      except Exception:  # noqa: BLE001 - the sender places the bytes itself (and reports)
-        placed = None
-    return buffer, placed
+    if place is None:
+      return buffer, None
+    try:
+      return buffer, place(buffer)
+    except Exception:  # noqa: BLE001 - the sender places the bytes itself (and reports)
+      return buffer, None
 
   def _read_chunk(self, offset: int, length: int) -> np.ndarray:
     """Stream bytes [offset, offset + length) in a fresh aligned buffer, the gaps between
