@@ -63,13 +63,14 @@ def test_a_tiny_grid_runs_every_variant_and_prints_one_document():
   result = subprocess.run(
       [sys.executable, "-m", "orbax_mtc", "bench", "every-step", "--mib", "4", "--procs", "1",
        "2", "--every", "1", "5", "--steps", str(STEPS), "--reps", "1", "--idle-ms", "20",
-       "--budget", "0.5", "--json"],
+       "--budget", "0.5", "--warm-saves", "1", "--json"],
       capture_output=True, text=True, timeout=200, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   doc = json.loads(result.stdout)  # one document, nothing else
   assert doc["schema"] == every_step.SCHEMA
   assert doc["config"]["steps"] == STEPS and doc["config"]["every"] == [1, 5]
   assert doc["config"]["background_nice"] == 10  # the option's default
+  assert doc["config"]["warm_saves"] == 1
   assert "| procs | MiB/proc |" in result.stderr  # the table went to stderr
   assert [(r["procs"], r["mib"]) for r in doc["results"]] == [(1, 4), (2, 4)]
   for record in doc["results"]:
@@ -121,11 +122,14 @@ def test_sync_step_runs_the_loop_with_a_cross_process_all_reduce_in_both_loops()
   assert math.isfinite(row["overhead_pct"])
 
 
-def test_a_background_nice_out_of_range_is_refused():
+@pytest.mark.parametrize(("flag", "message"), [
+    (["--background-nice", "20"], "--background-nice must be in 0-19"),
+    (["--warm-saves", "-1"], "--warm-saves must be >= 0")])
+def test_an_option_out_of_range_is_refused(flag, message):
   result = subprocess.run(
-      [sys.executable, "-m", "orbax_mtc", "bench", "every-step", "--background-nice", "20"],
+      [sys.executable, "-m", "orbax_mtc", "bench", "every-step", *flag],
       capture_output=True, text=True, timeout=120, check=False)
-  assert result.returncode == 2 and "--background-nice must be in 0-19" in result.stderr
+  assert result.returncode == 2 and message in result.stderr
 
 
 @pytest.mark.timeout(240)

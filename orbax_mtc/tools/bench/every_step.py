@@ -72,6 +72,7 @@ def run_job(procs: int, args: argparse.Namespace, root: Path) -> list[dict[str, 
              *(["--budget", str(args.budget)] if args.budget is not None else []),
              *(["--chunk-mib", str(args.chunk_mib)] if args.chunk_mib is not None else []),
              "--steps", str(args.steps), "--reps", str(args.reps),
+             "--warm-saves", str(args.warm_saves),
              "--idle-ms", str(args.idle_ms), "--donate", "off" if args.no_donate else "on",
              "--idle", "before-save" if args.idle_before_save else "after-save",
              "--sync", "on" if args.sync_step else "off",
@@ -217,6 +218,10 @@ def _parser() -> argparse.ArgumentParser:
                       "default)")
   parser.add_argument("--steps", type=int, default=40,
                       help="timed steps per loop (default: %(default)s)")
+  parser.add_argument("--warm-saves", type=int, default=3, metavar="N",
+                      help="saves each manager makes, each waited for, before its timed "
+                      "steps: steady state, its files reused (the peer copies reuse one from "
+                      "the third on) (default: %(default)s)")
   parser.add_argument("--reps", type=int, default=3,
                       help="repetitions; the table gives medians (default: %(default)s)")
   parser.add_argument("--idle-ms", type=float, default=200.0,
@@ -257,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.error("nothing to measure: no --every interval and --no-continuous")
   if args.chunk_mib is not None and args.chunk_mib < 1:
     parser.error("--chunk-mib must be >= 1")
+  if args.warm_saves < 0:
+    parser.error("--warm-saves must be >= 0")
   if args.budget is not None and (args.no_continuous or not 0 < args.budget <= 1):
     parser.error("--budget takes a fraction in (0, 1] and needs the continuous variant")
   if not 0 <= args.background_nice <= 19:
@@ -279,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
   config = {"mib": args.mib, "procs": args.procs, "every": args.every,
             "continuous": not args.no_continuous, "budget": args.budget,
             "chunk_mib": args.chunk_mib,
-            "steps": args.steps, "reps": args.reps,
+            "steps": args.steps, "reps": args.reps, "warm_saves": args.warm_saves,
             "idle_ms": args.idle_ms, "donate": not args.no_donate,
             "idle": "before-save" if args.idle_before_save else "after-save",
             "sync_step": args.sync_step, "background_nice": args.background_nice}

@@ -48,7 +48,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--steps", type=int, default=40)
   parser.add_argument("--reps", type=int, default=3)
   parser.add_argument("--idle-ms", type=float, default=200.0)
-  parser.add_argument("--warm-saves", type=int, default=2)
+  parser.add_argument("--warm-saves", type=int, default=3)
   parser.add_argument("--donate", choices=("on", "off"), default="on")
   parser.add_argument("--idle", choices=("after-save", "before-save"), default="after-save")
   parser.add_argument("--sync", choices=("on", "off"), default="off")
