@@ -125,6 +125,9 @@ class _Peers:
   def issue(self):
     pass
 
+  def apply_retention(self):
+    pass
+
   ready_call = 1  # the census's copies_ready_call
   calls_since_schedule = 0
   carries_on = False  # the previous step's copies still have chunks to issue

@@ -94,6 +94,9 @@ class _Peers:
   def issue(self):
     self.log.append("peers.issue")
 
+  def apply_retention(self):
+    self.log.append("peers.apply_retention")
+
   ready_call = 1  # the census's copies_ready_call
   calls_since_schedule = 19  # the interval: 20 calls
   carries_on = False  # the previous step's copies still have chunks to issue
@@ -192,6 +195,9 @@ def test_the_save_agreement_carries_the_step_and_this_process_facts(rig, mesh):
   # new write; the previous step's copies go out once the new write is issued.
   agreed = r.log.index(("agree", "the save of step 4"))
   assert agreed < r.log.index("peers.settle") < r.log.index(("local.write", 4))
+  # Copies kept only as the previous floor go once the census moved it, before the write
+  # (and so before this step's copies arrive: the next copy reuses a retired one's file).
+  assert agreed < r.log.index("peers.apply_retention") < r.log.index(("local.write", 4))
   assert r.log.index("backups.wait_for_read") < agreed
   assert r.log.index(("local.write", 4)) < r.log.index("peers.issue") < \
       r.log.index(("peers.schedule", 4))

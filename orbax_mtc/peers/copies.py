@@ -306,6 +306,17 @@ class PeerCopies:
       if replicator.finished_steps:
         self._drop_stale_sources()
 
+  def apply_retention(self) -> None:
+    """At a local save, once its census agreed the floor (`LocalTier.keep_floor`): the copies
+    kept only as the previous floor go now, as the RAM tier's own steps do there, so that the
+    next copy received takes a retired one's file. (Left to the next copy's commit, the third
+    copy of a run found the first two both kept and was written into never-touched pages,
+    several times slower here: docs/benchmarks.md.)"""
+    if self.replicator is None:
+      return
+    for source in sorted({source for source, _ in self._store.copies()}):
+      self._store.apply_retention(source, self._local.keep_floor)
+
   def issue(self) -> None:
     """At a local save, after its collectives and the new step's write was issued: every
     chunk of the previous step's copies, left moving (their outcome: at the next call).

@@ -160,8 +160,10 @@ class RamSaver:
       if ledger.process_count > 1:
         # Steps kept only as the previous floor (keep_floor is this census's, set above) can
         # go now, before this write reuses their file: the RAM footprint stays at max_to_keep
-        # committed steps plus the one being written.
+        # committed steps plus the one being written. So can such copies of the peers' steps,
+        # before this step's copies arrive.
         self._local.apply_retention()
+        self._peers.apply_retention()
       # Before retention asks for them (a preservation policy reads both).
       self._retention.record(step, clock_s, metrics)
       ledger.adopt_answer(answer, saved=step, floor=floor)
