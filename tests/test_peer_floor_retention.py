@@ -73,3 +73,13 @@ def test_nothing_is_retired_without_a_replicator(tmp_path):
     _committed_copy(store, 1, step)
   peers.apply_retention()
   assert store.copies() == [(1, 1), (1, 5)]
+
+
+def test_an_error_listing_the_copies_is_logged_not_raised(tmp_path, monkeypatch, caplog):
+  peers, store, _ = _peers(tmp_path, 2, floor=5)
+
+  def unreadable():
+    raise PermissionError("peers folder unreadable")
+  monkeypatch.setattr(store, "copies", unreadable)
+  peers.apply_retention()  # a save goes on: the other processes are in its collectives
+  assert "peers folder unreadable" in caplog.text

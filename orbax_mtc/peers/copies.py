@@ -314,8 +314,11 @@ class PeerCopies:
     several times slower here: docs/benchmarks.md.)"""
     if self.replicator is None:
       return
-    for source in sorted({source for source, _ in self._store.copies()}):
-      self._store.apply_retention(source, self._local.keep_floor)
+    try:
+      for source in sorted({source for source, _ in self._store.copies()}):
+        self._store.apply_retention(source, self._local.keep_floor)
+    except OSError as e:  # this process's alone, between collectives: the next commit retries
+      logging.warning("orbax-mtc: retiring peer copies kept for the previous floor: %s", e)
 
   def issue(self) -> None:
     """At a local save, after its collectives and the new step's write was issued: every
