@@ -126,16 +126,20 @@ def background_placer(me: int) -> Callable[[np.ndarray], jax.Array] | None:
   accelerator it would hold every chunk read ahead in device memory as well: there chunks
   are placed as they are issued, a window at a time.
   """
-  mesh = _node_mesh()
-  device = mesh.devices[me]
+  device = _node_mesh().devices[me]
   if device.platform != "cpu":
     return None
-  sharding = NamedSharding(mesh, PartitionSpec(_AXIS))
 
   def place_ahead(buffer: np.ndarray) -> jax.Array:
-    return jax.make_array_from_single_device_arrays(
-        (buffer.nbytes * mesh.size,), sharding, [place(buffer, device)])
+    return _collective_input(place(buffer, device))
   return place_ahead
+
+
+def _collective_input(placed: jax.Array) -> jax.Array:
+  """One process's placed chunk as its shard of the chunk round's global input."""
+  mesh = _node_mesh()
+  return jax.make_array_from_single_device_arrays(
+      (placed.nbytes * mesh.size,), NamedSharding(mesh, PartitionSpec(_AXIS)), [placed])
 
 
 def _chunk_bytes_for(largest: int, limit: int) -> int:
@@ -322,20 +326,17 @@ class Transfer:
     return local, True
 
   def _issue(self, chunk: _Chunk) -> None:
-    mesh = _node_mesh()
     local, owned = self._read_chunk(chunk)
-    device = mesh.devices[self._me]
-    sharding = NamedSharding(mesh, PartitionSpec(_AXIS))
     if isinstance(local, jax.Array):
       global_in = local  # the collective's input, made ahead (`background_placer`)
     else:
+      device = _node_mesh().devices[self._me]
       try:
         placed = place(local, device)
       except Exception as e:  # noqa: BLE001 - the spare goes instead; agreed after the transfer
         self._fail(f"placing a chunk of {chunk.length} bytes", e)
         placed = _SPARES[(device.id, chunk.length)]
-      global_in = jax.make_array_from_single_device_arrays(
-          (chunk.length * mesh.size,), sharding, [placed])
+      global_in = _collective_input(placed)
     out = _permute_fn(chunk.pairs)(global_in)
     self._in_flight.append((chunk, out, local if owned else None))
 
