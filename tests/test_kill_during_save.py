@@ -174,6 +174,12 @@ def run_chain(nprocs: int, kills: int, root: pathlib.Path, logs: pathlib.Path,
     last = iteration == kills
     victim = victims[iteration]
     saves_before_kill = rng.randint(*saves)
+    if peers and replace_node[iteration]:
+      # A replaced node restores from its peer's copies only if some step's copies had
+      # landed before the kill, a save or two after the step: such kills come later in the
+      # job (otherwise a seed whose replacements all follow early kills never restores
+      # from a peer, as ORBAX_MTC_KILL_SEED=1128 did).
+      saves_before_kill = max(saves_before_kill, sum(saves) // 2 + 1)
     delay_s = rng.uniform(0.0, 0.04)
     out = mp_events.LineCollector()
     log_file = logs / f"job{iteration}.log"
