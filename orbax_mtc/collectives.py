@@ -14,9 +14,9 @@ import re
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
-from orbax_mtc import reduction
+from orbax_mtc import node_mesh, reduction
 
 # Re-exported: this error lived here before errors.py; other modules name it through this one.
 from orbax_mtc.errors import AgreementTimeoutError as AgreementTimeoutError
@@ -80,23 +80,15 @@ def barrier(what: str, process_count: int, timeout_s: float, *, kind: str = "") 
         f"untouched. ({type(e).__name__}: {e})") from e
 
 
-_AXIS = "processes"
-
-
-@functools.cache
-def _node_mesh() -> jax.sharding.Mesh:
-  """One device per process (its lowest id), ordered by process index: each process adds its
-  vectors once, however many devices it has."""
-  first: dict[int, jax.Device] = {}
-  for device in sorted(jax.devices(), key=lambda d: d.id):
-    first.setdefault(device.process_index, device)
-  return jax.sharding.Mesh(np.array([first[p] for p in sorted(first)]), (_AXIS,))
+# Each process's vectors go in once, the same on each of its devices in the mesh (node_mesh.py
+# says why there may be two): reduced over the processes only.
+_AXIS = node_mesh.AXIS
 
 
 @functools.lru_cache(maxsize=64)
 def _reduce_fn(shape: tuple[int, int, int]):
   del shape  # one compiled function per vector sizes
-  mesh = _node_mesh()
+  mesh = node_mesh.node_mesh()
   spec = PartitionSpec(_AXIS)
 
   def body(add, top, flags):
@@ -109,7 +101,7 @@ def _reduce_fn(shape: tuple[int, int, int]):
 def _gather_fn(size: int):
   """One all-gather of every process's `size`-byte row (a gathered round)."""
   del size  # one compiled function per row size
-  mesh = _node_mesh()
+  mesh = node_mesh.node_mesh()
   return jax.jit(jax.shard_map(lambda row: jax.lax.all_gather(row, _AXIS, tiled=True),
                                mesh=mesh, in_specs=PartitionSpec(_AXIS),
                                out_specs=PartitionSpec(), check_vma=False))
@@ -141,22 +133,18 @@ def allreduce(parts: Parts, what: str, process_count: int, timeout_s: float) -> 
   add, top, flags = parts.shape
   # The sizes tell the agreements' rounds apart.
   barrier(what, process_count, timeout_s, kind=f"r{add}-{top}-{flags}")
-  mesh = _node_mesh()
-  device = mesh.devices[jax.process_index()]
-  sharding = NamedSharding(mesh, PartitionSpec(_AXIS))
+  me = jax.process_index()
   if reduction.gathers(parts.nbytes, process_count):
     row = reduction.row_bytes(parts)
     row = np.concatenate([row, np.zeros(_padded(row.size) - row.size, np.uint8)])
-    gathered = _gather_fn(row.size)(jax.make_array_from_single_device_arrays(
-        (row.size * mesh.size,), sharding, [jax.device_put(row, device)]))
-    rows = np.asarray(gathered.addressable_shards[0].data).reshape(mesh.size, row.size)
+    gathered = _gather_fn(row.size)(node_mesh.replicated_input(row, me))
+    rows = np.asarray(gathered.addressable_shards[0].data).reshape(-1, row.size)
     return reduction.combine_rows(rows, parts.shape)
   # Each vector is padded with the reduction's identity to a power of two (at least 8), so
   # that the few shapes the rounds take share their compiled functions.
   vectors = [np.concatenate([v, np.full(_padded(v.size) - v.size, fill, v.dtype)])
              for v, fill in ((parts.add, 0), (parts.top, LOW), (parts.flags, 0))]
-  inputs = [jax.make_array_from_single_device_arrays(
-      (v.size * mesh.size,), sharding, [jax.device_put(v, device)]) for v in vectors]
+  inputs = [node_mesh.replicated_input(v, me) for v in vectors]
   outputs = _reduce_fn(tuple(v.size for v in vectors))(*inputs)
   add_r, top_r, flags_r = (np.asarray(o.addressable_shards[0].data) for o in outputs)
   return Parts(add_r[:add].copy(), top_r[:top].copy(), flags_r[:flags].copy())

@@ -1,11 +1,12 @@
-"""Moving bytes between processes with a jitted `ppermute` over a one-device-per-process mesh.
+"""Moving bytes between processes with a jitted `ppermute` over the processes (`node_mesh`).
 
 A transfer is a list of (source, destination, nbytes) streams known identically on every process.
 It is cut into rounds in which every process sends at most one stream and receives at most one
 (`topology.transfer_rounds`), and every round into fixed-size chunks. Each chunk is one
-collective: a uint8 array sharded over the process axis, permuted point to point (gloo on CPU,
-NCCL on GPU, ICI/DCN on TPU); a process that neither sends nor receives in a round still takes
-part with an idle buffer. No all-gather of everything, no sockets of our own.
+collective: a uint8 array sharded over the process axis (on CPU, each process's part split over
+two of its devices: node_mesh.py says why), permuted point to point (gloo on CPU, NCCL on GPU,
+ICI/DCN on TPU); a process that neither sends nor receives in a round still takes part with an
+idle buffer. No all-gather of everything, no sockets of our own.
 
 Collectives are issued only from the main thread and in the same order everywhere (rule 2).
 Nothing that can fail on one process stands between two chunks (rule 9): a reader, a
@@ -31,12 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
-from orbax_mtc import reduction, topology
+from orbax_mtc import node_mesh, reduction, topology
 from orbax_mtc.local import read as local_read
 
-_AXIS = "mtc_nodes"
 _MIN_CHUNK = 4096
 
 # Reads `nbytes` of an outgoing stream starting at `offset` into `out` (a uint8 view).
@@ -64,19 +64,10 @@ class Stream:
   nbytes: int
 
 
-@functools.cache
-def _node_mesh() -> jax.sharding.Mesh:
-  """One device per process (its lowest id), ordered by process index."""
-  first: dict[int, jax.Device] = {}
-  for device in sorted(jax.devices(), key=lambda d: d.id):
-    first.setdefault(device.process_index, device)
-  return jax.sharding.Mesh(np.array([first[p] for p in sorted(first)]), (_AXIS,))
-
-
 # JAX's CPU client runs a computation it estimates under 1,000 flops inline, on the calling
 # thread and to its end, once its inputs are ready: a bare ppermute (no flops) would block
 # `save()` for the whole chunk's transfer. A sum over the chunk's first bytes (2 flops a
-# byte: a _MIN_CHUNK chunk is 8,191) makes it a computation the client dispatches, so the
+# byte: a _MIN_CHUNK chunk's part on each of two devices is 4,095) makes it a computation the client dispatches, so the
 # chunk moves while training goes on, without first copying it to make an input not ready.
 _DISPATCHED_BYTES = _MIN_CHUNK
 
@@ -85,12 +76,12 @@ _DISPATCHED_BYTES = _MIN_CHUNK
 def _permute_fn(pairs: tuple[tuple[int, int], ...]):
   """The jitted ppermute of one chunk round; returns the received chunk (on CPU with the
   sum that makes it dispatched, unused)."""
-  mesh = _node_mesh()
-  spec = PartitionSpec(_AXIS)
+  mesh = node_mesh.node_mesh()
+  spec = PartitionSpec((node_mesh.AXIS, node_mesh.LOCAL))
   dispatched = mesh.devices.flat[0].platform == "cpu"
 
   def body(x):
-    moved = jax.lax.ppermute(x, _AXIS, perm=pairs)
+    moved = jax.lax.ppermute(x, node_mesh.AXIS, perm=pairs)
     if not dispatched:
       return moved
     return moved, jnp.sum(x[:_DISPATCHED_BYTES].astype(jnp.float32))[None]
@@ -100,20 +91,22 @@ def _permute_fn(pairs: tuple[tuple[int, int], ...]):
   return (lambda x: permute(x)[0]) if dispatched else permute
 
 
-# (device id, chunk length) -> a zero chunk placed on that device: what a chunk whose own
+# chunk length -> a zero chunk placed on this process's devices: what a chunk whose own
 # placement fails goes out from. Every process runs the same transfers, so every process
 # holds the same lengths and agrees on reserving new ones at the same transfer.
-_SPARES: dict[tuple[int, int], jax.Array] = {}
+_SPARES: dict[int, list[jax.Array]] = {}
 
 
 class TransferError(RuntimeError):
   """A transfer could not start: some process could not place its spare chunk buffers."""
 
 
-def place(buffer: np.ndarray, device: jax.Device) -> jax.Array:
-  """Places one chunk's bytes on this process's transfer device (every placement of this
-  module goes through here)."""
-  return jax.device_put(buffer, device)
+def place(buffer: np.ndarray, devices: Sequence[jax.Device]) -> list[jax.Array]:
+  """Places one chunk's bytes on this process's transfer devices, in equal parts (every
+  placement of this module goes through here)."""
+  size = buffer.size // node_mesh.parts(buffer.size)
+  return [jax.device_put(buffer[i * size:(i + 1) * size], device)
+          for i, device in enumerate(devices)]
 
 
 def background_placer(me: int) -> Callable[[np.ndarray], jax.Array] | None:
@@ -126,20 +119,13 @@ def background_placer(me: int) -> Callable[[np.ndarray], jax.Array] | None:
   accelerator it would hold every chunk read ahead in device memory as well: there chunks
   are placed as they are issued, a window at a time.
   """
-  device = _node_mesh().devices[me]
-  if device.platform != "cpu":
+  devices = node_mesh.devices_of(me)
+  if devices[0].platform != "cpu":
     return None
 
   def place_ahead(buffer: np.ndarray) -> jax.Array:
-    return _collective_input(place(buffer, device))
+    return node_mesh.split_input(place(buffer, devices))
   return place_ahead
-
-
-def _collective_input(placed: jax.Array) -> jax.Array:
-  """One process's placed chunk as its shard of the chunk round's global input."""
-  mesh = _node_mesh()
-  return jax.make_array_from_single_device_arrays(
-      (placed.nbytes * mesh.size,), NamedSharding(mesh, PartitionSpec(_AXIS)), [placed])
 
 
 def _chunk_bytes_for(largest: int, limit: int) -> int:
@@ -240,15 +226,15 @@ class Transfer:
                reduce: Callable[[reduction.Round], reduction.Parts] | None) -> None:
     """Places a spare zero chunk of every length this transfer uses and no earlier one did
     (the same lengths on every process), and agrees that every process could."""
-    device = _node_mesh().devices[self._me]
-    new = sorted(n for n in lengths if (device.id, n) not in _SPARES)
+    devices = node_mesh.devices_of(self._me)
+    new = sorted(n for n in lengths if n not in _SPARES)
     if not new:
       return
-    placed: dict[tuple[int, int], jax.Array] = {}
+    placed: dict[int, list[jax.Array]] = {}
     error = ""
     try:
       for length in new:
-        placed[(device.id, length)] = place(np.zeros(length, np.uint8), device)
+        placed[length] = place(np.zeros(length, np.uint8), devices)
     except Exception as e:  # noqa: BLE001 - agreed right below
       error = f"{type(e).__name__}: {e}"
     if reduce is None:
@@ -330,13 +316,12 @@ class Transfer:
     if isinstance(local, jax.Array):
       global_in = local  # the collective's input, made ahead (`background_placer`)
     else:
-      device = _node_mesh().devices[self._me]
       try:
-        placed = place(local, device)
+        placed = place(local, node_mesh.devices_of(self._me))
       except Exception as e:  # noqa: BLE001 - the spare goes instead; agreed after the transfer
         self._fail(f"placing a chunk of {chunk.length} bytes", e)
-        placed = _SPARES[(device.id, chunk.length)]
-      global_in = _collective_input(placed)
+        placed = _SPARES[chunk.length]
+      global_in = node_mesh.split_input(placed)
     out = _permute_fn(chunk.pairs)(global_in)
     self._in_flight.append((chunk, out, local if owned else None))
 
@@ -350,8 +335,11 @@ class Transfer:
       return
     n = min(chunk.length, receive.nbytes - chunk.offset)
     try:
-      data = np.asarray(out.addressable_shards[0].data)  # waits for this chunk only
-      self._sinks[receive](chunk.offset, data[:n])
+      received = node_mesh.local_parts(out, self._me)
+      size = chunk.length // len(received)
+      for start, part in zip(range(0, n, size), received, strict=False):  # n may be short
+        data = np.asarray(part)  # waits for this chunk only
+        self._sinks[receive](chunk.offset + start, data[:n - start])
     except Exception as e:  # noqa: BLE001 - the rest is dropped; agreed after the transfer
       self._fail(f"receiving the stream from process {receive.source}", e)
       self._broken.add(receive)

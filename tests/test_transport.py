@@ -23,12 +23,14 @@ from orbax_mtc.peers import stream as peer_stream
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.mark.parametrize("chunk_bytes", [4096, 65536])
-def test_streams_arrive_bit_exact_in_small_chunks(chunk_bytes):
-  root = new_root(f"transport-{chunk_bytes}")
+@pytest.mark.parametrize("chunk_bytes,devices", [(4096, 1), (65536, 1), (4096, 2), (65536, 2)])
+def test_streams_arrive_bit_exact_in_small_chunks(chunk_bytes, devices):
+  """With two CPU devices per process each chunk travels in two parts (node_mesh.py)."""
+  root = new_root(f"transport-{chunk_bytes}-{devices}")
   try:
     result, out = mp_helpers.run_job(
-        ["transport", "--chunk-bytes", str(chunk_bytes)], 3, root, devices=1, timeout_s=120)
+        ["transport", "--chunk-bytes", str(chunk_bytes)], 3, root, devices=devices,
+        timeout_s=120)
     assert_ok(result, out)
     lines = [m.groups() for m in map(
         re.compile(r"TRANSPORT process=(\d+) streams=(\d+) bad=(\[.*?\]) calls=(\d+)").search,
@@ -43,16 +45,33 @@ def test_streams_arrive_bit_exact_in_small_chunks(chunk_bytes):
     shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.mark.parametrize("fault", ["read", "place", "sink"])
-def test_a_failure_mid_transfer_leaves_no_process_inside_a_collective(fault):
+@pytest.mark.parametrize("devices", [1, 2])
+def test_chunks_left_moving_and_the_next_training_step_never_deadlock(devices):
+  """400 rounds of a peer chunk left moving then an all-reduce over every device: the
+  CPU client starts them in the same order on every process (node_mesh.py). A one-device
+  chunk beside a two-device step hung 7 jobs of 7 within about 50 rounds."""
+  root = new_root(f"transport-race-{devices}")
+  try:
+    result, out = mp_helpers.run_job(["chunk-race", "--rounds", "400"], 2, root,
+                                     devices=devices, timeout_s=90)
+    assert not result.timed_out, f"the job hung (chunk and step deadlocked)\n{tail(out)}"
+    assert_ok(result, out)
+    lines = [line for line in out.lines if "RACE process=" in line]
+    assert len(lines) == 2 and all("bad=0 state=1" in line for line in lines), tail(out)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("fault,devices", [("read", 1), ("place", 1), ("sink", 1), ("place", 2)])
+def test_a_failure_mid_transfer_leaves_no_process_inside_a_collective(fault, devices):
   """Process 1's reader, chunk placement or sink fails from its third chunk on: every process
   still completes every chunk (zeros or a spare chunk go out, the bytes are dropped), the
   failure is recorded for the caller's agreement, and only streams that involve the failing
   side differ from what was sent."""
-  root = new_root(f"transport-fault-{fault}")
+  root = new_root(f"transport-fault-{fault}-{devices}")
   try:
     result, out = mp_helpers.run_job(
-        ["transport", "--chunk-bytes", "4096", "--fault", fault], 3, root, devices=1,
+        ["transport", "--chunk-bytes", "4096", "--fault", fault], 3, root, devices=devices,
         timeout_s=120)
     assert_ok(result, out)
     lines = {int(m.group(1)): (ast.literal_eval(m.group(2)), int(m.group(3))) for m in map(

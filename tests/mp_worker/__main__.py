@@ -20,9 +20,10 @@ Sub-commands:
                  training on real Grain data: the data iterator's position and a per-process
                  JSON item saved beside the state, restored with it (`iterators`); the
                  persistent step read back by a plain `ocp.CheckpointManager`.
-  transport, managed-init, reduce
-                 the chunked streams between processes, the GKE-style start, the save
-                 agreement's reductions through the real all-reduce (`plain`).
+  transport, chunk-race, managed-init, reduce
+                 the chunked streams between processes, chunks left moving beside a
+                 training step, the GKE-style start, the save agreement's reductions
+                 through the real all-reduce (`plain`).
   fault, mismatch, outage
                  one injected fault, a restore target of another layout, a GCS outage
                  (`faults`).
@@ -231,6 +232,11 @@ def _parser() -> argparse.ArgumentParser:
                  help="on process 1, from its third chunk on: the reader, the placement or "
                  "the sink fails")
   p.set_defaults(fn=plain.cmd_transport)
+
+  p = sub.add_parser("chunk-race")
+  p.add_argument("--chunk-bytes", type=int, default=16384)
+  p.add_argument("--rounds", type=int, default=400)
+  p.set_defaults(fn=plain.cmd_chunk_race)
 
   p = sub.add_parser("reduce")
   p.set_defaults(fn=plain.cmd_reduce)

@@ -324,10 +324,10 @@ def install_fault(args, mgr, me: int) -> Callable[[], None]:
     place = transport.place
     armed = {"on": False}
 
-    def failing_place(buffer, device):
+    def failing_place(buffer, devices):
       if armed["on"]:
         raise RuntimeError("RESOURCE_EXHAUSTED: no device memory for a chunk (injected)")
-      return place(buffer, device)
+      return place(buffer, devices)
 
     def arming(method):
       def moving(replicator, *a, **k):

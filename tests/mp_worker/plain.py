@@ -98,10 +98,10 @@ def cmd_transport(args) -> int:
 
   place = transport.place
 
-  def placing(buffer, device):
+  def placing(buffer, devices):
     if failing("place"):
       raise RuntimeError("RESOURCE_EXHAUSTED: out of device memory (injected)")
-    return place(buffer, device)
+    return place(buffer, devices)
   transport.place = placing
 
   transfer = transport.Transfer(streams, me=me, reader_for=reader_for, sink_for=sink_for,
@@ -122,6 +122,55 @@ def cmd_transport(args) -> int:
   if args.fault != "none":
     return 0  # the test judges which streams may be bad
   return 0 if not bad and sorted(received) == sorted(expected) else EXIT_MISMATCH
+
+
+def cmd_chunk_race(args) -> int:
+  """Round after round, a peer chunk left moving (as `save()` leaves them) and then a
+  training step whose all-reduce spans every device: JAX's CPU client must start the two in
+  the same order on every process (node_mesh.py). With a one-device chunk beside a
+  two-device step, jobs hung within about 50 rounds. Every stream and the state are checked."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  from orbax_mtc import distributed, transport
+
+  distributed.initialize()
+  me, n = jax.process_index(), jax.process_count()
+  mesh = Mesh(np.array(jax.devices()), ("devices",))
+  spec = PartitionSpec("devices")
+  train_step = jax.jit(jax.shard_map(lambda x: jax.lax.pmean(x, "devices") + 1.0, mesh=mesh,
+                                     in_specs=spec, out_specs=spec))
+  state = jax.device_put(jnp.zeros(jax.device_count() * 256, jnp.float32),
+                         NamedSharding(mesh, spec))
+  streams = [transport.Stream(i, (i + 1) % n, 2 * args.chunk_bytes + 37) for i in range(n)]
+  sent = {s: _stream_bytes(s.source, s.destination, s.nbytes) for s in streams}
+  received: dict[int, np.ndarray] = {}
+
+  def reader_for(stream):
+    return lambda offset, out: np.copyto(out, sent[stream][offset:offset + out.nbytes])
+
+  def sink_for(stream):
+    received[stream.source] = np.zeros(stream.nbytes, np.uint8)
+
+    def sink(offset, data):
+      received[stream.source][offset:offset + data.nbytes] = data
+    return sink
+
+  bad = 0
+  for _ in range(args.rounds):
+    transfer = transport.Transfer(streams, me=me, reader_for=reader_for, sink_for=sink_for,
+                                  chunk_limit=args.chunk_bytes, window=8)
+    transfer.advance(None, window=8)  # every chunk left moving
+    state = train_step(state)
+    transfer.retire_finished()
+    incoming = next(s for s in streams if s.destination == me)
+    bad += not np.array_equal(received[incoming.source], sent[incoming])
+  steps_ok = bool(np.all(np.asarray(state.addressable_shards[0].data) == args.rounds))
+  emit(f"RACE process={me} devices={jax.local_device_count()} rounds={args.rounds} "
+       f"bad={bad} state={int(steps_ok)}")
+  return 0 if not bad and steps_ok else EXIT_MISMATCH
 
 
 def cmd_managed_init(args) -> int:
@@ -164,8 +213,7 @@ def _census_records(n: int, case: str):
 
 
 def cmd_reduce(args) -> int:
-  """The save agreement's rounds through the real collectives (one device per process of a
-  mesh of all of them), gathered (small rounds, the default) and all-reduced (no round
+  """The save agreement's rounds through the real collectives (node_mesh.py), gathered (small rounds, the default) and all-reduced (no round
   gathered): each process's answer equals the one simulated from every record."""
   import jax
 
