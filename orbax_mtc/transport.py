@@ -329,16 +329,18 @@ class Transfer:
     chunk, out, local = self._in_flight.popleft()
     if local is not None:
       self._free.append(local)
+    # This chunk's collective is over on every device before its send buffer is reused:
+    # each device reads its own part, and a short tail's last part is not read below.
+    out.block_until_ready()
     receive = chunk.receive
     if receive is None or chunk.offset >= receive.nbytes or receive in self._broken:
-      out.block_until_ready()  # this chunk's collective is over: its buffer may be reused
       return
     n = min(chunk.length, receive.nbytes - chunk.offset)
     try:
       received = node_mesh.local_parts(out, self._me)
       size = chunk.length // len(received)
       for start, part in zip(range(0, n, size), received, strict=False):  # n may be short
-        data = np.asarray(part)  # waits for this chunk only
+        data = np.asarray(part)
         self._sinks[receive](chunk.offset + start, data[:n - start])
     except Exception as e:  # noqa: BLE001 - the rest is dropped; agreed after the transfer
       self._fail(f"receiving the stream from process {receive.source}", e)

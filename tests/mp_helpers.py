@@ -80,23 +80,27 @@ def _busy(block: list[str] | None) -> bool:
 
 
 def _stacks_apart(lines: list[str]) -> tuple[list[str], list[str]]:
-  """(the output without the stack dumps, the dumped stacks of threads that were not idle)."""
+  """(the output without the stack dumps, the dumped stacks of threads that were not idle).
+
+  A node's dump runs from a thread's head line to its next one: another thread's line
+  printed in the middle (its own or another node's) goes with the output and cuts nothing.
+  """
   others: list[str] = []
   kept: list[str] = []
-  block: list[str] | None = None
-  for line in lines + [""]:
-    head = _STACK_HEAD.match(line)
-    if head or (block is not None and _STACK_LINE.match(line)):
-      if head:
-        kept.extend(block if _busy(block) else [])
-        block = [line]
-      elif line.split("]", 1)[-1].strip():
-        block.append(line)
-      continue
+  blocks: dict[str, list[str]] = {}  # node -> the stack its dump is in
+  for line in lines:
+    node = line.split("]", 1)[0]
+    if _STACK_HEAD.match(line):
+      kept.extend(blocks[node] if _busy(blocks.get(node)) else [])
+      blocks[node] = [line]
+    elif node in blocks and _STACK_LINE.match(line):
+      if line.split("]", 1)[-1].strip():
+        blocks[node].append(line)
+    else:
+      others.append(line)
+  for block in blocks.values():
     kept.extend(block if _busy(block) else [])
-    block = None
-    others.append(line)
-  return others[:-1], kept
+  return others, kept
 
 
 def tail(out, n: int = 60) -> str:

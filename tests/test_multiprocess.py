@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 
+import mp_helpers
 import pytest
 from mp_helpers import (
   WORKER,
@@ -395,3 +396,18 @@ def test_a_worker_still_running_prints_where_every_thread_waits(shm_root, tmp_pa
     # And how many train steps it had run, twice (a loop that runs on vs a process that waits).
     assert sum(line.startswith(f"[node {node}] @@mtc PROGRESS train_steps=")
                for line in out.lines) == 2, printed
+
+
+def test_a_line_printed_in_the_middle_of_a_dump_cuts_no_stack():
+  """Another thread's line printed while faulthandler dumps a node's stacks (its own node's
+  or another's) goes with the output; the node's stack goes on to its last frame."""
+  lines = ['[node 1] Thread 0x01 (most recent call first):',
+           '[node 1]   File "/x/orbax_mtc/transport.py", line 1 in _retire',
+           '[node 1] W1128 transfer: a warning from another thread',
+           '[node 0] @@mtc PROGRESS train_steps=3',
+           '[node 1]   File "/x/tests/mp_worker/__main__.py", line 2 in main',
+           '[node 1] ',
+           '[node 1] @@mtc PROGRESS train_steps=4']
+  others, stacks = mp_helpers._stacks_apart(lines)  # noqa: SLF001 - the parser itself
+  assert stacks == [lines[0], lines[1], lines[4]], stacks
+  assert others == [lines[2], lines[3], lines[6]], others

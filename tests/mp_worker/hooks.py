@@ -402,7 +402,8 @@ TRANSIENT_MESSAGE = "RESOURCE_EXHAUSTED: out of device memory (injected, transie
 def transient_device_put() -> Callable[[], int]:
   """Until the returned undo is called, `jax.device_put` called from the library (a module
   orbax_mtc.*, but not a stream transport or a collective, which move bytes between
-  processes: the agreements' all-reduce places its few bytes with `jax.device_put` too)
+  processes: the agreements' all-reduce places its few bytes with `jax.device_put` too, in
+  node_mesh)
   raises RuntimeError(TRANSIENT_MESSAGE): a transient device error while building the
   restored arrays, not damage (the bytes on disk are fine). The undo returns how many calls
   raised."""
@@ -416,7 +417,7 @@ def transient_device_put() -> Callable[[], int]:
   def device_put(*a, **k):
     caller = sys._getframe(1).f_globals.get("__name__", "")
     if (caller.startswith("orbax_mtc.") and "transport" not in caller
-        and caller not in ("orbax_mtc.testing", "orbax_mtc.collectives")):
+        and caller not in ("orbax_mtc.testing", "orbax_mtc.collectives", "orbax_mtc.node_mesh")):
       fired[0] += 1
       raise RuntimeError(TRANSIENT_MESSAGE)
     return real(*a, **k)
