@@ -327,12 +327,18 @@ class Transfer:
 
   def _retire(self) -> None:
     chunk, out, local = self._in_flight.popleft()
+    receive = chunk.receive
+    try:
+      # Over on every device before its send buffer is reused: each device reads its own
+      # part, and a short tail's last part is not read below.
+      out.block_until_ready()
+    except Exception as e:  # noqa: BLE001 - e.g. a peer gone: agreed after the transfer
+      self._fail("moving a chunk", e)
+      if receive is not None:
+        self._broken.add(receive)
+      return
     if local is not None:
       self._free.append(local)
-    # This chunk's collective is over on every device before its send buffer is reused:
-    # each device reads its own part, and a short tail's last part is not read below.
-    out.block_until_ready()
-    receive = chunk.receive
     if receive is None or chunk.offset >= receive.nbytes or receive in self._broken:
       return
     n = min(chunk.length, receive.nbytes - chunk.offset)
