@@ -67,8 +67,9 @@ class Stream:
 # JAX's CPU client runs a computation it estimates under 1,000 flops inline, on the calling
 # thread and to its end, once its inputs are ready: a bare ppermute (no flops) would block
 # `save()` for the whole chunk's transfer. A sum over the chunk's first bytes (2 flops a
-# byte: a _MIN_CHUNK chunk's part on each of two devices is 4,095) makes it a computation the client dispatches, so the
-# chunk moves while training goes on, without first copying it to make an input not ready.
+# byte: a _MIN_CHUNK chunk's part on each of two devices is 4,095) makes it a computation
+# the client dispatches, so the chunk moves while training goes on, without first copying
+# it to make an input not ready.
 _DISPATCHED_BYTES = _MIN_CHUNK
 
 
