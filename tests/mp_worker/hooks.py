@@ -417,7 +417,8 @@ def transient_device_put() -> Callable[[], int]:
   def device_put(*a, **k):
     caller = sys._getframe(1).f_globals.get("__name__", "")
     if (caller.startswith("orbax_mtc.") and "transport" not in caller
-        and caller not in ("orbax_mtc.testing", "orbax_mtc.collectives", "orbax_mtc.node_mesh")):
+        and caller not in ("orbax_mtc.testing", "orbax_mtc.collectives",
+                           "orbax_mtc.node_mesh")):
       fired[0] += 1
       raise RuntimeError(TRANSIENT_MESSAGE)
     return real(*a, **k)

@@ -213,8 +213,9 @@ def _census_records(n: int, case: str):
 
 
 def cmd_reduce(args) -> int:
-  """The save agreement's rounds through the real collectives (node_mesh.py), gathered (small rounds, the default) and all-reduced (no round
-  gathered): each process's answer equals the one simulated from every record."""
+  """The save agreement's rounds through the real collectives (node_mesh.py), gathered
+  (small rounds, the default) and all-reduced (no round gathered): each process's answer
+  equals the one simulated from every record."""
   import jax
 
   from orbax_mtc import collectives, distributed, reduction, save_census
