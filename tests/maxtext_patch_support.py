@@ -11,6 +11,7 @@ import textwrap
 from typing import NamedTuple
 
 import pytest
+import warm_start
 from mp_helpers import child_env, mp_events, new_root, tail
 
 import maxtext_patch
@@ -240,8 +241,8 @@ def _loop_args(root: pathlib.Path, persistent: pathlib.Path, *extra: str) -> lis
 
 def _job(command: list[str], root: pathlib.Path):
   out = mp_events.LineCollector()
-  job = launch.Job(command, 2, devices_per_process=2, local_root=root, env=child_env(),
-                   output=out)
+  job = warm_start.WarmJob(command, 2, devices_per_process=2, local_root=root,
+                           env=child_env(), output=out)
   return job, out
 
 

@@ -11,9 +11,8 @@ import stat
 import sys
 import uuid
 
+import warm_start
 from mp_worker import events as mp_events
-
-from orbax_mtc.tools import launch
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = REPO_ROOT / "tests" / "mp_worker"  # run as `python tests/mp_worker <sub-command>`
@@ -51,8 +50,9 @@ def started_job(command: list[str], nprocs: int, root: pathlib.Path, *, devices:
                 env: dict[str, str] | None = None):
   """A running launcher job of mp_worker; every process is SIGKILLed on leaving the block."""
   out = mp_events.LineCollector()
-  with launch.Job([sys.executable, str(WORKER), *command], nprocs, devices_per_process=devices,
-                  local_root=root, env={**child_env(), **(env or {})}, output=out) as job:
+  with warm_start.WarmJob([sys.executable, str(WORKER), *command], nprocs,
+                          devices_per_process=devices, local_root=root,
+                          env={**child_env(), **(env or {})}, output=out) as job:
     job.start()
     yield job, out
 

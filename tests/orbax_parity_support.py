@@ -9,9 +9,8 @@ import sys
 import time
 
 import pytest
+import warm_start
 from mp_helpers import assert_ok, child_env, mp_events, tail
-
-from orbax_mtc.tools import launch
 
 ROWS, SEED = 4, 7
 
@@ -139,8 +138,9 @@ def _warnings(caplog, text: str) -> int:
 def _run(command: list[str], root: pathlib.Path, timeout_s: float = 150):
   out = mp_events.LineCollector()
   env = {**child_env(), "JOBSET_NAME": JOB_NAME}
-  with launch.Job([sys.executable, str(pathlib.Path(__file__).resolve()), "worker", *command],
-                  2, devices_per_process=2, local_root=root, env=env, output=out) as job:
+  with warm_start.WarmJob(
+      [sys.executable, str(pathlib.Path(__file__).resolve()), "worker", *command],
+      2, devices_per_process=2, local_root=root, env=env, output=out) as job:
     job.start()
     result = job.wait(timeout_s)
   assert_ok(result, out)

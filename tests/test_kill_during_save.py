@@ -39,6 +39,7 @@ import sys
 import time
 
 import pytest
+import warm_start
 from mp_helpers import WORKER, child_env, mp_events, tail
 
 from orbax_mtc import step_listing as restore_plan
@@ -183,9 +184,9 @@ def run_chain(nprocs: int, kills: int, root: pathlib.Path, logs: pathlib.Path,
     delay_s = rng.uniform(0.0, 0.04)
     out = mp_events.LineCollector()
     log_file = logs / f"job{iteration}.log"
-    with launch.Job(command if not last else [*command[:2], "restore", *command[3:]], nprocs,
-                    devices_per_process=2, local_root=root, env=child_env(),
-                    output=out) as job:
+    with warm_start.WarmJob(command if not last else [*command[:2], "restore", *command[3:]],
+                            nprocs, devices_per_process=2, local_root=root, env=child_env(),
+                            output=out) as job:
       job.start()
       if last:
         seen = True

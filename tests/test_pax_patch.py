@@ -22,12 +22,12 @@ import time
 import types
 
 import pytest
+import warm_start
 from mp_helpers import REPO_ROOT, child_env, mp_events, tail
 
 import pax_patch
 from orbax_mtc.local.store import committed_steps
 from orbax_mtc.peers import copy_store as peer_store
-from orbax_mtc.tools import launch
 from pax_patch import example_executor
 from pax_patch import main as pax_main
 
@@ -50,8 +50,8 @@ def pax_job(args: list[str], root):
   """2 processes of the example executor; every process is SIGKILLed on leaving the block."""
   out = mp_events.LineCollector()
   command = [sys.executable, "-m", "pax_patch.example_executor", *args]
-  with launch.Job(command, 2, devices_per_process=1, local_root=root, env=child_env(),
-                  output=out) as job:
+  with warm_start.WarmJob(command, 2, devices_per_process=1, local_root=root,
+                          env=child_env(), output=out) as job:
     job.start()
     yield job, out
 

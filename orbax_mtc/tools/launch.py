@@ -175,19 +175,7 @@ class Job:
     )
     try:
       for i in range(self.nprocs):
-        pipe = subprocess.PIPE if self.prefix_output else None
-        proc = subprocess.Popen(
-            self.command,
-            env=self.child_env(i),
-            # N processes cannot share a terminal's stdin; and in a session of their own they
-            # would be stopped (SIGTTIN) on reading it.
-            stdin=subprocess.DEVNULL,
-            stdout=pipe,
-            stderr=subprocess.STDOUT if self.prefix_output else None,
-            # Own session and process group: killpg reaches whatever the child spawns, and a
-            # terminal Ctrl-C reaches only the launcher, which then kills the job as a whole.
-            start_new_session=True,
-        )
+        proc = self._spawn(i)
         self.procs.append(proc)
         if self.prefix_output:
           reader = threading.Thread(
@@ -199,6 +187,21 @@ class Job:
       self.kill()
       raise
     return self
+
+  def _spawn(self, process_id: int) -> subprocess.Popen[bytes]:
+    """Starts process `process_id` (its output piped when prefixed)."""
+    return subprocess.Popen(
+        self.command,
+        env=self.child_env(process_id),
+        # N processes cannot share a terminal's stdin; and in a session of their own they
+        # would be stopped (SIGTTIN) on reading it.
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE if self.prefix_output else None,
+        stderr=subprocess.STDOUT if self.prefix_output else None,
+        # Own session and process group: killpg reaches whatever the child spawns, and a
+        # terminal Ctrl-C reaches only the launcher, which then kills the job as a whole.
+        start_new_session=True,
+    )
 
   def _relay(self, process_id: int, pipe: IO[bytes]) -> None:
     """Copies one child's output line by line, prefixed with its node index."""

@@ -1,0 +1,360 @@
+"""Forked starts for the multi-process tests' JAX processes.
+
+Each `python tests/mp_worker ...` process spends about 1.7 s of CPU importing JAX, Orbax and
+orbax_mtc before it does anything, which on a 2-core machine is most of a small job's time.
+`WarmJob` starts those processes as forks of one server process (one per test session) that
+has imported them already and has not created any JAX backend: each fork is still a separate
+OS process in a session of its own, which joins `jax.distributed` itself, gets its own
+environment (XLA_FLAGS' device count is read when the fork creates its backend), its own
+pipe for output, real signals and a real exit status. Any other command, and every command
+when MTC_TEST_COLD_START=1, is started by the launcher as usual (exec).
+
+Protocol (a SOCK_SEQPACKET socket pair, one JSON message per packet):
+  test -> server  {"op": "spawn", "argv", "env", "cwd"} with the output pipe's fd attached;
+                  {"op": "reap", "pid"} once the test has seen the exit and killed the group.
+  server -> test  {"op": "spawned", "pid"}; {"op": "exited", "pid", "code"} once per child,
+                  the child left unreaped (its pid, also its group id, stays reserved until
+                  the test asks, as `launch.Job` keeps its own children).
+A server whose socket closes SIGKILLs the groups of its children still running and exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import pathlib
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+
+HERE = pathlib.Path(__file__).resolve().parent
+WORKER = HERE / "mp_worker"
+_MAX_PACKET = 1 << 20
+_SPAWN_TIMEOUT_S = 60
+
+
+def _send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
+  data = json.dumps(message).encode()
+  if fds:
+    socket.send_fds(sock, [data], list(fds))
+  else:
+    sock.send(data)
+
+
+# -- the server (a child of the test process) -------------------------------------------------
+
+
+def _exit_code(pid: int) -> int | None:
+  """`pid`'s exit code in Popen's convention if it has ended, leaving it unreaped."""
+  info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+  if info is None:
+    return None
+  return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _serve(sock: socket.socket) -> tuple[dict, int] | None:
+  """Answers requests until the socket closes (returns None) or, in a fork, returns the
+  spawn request and its output fd."""
+  import selectors
+
+  wake_r, wake_w = os.pipe()
+  os.set_blocking(wake_r, False)
+  os.set_blocking(wake_w, False)
+  signal.set_wakeup_fd(wake_w)
+  signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select through wake_w
+  selector = selectors.DefaultSelector()
+  selector.register(sock, selectors.EVENT_READ)
+  selector.register(wake_r, selectors.EVENT_READ)
+  running: set[int] = set()  # forked, exit not reported yet
+  ended: set[int] = set()  # exit reported, not reaped yet
+  while True:
+    for key, _ in selector.select():
+      if key.fileobj == wake_r:
+        while True:
+          try:
+            if not os.read(wake_r, 4096):
+              break
+          except BlockingIOError:
+            break
+        continue
+      data, fds, _, _ = socket.recv_fds(sock, _MAX_PACKET, 1)
+      if not data:
+        for pid in running | ended:
+          try:
+            os.killpg(pid, signal.SIGKILL)
+          except ProcessLookupError:
+            pass
+        return None
+      request = json.loads(data)
+      if request["op"] == "reap":
+        os.waitpid(request["pid"], 0)
+        ended.discard(request["pid"])
+        continue
+      pid = os.fork()
+      if pid == 0:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        selector.close()
+        for fd in (wake_r, wake_w):
+          os.close(fd)
+        sock.close()
+        return request, fds[0]
+      os.close(fds[0])
+      running.add(pid)
+      _send(sock, {"op": "spawned", "pid": pid})
+    for pid in sorted(running):
+      code = _exit_code(pid)
+      if code is not None:
+        running.discard(pid)
+        ended.add(pid)
+        _send(sock, {"op": "exited", "pid": pid, "code": code})
+
+
+def _become(request: dict, out_fd: int) -> None:
+  """In the fork: the process `python argv...` would have been, up to its imports."""
+  os.setsid()
+  devnull = os.open(os.devnull, os.O_RDONLY)
+  os.dup2(devnull, 0)
+  os.close(devnull)
+  os.dup2(out_fd, 1)
+  os.dup2(out_fd, 2)
+  os.close(out_fd)
+  os.environ.clear()
+  os.environ.update(request["env"])
+  os.chdir(request["cwd"])
+  import runpy
+
+  # sys.path[0] (the server's own folder) becomes what `python argv...` would put there.
+  if request["argv"][1] == "-m":
+    sys.argv = [request["argv"][2], *request["argv"][3:]]
+    sys.path[0] = os.getcwd()
+    runpy.run_module(request["argv"][2], run_name="__main__", alter_sys=True)
+  else:
+    script = request["argv"][1]
+    sys.argv = request["argv"][1:]
+    sys.path[0] = os.path.dirname(os.path.abspath(script)) if os.path.isfile(script) else script
+    runpy.run_path(script, run_name="__main__")
+
+
+def _server_main(fd: int) -> None:
+  # Imported once here, before any fork; none of them creates a JAX backend or a thread
+  # that would be missing in the forks (numpy's BLAS pool is kept to the calling thread).
+  sys.path.insert(0, str(HERE))
+  import jax  # noqa: F401
+  import orbax.checkpoint  # noqa: F401
+  from mp_worker import (  # noqa: F401
+    common,
+    contained,
+    faults,
+    iterators,
+    plain,
+    preempt,
+    save_restore,
+    seams,
+  )
+
+  import orbax_mtc  # noqa: F401
+
+  with socket.socket(fileno=fd) as sock:
+    spawned = _serve(sock)
+  if spawned is not None:
+    _become(*spawned)  # its SystemExit or exception ends the fork as it would end python
+
+
+# -- the test side --------------------------------------------------------------------------
+
+
+class ForkedProcess:
+  """What `launch.Job` uses of a `subprocess.Popen`, for a process the server forked."""
+
+  def __init__(self, starter: _Starter, pid: int, stdout):
+    self._starter = starter
+    self.pid = pid
+    self.stdout = stdout
+    self.returncode: int | None = None
+
+  def exited_code(self) -> int | None:
+    """The exit code once the process ended, before it is reaped (its pid stays reserved)."""
+    return self.returncode if self.returncode is not None else self._starter.code(self.pid)
+
+  def wait(self, timeout: float | None = None) -> int:
+    if self.returncode is None:
+      self._starter.wait_for(self.pid, timeout)
+      self.returncode = self._starter.reap(self.pid)
+    return self.returncode
+
+  def poll(self) -> int | None:
+    if self.returncode is None and self._starter.code(self.pid) is not None:
+      return self.wait()
+    return self.returncode
+
+
+class _Starter:
+  """The server process and the test side of its socket."""
+
+  def __init__(self, env: dict[str, str]):
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    self._log = tempfile.NamedTemporaryFile(prefix="orbax-mtc-warm-start-", suffix=".log",
+                                            delete=False)
+    self._server = subprocess.Popen(
+        [sys.executable, str(pathlib.Path(__file__).resolve()), "serve", str(theirs.fileno())],
+        pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, stdout=self._log,
+        stderr=self._log)
+    theirs.close()
+    self._sock = ours
+    self.import_env = _import_env(env)
+    self._lock = threading.Lock()  # one spawn at a time: its answer is the next "spawned"
+    self._spawned: queue.Queue[int] = queue.Queue()
+    self._codes: dict[int, int] = {}
+    self._changed = threading.Condition()
+    self._closed = False
+    threading.Thread(target=self._read, name="warm-start", daemon=True).start()
+
+  def _read(self) -> None:
+    while True:
+      try:
+        data = self._sock.recv(_MAX_PACKET)
+      except OSError:
+        data = b""
+      if not data:
+        with self._changed:
+          self._closed = True
+          self._changed.notify_all()
+        self._spawned.put(-1)
+        return
+      message = json.loads(data)
+      if message["op"] == "spawned":
+        self._spawned.put(message["pid"])
+      else:
+        with self._changed:
+          self._codes[message["pid"]] = message["code"]
+          self._changed.notify_all()
+
+  def _dead(self, what: str) -> RuntimeError:
+    return RuntimeError(f"The warm-start server ended while {what}; its log: {self._log.name}")
+
+  def spawn(self, argv: list[str], env: dict[str, str], cwd: str) -> ForkedProcess:
+    read_fd, write_fd = os.pipe()
+    try:
+      with self._lock:
+        _send(self._sock, {"op": "spawn", "argv": argv, "env": env, "cwd": cwd}, [write_fd])
+        pid = self._spawned.get(timeout=_SPAWN_TIMEOUT_S)
+    except BaseException:
+      os.close(read_fd)
+      raise
+    finally:
+      os.close(write_fd)
+    if pid < 0:
+      os.close(read_fd)
+      raise self._dead("starting a process")
+    return ForkedProcess(self, pid, os.fdopen(read_fd, "rb"))
+
+  def code(self, pid: int) -> int | None:
+    with self._changed:
+      return self._codes.get(pid)
+
+  def wait_for(self, pid: int, timeout: float | None) -> None:
+    with self._changed:
+      if not self._changed.wait_for(lambda: pid in self._codes or self._closed, timeout):
+        raise subprocess.TimeoutExpired(["pid", str(pid)], timeout)
+      if pid not in self._codes:
+        raise self._dead(f"pid {pid} was running")
+
+  def reap(self, pid: int) -> int:
+    """Lets the server reap `pid` (which has ended); returns its code. The pid may then be
+    reused, so its code is forgotten here."""
+    with self._changed:
+      code = self._codes.pop(pid)
+    _send(self._sock, {"op": "reap", "pid": pid})
+    return code
+
+  def close(self) -> None:
+    # shutdown, not only close: the reader thread's recv holds the socket open otherwise.
+    self._sock.shutdown(socket.SHUT_RDWR)
+    self._sock.close()
+    try:
+      self._server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+      self._server.kill()
+      self._server.wait()
+    self._log.close()
+    os.unlink(self._log.name)
+
+
+_starter: _Starter | None = None
+_starter_lock = threading.Lock()
+
+
+def enabled() -> bool:
+  return os.environ.get("MTC_TEST_COLD_START", "") not in ("1", "true", "yes")
+
+
+def starter() -> _Starter:
+  """The session's server, started on first use in the environment `mp_helpers.child_env`
+  gives a job (the one its imports read)."""
+  global _starter
+  with _starter_lock:
+    if _starter is None:
+      from mp_helpers import child_env
+
+      env = {k: v for k, v in os.environ.items() if not k.startswith("ORBAX_MTC_")}
+      _starter = _Starter({**env, **child_env(), "JAX_PLATFORMS": "cpu",
+                           "PYTHONUNBUFFERED": "1",
+                           "OPENBLAS_NUM_THREADS": "1"})  # no BLAS thread missing in forks
+      atexit.register(_starter.close)
+    return _starter
+
+
+def _forkable(command: list[str]) -> bool:
+  """`python -m module ...`, `python script.py ...` or `python folder ...`, this Python."""
+  if len(command) < 2 or command[0] != sys.executable:
+    return False
+  if command[1] == "-m":
+    return len(command) > 2
+  return not command[1].startswith("-") and os.path.exists(command[1])
+
+
+def _import_env(env: dict[str, str]) -> dict[str, str]:
+  """What of `env` modules may read while imported (JAX's flags, the import path, XLA's
+  logging): a fork gets the server's values for those."""
+  return {k: v for k, v in env.items()
+          if (k.startswith(("JAX_", "PYTHON", "TF_CPP_")) and k != "JAX_COORDINATOR_BIND_ADDRESS")
+          and k != "PYTHONUNBUFFERED"}
+
+
+@functools.cache
+def _job_class():
+  from orbax_mtc.tools import launch
+
+  class WarmJob(launch.Job):
+    """`launch.Job` whose `python tests/mp_worker ...` processes are forked warm."""
+
+    def _spawn(self, process_id: int):
+      env = self.child_env(process_id)
+      if not (enabled() and self.prefix_output and _forkable(self.command)):
+        return super()._spawn(process_id)
+      server = starter()
+      if server.import_env != _import_env(env):  # it read other values at its imports
+        return super()._spawn(process_id)
+      return server.spawn(self.command, env, os.getcwd())
+
+    def _exited_code(self, proc):
+      if isinstance(proc, ForkedProcess):
+        return proc.exited_code()
+      return super()._exited_code(proc)
+
+  return WarmJob
+
+
+def WarmJob(*args, **kwargs):  # noqa: N802 - a class, made on first use (imports JAX)
+  return _job_class()(*args, **kwargs)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
+  _server_main(int(sys.argv[2]))
