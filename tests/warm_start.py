@@ -14,7 +14,8 @@ Protocol (a SOCK_SEQPACKET socket pair, one JSON message per packet):
                   {"op": "reap", "pid"} once the test has seen the exit and killed the group.
   server -> test  {"op": "spawned", "pid"}; {"op": "exited", "pid", "code"} once per child,
                   the child left unreaped (its pid, also its group id, stays reserved until
-                  the test asks, as `launch.Job` keeps its own children).
+                  the test asks, as `launch.Job` keeps its own children); {"op": "reaped",
+                  "pid"} once it is.
 A server whose socket closes SIGKILLs the groups of its children still running and exits.
 """
 
@@ -95,6 +96,7 @@ def _serve(sock: socket.socket) -> tuple[dict, int] | None:
       if request["op"] == "reap":
         os.waitpid(request["pid"], 0)
         ended.discard(request["pid"])
+        _send(sock, {"op": "reaped", "pid": request["pid"]})
         continue
       pid = os.fork()
       if pid == 0:
@@ -212,6 +214,7 @@ class _Starter:
     self._lock = threading.Lock()  # one spawn at a time: its answer is the next "spawned"
     self._spawned: queue.Queue[int] = queue.Queue()
     self._codes: dict[int, int] = {}
+    self._reaped: set[int] = set()
     self._changed = threading.Condition()
     self._closed = False
     threading.Thread(target=self._read, name="warm-start", daemon=True).start()
@@ -231,6 +234,10 @@ class _Starter:
       message = json.loads(data)
       if message["op"] == "spawned":
         self._spawned.put(message["pid"])
+      elif message["op"] == "reaped":
+        with self._changed:
+          self._reaped.add(message["pid"])
+          self._changed.notify_all()
       else:
         with self._changed:
           self._codes[message["pid"]] = message["code"]
@@ -267,12 +274,15 @@ class _Starter:
         raise self._dead(f"pid {pid} was running")
 
   def reap(self, pid: int) -> int:
-    """Lets the server reap `pid` (which has ended); returns its code. The pid may then be
-    reused, so its code is forgotten here."""
-    with self._changed:
-      code = self._codes.pop(pid)
+    """Has the server reap `pid` (which has ended) and returns its code, once the pid is
+    free (as after Popen.wait); the pid may then be reused, so its code is forgotten."""
     _send(self._sock, {"op": "reap", "pid": pid})
-    return code
+    with self._changed:
+      self._changed.wait_for(lambda: pid in self._reaped or self._closed)
+      if pid not in self._reaped:
+        raise self._dead(f"pid {pid} was reaped")
+      self._reaped.discard(pid)
+      return self._codes.pop(pid)
 
   def close(self) -> None:
     # shutdown, not only close: the reader thread's recv holds the socket open otherwise.

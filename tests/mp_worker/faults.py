@@ -108,6 +108,7 @@ def cmd_outage(args) -> int:
   from orbax_mtc import distributed
 
   distributed.initialize()
+  hooks.faster_gcsfs_retries(0.1)
   mesh = make_mesh()
   control = pathlib.Path(args.control)
   me = jax.process_index()
