@@ -109,3 +109,26 @@ def test_the_same_job_exec_started_gives_the_same_facts(tmp_path):
     keep = ("argv", "stdin", "process_id", "devices")
     assert {k: warm[1][node][k] for k in keep} == {k: cold[1][node][k] for k in keep}
     assert cold[1][node]["warm"] is False
+
+
+def test_a_module_run_with_dash_m_sees_what_python_dash_m_gives_it(tmp_path):
+  """`python -m module` from `cwd`: the module runs as __main__ with its file as argv[0] and
+  the working folder first on the import path; its output and status come back."""
+  (tmp_path / "facts_mod.py").write_text(textwrap.dedent("""
+      import json, os, sys
+      print(json.dumps({"warm": "orbax_mtc" in sys.modules, "argv": sys.argv,
+                        "path0": sys.path[0], "cwd": os.getcwd(), "name": __name__}))
+      sys.exit(7)
+  """))
+  argv = [sys.executable, "-m", "facts_mod", "a", "b"]
+  env = {**os.environ, **child_env(), "PYTHONUNBUFFERED": "1"}
+  proc = warm_start.spawn(sys.executable, warm_start.MP_WORKER_PRELOAD,
+                          warm_start.mp_server_env(), argv, env, str(tmp_path))
+  if proc is None:
+    assert not warm_start.enabled()
+    return
+  assert proc.wait(60) == 7
+  facts = json.loads(proc.stdout.read())
+  proc.stdout.close()
+  assert facts == {"warm": True, "argv": [str(tmp_path / "facts_mod.py"), "a", "b"],
+                   "path0": str(tmp_path), "cwd": str(tmp_path), "name": "__main__"}

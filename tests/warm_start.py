@@ -1,13 +1,15 @@
-"""Forked starts for the multi-process tests' JAX processes.
+"""Forked starts for the tests' JAX and MaxText processes.
 
 Each `python tests/mp_worker ...` process spends about 1.7 s of CPU importing JAX, Orbax and
-orbax_mtc before it does anything, which on a 2-core machine is most of a small job's time.
-`WarmJob` starts those processes as forks of one server process (one per test session) that
-has imported them already and has not created any JAX backend: each fork is still a separate
-OS process in a session of its own, which joins `jax.distributed` itself, gets its own
-environment (XLA_FLAGS' device count is read when the fork creates its backend), its own
-pipe for output, real signals and a real exit status. Any other command, and every command
-when MTC_TEST_COLD_START=1, is started by the launcher as usual (exec).
+orbax_mtc before it does anything (a MaxText run about 10 s), which on a 2-core machine is
+most of a small job's time. `WarmJob` (for `launch.Job`) and `spawn` (for one process) start
+such processes as forks of a server process (one per Python and module list, per test
+session) that has imported those modules already and has not created any JAX backend: each
+fork is still a separate OS process in a session of its own, which joins `jax.distributed`
+itself, gets its own environment (XLA_FLAGS' device count is read when the fork creates its
+backend), arguments, import path, output pipe, real signals and a real exit status. A
+command of another form, a job whose import-time settings (JAX_*, PYTHONPATH, ...) differ
+from the server's, and every command when MTC_TEST_COLD_START=1 are exec'd as before.
 
 Protocol (a SOCK_SEQPACKET socket pair, one JSON message per packet):
   test -> server  {"op": "spawn", "argv", "env", "cwd"} with the output pipe's fd attached;
@@ -35,7 +37,6 @@ import tempfile
 import threading
 
 HERE = pathlib.Path(__file__).resolve().parent
-WORKER = HERE / "mp_worker"
 _MAX_PACKET = 1 << 20
 _SPAWN_TIMEOUT_S = 60
 
@@ -98,6 +99,8 @@ def _serve(sock: socket.socket) -> tuple[dict, int] | None:
         ended.discard(request["pid"])
         _send(sock, {"op": "reaped", "pid": request["pid"]})
         continue
+      sys.stdout.flush()  # what the imports printed is the server's, not the forks'
+      sys.stderr.flush()
       pid = os.fork()
       if pid == 0:
         signal.set_wakeup_fd(-1)
@@ -144,25 +147,14 @@ def _become(request: dict, out_fd: int) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
-def _server_main(fd: int) -> None:
+def _server_main(fd: int, preload: list[str]) -> None:
   # Imported once here, before any fork; none of them creates a JAX backend or a thread
   # that would be missing in the forks (numpy's BLAS pool is kept to the calling thread).
+  import importlib
+
   sys.path.insert(0, str(HERE))
-  import jax  # noqa: F401
-  import orbax.checkpoint  # noqa: F401
-  from mp_worker import (  # noqa: F401
-    common,
-    contained,
-    faults,
-    iterators,
-    plain,
-    preempt,
-    save_restore,
-    seams,
-  )
-
-  import orbax_mtc  # noqa: F401
-
+  for module in preload:
+    importlib.import_module(module)
   with socket.socket(fileno=fd) as sock:
     spawned = _serve(sock)
   if spawned is not None:
@@ -200,12 +192,13 @@ class ForkedProcess:
 class _Starter:
   """The server process and the test side of its socket."""
 
-  def __init__(self, env: dict[str, str]):
+  def __init__(self, python: str, preload: tuple[str, ...], env: dict[str, str]):
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     self._log = tempfile.NamedTemporaryFile(prefix="orbax-mtc-warm-start-", suffix=".log",
                                             delete=False)
     self._server = subprocess.Popen(
-        [sys.executable, str(pathlib.Path(__file__).resolve()), "serve", str(theirs.fileno())],
+        [python, str(pathlib.Path(__file__).resolve()), "serve", str(theirs.fileno()),
+         ",".join(preload)],
         pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, stdout=self._log,
         stderr=self._log)
     theirs.close()
@@ -297,33 +290,55 @@ class _Starter:
     os.unlink(self._log.name)
 
 
-_starter: _Starter | None = None
-_starter_lock = threading.Lock()
+_starters: dict[tuple[str, tuple[str, ...]], _Starter] = {}
+_starters_lock = threading.Lock()
+
+# What `python tests/mp_worker` imports before it runs anything.
+MP_WORKER_PRELOAD = ("jax", "orbax.checkpoint", "orbax_mtc", "mp_worker.common",
+                     "mp_worker.contained", "mp_worker.faults", "mp_worker.iterators",
+                     "mp_worker.plain", "mp_worker.preempt", "mp_worker.save_restore",
+                     "mp_worker.seams")
 
 
 def enabled() -> bool:
   return os.environ.get("MTC_TEST_COLD_START", "") not in ("1", "true", "yes")
 
 
-def starter() -> _Starter:
-  """The session's server, started on first use in the environment `mp_helpers.child_env`
-  gives a job (the one its imports read)."""
-  global _starter
-  with _starter_lock:
-    if _starter is None:
-      from mp_helpers import child_env
+def starter(python: str, preload: tuple[str, ...], env: dict[str, str]) -> _Starter:
+  """The session's server for `python` with `preload` imported, started on first use in
+  `env` (the environment its imports read; a fork whose own differs there is not warm)."""
+  with _starters_lock:
+    key = (python, preload)
+    if key not in _starters:
+      _starters[key] = _Starter(python, preload, {
+          **{k: v for k, v in env.items() if not k.startswith("ORBAX_MTC_")},
+          "OPENBLAS_NUM_THREADS": "1"})  # no BLAS thread to be missing in the forks
+      atexit.register(_starters[key].close)
+    return _starters[key]
 
-      env = {k: v for k, v in os.environ.items() if not k.startswith("ORBAX_MTC_")}
-      _starter = _Starter({**env, **child_env(), "JAX_PLATFORMS": "cpu",
-                           "PYTHONUNBUFFERED": "1",
-                           "OPENBLAS_NUM_THREADS": "1"})  # no BLAS thread missing in forks
-      atexit.register(_starter.close)
-    return _starter
+
+def mp_server_env() -> dict[str, str]:
+  """The environment of the server the multi-process tests' jobs fork from: theirs."""
+  from mp_helpers import child_env
+
+  return {**os.environ, **child_env(), "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+
+
+def spawn(python: str, preload: tuple[str, ...], server_env: dict[str, str],
+          argv: list[str], env: dict[str, str], cwd: str) -> ForkedProcess | None:
+  """`argv` (`python -m module ...` or `python path ...`) forked from the server for `python`
+  and `preload`; None when it cannot stand for an exec of `argv` in `env` (then exec it)."""
+  if not (enabled() and argv[:1] == [python] and _forkable(argv)):
+    return None
+  server = starter(python, preload, server_env)
+  if server.import_env != _import_env(env):  # it read other values at its imports
+    return None
+  return server.spawn(argv, env, cwd)
 
 
 def _forkable(command: list[str]) -> bool:
-  """`python -m module ...`, `python script.py ...` or `python folder ...`, this Python."""
-  if len(command) < 2 or command[0] != sys.executable:
+  """`python -m module ...`, `python script.py ...` or `python folder ...`."""
+  if len(command) < 2:
     return False
   if command[1] == "-m":
     return len(command) > 2
@@ -347,12 +362,11 @@ def _job_class():
 
     def _spawn(self, process_id: int):
       env = self.child_env(process_id)
-      if not (enabled() and self.prefix_output and _forkable(self.command)):
-        return super()._spawn(process_id)
-      server = starter()
-      if server.import_env != _import_env(env):  # it read other values at its imports
-        return super()._spawn(process_id)
-      return server.spawn(self.command, env, os.getcwd())
+      forked = None
+      if self.prefix_output:
+        forked = spawn(sys.executable, MP_WORKER_PRELOAD, mp_server_env(), self.command, env,
+                       os.getcwd())
+      return forked if forked is not None else super()._spawn(process_id)
 
     def _exited_code(self, proc):
       if isinstance(proc, ForkedProcess):
@@ -367,4 +381,4 @@ def WarmJob(*args, **kwargs):  # noqa: N802 - a class, made on first use (import
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
-  _server_main(int(sys.argv[2]))
+  _server_main(int(sys.argv[2]), sys.argv[3].split(","))
