@@ -132,3 +132,20 @@ def test_a_module_run_with_dash_m_sees_what_python_dash_m_gives_it(tmp_path):
   proc.stdout.close()
   assert facts == {"warm": True, "argv": [str(tmp_path / "facts_mod.py"), "a", "b"],
                    "path0": str(tmp_path), "cwd": str(tmp_path), "name": "__main__"}
+
+
+def test_a_server_running_a_thread_after_its_imports_is_never_forked_from(tmp_path):
+  """A thread started by an import would be missing in every fork: such a server is not used
+  (the caller execs)."""
+  (tmp_path / "starts_a_thread.py").write_text(
+      "import threading, time\n"
+      "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n")
+  script = tmp_path / "hello.py"
+  script.write_text("print('hello')\n")
+  env = warm_start.mp_server_env()
+  env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
+  preload = ("starts_a_thread",)
+  argv = [sys.executable, str(script)]
+  assert warm_start.spawn(sys.executable, preload, env, argv, env, str(tmp_path)) is None
+  if warm_start.enabled():
+    assert warm_start.starter(sys.executable, preload, env).threads == 2

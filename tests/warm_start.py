@@ -14,7 +14,9 @@ from the server's, and every command when MTC_TEST_COLD_START=1 are exec'd as be
 Protocol (a SOCK_SEQPACKET socket pair, one JSON message per packet):
   test -> server  {"op": "spawn", "argv", "env", "cwd"} with the output pipe's fd attached;
                   {"op": "reap", "pid"} once the test has seen the exit and killed the group.
-  server -> test  {"op": "spawned", "pid"}; {"op": "exited", "pid", "code"} once per child,
+  server -> test  {"op": "ready", "threads"} once its imports are done (a fork lacks every
+                  thread but the one forking: with more, the test side execs instead);
+                  {"op": "spawned", "pid"}; {"op": "exited", "pid", "code"} once per child,
                   the child left unreaped (its pid, also its group id, stays reserved until
                   the test asks, as `launch.Job` keeps its own children); {"op": "reaped",
                   "pid"} once it is.
@@ -39,6 +41,7 @@ import threading
 HERE = pathlib.Path(__file__).resolve().parent
 _MAX_PACKET = 1 << 20
 _SPAWN_TIMEOUT_S = 60
+_READY_TIMEOUT_S = 300  # a MaxText server imports for 10 s on a quiet 2-core VM
 
 
 def _send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
@@ -156,6 +159,8 @@ def _server_main(fd: int, preload: list[str]) -> None:
   for module in preload:
     importlib.import_module(module)
   with socket.socket(fileno=fd) as sock:
+    # A thread running now would be missing in every fork: the test side then execs instead.
+    _send(sock, {"op": "ready", "threads": len(os.listdir("/proc/self/task"))})
     spawned = _serve(sock)
   if spawned is not None:
     _become(*spawned)  # its SystemExit or exception ends the fork as it would end python
@@ -210,6 +215,8 @@ class _Starter:
     self._reaped: set[int] = set()
     self._changed = threading.Condition()
     self._closed = False
+    self._ready = threading.Event()
+    self.threads = 0
     threading.Thread(target=self._read, name="warm-start", daemon=True).start()
 
   def _read(self) -> None:
@@ -223,9 +230,13 @@ class _Starter:
           self._closed = True
           self._changed.notify_all()
         self._spawned.put(-1)
+        self._ready.set()
         return
       message = json.loads(data)
-      if message["op"] == "spawned":
+      if message["op"] == "ready":
+        self.threads = message["threads"]
+        self._ready.set()
+      elif message["op"] == "spawned":
         self._spawned.put(message["pid"])
       elif message["op"] == "reaped":
         with self._changed:
@@ -235,6 +246,15 @@ class _Starter:
         with self._changed:
           self._codes[message["pid"]] = message["code"]
           self._changed.notify_all()
+
+  def usable(self) -> bool:
+    """Whether the server has imported its modules with one thread only (waits for it)."""
+    if not self._ready.wait(_READY_TIMEOUT_S):
+      raise RuntimeError(f"The warm-start server took over {_READY_TIMEOUT_S} s to import "
+                         f"its modules; its log: {self._log.name}")
+    if not self.threads:  # it ended before it was ready
+      raise self._dead("importing its modules")
+    return self.threads == 1
 
   def _dead(self, what: str) -> RuntimeError:
     return RuntimeError(f"The warm-start server ended while {what}; its log: {self._log.name}")
@@ -331,8 +351,8 @@ def spawn(python: str, preload: tuple[str, ...], server_env: dict[str, str],
   if not (enabled() and argv[:1] == [python] and _forkable(argv)):
     return None
   server = starter(python, preload, server_env)
-  if server.import_env != _import_env(env):  # it read other values at its imports
-    return None
+  if not server.usable() or server.import_env != _import_env(env):
+    return None  # a thread the forks would lack, or other values read at its imports
   return server.spawn(argv, env, cwd)
 
 
