@@ -151,11 +151,10 @@ def _become(request: dict, out_fd: int) -> None:
 
 
 def _server_main(fd: int, preload: list[str]) -> None:
-  # Imported once here, before any fork; none of them creates a JAX backend or a thread
-  # that would be missing in the forks (numpy's BLAS pool is kept to the calling thread).
+  # Imported once here, before any fork (with this folder first on the import path, as for
+  # any script, until a fork puts its own there); none creates a JAX backend.
   import importlib
 
-  sys.path.insert(0, str(HERE))
   for module in preload:
     importlib.import_module(module)
   with socket.socket(fileno=fd) as sock:
