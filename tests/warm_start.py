@@ -380,12 +380,12 @@ def _job_class():
     """`launch.Job` whose `python tests/mp_worker ...` processes are forked warm."""
 
     def _spawn(self, process_id: int):
-      env = self.child_env(process_id)
-      forked = None
-      if self.prefix_output:
-        forked = spawn(sys.executable, MP_WORKER_PRELOAD, mp_server_env(), self.command, env,
-                       os.getcwd())
-      return forked if forked is not None else super()._spawn(process_id)
+      if self.prefix_output:  # a fork writes into a pipe of ours, never our own stdout
+        forked = spawn(sys.executable, MP_WORKER_PRELOAD, mp_server_env(), self.command,
+                       self.child_env(process_id), os.getcwd())
+        if forked is not None:
+          return forked
+      return super()._spawn(process_id)
 
     def _exited_code(self, proc):
       if isinstance(proc, ForkedProcess):
