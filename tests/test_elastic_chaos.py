@@ -1,0 +1,260 @@
+"""A randomized fault campaign across host counts: SIGKILLs mid-save, lost RAM, other layouts.
+
+One chain of jobs on one set of RAM folders and one persistent folder. Each job runs on a
+layout drawn at random (1 process x 2 devices, 2 x 1, 2 x 2 or 4 x 1; always two data
+replicas, and state shapes that follow a (data=2, model=2) mesh whatever the job's mesh, so
+every job's state is every other job's on another layout), restores whatever the jobs before
+it left, checks it bit for bit in every process against the state recomputed for that step,
+then saves every step (RAM every step, keep 2; persistent every 4, keep 2) until the test
+SIGKILLs one of its processes a seeded-random 0-40 ms after its seeded-random n-th "SAVING"
+line. After a third of the kills one node's RAM folder is deleted (node replaced), after a
+sixth two nodes' folders are exchanged (the processes restart with permuted ids). A
+shrunk job cannot reach the folders of the ranks it no longer has; a grown one finds empty or
+older folders there.
+
+Before each job the test predicts, from the folders alone, the step it must restore: the
+newest step one save (its step, process count and global layout) covers in full with the
+committed step folders, set-aside older layouts and peer copies of the nodes this job has,
+unless the newest persistent step is newer. The prediction reads only manifests (which
+global boxes each folder holds), not the restore planner. After each kill it checks that
+every committed folder verifies and that no node lost a step a returned `save()` had
+committed. A last job only
+restores.
+
+ORBAX_MTC_ELASTIC_KILLS (default 8) and ORBAX_MTC_ELASTIC_SEED choose the chain; a failure
+prints the chain so far.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+import shutil
+import signal
+import sys
+import time
+
+import pytest
+import warm_start
+from mp_helpers import WORKER, child_env, mp_events, tail
+
+from orbax_mtc.local import aside
+from orbax_mtc.local.format import LocalTierError
+from orbax_mtc.local.read import verify_step
+from orbax_mtc.local.store import committed_steps, read_manifest
+from orbax_mtc.peers import copy_store as peer_store
+
+KILLS = int(os.environ.get("ORBAX_MTC_ELASTIC_KILLS", "8"))
+SEED = int(os.environ.get("ORBAX_MTC_ELASTIC_SEED", "20261129"))
+TIMEOUT_S = 120
+# (processes, devices per process): two data replicas each, 2 or 4 devices in all.
+LAYOUTS = ((1, 2), (2, 1), (2, 2), (4, 1))
+MOST_NODES = max(procs for procs, _ in LAYOUTS)
+ARGS = ["--rows", "16384", "--seed", "5", "--local-interval", "1", "--local-keep", "2",
+        "--persistent-interval", "4", "--persistent-keep", "2", "--replicas", "2",
+        "--shape-axes", "2,2", "--explicit-args"]
+# What happens to the folders after a kill, drawn without replacement from repeats of this.
+FAULT_CYCLE = ("none", "swap", "replace", "none", "none", "replace")
+pytestmark = pytest.mark.timeout(60 + (KILLS + 1) * 2 * TIMEOUT_S)
+
+
+def _saves(folders) -> dict[tuple, set]:
+  """(step, process count, global layout) -> the (item, leaf, box) pieces these step folders
+  hold of it; the layout is every array leaf's tiles, so two saves of one step on different
+  meshes never mix."""
+  held: dict[tuple, set] = {}
+  for folder in folders:
+    manifest = read_manifest(folder)
+    leaves = [(name, leaf) for name, item in sorted(manifest.items.items())
+              for leaf in item.leaves]
+    assert all(leaf.tiles is not None for _, leaf in leaves if leaf.kind == "array"), folder
+    layout = tuple((name, leaf.path, tuple(sorted(index for index, _ in leaf.tiles)))
+                   for name, leaf in leaves if leaf.kind == "array")
+    pieces = held.setdefault((manifest.step, manifest.process_count, layout), set())
+    pieces.update((name, leaf.path, shard.index) for name, leaf in leaves
+                  if leaf.kind == "array" for shard in leaf.shards)
+  return held
+
+
+def newest_ram_step(root: pathlib.Path, procs: int) -> int | None:
+  """The newest step some save covers in full with what nodes 0..procs-1 hold: their own
+  committed steps, the older layouts' folders they set aside, and the peer copies they can
+  serve."""
+  folders = []
+  for node in range(procs):
+    node_dir = root / f"node{node}"
+    own = committed_steps(node_dir)
+    folders += [node_dir / str(step) for step in own]
+    # A write-back after an elastic restore sets the older layout's folder aside; it is
+    # still a source.
+    folders += [path for _, path in aside.replaced_folders(node_dir)]
+    store = peer_store.PeerStore(node_dir, max_to_keep=None)
+    folders += [store.source_dir(source) / str(step) for source, step in store.servable(own)]
+  covered = [step for (step, _, layout), pieces in _saves(folders).items()
+             if all((name, path, index) in pieces for name, path, indices in layout
+                    for index in indices)]
+  return max(covered, default=None)
+
+
+def persistent_steps(persistent: pathlib.Path) -> list[int]:
+  return sorted(int(p.name) for p in persistent.iterdir() if p.name.isdigit()) \
+      if persistent.is_dir() else []
+
+
+def expected_restore(root: pathlib.Path, procs: int, persistent: pathlib.Path
+                     ) -> tuple[int | None, str]:
+  """(step, "ram" | "persistent" | "none") a job of `procs` processes must restore."""
+  ram = newest_ram_step(root, procs)
+  backup = max(persistent_steps(persistent), default=None)
+  if ram is not None and (backup is None or ram >= backup):
+    return ram, "ram"
+  if backup is not None:
+    return backup, "persistent"
+  return None, "none"
+
+
+def check_results(out, procs: int, expected: tuple[int | None, str]) -> None:
+  results = mp_events.parse_results(out.lines)
+  assert sorted(results) == list(range(procs)), f"missing RESULT lines:\n{tail(out)}"
+  step, kind = expected
+  for node, fields in sorted(results.items()):
+    assert fields["ok"] == "1", f"node {node}: restored data differs: {fields['detail']}"
+    tier = fields["tier"]
+    got = "none" if tier == "none" else "persistent" if tier == "persistent" else "ram"
+    assert (fields["step"], got) == (str(step), kind), (
+        f"node {node} restored step {fields['step']} from {tier}, expected step {step} from "
+        f"{kind}\n{tail(out)}")
+
+
+def check_after_kill(root: pathlib.Path, procs: int, out, restored: int | None) -> None:
+  """Every committed folder under the root verifies; no node of the job lost a step that a
+  returned save() had committed there."""
+  for node_dir in sorted(root.glob("node*")):
+    for step in committed_steps(node_dir):
+      try:
+        verify_step(node_dir / str(step))
+      except LocalTierError as e:
+        pytest.fail(f"{node_dir.name}: committed step {step} does not verify: {e}")
+  start = -1 if restored is None else restored
+  for node in range(procs):
+    steps = committed_steps(root / f"node{node}")
+    saved = [int(f["step"]) for n, f in mp_events.events(out.lines, "SAVED") if n == node]
+    # save(k) returns only after this node's write of k-1 committed.
+    if saved and saved[-1] - 1 > start:
+      assert max(steps, default=-1) >= saved[-1] - 1, (
+          f"node {node}: save({saved[-1]}) returned, so step {saved[-1] - 1} was committed, "
+          f"but the folder holds {steps}")
+
+
+def apply_fault(fault: str, root: pathlib.Path, rng: random.Random
+                ) -> tuple[str | None, frozenset[int]]:
+  """Deletes one node's RAM folder ("replace") or exchanges two nodes' folders ("swap": the
+  processes restart with permuted ids); returns what it did and the nodes it touched."""
+  present = [n for n in range(MOST_NODES) if (root / f"node{n}").is_dir()]
+  if fault == "replace" and present:
+    lost = rng.choice(present)
+    shutil.rmtree(root / f"node{lost}")
+    return f"node{lost} replaced", frozenset({lost})
+  if fault == "swap" and present:
+    first = rng.choice(present)
+    second = rng.choice([n for n in range(MOST_NODES) if n != first])
+    parked = root / "swapping"
+    (root / f"node{first}").rename(parked)
+    if (root / f"node{second}").exists():
+      (root / f"node{second}").rename(root / f"node{first}")
+    parked.rename(root / f"node{second}")
+    return f"node{first} and node{second} swapped", frozenset({first, second})
+  return None, frozenset()
+
+
+def durable_floor(out, procs: int, restored: int | None) -> int | None:
+  """The newest step every node of a killed job is known to have committed, or restored:
+  each node committed the step before the last `save()` that returned on it, and retention
+  keeps the newest step every node holds."""
+  last_saved = [max((int(f["step"]) for n, f in mp_events.events(out.lines, "SAVED")
+                     if n == node), default=None) for node in range(procs)]
+  floor = restored
+  if all(step is not None for step in last_saved):
+    committed_everywhere = min(last_saved) - 1
+    if committed_everywhere >= 0 and (floor is None or committed_everywhere > floor):
+      floor = committed_everywhere
+  return floor
+
+
+def _job(subcommand: str, persistent: pathlib.Path, layout: tuple[int, int],
+         root: pathlib.Path, out) -> warm_start.WarmJob:
+  procs, devices = layout
+  return warm_start.WarmJob(
+      [sys.executable, str(WORKER), subcommand, "--persistent-dir", str(persistent), *ARGS],
+      procs, devices_per_process=devices, local_root=root, env=child_env(), output=out)
+
+
+def test_every_restart_on_any_layout_restores_the_newest_covered_step(shm_root, tmp_path):
+  rng = random.Random(f"elastic-chaos-{SEED}")
+  persistent = tmp_path / "persistent"
+  # Every layout at least once, the rest drawn at random, in random order.
+  layouts = [*LAYOUTS, *(rng.choice(LAYOUTS) for _ in range(KILLS + 1 - len(LAYOUTS)))]
+  rng.shuffle(layouts)
+  faults = [FAULT_CYCLE[i % len(FAULT_CYCLE)] for i in range(KILLS)]
+  rng.shuffle(faults)
+  summary: list[str] = []
+  kinds: set[str] = set()
+  # (a step the next job must reach, the ranks needed to reach it, the fault after the job)
+  floor: tuple[int | None, int, str] | None = None
+  for iteration, layout in enumerate(layouts):
+    procs = layout[0]
+    last = iteration == len(layouts) - 1
+    expected = expected_restore(shm_root, procs, persistent)
+    kinds.add(expected[1])
+    if floor is not None and floor[0] is not None and procs >= floor[1]:
+      # Every folder of the last job is under some rank of this one: nothing it had
+      # committed everywhere may be gone.
+      assert expected[0] is not None and expected[0] >= floor[0], (
+          f"job {iteration} on {procs}x{layout[1]} can restore only {expected}, but the job "
+          f"before committed step {floor[0]} on every node ({floor[2]})\n" + "\n".join(summary))
+    victim = rng.randrange(procs)
+    saves_before_kill = rng.randint(1, 6)
+    delay_s = rng.uniform(0.0, 0.04)
+    out = mp_events.LineCollector()
+    with _job("restore" if last else "chaos", persistent, layout, shm_root, out) as job:
+      job.start()
+      seen = last or out.wait_for(
+          lambda lines, v=victim, k=saves_before_kill: sum(
+              1 for n, _ in mp_events.events(lines, "SAVING") if n == v) >= k,
+          timeout_s=TIMEOUT_S)
+      if seen and not last:
+        time.sleep(delay_s)  # the random kill point, not a synchronisation
+        os.kill(job.pids[victim], signal.SIGKILL)
+      result = job.wait(timeout_s=TIMEOUT_S)
+    (tmp_path / f"job{iteration}.log").write_text(out.text())
+    context = "\n".join([*summary, f"job {iteration} on {procs}x{layout[1]} expecting "
+                         f"{expected}: {result}", tail(out)])
+    assert seen, f"no SAVING line in time:\n{context}"
+    try:
+      check_results(out, procs, expected)
+    except AssertionError as e:
+      raise AssertionError(f"{e}\n{context}") from None
+    if last:
+      assert result.returncode == 0 and not result.timed_out, context
+      break
+    assert result.returncodes[victim] == 137 and not result.timed_out, context
+    try:
+      check_after_kill(shm_root, procs, out, expected[0])
+    except AssertionError as e:
+      raise AssertionError(f"{e}\n{context}") from None
+    fault, touched = apply_fault(faults[iteration], shm_root, rng)
+    # After no fault or a swap every folder of this job is under ranks 0..reach-1.
+    floor = None if fault is not None and not fault.endswith("swapped") else (
+        durable_floor(out, procs, expected[0]), max([procs, *(n + 1 for n in touched)]),
+        fault or "no fault")
+    summary.append(
+        f"job {iteration} on {procs}x{layout[1]}: restored {expected}; node {victim} killed "
+        f"{delay_s * 1000:.0f} ms after its SAVING line #{saves_before_kill}; committed "
+        f"{[committed_steps(shm_root / f'node{n}') for n in range(MOST_NODES)]}, persistent "
+        f"{persistent_steps(persistent)}"
+        f"{'' if fault is None else f', {fault}'}"
+        f"{'' if floor is None else f'; next must reach step {floor[0]} on {floor[1]}+ ranks'}")
+  print("\n".join(summary))
+  # The chain restored from RAM, and from the persistent tier when RAM could not cover.
+  assert "ram" in kinds, "\n".join(summary)
