@@ -1,4 +1,4 @@
-"""A randomized fault campaign across host counts: SIGKILLs mid-save, lost RAM, other layouts.
+"""A randomized fault campaign across host counts: SIGKILL or SIGTERM, lost RAM, other layouts.
 
 One chain of jobs on one set of RAM folders and one persistent folder. Each job runs on a
 layout drawn at random (1 process x 2 devices, 2 x 1, 2 x 2 or 4 x 1; always two data
@@ -6,23 +6,26 @@ replicas, and state shapes that follow a (data=2, model=2) mesh whatever the job
 every job's state is every other job's on another layout), restores whatever the jobs before
 it left, checks it bit for bit in every process against the state recomputed for that step,
 then saves every step (RAM every step, keep 2; persistent every 4, keep 2) until the test
-SIGKILLs one of its processes a seeded-random 0-40 ms after its seeded-random n-th "SAVING"
-line. After a third of the kills one node's RAM folder is deleted (node replaced), after a
-sixth two nodes' folders are exchanged (the processes restart with permuted ids). A
-shrunk job cannot reach the folders of the ranks it no longer has; a grown one finds empty or
-older folders there.
+ends it: three times in four a SIGKILL to one process a seeded-random 0-40 ms after its
+seeded-random n-th "SAVING" line, else a SIGTERM to one process once all train (every
+process must save the one step they agree on and exit cleanly, as under
+`exit_after_ondemand_checkpoint`). After a third of the jobs one node's RAM folder is
+deleted (node replaced), after a sixth two nodes' folders are exchanged (the processes
+restart with permuted ids). A shrunk job cannot reach the folders of the ranks it no longer
+has; a grown one finds empty or older folders there.
 
 Before each job the test predicts, from the folders alone, the step it must restore: the
 newest step one save (its step, process count and global layout) covers in full with the
 committed step folders, set-aside older layouts and peer copies of the nodes this job has,
 unless the newest persistent step is newer. The prediction reads only manifests (which
-global boxes each folder holds), not the restore planner. After each kill it checks that
+global boxes each folder holds), not the restore planner. After each job it checks that
 every committed folder verifies and that no node lost a step a returned `save()` had
-committed. A last job only
-restores.
+committed; and when the next job reaches every folder of the one before (no folder lost), it
+must restore at least the newest step that job committed on every node (the on-demand step
+after a SIGTERM). A last job only restores.
 
-ORBAX_MTC_ELASTIC_KILLS (default 8) and ORBAX_MTC_ELASTIC_SEED choose the chain; a failure
-prints the chain so far.
+ORBAX_MTC_ELASTIC_KILLS (jobs ended by a signal, default 8) and ORBAX_MTC_ELASTIC_SEED choose
+the chain; a failure prints the chain so far.
 """
 
 from __future__ import annotations
@@ -183,11 +186,51 @@ def durable_floor(out, procs: int, restored: int | None) -> int | None:
 
 
 def _job(subcommand: str, persistent: pathlib.Path, layout: tuple[int, int],
-         root: pathlib.Path, out) -> warm_start.WarmJob:
+         root: pathlib.Path, out, extra: tuple[str, ...] = ()) -> warm_start.WarmJob:
   procs, devices = layout
   return warm_start.WarmJob(
-      [sys.executable, str(WORKER), subcommand, "--persistent-dir", str(persistent), *ARGS],
-      procs, devices_per_process=devices, local_root=root, env=child_env(), output=out)
+      [sys.executable, str(WORKER), subcommand, "--persistent-dir", str(persistent), *ARGS,
+       *extra], procs, devices_per_process=devices, local_root=root, env=child_env(),
+      output=out)
+
+
+def ondemand_step(out, procs: int) -> int | None:
+  """The step every process said it saved on demand at, if all said the same one."""
+  steps = {n: int(f["step"]) for n, f in mp_events.events(out.lines, "PREEMPTED")}
+  same = set(steps.values())
+  return same.pop() if sorted(steps) == list(range(procs)) and len(same) == 1 else None
+
+
+def run_job(ending: str, victim: int, rng: random.Random, persistent: pathlib.Path,
+            layout: tuple[int, int], root: pathlib.Path):
+  """One job of the chain, ended as `ending` says: "kill" (SIGKILL to `victim` 0-40 ms after
+  its 1st-6th SAVING line), "term" (SIGTERM to `victim` 0-200 ms after every process is
+  training: every process saves on demand and exits) or "restore" (it only restores).
+  Returns (LaunchResult, its lines, what was done, whether the moment came in time)."""
+  out = mp_events.LineCollector()
+  if ending == "restore":
+    with _job("restore", persistent, layout, root, out) as job:
+      job.start()
+      return job.wait(timeout_s=TIMEOUT_S), out, "restore only", True
+  procs = layout[0]
+  if ending == "term":
+    delay_s = rng.uniform(0.0, 0.2)
+    ready = lambda lines: {n for n, _ in mp_events.events(lines, "READY")} == set(range(procs))  # noqa: E731
+    subcommand, extra, sig = "preempt", ("--exit-after",), signal.SIGTERM
+    done = f"SIGTERM to node {victim} {delay_s * 1000:.0f} ms after every process trained"
+  else:
+    delay_s, saves = rng.uniform(0.0, 0.04), rng.randint(1, 6)
+    ready = lambda lines: sum(1 for n, _ in mp_events.events(lines, "SAVING")  # noqa: E731
+                              if n == victim) >= saves
+    subcommand, extra, sig = "chaos", (), signal.SIGKILL
+    done = f"node {victim} killed {delay_s * 1000:.0f} ms after its SAVING line #{saves}"
+  with _job(subcommand, persistent, layout, root, out, extra) as job:
+    job.start()
+    seen = out.wait_for(ready, timeout_s=TIMEOUT_S)
+    if seen:
+      time.sleep(delay_s)  # the random moment, not a synchronisation
+      os.kill(job.pids[victim], sig)
+    return job.wait(timeout_s=TIMEOUT_S), out, done, seen
 
 
 def test_every_restart_on_any_layout_restores_the_newest_covered_step(shm_root, tmp_path):
@@ -198,13 +241,15 @@ def test_every_restart_on_any_layout_restores_the_newest_covered_step(shm_root, 
   rng.shuffle(layouts)
   faults = [FAULT_CYCLE[i % len(FAULT_CYCLE)] for i in range(KILLS)]
   rng.shuffle(faults)
+  endings = ["term" if i % 4 == 3 else "kill" for i in range(KILLS)]
+  rng.shuffle(endings)
+  endings.append("restore")
   summary: list[str] = []
   kinds: set[str] = set()
-  # (a step the next job must reach, the ranks needed to reach it, the fault after the job)
+  # (a step the next job must reach, the ranks needed to reach it, how the job before ended)
   floor: tuple[int | None, int, str] | None = None
-  for iteration, layout in enumerate(layouts):
+  for iteration, (layout, ending) in enumerate(zip(layouts, endings, strict=True)):
     procs = layout[0]
-    last = iteration == len(layouts) - 1
     expected = expected_restore(shm_root, procs, persistent)
     kinds.add(expected[1])
     if floor is not None and floor[0] is not None and procs >= floor[1]:
@@ -214,31 +259,25 @@ def test_every_restart_on_any_layout_restores_the_newest_covered_step(shm_root, 
           f"job {iteration} on {procs}x{layout[1]} can restore only {expected}, but the job "
           f"before committed step {floor[0]} on every node ({floor[2]})\n" + "\n".join(summary))
     victim = rng.randrange(procs)
-    saves_before_kill = rng.randint(1, 6)
-    delay_s = rng.uniform(0.0, 0.04)
-    out = mp_events.LineCollector()
-    with _job("restore" if last else "chaos", persistent, layout, shm_root, out) as job:
-      job.start()
-      seen = last or out.wait_for(
-          lambda lines, v=victim, k=saves_before_kill: sum(
-              1 for n, _ in mp_events.events(lines, "SAVING") if n == v) >= k,
-          timeout_s=TIMEOUT_S)
-      if seen and not last:
-        time.sleep(delay_s)  # the random kill point, not a synchronisation
-        os.kill(job.pids[victim], signal.SIGKILL)
-      result = job.wait(timeout_s=TIMEOUT_S)
+    result, out, done, seen = run_job(ending, victim, rng, persistent, layout, shm_root)
     (tmp_path / f"job{iteration}.log").write_text(out.text())
     context = "\n".join([*summary, f"job {iteration} on {procs}x{layout[1]} expecting "
-                         f"{expected}: {result}", tail(out)])
-    assert seen, f"no SAVING line in time:\n{context}"
+                         f"{expected}, {done}: {result}", tail(out)])
+    assert seen, f"the job did not get there in time:\n{context}"
     try:
       check_results(out, procs, expected)
     except AssertionError as e:
       raise AssertionError(f"{e}\n{context}") from None
-    if last:
+    if ending == "restore":
       assert result.returncode == 0 and not result.timed_out, context
       break
-    assert result.returncodes[victim] == 137 and not result.timed_out, context
+    if ending == "term":
+      # Every process saves the one step they agreed on and exits cleanly.
+      assert result.returncode == 0 and not result.timed_out, context
+      reached = ondemand_step(out, procs)
+      assert reached is not None, f"no one on-demand step:\n{context}"
+    else:
+      assert result.returncodes[victim] == 137 and not result.timed_out, context
     try:
       check_after_kill(shm_root, procs, out, expected[0])
     except AssertionError as e:
@@ -246,11 +285,10 @@ def test_every_restart_on_any_layout_restores_the_newest_covered_step(shm_root, 
     fault, touched = apply_fault(faults[iteration], shm_root, rng)
     # After no fault or a swap every folder of this job is under ranks 0..reach-1.
     floor = None if fault is not None and not fault.endswith("swapped") else (
-        durable_floor(out, procs, expected[0]), max([procs, *(n + 1 for n in touched)]),
-        fault or "no fault")
+        reached if ending == "term" else durable_floor(out, procs, expected[0]),
+        max([procs, *(n + 1 for n in touched)]), f"{done}, {fault or 'no fault'}")
     summary.append(
-        f"job {iteration} on {procs}x{layout[1]}: restored {expected}; node {victim} killed "
-        f"{delay_s * 1000:.0f} ms after its SAVING line #{saves_before_kill}; committed "
+        f"job {iteration} on {procs}x{layout[1]}: restored {expected}; {done}; committed "
         f"{[committed_steps(shm_root / f'node{n}') for n in range(MOST_NODES)]}, persistent "
         f"{persistent_steps(persistent)}"
         f"{'' if fault is None else f', {fault}'}"
