@@ -6,10 +6,12 @@ replicas, and state shapes that follow a (data=2, model=2) mesh whatever the job
 every job's state is every other job's on another layout), restores whatever the jobs before
 it left, checks it bit for bit in every process against the state recomputed for that step,
 then saves every step (RAM every step, keep 2; persistent every 4, keep 2) until the test
-ends it: three times in four a SIGKILL to one process a seeded-random 0-40 ms after its
-seeded-random n-th "SAVING" line, else a SIGTERM to one process once all train (every
-process must save the one step they agree on and exit cleanly, as under
-`exit_after_ondemand_checkpoint`). After a third of the jobs one node's RAM folder is
+ends it: half of the jobs with a SIGKILL to one process a seeded-random 0-40 ms after its
+seeded-random n-th "SAVING" line, a quarter with a SIGKILL 0-1 s after the job started or
+0-30 ms after the process's restore returned (in its start, its restore, the restore's
+write-back or its first saves), a quarter with a
+SIGTERM to one process once all train (every process must save the one step they agree on
+and exit cleanly, as under `exit_after_ondemand_checkpoint`). After a third of the jobs one node's RAM folder is
 deleted (node replaced), after a sixth two nodes' folders are exchanged (the processes
 restart with permuted ids). A shrunk job cannot reach the folders of the ranks it no longer
 has; a grown one finds empty or older folders there.
@@ -19,8 +21,8 @@ newest step one save (its step, process count and global layout) covers in full 
 committed step folders, set-aside older layouts and peer copies of the nodes this job has,
 unless the newest persistent step is newer. The prediction reads only manifests (which
 global boxes each folder holds), not the restore planner. After each job it checks that
-every committed folder verifies and that no node lost a step a returned `save()` had
-committed; and when the next job reaches every folder of the one before (no folder lost), it
+every committed folder verifies, that no node lost a step a returned `save()` had committed,
+that the job's own folders still give at least the step it restored; and when the next job reaches every folder of the one before (no folder lost), it
 must restore at least the newest step that job committed on every node (the on-demand step
 after a SIGTERM). A last job only restores.
 
@@ -62,39 +64,41 @@ FAULT_CYCLE = ("none", "swap", "replace", "none", "none", "replace")
 pytestmark = pytest.mark.timeout(60 + (KILLS + 1) * 2 * TIMEOUT_S)
 
 
-def _saves(folders) -> dict[tuple, set]:
-  """(step, process count, global layout) -> the (item, leaf, box) pieces these step folders
-  hold of it; the layout is every array leaf's tiles, so two saves of one step on different
-  meshes never mix."""
-  held: dict[tuple, set] = {}
-  for folder in folders:
-    manifest = read_manifest(folder)
-    leaves = [(name, leaf) for name, item in sorted(manifest.items.items())
-              for leaf in item.leaves]
-    assert all(leaf.tiles is not None for _, leaf in leaves if leaf.kind == "array"), folder
-    layout = tuple((name, leaf.path, tuple(sorted(index for index, _ in leaf.tiles)))
-                   for name, leaf in leaves if leaf.kind == "array")
-    pieces = held.setdefault((manifest.step, manifest.process_count, layout), set())
-    pieces.update((name, leaf.path, shard.index) for name, leaf in leaves
-                  if leaf.kind == "array" for shard in leaf.shards)
-  return held
+def _save_of(folder: pathlib.Path) -> tuple[tuple, set]:
+  """(step, process count, global layout) of the save a step folder belongs to, and the
+  (item, leaf, box) pieces it holds of it; the layout is every array leaf's tiles, so two
+  saves of one step on different meshes never mix."""
+  manifest = read_manifest(folder)
+  leaves = [(name, leaf) for name, item in sorted(manifest.items.items())
+            for leaf in item.leaves if leaf.kind == "array"]
+  assert all(leaf.tiles is not None for _, leaf in leaves), folder
+  layout = tuple((name, leaf.path, tuple(sorted(index for index, _ in leaf.tiles)))
+                 for name, leaf in leaves)
+  pieces = {(name, leaf.path, shard.index) for name, leaf in leaves for shard in leaf.shards}
+  return (manifest.step, manifest.process_count, layout), pieces
 
 
 def newest_ram_step(root: pathlib.Path, procs: int) -> int | None:
   """The newest step some save covers in full with what nodes 0..procs-1 hold: their own
-  committed steps, the older layouts' folders they set aside, and the peer copies they can
-  serve."""
-  folders = []
+  committed steps, the older layouts' folders they set aside (a write-back after an elastic
+  restore), and their peer copies; a copy whose twin shards lie in the receiver's own folder
+  counts only beside an own folder of the same save."""
+  held: dict[tuple, set] = {}
   for node in range(procs):
     node_dir = root / f"node{node}"
-    own = committed_steps(node_dir)
-    folders += [node_dir / str(step) for step in own]
-    # A write-back after an elastic restore sets the older layout's folder aside; it is
-    # still a source.
-    folders += [path for _, path in aside.replaced_folders(node_dir)]
+    own = [node_dir / str(step) for step in committed_steps(node_dir)]
+    own += [path for _, path in aside.replaced_folders(node_dir)]
+    own_saves = set()
+    for folder in own:
+      save, pieces = _save_of(folder)
+      own_saves.add(save)
+      held.setdefault(save, set()).update(pieces)
     store = peer_store.PeerStore(node_dir, max_to_keep=None)
-    folders += [store.source_dir(source) / str(step) for source, step in store.servable(own)]
-  covered = [step for (step, _, layout), pieces in _saves(folders).items()
+    for source, step in store.copies():
+      save, pieces = _save_of(store.source_dir(source) / str(step))
+      if not store.meta(source, step).needs_own_step or save in own_saves:
+        held.setdefault(save, set()).update(pieces)
+  covered = [step for (step, _, layout), pieces in held.items()
              if all((name, path, index) in pieces for name, path, indices in layout
                     for index in indices)]
   return max(covered, default=None)
@@ -117,9 +121,13 @@ def expected_restore(root: pathlib.Path, procs: int, persistent: pathlib.Path
   return None, "none"
 
 
-def check_results(out, procs: int, expected: tuple[int | None, str]) -> None:
+def check_results(out, procs: int, expected: tuple[int | None, str], *,
+                  every_process: bool = True) -> None:
+  """Each RESULT line (one from every process unless `every_process` is False: a job killed
+  early may end before some restore) names the expected step and tier, with bit-exact data."""
   results = mp_events.parse_results(out.lines)
-  assert sorted(results) == list(range(procs)), f"missing RESULT lines:\n{tail(out)}"
+  if every_process:
+    assert sorted(results) == list(range(procs)), f"missing RESULT lines:\n{tail(out)}"
   step, kind = expected
   for node, fields in sorted(results.items()):
     assert fields["ok"] == "1", f"node {node}: restored data differs: {fields['detail']}"
@@ -204,7 +212,9 @@ def ondemand_step(out, procs: int) -> int | None:
 def run_job(ending: str, victim: int, rng: random.Random, persistent: pathlib.Path,
             layout: tuple[int, int], root: pathlib.Path):
   """One job of the chain, ended as `ending` says: "kill" (SIGKILL to `victim` 0-40 ms after
-  its 1st-6th SAVING line), "term" (SIGTERM to `victim` 0-200 ms after every process is
+  its 1st-6th SAVING line), "early" (SIGKILL to `victim` 0-1 s after the job started or
+  0-30 ms after its restore returned: in its start, its restore, the restore's write-back or
+  its first saves), "term" (SIGTERM to `victim` 0-200 ms after every process is
   training: every process saves on demand and exits) or "restore" (it only restores).
   Returns (LaunchResult, its lines, what was done, whether the moment came in time)."""
   out = mp_events.LineCollector()
@@ -213,6 +223,19 @@ def run_job(ending: str, victim: int, rng: random.Random, persistent: pathlib.Pa
       job.start()
       return job.wait(timeout_s=TIMEOUT_S), out, "restore only", True
   procs = layout[0]
+  if ending == "early":
+    after_restore = rng.random() < 0.5
+    delay_s = rng.uniform(0.0, 0.03 if after_restore else 1.0)
+    with _job("chaos", persistent, layout, root, out) as job:
+      job.start()
+      seen = not after_restore or out.wait_for(
+          lambda lines: any(n == victim for n, _ in mp_events.events(lines, "RESULT")),
+          timeout_s=TIMEOUT_S)
+      time.sleep(delay_s)  # the random moment, not a synchronisation
+      os.kill(job.pids[victim], signal.SIGKILL)
+      return (job.wait(timeout_s=TIMEOUT_S), out,
+              f"node {victim} killed {delay_s * 1000:.0f} ms after "
+              f"{'its restore returned' if after_restore else 'the job started'}", seen)
   if ending == "term":
     delay_s = rng.uniform(0.0, 0.2)
     ready = lambda lines: {n for n, _ in mp_events.events(lines, "READY")} == set(range(procs))  # noqa: E731
@@ -241,7 +264,7 @@ def test_every_restart_on_any_layout_restores_the_newest_covered_step(shm_root, 
   rng.shuffle(layouts)
   faults = [FAULT_CYCLE[i % len(FAULT_CYCLE)] for i in range(KILLS)]
   rng.shuffle(faults)
-  endings = ["term" if i % 4 == 3 else "kill" for i in range(KILLS)]
+  endings = [("kill", "early", "kill", "term")[i % 4] for i in range(KILLS)]
   rng.shuffle(endings)
   endings.append("restore")
   summary: list[str] = []
@@ -265,7 +288,7 @@ def test_every_restart_on_any_layout_restores_the_newest_covered_step(shm_root, 
                          f"{expected}, {done}: {result}", tail(out)])
     assert seen, f"the job did not get there in time:\n{context}"
     try:
-      check_results(out, procs, expected)
+      check_results(out, procs, expected, every_process=ending != "early")
     except AssertionError as e:
       raise AssertionError(f"{e}\n{context}") from None
     if ending == "restore":
@@ -278,10 +301,17 @@ def test_every_restart_on_any_layout_restores_the_newest_covered_step(shm_root, 
       assert reached is not None, f"no one on-demand step:\n{context}"
     else:
       assert result.returncodes[victim] == 137 and not result.timed_out, context
+      reached = None
     try:
       check_after_kill(shm_root, procs, out, expected[0])
     except AssertionError as e:
       raise AssertionError(f"{e}\n{context}") from None
+    # Whatever the job did before it died (a restore's write-back, retention, dropping an
+    # abandoned timeline), its own folders still give at least the step it restored.
+    after = expected_restore(shm_root, procs, persistent)
+    assert expected[0] is None or (after[0] is not None and after[0] >= expected[0]), (
+        f"after the job its folders give {after}, older than the step {expected[0]} it "
+        f"restored\n{context}")
     fault, touched = apply_fault(faults[iteration], shm_root, rng)
     # After no fault or a swap every folder of this job is under ranks 0..reach-1.
     floor = None if fault is not None and not fault.endswith("swapped") else (

@@ -1,16 +1,18 @@
 """Step folders set aside, never deleted first (orbax_mtc/local/aside.py): a commit over a
-damaged folder, a replacement that keeps the old layout while its step is kept, and a
-replacement cut between its two renames."""
+damaged folder, a replacement that keeps the old layout while its step is kept, a
+replacement cut between its two renames, and a removal cut halfway."""
 
 from __future__ import annotations
 
 import os
+import pathlib
 
 import pytest
 from conftest import make_state
 
 from orbax_mtc.local import aside
 from orbax_mtc.local.format import MANIFEST
+from orbax_mtc.local.read import verify_step
 from orbax_mtc.local.staging import stage
 from orbax_mtc.local.store import LocalTier, committed_steps, read_manifest
 
@@ -92,3 +94,35 @@ def test_deleting_a_step_removes_its_folders_set_aside(tier, mesh):
   _write(tier, mesh, 3, seed=2, replace=aside.REPLACED)
   tier.delete(3)
   assert committed_steps(tier.directory) == [] and _aside(tier) == []
+
+
+
+def test_a_removal_cut_halfway_leaves_no_half_deleted_layout_listed(tier, mesh, monkeypatch):
+  # Retention retires step 3, first removing its replaced layout; the process is killed
+  # once that layout's data file is gone, its manifest not yet. After a restart step 3 is
+  # still whole, and no set-aside folder is listed that does not read as a step.
+  _write(tier, mesh, 3, seed=1)
+  _write(tier, mesh, 3, seed=2, replace=aside.REPLACED)
+  current = read_manifest(tier.directory / "3")
+  _write(tier, mesh, 4)
+  real_rmtree = aside.shutil.rmtree
+
+  def killed_halfway(path, ignore_errors=False):
+    for data in pathlib.Path(path).rglob("data.bin"):
+      data.unlink()
+    raise SystemExit("killed")  # the rest of the folder stays
+
+  monkeypatch.setattr(aside.shutil, "rmtree", killed_halfway)
+  with pytest.raises(SystemExit):
+    _write(tier, mesh, 5)
+  monkeypatch.setattr(aside.shutil, "rmtree", real_rmtree)
+  restarted = LocalTier(tier.directory, max_to_keep=2)
+  restarted.prepare()
+  try:
+    assert committed_steps(tier.directory) == [3, 4, 5]
+    assert verify_step(tier.directory / "3") == current
+    for _, folder in aside.replaced_folders(tier.directory):
+      read_manifest(folder)  # LocalTierError: a half-deleted folder listed as a layout
+    assert not [e for e in tier.directory.iterdir() if e.name.startswith(".tmp-")]
+  finally:
+    restarted.close()

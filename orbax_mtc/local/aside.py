@@ -29,7 +29,7 @@ from pathlib import Path
 from absl import logging
 
 from orbax_mtc.files import fsync_dir, make_private_dir
-from orbax_mtc.local.format import LocalTierError
+from orbax_mtc.local.format import TMP_PREFIX, LocalTierError
 
 REPLACED, DAMAGED = ".replaced-", ".damaged-"
 _NAME = re.compile(r"^\.(replaced|damaged)-(\d+)-[0-9a-f]+$")
@@ -122,7 +122,7 @@ def prune(root: Path, kept_steps: set[int]) -> None:
   for entry in _entries(root):
     parsed = parse(entry.name)
     if parsed is not None and parsed[1] not in kept_steps:
-      shutil.rmtree(entry, ignore_errors=True)
+      _discard(root, entry)
 
 
 def remove_step(root: Path, step: int) -> None:
@@ -130,7 +130,19 @@ def remove_step(root: Path, step: int) -> None:
   for entry in _entries(root):
     parsed = parse(entry.name)
     if parsed is not None and parsed[1] == step:
-      shutil.rmtree(entry, ignore_errors=True)
+      _discard(root, entry)
+
+
+def _discard(root: Path, entry: Path) -> None:
+  """Renames an aside folder to an interrupted-save name, then deletes it: a process killed
+  while deleting leaves what start-up removes, never a half-deleted `.replaced-` folder that
+  `recover` would put back as a step (its manifest without its data)."""
+  doomed = root / f"{TMP_PREFIX}del-{uuid.uuid4().hex}"
+  try:
+    os.rename(entry, doomed)
+  except FileNotFoundError:
+    return
+  shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _entries(root: Path) -> list[Path]:
