@@ -12,9 +12,10 @@ never removed before it:
   <local>/.damaged-<step>-<id>/           a folder that is no valid step (no manifest, a bad
                                           manifest, a short data file); never read again
 
-Both stay while their step is kept and go with it (retention, delete). A process killed
-between the two renames of a replacement leaves a `.replaced-` folder and no `<step>`: the
-next start puts the old folder back (`recover`). This module does file I/O only.
+Both stay while their step is kept and go with it (retention, delete), renamed to an
+interrupted-save name first. A process killed between the two renames of a replacement
+leaves a `.replaced-` folder and no `<step>`: the next start puts the old folder back
+(`recover`). This module does file I/O only.
 """
 
 from __future__ import annotations
@@ -134,9 +135,10 @@ def remove_step(root: Path, step: int) -> None:
 
 
 def _discard(root: Path, entry: Path) -> None:
-  """Renames an aside folder to an interrupted-save name, then deletes it: a process killed
-  while deleting leaves what start-up removes, never a half-deleted `.replaced-` folder that
-  `recover` would put back as a step (its manifest without its data)."""
+  """Renames an aside folder to an interrupted-save name, then deletes it (rule 10): a
+  process killed while deleting leaves what start-up removes, never a half-deleted
+  `.replaced-` folder still listed as a layout, which `recover` could even put back as a
+  step."""
   doomed = root / f"{TMP_PREFIX}del-{uuid.uuid4().hex}"
   try:
     os.rename(entry, doomed)
