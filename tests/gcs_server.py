@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -182,3 +183,19 @@ class FreezeOnRequest:
           if sock in self._open:
             self._open.discard(sock)
             sock.close()
+
+
+def bucket_objects(server: GcsServer, prefix: str) -> dict[str, int]:
+  """name -> size of every object under `prefix`, read straight from the server."""
+  from google.auth.credentials import AnonymousCredentials
+  from google.cloud import storage
+
+  client = storage.Client(project="mtc-test", credentials=AnonymousCredentials(),
+                          client_options={"api_endpoint": server.url})
+  return {blob.name: blob.size for blob in client.list_blobs(BUCKET, prefix=prefix)}
+
+
+def committed_steps(objects: dict[str, int], run: str) -> list[int]:
+  """Steps of `run` that carry Orbax's commit marker (what a reader may restore)."""
+  return sorted(int(m.group(1)) for name in objects
+                if (m := re.fullmatch(rf"{run}/(\d+)/commit_success\.txt", name)))

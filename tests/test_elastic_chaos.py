@@ -1,17 +1,19 @@
 """A randomized fault campaign across host counts: SIGKILL or SIGTERM, lost RAM, other layouts.
 
-One chain of jobs on one set of RAM folders and one persistent folder. Each job runs on a
-layout drawn at random (1 process x 2 devices, 2 x 1, 2 x 2 or 4 x 1; always two data
-replicas, and state shapes that follow a (data=2, model=2) mesh whatever the job's mesh, so
-every job's state is every other job's on another layout), restores whatever the jobs before
-it left, checks it bit for bit in every process against the state recomputed for that step,
-then saves every step (RAM every step, keep 2; persistent every 4, keep 2) until the test
-ends it: half of the jobs with a SIGKILL to one process a seeded-random 0-40 ms after its
-seeded-random n-th "SAVING" line, a quarter with a SIGKILL 0-1 s after the job started or
-0-30 ms after the process's restore returned (in its start, its restore, the restore's
-write-back or its first saves), a quarter with a
-SIGTERM to one process once all train (every process must save the one step they agree on
-and exit cleanly, as under `exit_after_ondemand_checkpoint`). After a third of the jobs one node's RAM folder is
+One chain of jobs on one set of RAM folders and one persistent folder (a local folder, or
+gs:// on a real GCS JSON-API server on loopback: one chain each). Each job runs on a layout
+drawn at random (1 process x 2 devices, 2 x 1, 2 x 2 or 4 x 1; always two data replicas, and
+state shapes that follow a (data=2, model=2) mesh whatever the job's mesh, so every job's
+state is every other job's on another layout), restores whatever the jobs before it left,
+checks it bit for bit in every process against the state recomputed for that step, then
+saves every step (RAM every step, keep 2; persistent every 4, keep 2) until the test ends it:
+half of the jobs with a SIGKILL to one process a seeded-random 0-40 ms after its
+seeded-random n-th "SAVING" line (3 times in 10, 0-300 ms after it began saving a step the
+persistent tier takes, so that backups are cut too), a quarter with a SIGKILL 0-1 s after
+the job started or 0-30 ms after the process's restore returned (in its start, its restore,
+the restore's write-back or its first saves), a quarter with a SIGTERM to one process once
+all train (every process must save the one step they agree on and exit cleanly, as under
+`exit_after_ondemand_checkpoint`). After a third of the jobs one node's RAM folder is
 deleted (node replaced), after a sixth two nodes' folders are exchanged (the processes
 restart with permuted ids). A shrunk job cannot reach the folders of the ranks it no longer
 has; a grown one finds empty or older folders there.
@@ -22,16 +24,18 @@ committed step folders, set-aside older layouts and peer copies of the nodes thi
 unless the newest persistent step is newer. The prediction reads only manifests (which
 global boxes each folder holds), not the restore planner. After each job it checks that
 every committed folder verifies, that no node lost a step a returned `save()` had committed,
-that the job's own folders still give at least the step it restored; and when the next job reaches every folder of the one before (no folder lost), it
-must restore at least the newest step that job committed on every node (the on-demand step
-after a SIGTERM). A last job only restores.
+and that the job's own folders still give at least the step it restored; and when the next
+job reaches every folder of the one before (no folder lost), it must restore at least the
+newest step that job committed on every node (the on-demand step after a SIGTERM). A last
+job only restores.
 
-ORBAX_MTC_ELASTIC_KILLS (jobs ended by a signal, default 8) and ORBAX_MTC_ELASTIC_SEED choose
-the chain; a failure prints the chain so far.
+ORBAX_MTC_ELASTIC_KILLS (jobs ended by a signal, default 8; the gs:// chain half as many, at
+least 4) and ORBAX_MTC_ELASTIC_SEED choose the chains; a failure prints the chain so far.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import random
@@ -39,9 +43,13 @@ import shutil
 import signal
 import sys
 import time
+import uuid
+from collections.abc import Callable
 
 import pytest
 import warm_start
+from gcs_server import BUCKET, bucket_objects
+from gcs_server import committed_steps as committed_gs_steps
 from mp_helpers import WORKER, child_env, mp_events, tail
 
 from orbax_mtc.local import aside
@@ -56,8 +64,9 @@ TIMEOUT_S = 120
 # (processes, devices per process): two data replicas each, 2 or 4 devices in all.
 LAYOUTS = ((1, 2), (2, 1), (2, 2), (4, 1))
 MOST_NODES = max(procs for procs, _ in LAYOUTS)
+BACKUP_EVERY = 4
 ARGS = ["--rows", "16384", "--seed", "5", "--local-interval", "1", "--local-keep", "2",
-        "--persistent-interval", "4", "--persistent-keep", "2", "--replicas", "2",
+        "--persistent-interval", str(BACKUP_EVERY), "--persistent-keep", "2", "--replicas", "2",
         "--shape-axes", "2,2", "--explicit-args"]
 # What happens to the folders after a kill, drawn without replacement from repeats of this.
 FAULT_CYCLE = ("none", "swap", "replace", "none", "none", "replace")
@@ -104,16 +113,34 @@ def newest_ram_step(root: pathlib.Path, procs: int) -> int | None:
   return max(covered, default=None)
 
 
-def persistent_steps(persistent: pathlib.Path) -> list[int]:
-  return sorted(int(p.name) for p in persistent.iterdir() if p.name.isdigit()) \
-      if persistent.is_dir() else []
+def local_backups(persistent: pathlib.Path) -> tuple[Callable[[], list[int]],
+                                                     Callable[[], list[str]]]:
+  """How to list a local persistent folder's committed steps (renamed in when complete) and
+  the folders of backups cut before their commit."""
+  def entries() -> list[str]:
+    return [p.name for p in persistent.iterdir()] if persistent.is_dir() else []
+  return (lambda: sorted(int(name) for name in entries() if name.isdigit()),
+          lambda: sorted(name for name in entries() if not name.isdigit()))
 
 
-def expected_restore(root: pathlib.Path, procs: int, persistent: pathlib.Path
+def gs_backups(server, run: str) -> tuple[Callable[[], list[int]], Callable[[], list[str]]]:
+  """How to list the committed steps of a persistent folder on Cloud Storage (those with
+  Orbax's commit marker) and the step folders of uploads cut before it."""
+  def committed() -> list[int]:
+    return committed_gs_steps(bucket_objects(server, f"{run}/"), run)
+
+  def cut() -> list[str]:
+    objects = bucket_objects(server, f"{run}/")
+    done = {str(step) for step in committed_gs_steps(objects, run)}
+    return sorted({name.split("/")[1] for name in objects if name.count("/") > 1} - done)
+  return committed, cut
+
+
+def expected_restore(root: pathlib.Path, procs: int, backups: Callable[[], list[int]]
                      ) -> tuple[int | None, str]:
   """(step, "ram" | "persistent" | "none") a job of `procs` processes must restore."""
   ram = newest_ram_step(root, procs)
-  backup = max(persistent_steps(persistent), default=None)
+  backup = max(backups(), default=None)
   if ram is not None and (backup is None or ram >= backup):
     return ram, "ram"
   if backup is not None:
@@ -193,13 +220,25 @@ def durable_floor(out, procs: int, restored: int | None) -> int | None:
   return floor
 
 
-def _job(subcommand: str, persistent: pathlib.Path, layout: tuple[int, int],
-         root: pathlib.Path, out, extra: tuple[str, ...] = ()) -> warm_start.WarmJob:
+@dataclasses.dataclass(frozen=True)
+class Chain:
+  """What every job of one chain shares: its RAM root, its persistent folder (a local path or
+  gs://...), the environment that reaches it, and how to list its committed steps."""
+
+  root: pathlib.Path
+  persistent: str
+  env: dict[str, str]
+  backups: Callable[[], list[int]]
+  cut_backups: Callable[[], list[str]]
+
+
+def _job(chain: Chain, subcommand: str, layout: tuple[int, int], out,
+         extra: tuple[str, ...] = ()) -> warm_start.WarmJob:
   procs, devices = layout
   return warm_start.WarmJob(
-      [sys.executable, str(WORKER), subcommand, "--persistent-dir", str(persistent), *ARGS,
-       *extra], procs, devices_per_process=devices, local_root=root, env=child_env(),
-      output=out)
+      [sys.executable, str(WORKER), subcommand, "--persistent-dir", chain.persistent, *ARGS,
+       *extra], procs, devices_per_process=devices, local_root=chain.root,
+      env={**child_env(), **chain.env}, output=out)
 
 
 def ondemand_step(out, procs: int) -> int | None:
@@ -209,24 +248,25 @@ def ondemand_step(out, procs: int) -> int | None:
   return same.pop() if sorted(steps) == list(range(procs)) and len(same) == 1 else None
 
 
-def run_job(ending: str, victim: int, rng: random.Random, persistent: pathlib.Path,
-            layout: tuple[int, int], root: pathlib.Path):
+def run_job(chain: Chain, ending: str, victim: int, rng: random.Random,
+            layout: tuple[int, int]):
   """One job of the chain, ended as `ending` says: "kill" (SIGKILL to `victim` 0-40 ms after
-  its 1st-6th SAVING line), "early" (SIGKILL to `victim` 0-1 s after the job started or
+  its 1st-6th SAVING line, or 3 times in 10 0-300 ms after it began saving a step the
+  persistent tier takes), "early" (SIGKILL to `victim` 0-1 s after the job started or
   0-30 ms after its restore returned: in its start, its restore, the restore's write-back or
   its first saves), "term" (SIGTERM to `victim` 0-200 ms after every process is
   training: every process saves on demand and exits) or "restore" (it only restores).
   Returns (LaunchResult, its lines, what was done, whether the moment came in time)."""
   out = mp_events.LineCollector()
   if ending == "restore":
-    with _job("restore", persistent, layout, root, out) as job:
+    with _job(chain, "restore", layout, out) as job:
       job.start()
       return job.wait(timeout_s=TIMEOUT_S), out, "restore only", True
   procs = layout[0]
   if ending == "early":
     after_restore = rng.random() < 0.5
     delay_s = rng.uniform(0.0, 0.03 if after_restore else 1.0)
-    with _job("chaos", persistent, layout, root, out) as job:
+    with _job(chain, "chaos", layout, out) as job:
       job.start()
       seen = not after_restore or out.wait_for(
           lambda lines: any(n == victim for n, _ in mp_events.events(lines, "RESULT")),
@@ -241,13 +281,20 @@ def run_job(ending: str, victim: int, rng: random.Random, persistent: pathlib.Pa
     ready = lambda lines: {n for n, _ in mp_events.events(lines, "READY")} == set(range(procs))  # noqa: E731
     subcommand, extra, sig = "preempt", ("--exit-after",), signal.SIGTERM
     done = f"SIGTERM to node {victim} {delay_s * 1000:.0f} ms after every process trained"
+  elif rng.random() < 0.3:  # into a backup: the save of a step the persistent tier takes
+    delay_s = rng.uniform(0.0, 0.3)
+    ready = lambda lines: any(  # noqa: E731
+        n == victim and int(f["step"]) % BACKUP_EVERY == 0 and int(f["step"]) > 0
+        for n, f in mp_events.events(lines, "SAVING"))
+    subcommand, extra, sig = "chaos", (), signal.SIGKILL
+    done = f"node {victim} killed {delay_s * 1000:.0f} ms after it began saving a backup step"
   else:
     delay_s, saves = rng.uniform(0.0, 0.04), rng.randint(1, 6)
     ready = lambda lines: sum(1 for n, _ in mp_events.events(lines, "SAVING")  # noqa: E731
                               if n == victim) >= saves
     subcommand, extra, sig = "chaos", (), signal.SIGKILL
     done = f"node {victim} killed {delay_s * 1000:.0f} ms after its SAVING line #{saves}"
-  with _job(subcommand, persistent, layout, root, out, extra) as job:
+  with _job(chain, subcommand, layout, out, extra) as job:
     job.start()
     seen = out.wait_for(ready, timeout_s=TIMEOUT_S)
     if seen:
@@ -256,24 +303,35 @@ def run_job(ending: str, victim: int, rng: random.Random, persistent: pathlib.Pa
     return job.wait(timeout_s=TIMEOUT_S), out, done, seen
 
 
-def test_every_restart_on_any_layout_restores_the_newest_covered_step(shm_root, tmp_path):
-  rng = random.Random(f"elastic-chaos-{SEED}")
-  persistent = tmp_path / "persistent"
+@pytest.mark.parametrize("tier", ["local", "gs"])
+def test_every_restart_on_any_layout_restores_the_newest_covered_step(tier, shm_root, tmp_path,
+                                                                      request):
+  rng = random.Random(f"elastic-chaos-{SEED}-{tier}")
+  if tier == "gs":  # the persistent tier on a real GCS JSON-API server on loopback
+    server = request.getfixturevalue("gcs")
+    run = f"chaos-{uuid.uuid4().hex[:8]}"
+    chain = Chain(shm_root, f"gs://{BUCKET}/{run}", server.env(), *gs_backups(server, run))
+  else:
+    persistent = tmp_path / "persistent"
+    chain = Chain(shm_root, str(persistent), {}, *local_backups(persistent))
+  kills = KILLS if tier == "local" else max(4, KILLS // 2)
   # Every layout at least once, the rest drawn at random, in random order.
-  layouts = [*LAYOUTS, *(rng.choice(LAYOUTS) for _ in range(KILLS + 1 - len(LAYOUTS)))]
+  layouts = [*LAYOUTS, *(rng.choice(LAYOUTS) for _ in range(kills + 1 - len(LAYOUTS)))]
   rng.shuffle(layouts)
-  faults = [FAULT_CYCLE[i % len(FAULT_CYCLE)] for i in range(KILLS)]
+  faults = [FAULT_CYCLE[i % len(FAULT_CYCLE)] for i in range(kills)]
   rng.shuffle(faults)
-  endings = [("kill", "early", "kill", "term")[i % 4] for i in range(KILLS)]
+  endings = [("kill", "early", "kill", "term")[i % 4] for i in range(kills)]
   rng.shuffle(endings)
   endings.append("restore")
   summary: list[str] = []
   kinds: set[str] = set()
+  cut_backups: set[str] = set()  # backups cut before their commit, left by the jobs
+  cutting_jobs = 0
   # (a step the next job must reach, the ranks needed to reach it, how the job before ended)
   floor: tuple[int | None, int, str] | None = None
   for iteration, (layout, ending) in enumerate(zip(layouts, endings, strict=True)):
     procs = layout[0]
-    expected = expected_restore(shm_root, procs, persistent)
+    expected = expected_restore(shm_root, procs, chain.backups)
     kinds.add(expected[1])
     if floor is not None and floor[0] is not None and procs >= floor[1]:
       # Every folder of the last job is under some rank of this one: nothing it had
@@ -282,7 +340,7 @@ def test_every_restart_on_any_layout_restores_the_newest_covered_step(shm_root, 
           f"job {iteration} on {procs}x{layout[1]} can restore only {expected}, but the job "
           f"before committed step {floor[0]} on every node ({floor[2]})\n" + "\n".join(summary))
     victim = rng.randrange(procs)
-    result, out, done, seen = run_job(ending, victim, rng, persistent, layout, shm_root)
+    result, out, done, seen = run_job(chain, ending, victim, rng, layout)
     (tmp_path / f"job{iteration}.log").write_text(out.text())
     context = "\n".join([*summary, f"job {iteration} on {procs}x{layout[1]} expecting "
                          f"{expected}, {done}: {result}", tail(out)])
@@ -308,10 +366,13 @@ def test_every_restart_on_any_layout_restores_the_newest_covered_step(shm_root, 
       raise AssertionError(f"{e}\n{context}") from None
     # Whatever the job did before it died (a restore's write-back, retention, dropping an
     # abandoned timeline), its own folders still give at least the step it restored.
-    after = expected_restore(shm_root, procs, persistent)
+    after = expected_restore(shm_root, procs, chain.backups)
     assert expected[0] is None or (after[0] is not None and after[0] >= expected[0]), (
         f"after the job its folders give {after}, older than the step {expected[0]} it "
         f"restored\n{context}")
+    cut_now = set(chain.cut_backups())
+    cutting_jobs += bool(cut_now - cut_backups)
+    cut_backups |= cut_now
     fault, touched = apply_fault(faults[iteration], shm_root, rng)
     # After no fault or a swap every folder of this job is under ranks 0..reach-1.
     floor = None if fault is not None and not fault.endswith("swapped") else (
@@ -320,9 +381,10 @@ def test_every_restart_on_any_layout_restores_the_newest_covered_step(shm_root, 
     summary.append(
         f"job {iteration} on {procs}x{layout[1]}: restored {expected}; {done}; committed "
         f"{[committed_steps(shm_root / f'node{n}') for n in range(MOST_NODES)]}, persistent "
-        f"{persistent_steps(persistent)}"
+        f"{chain.backups()}"
         f"{'' if fault is None else f', {fault}'}"
         f"{'' if floor is None else f'; next must reach step {floor[0]} on {floor[1]}+ ranks'}")
+  summary.append(f"jobs that left a backup cut before its commit: {cutting_jobs}")
   print("\n".join(summary))
   # The chain restored from RAM, and from the persistent tier when RAM could not cover.
   assert "ram" in kinds, "\n".join(summary)

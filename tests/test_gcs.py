@@ -16,7 +16,7 @@ import uuid
 
 import jax
 import pytest
-from gcs_server import BUCKET, FreezeOnRequest, GcsServer
+from gcs_server import BUCKET, FreezeOnRequest, GcsServer, bucket_objects, committed_steps
 from mp_helpers import (
   WORKER,
   assert_ok,
@@ -34,22 +34,6 @@ from orbax_mtc.tools import launch
 pytestmark = pytest.mark.timeout(300)
 
 ROWS = 1024  # params/w holds 256 KiB per process and step
-
-
-def bucket_objects(server: GcsServer, prefix: str) -> dict[str, int]:
-  """name -> size of every object under `prefix`, read straight from the server."""
-  from google.auth.credentials import AnonymousCredentials
-  from google.cloud import storage
-
-  client = storage.Client(project="mtc-test", credentials=AnonymousCredentials(),
-                          client_options={"api_endpoint": server.url})
-  return {blob.name: blob.size for blob in client.list_blobs(BUCKET, prefix=prefix)}
-
-
-def committed_steps(objects: dict[str, int], run: str) -> list[int]:
-  """Steps of `run` that carry Orbax's commit marker (what a reader may restore)."""
-  return sorted(int(m.group(1)) for name in objects
-                if (m := re.fullmatch(rf"{run}/(\d+)/commit_success\.txt", name)))
 
 
 def run_child(server: GcsServer, argv: list[str], timeout: float = 180):
