@@ -165,7 +165,7 @@ def check_results(out, procs: int, expected: tuple[int | None, str], *,
         f"{kind}\n{tail(out)}")
 
 
-def check_after_kill(root: pathlib.Path, procs: int, out, restored: int | None) -> None:
+def check_after_job(root: pathlib.Path, procs: int, out, restored: int | None) -> None:
   """Every committed folder under the root verifies; no node of the job lost a step that a
   returned save() had committed there."""
   for node_dir in sorted(root.glob("node*")):
@@ -361,7 +361,7 @@ def test_every_restart_on_any_layout_restores_the_newest_covered_step(tier, shm_
       assert result.returncodes[victim] == 137 and not result.timed_out, context
       reached = None
     try:
-      check_after_kill(shm_root, procs, out, expected[0])
+      check_after_job(shm_root, procs, out, expected[0])
     except AssertionError as e:
       raise AssertionError(f"{e}\n{context}") from None
     # Whatever the job did before it died (a restore's write-back, retention, dropping an
