@@ -96,7 +96,6 @@ def test_deleting_a_step_removes_its_folders_set_aside(tier, mesh):
   assert committed_steps(tier.directory) == [] and _aside(tier) == []
 
 
-
 def test_a_removal_cut_halfway_leaves_no_half_deleted_layout_listed(tier, mesh, monkeypatch):
   # Retention retires step 3, first removing its replaced layout; the process is killed
   # once that layout's data file is gone, its manifest not yet. After a restart step 3 is
