@@ -9,6 +9,7 @@ all: it is written under a temporary name, fsynced, and renamed into place.
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -20,6 +21,24 @@ def fsync_dir(path: Path) -> None:
     os.fsync(fd)
   finally:
     os.close(fd)
+
+
+def remove_uncommitted_first(path: Path, doomed_prefix: str) -> None:
+  """Deletes `path`, renaming it first to a `doomed_prefix`-named sibling (an atomic
+  un-commit): a process killed while deleting leaves only that name, never a half-deleted
+  folder under its own. A link is removed itself, never what it points to; no error if
+  `path` is gone."""
+  if not os.path.lexists(path):
+    return
+  doomed = path.with_name(f"{doomed_prefix}{uuid.uuid4().hex}")
+  try:
+    os.rename(path, doomed)
+  except FileNotFoundError:
+    return
+  if doomed.is_symlink():
+    doomed.unlink()
+  else:
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def make_private_dir(path: Path, mode: int, *, exist_ok: bool = True) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 
 import pytest
 from conftest import make_state
@@ -104,17 +105,17 @@ def test_a_removal_cut_halfway_leaves_no_half_deleted_layout_listed(tier, mesh, 
   _write(tier, mesh, 3, seed=2, replace=aside.REPLACED)
   current = read_manifest(tier.directory / "3")
   _write(tier, mesh, 4)
-  real_rmtree = aside.shutil.rmtree
+  real_rmtree = shutil.rmtree
 
   def killed_halfway(path, ignore_errors=False):
     for data in pathlib.Path(path).rglob("data.bin"):
       data.unlink()
     raise SystemExit("killed")  # the rest of the folder stays
 
-  monkeypatch.setattr(aside.shutil, "rmtree", killed_halfway)
+  monkeypatch.setattr(shutil, "rmtree", killed_halfway)
   with pytest.raises(SystemExit):
     _write(tier, mesh, 5)
-  monkeypatch.setattr(aside.shutil, "rmtree", real_rmtree)
+  monkeypatch.setattr(shutil, "rmtree", real_rmtree)
   restarted = LocalTier(tier.directory, max_to_keep=2)
   restarted.prepare()
   try:

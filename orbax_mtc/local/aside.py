@@ -29,7 +29,7 @@ from pathlib import Path
 
 from absl import logging
 
-from orbax_mtc.files import fsync_dir, make_private_dir
+from orbax_mtc.files import fsync_dir, make_private_dir, remove_uncommitted_first
 from orbax_mtc.local.format import TMP_PREFIX, LocalTierError
 
 REPLACED, DAMAGED = ".replaced-", ".damaged-"
@@ -123,7 +123,7 @@ def prune(root: Path, kept_steps: set[int]) -> None:
   for entry in _entries(root):
     parsed = parse(entry.name)
     if parsed is not None and parsed[1] not in kept_steps:
-      _discard(root, entry)
+      _discard(entry)
 
 
 def remove_step(root: Path, step: int) -> None:
@@ -131,20 +131,15 @@ def remove_step(root: Path, step: int) -> None:
   for entry in _entries(root):
     parsed = parse(entry.name)
     if parsed is not None and parsed[1] == step:
-      _discard(root, entry)
+      _discard(entry)
 
 
-def _discard(root: Path, entry: Path) -> None:
+def _discard(entry: Path) -> None:
   """Renames an aside folder to an interrupted-save name, then deletes it (rule 10): a
   process killed while deleting leaves what start-up removes, never a half-deleted
   `.replaced-` folder still listed as a layout, which `recover` could even put back as a
   step."""
-  doomed = root / f"{TMP_PREFIX}del-{uuid.uuid4().hex}"
-  try:
-    os.rename(entry, doomed)
-  except FileNotFoundError:
-    return
-  shutil.rmtree(doomed, ignore_errors=True)
+  remove_uncommitted_first(entry, f"{TMP_PREFIX}del-")
 
 
 def _entries(root: Path) -> list[Path]:

@@ -200,19 +200,8 @@ def _richer_copy(folder: Path, new: local_format.StepManifest) -> list[str]:
 
 
 def _remove(path: Path) -> None:
-  """Un-commits first (rename), then deletes: a half-deleted copy is never listed. A link is
-  removed itself, never what it points to."""
-  if not os.path.lexists(path):
-    return
-  doomed = path.with_name(f"{local_format.TMP_PREFIX}del-{uuid.uuid4().hex}")
-  try:
-    os.rename(path, doomed)
-  except FileNotFoundError:
-    return
-  if doomed.is_symlink():
-    doomed.unlink()
-  else:
-    shutil.rmtree(doomed, ignore_errors=True)
+  """Un-commits first (rename), then deletes: a half-deleted copy is never listed."""
+  files.remove_uncommitted_first(path, f"{local_format.TMP_PREFIX}del-")
 
 
 def _retire(path: Path) -> None:
