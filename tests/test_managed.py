@@ -285,3 +285,28 @@ def test_nothing_to_restore_from_the_replicator_falls_back_to_the_persistent_tie
         [{"rank": "1", "step": "0", "source": "none"}]]
   assert_ok(result, out)
   assert_results(out, 2, step=8, tier="persistent")
+
+
+def test_a_restart_from_an_older_entry_drops_the_abandoned_newer_step(tmp_path, shm_root):
+  """Node 0 committed step 5 and node 1 died before committing it: the replicator names step
+  4, the newest step it can give every node. The job restores 4 and must save 5 again: node
+  0's step 5 belongs to the timeline the job abandoned and must not stop that save (Orbax
+  never replaces a step: it raised StepAlreadyExistsError, at every restart)."""
+  backup = tmp_path / "backup"
+  common = [*_common(tmp_path), "--local-interval", "1", "--local-keep", "3"]
+  with simulators(shm_root, backup, 2) as sims:
+    crash, out = run_job(["save", *common, "--steps", "9", "--die-at-step", "5",
+                          "--die-process", "1"], 2, shm_root, timeout_s=120)
+    assert crash.returncodes[1] == 137, (crash, tail(out))
+    assert max(int(p.name) for p in (shm_root / "node0").iterdir() if p.name.isdigit()) == 5
+    assert max(int(p.name) for p in (shm_root / "node1").iterdir() if p.name.isdigit()) == 4
+    result, out = run_job(["save", *common, "--restore-first", "--steps", "8",
+                           "--expect-step", "4", "--expect-tier", "replicator"], 2, shm_root,
+                          timeout_s=120)
+    assert_ok(result, out)
+    assert [s.events("RESTORE")[-1]["step"] for s in sims] == ["4", "4"]
+  with simulators(shm_root, backup, 2):  # steps 5-7 saved again on both nodes
+    result, out = run_job(["restore", *common, "--expect-step", "7",
+                           "--expect-tier", "replicator"], 2, shm_root, timeout_s=120)
+  assert_ok(result, out)
+  assert_results(out, 2, step=7, tier="replicator")

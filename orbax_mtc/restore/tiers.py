@@ -127,8 +127,11 @@ class TieredRestore:
     mine, self.replicator_entry = self.replicator_entry, None
     entry = handshake.entry_step(mine, self._local.steps(), self._summarize)
     if entry:
+      # Newer local steps (a node that committed a step the others did not) belong to the
+      # timeline the job abandons, as after any restore(None): kept, the next save of their
+      # step number would find it already in RAM and raise, at every restart.
       result = self._from_ram(entry, targets, single, started, tier="replicator",
-                              drop_newer=False)
+                              drop_newer=True)
       if result.found:
         return result.value
     elif entry == 0:  # the replicator has nothing: the persistent tier, else scratch
