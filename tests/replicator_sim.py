@@ -18,7 +18,8 @@ What it does, as the real daemon does with the node's RAM-disk volume:
   up to `BACKUP_DIR/<job>/n<rank>/<step>` on the yaml's schedule.
 - `--errors TEXT` writes `replicator.errors` after taking the yaml; `--fail TEXT` answers the
   yaml with `replicator.failed` instead.
-Each action prints one `@@sim` line. It polls the volume (the protocol has no other notice).
+Each action prints one `@@sim` line; `IDLE` when it has caught up, with the committed steps
+it has handled (printed once after each burst of work). It polls the volume (the protocol has no other notice).
 """
 
 from __future__ import annotations
@@ -203,10 +204,15 @@ class Simulator:
     self.replicated = set(committed(self.volume))
     self.write_restore_entries()
 
-  def replicate(self) -> None:
-    for step in committed(self.volume):
+  def replicate(self) -> list[int] | None:
+    """Copies (and backs up) the committed steps not handled yet; None if there were any,
+    else the committed steps (all handled before)."""
+    handled = False
+    steps = committed(self.volume)
+    for step in steps:
       if step in self.replicated:
         continue
+      handled = True
       self.replicated.add(step)
       src = self.volume / str(step)
       for peer in self.peers():
@@ -216,6 +222,7 @@ class Simulator:
         for old in committed(holder)[:-KEEP_COPIES]:
           shutil.rmtree(holder / str(old), ignore_errors=True)
       self.maybe_back_up(step, src)
+    return None if handled else steps
 
   def maybe_back_up(self, step: int, src: pathlib.Path) -> None:
     cfg, now = self.config, time.time()
@@ -233,11 +240,18 @@ class Simulator:
   def run(self, poll_s: float) -> None:
     self.volume.mkdir(parents=True, exist_ok=True)
     say(f"READY volume={self.volume}")
+    busy = False
     while True:
       if (self.volume / "replicator.yaml").exists():
         self.take_config()
+        busy = True
       if self.config is not None:
-        self.replicate()
+        steps = self.replicate()
+        if steps is None:
+          busy = True
+        elif busy:  # caught up: every committed step listed was handled
+          say(f"IDLE rank={self.rank} steps={','.join(map(str, steps)) or '-'}")
+          busy = False
       time.sleep(poll_s)  # a daemon watching a folder
 
 

@@ -48,13 +48,12 @@ from collections.abc import Callable
 
 import pytest
 import warm_start
+from chaos_support import check_after_job, durable_floor, ondemand_step
 from gcs_server import BUCKET, bucket_objects
 from gcs_server import committed_steps as committed_gs_steps
 from mp_helpers import WORKER, child_env, mp_events, tail
 
 from orbax_mtc.local import aside
-from orbax_mtc.local.format import LocalTierError
-from orbax_mtc.local.read import verify_step
 from orbax_mtc.local.store import committed_steps, read_manifest
 from orbax_mtc.peers import copy_store as peer_store
 
@@ -165,26 +164,6 @@ def check_results(out, procs: int, expected: tuple[int | None, str], *,
         f"{kind}\n{tail(out)}")
 
 
-def check_after_job(root: pathlib.Path, procs: int, out, restored: int | None) -> None:
-  """Every committed folder under the root verifies; no node of the job lost a step that a
-  returned save() had committed there."""
-  for node_dir in sorted(root.glob("node*")):
-    for step in committed_steps(node_dir):
-      try:
-        verify_step(node_dir / str(step))
-      except LocalTierError as e:
-        pytest.fail(f"{node_dir.name}: committed step {step} does not verify: {e}")
-  start = -1 if restored is None else restored
-  for node in range(procs):
-    steps = committed_steps(root / f"node{node}")
-    saved = [int(f["step"]) for n, f in mp_events.events(out.lines, "SAVED") if n == node]
-    # save(k) returns only after this node's write of k-1 committed.
-    if saved and saved[-1] - 1 > start:
-      assert max(steps, default=-1) >= saved[-1] - 1, (
-          f"node {node}: save({saved[-1]}) returned, so step {saved[-1] - 1} was committed, "
-          f"but the folder holds {steps}")
-
-
 def apply_fault(fault: str, root: pathlib.Path, rng: random.Random
                 ) -> tuple[str | None, frozenset[int]]:
   """Deletes one node's RAM folder ("replace") or exchanges two nodes' folders ("swap": the
@@ -206,20 +185,6 @@ def apply_fault(fault: str, root: pathlib.Path, rng: random.Random
   return None, frozenset()
 
 
-def durable_floor(out, procs: int, restored: int | None) -> int | None:
-  """The newest step every node of a killed job is known to have committed, or restored:
-  each node committed the step before the last `save()` that returned on it, and retention
-  keeps the newest step every node holds."""
-  last_saved = [max((int(f["step"]) for n, f in mp_events.events(out.lines, "SAVED")
-                     if n == node), default=None) for node in range(procs)]
-  floor = restored
-  if all(step is not None for step in last_saved):
-    committed_everywhere = min(last_saved) - 1
-    if committed_everywhere >= 0 and (floor is None or committed_everywhere > floor):
-      floor = committed_everywhere
-  return floor
-
-
 @dataclasses.dataclass(frozen=True)
 class Chain:
   """What every job of one chain shares: its RAM root, its persistent folder (a local path or
@@ -239,13 +204,6 @@ def _job(chain: Chain, subcommand: str, layout: tuple[int, int], out,
       [sys.executable, str(WORKER), subcommand, "--persistent-dir", chain.persistent, *ARGS,
        *extra], procs, devices_per_process=devices, local_root=chain.root,
       env={**child_env(), **chain.env}, output=out)
-
-
-def ondemand_step(out, procs: int) -> int | None:
-  """The step every process said it saved on demand at, if all said the same one."""
-  steps = {n: int(f["step"]) for n, f in mp_events.events(out.lines, "PREEMPTED")}
-  same = set(steps.values())
-  return same.pop() if sorted(steps) == list(range(procs)) and len(same) == 1 else None
 
 
 def run_job(chain: Chain, ending: str, victim: int, rng: random.Random,

@@ -1,0 +1,53 @@
+"""Checks the randomized fault campaigns share: what a chain of killed jobs must leave behind."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+from mp_helpers import mp_events
+
+from orbax_mtc.local.format import LocalTierError
+from orbax_mtc.local.read import verify_step
+from orbax_mtc.local.store import committed_steps
+
+
+def check_after_job(root: pathlib.Path, procs: int, out, restored: int | None) -> None:
+  """Every committed folder under the root verifies; no node of the job lost a step that a
+  returned save() had committed there."""
+  for node_dir in sorted(root.glob("node*")):
+    for step in committed_steps(node_dir):
+      try:
+        verify_step(node_dir / str(step))
+      except LocalTierError as e:
+        pytest.fail(f"{node_dir.name}: committed step {step} does not verify: {e}")
+  start = -1 if restored is None else restored
+  for node in range(procs):
+    steps = committed_steps(root / f"node{node}")
+    saved = [int(f["step"]) for n, f in mp_events.events(out.lines, "SAVED") if n == node]
+    # save(k) returns only after this node's write of k-1 committed.
+    if saved and saved[-1] - 1 > start:
+      assert max(steps, default=-1) >= saved[-1] - 1, (
+          f"node {node}: save({saved[-1]}) returned, so step {saved[-1] - 1} was committed, "
+          f"but the folder holds {steps}")
+
+
+def durable_floor(out, procs: int, restored: int | None) -> int | None:
+  """The newest step every node of a killed job is known to have committed, or restored:
+  each node committed the step before the last `save()` that returned on it, and retention
+  keeps the newest step every node holds."""
+  last_saved = [max((int(f["step"]) for n, f in mp_events.events(out.lines, "SAVED")
+                     if n == node), default=None) for node in range(procs)]
+  floor = restored
+  if all(step is not None for step in last_saved):
+    committed_everywhere = min(last_saved) - 1
+    if committed_everywhere >= 0 and (floor is None or committed_everywhere > floor):
+      floor = committed_everywhere
+  return floor
+
+
+def ondemand_step(out, procs: int) -> int | None:
+  """The step every process said it saved on demand at, if all said the same one."""
+  steps = {n: int(f["step"]) for n, f in mp_events.events(out.lines, "PREEMPTED")}
+  same = set(steps.values())
+  return same.pop() if sorted(steps) == list(range(procs)) and len(same) == 1 else None
