@@ -310,6 +310,24 @@ def test_crash_between_nodes_commits_keeps_a_common_ram_step_with_max_to_keep_1(
   assert_results(out, 2, step=6, tier="local")
 
 
+def test_resuming_from_latest_step_drops_a_step_one_node_alone_committed(shm_root, tmp_path):
+  """`mgr.restore(mgr.latest_step())` (Orbax's and MaxText's resume) after node 0 committed
+  step 5 and node 1 died before committing it: the listing says 4, the job restores 4 and
+  saves 5 again. Node 0's step 5 is a leftover of the abandoned timeline: kept, that save
+  raised StepAlreadyExistsError, at every restart."""
+  args = ["--persistent-dir", str(tmp_path / "persistent"), "--local-interval", "1",
+          "--local-keep", "3", "--persistent-interval", "100", "--peers-per-node", "0"]
+  crash, out = run_job(["save", "--steps", "9", "--die-at-step", "5", "--die-process", "1",
+                        *args], 2, shm_root)
+  assert crash.returncodes[1] == 137, (crash, tail(out))
+  assert [verified_steps(shm_root / f"node{n}")[-1] for n in (0, 1)] == [5, 4]
+  result, out = run_job(["save", "--restore-first", "--resume-latest", "--steps", "8",
+                         "--expect-step", "4", "--expect-tier", "local", *args], 2, shm_root)
+  assert_ok(result, out)
+  result, out = run_job(["restore", *args], 2, shm_root)
+  assert_results(out, 2, step=7, tier="local")
+
+
 def test_restart_from_scratch_drops_abandoned_local_steps(shm_root, tmp_path):
   """A restart that restores nothing must not keep (or later restore) the old local steps.
 

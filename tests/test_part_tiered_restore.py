@@ -177,6 +177,18 @@ def test_explicit_ram_step_keeps_newer_steps_and_records_the_result_tier(tmp_pat
   assert rig.local.steps() == [4, 6, 8] and rig.ledger.ram == (4, 6, 8)
 
 
+def test_explicit_newest_listed_step_drops_the_leftovers_above_it(tmp_path):
+  # `restore(latest_step())`: step 6 is the newest the cluster lists; this node's step 8 was
+  # committed here alone (its other nodes died first), a leftover no restore can use.
+  rig = _Rig(tmp_path, results=[_found(6)], ram=(4, 6))
+  assert rig.restore(6) == "ram-6"
+  assert _last(rig) == (6, "local")
+  assert rig.log == [("ram.restore", 6), ("delete_local", [8]), ("writer.drain",),
+                     ("store.drop_newer", 6), ("ledger.keep_ram", (4, 6)),
+                     ("ram.write_back", "done-6")]
+  assert rig.local.steps() == [4, 6]
+
+
 def test_latest_falls_back_to_the_persistent_step_ram_names(tmp_path):
   rig = _Rig(tmp_path, results=[_missed(persistent_step=4)], local=(6, 8), ram=(6, 8))
   assert rig.restore(None) == "persistent-4"
@@ -234,8 +246,10 @@ def test_replicator_entry_everyone_names_and_reads_is_restored_from_ram(tmp_path
                          "the replicator's restore entries")]
   assert _last(rig) == (6, "replicator")
   assert rig.tiers.replicator_entry is None
-  # The entry's step is asked for by number, and newer RAM steps are kept.
-  assert rig.log == [("ram.restore", 6), ("ram.write_back", "done-6")]
+  # The entry's step is asked for by number; newer RAM steps belong to the abandoned
+  # timeline (kept, the next save of step 8 would raise at every restart).
+  assert rig.log[:3] == [("ram.restore", 6), ("delete_local", [8]), ("writer.drain",)]
+  assert rig.log[-1] == ("ram.write_back", "done-6")
 
 
 def test_replicator_entry_unusable_in_ram_falls_back_to_the_usual_plan(tmp_path):

@@ -3,8 +3,9 @@
 `restore(None)` takes the newest step the whole cluster can assemble from RAM (own folders,
 twins, peers' copies, on any layout: executor.py), else the newest persistent step every process sees
 (persistent.py), else starts from scratch. In managed mode the first `restore(None)`
-honours the step the replicator's `.restore` entries name. After `restore(None)`, RAM steps
-newer than the restored one belong to a timeline the job abandons and are dropped.
+honours the step the replicator's `.restore` entries name. After `restore(None)`, or the
+restore of the newest step listed, RAM steps newer than the restored one belong to a timeline
+the job abandons and are dropped.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class TieredRestore:
     self._delete_local = delete_local
     self._summarize = summarize
     self.replicator_entry: int | None = None  # managed: the entry, until restore(None)
+    self._listed: set[int] = set()  # the agreed steps as the current restore began
     self.last: RestoreInfo | None = None
 
   def restore(self, step: int | None, targets: dict[str, Any], single: bool | None) -> Any:
@@ -86,6 +88,9 @@ class TieredRestore:
         persistent.
     """
     started = time.perf_counter()
+    # Before the restore's census re-lists them: the steps some listing named (elastic
+    # ones too), so that `_finish` can tell a newest step from a leftover.
+    self._listed = {*self._ledger.ram, *self._ledger.persistent}
     if step is None and self.replicator_entry is not None:
       return self._from_replicator_entry(targets, single, started)
     return self._restore(step, targets, single, started)
@@ -171,6 +176,7 @@ class TieredRestore:
       (found, value).
     """
     started = time.perf_counter()
+    self._listed = {*self._ledger.ram, *self._ledger.persistent}
     result = self._from_ram(step, targets, single, started, drop_newer=step is None)
     return result.found, result.value
 
@@ -182,8 +188,13 @@ class TieredRestore:
   def _finish(self, step: int, tier: str, started: float, *, drop_newer: bool) -> None:
     # After restore(None), local steps newer than the agreed one exist on some nodes only and
     # belong to a timeline the job abandons: drop them so that they can neither be restored
-    # later nor block saving those step numbers again. An explicit restore(step) keeps them.
-    if drop_newer:
+    # later nor block saving those step numbers again. So after an explicit restore of the
+    # newest step listed (`step = latest_step(); restore(step)`, Orbax's and MaxText's
+    # resume): newer local steps are then leftovers no restore can use, and kept they made
+    # the next save of their number raise, at every restart. An explicit restore of an older
+    # step keeps them.
+    listed = {*self._listed, *self._ledger.ram, *self._ledger.persistent}
+    if drop_newer or step >= max(listed, default=-1):
       self._delete_local([s for s in self._local.steps() if s > step])
       # Peer copies received before this restore are committed on the writer thread: let
       # them land first, or a newer one could be committed after the drop below.

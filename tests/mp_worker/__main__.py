@@ -83,6 +83,8 @@ def _common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
   p.add_argument("--persistent-keep", type=int, default=None)
   p.add_argument("--backup-minutes", type=float, default=None,
                  help="back up by minutes instead of --persistent-interval steps")
+  p.add_argument("--resume-latest", action="store_true",
+                 help="restore mgr.latest_step() explicitly instead of restore(None)")
   p.add_argument("--explicit-args", action="store_true",
                  help="restore with Composite(state=PyTreeRestore(item=abstract))")
   p.add_argument("--cast-to", default=None,

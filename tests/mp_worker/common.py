@@ -115,11 +115,13 @@ def restore_and_check(args, mgr, mesh) -> tuple[int | None, bool]:
   import orbax.checkpoint as ocp
 
   cast = getattr(args, "cast_to", None)
+  # --resume-latest: Orbax's and MaxText's resume idiom, `restore(latest_step())`.
+  wanted = mgr.latest_step() if getattr(args, "resume_latest", False) else None
   if args.explicit_args or cast:
-    restored = mgr.restore(None, args=ocp.args.Composite(
+    restored = mgr.restore(wanted, args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(item=_cast(abstract_state(mesh, args.rows), cast))))
   else:
-    restored = mgr.restore(None)
+    restored = mgr.restore(wanted)
   info = mgr.last_restore
   step, tier = (info.step, info.tier) if info is not None else (None, "?")
   problems: list[str] = []
