@@ -328,6 +328,25 @@ def test_resuming_from_latest_step_drops_a_step_one_node_alone_committed(shm_roo
   assert_results(out, 2, step=7, tier="local")
 
 
+def test_parent_style_resume_drops_a_step_one_node_alone_committed(shm_root, tmp_path):
+  """The same leftover under the parent-style form (`ocp.CheckpointManager`'s constructor
+  plus a RAM tier): its next save of step 5 failed on node 0 ("already committed"), raised
+  on every process, at every restart."""
+  persistent = tmp_path / "persistent"
+  args = ["--persistent-dir", str(persistent)]
+  result, out = run_job(["parent-resume", "--steps", "6", *args], 2, shm_root)
+  assert_ok(result, out)
+  # As a kill leaves them: node 1 died before committing step 5, and so did Orbax's step 5.
+  for folder in (persistent / "5", shm_root / "node1" / "5",
+                 *shm_root.glob("node*/peers/*/5")):
+    shutil.rmtree(folder)
+  assert [verified_steps(shm_root / f"node{n}")[-1] for n in (0, 1)] == [5, 4]
+  for restored in (4, 7):
+    result, out = run_job(["parent-resume", "--steps", "8", *args], 2, shm_root)
+    assert_ok(result, out)
+    assert_results(out, 2, step=restored, tier="local")
+
+
 def test_restart_from_scratch_drops_abandoned_local_steps(shm_root, tmp_path):
   """A restart that restores nothing must not keep (or later restore) the old local steps.
 

@@ -20,10 +20,10 @@ Sub-commands:
                  training on real Grain data: the data iterator's position and a per-process
                  JSON item saved beside the state, restored with it (`iterators`); the
                  persistent step read back by a plain `ocp.CheckpointManager`.
-  transport, chunk-race, managed-init, reduce
+  transport, chunk-race, managed-init, reduce, parent-resume
                  the chunked streams between processes, chunks left moving beside a
                  training step, the GKE-style start, the save agreement's reductions
-                 through the real all-reduce (`plain`).
+                 through the real all-reduce, the parent-style form's resume (`plain`).
   fault, mismatch, outage
                  one injected fault, a restore target of another layout, a GCS outage
                  (`faults`).
@@ -151,6 +151,10 @@ def _parser() -> argparse.ArgumentParser:
   p = _common(sub.add_parser("managed-init"))
   p.add_argument("--steps", type=int, required=True, help="save steps up to this one")
   p.set_defaults(fn=plain.cmd_managed_init, **no_dying)
+
+  p = _common(sub.add_parser("parent-resume"))
+  p.add_argument("--steps", type=int, required=True, help="save steps up to this one")
+  p.set_defaults(fn=plain.cmd_parent_resume, **no_dying)
 
   p = _common(sub.add_parser("steps"))
   p.add_argument("--restore-steps", default="latest",

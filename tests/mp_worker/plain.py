@@ -1,12 +1,21 @@
 """Sub-commands off the manager's usual path: plain-restore (a plain Orbax manager reads the
 persistent tier), transport (the chunked byte streams between processes), managed-init (the
-GKE-style start)."""
+GKE-style start), parent-resume (the parent-style form's resume)."""
 
 from __future__ import annotations
 
 from orbax_mtc import testing
 
-from .common import EXIT_MISMATCH, make_mesh, manager, restore_and_check, save_loop
+from .common import (
+  EXIT_MISMATCH,
+  abstract_state,
+  compare_state,
+  make_mesh,
+  make_state,
+  manager,
+  restore_and_check,
+  save_loop,
+)
 from .events import emit
 
 
@@ -242,3 +251,38 @@ def cmd_reduce(args) -> int:
          f"same={int(same)} rounds={len(real.rounds)} ram={list(real.ram)} "
          f"faulty={sorted(real.local)}")
   return 0 if same else EXIT_MISMATCH
+
+
+def cmd_parent_resume(args) -> int:
+  """The parent-style form (`ocp.CheckpointManager`'s constructor plus a RAM tier) resumed as
+  Orbax users do: `restore(latest_step())` (compared, RESULT), then save up to --steps."""
+  import os
+
+  import jax
+  import orbax.checkpoint as ocp
+
+  import orbax_mtc as mtc
+  from orbax_mtc import distributed
+
+  distributed.initialize()
+  mesh = make_mesh()
+  me = jax.process_index()
+  mgr = mtc.CheckpointManager(
+      args.persistent_dir, options=ocp.CheckpointManagerOptions(save_interval_steps=1,
+                                                                max_to_keep=3),
+      local_directory=os.environ["ORBAX_MTC_LOCAL_DIR"])
+  ok = True
+  with mgr:
+    latest = mgr.latest_step()
+    if latest is not None:
+      restored = mgr.restore(latest, args=ocp.args.StandardRestore(
+          abstract_state(mesh, args.rows)))
+      problems = compare_state(restored, make_state(mesh, args.rows, args.seed, latest))
+      ok = not problems
+      emit(f"RESULT process={me} step={latest} tier={mgr.last_restore.tier} ok={int(ok)} "
+           f"detail={'; '.join(problems)[:500] or '-'}")
+    for step in range(0 if latest is None else latest + 1, args.steps):
+      mgr.save(step, args=ocp.args.StandardSave(make_state(mesh, args.rows, args.seed, step)))
+    mgr.wait_until_finished()
+  emit("DONE")
+  return 0 if ok else EXIT_MISMATCH
