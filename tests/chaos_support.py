@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pathlib
+import random
+from collections.abc import Sequence
 
 import pytest
 from mp_helpers import mp_events
@@ -51,3 +53,32 @@ def ondemand_step(out, procs: int) -> int | None:
   steps = {n: int(f["step"]) for n, f in mp_events.events(out.lines, "PREEMPTED")}
   same = set(steps.values())
   return same.pop() if sorted(steps) == list(range(procs)) and len(same) == 1 else None
+
+
+def check_ending(ending: str, result, out, procs: int, victim: int, context: str
+                 ) -> int | None:
+  """How a campaign's job must have ended, none timed out: a restore-only job or a SIGTERM
+  with status 0 on every process (each saved the one step they agreed on, then exited), a
+  kill with 137 on its victim. Returns the on-demand step after a SIGTERM, else None."""
+  assert not result.timed_out, context
+  if ending in ("restore", "term"):
+    assert result.returncode == 0, context
+  else:
+    assert result.returncodes[victim] == 137, context
+  if ending != "term":
+    return None
+  reached = ondemand_step(out, procs)
+  assert reached is not None, f"no one on-demand step:\n{context}"
+  return reached
+
+
+def draw_plan(rng: random.Random, kills: int, fault_cycle: Sequence[str]
+              ) -> tuple[list[str], list[str]]:
+  """A chain's faults between jobs (drawn without replacement from repeats of `fault_cycle`)
+  and its jobs' endings: half "kill", a quarter "early", a quarter "term", in random order,
+  then one "restore"."""
+  faults = [fault_cycle[i % len(fault_cycle)] for i in range(kills)]
+  rng.shuffle(faults)
+  endings = [("kill", "early", "kill", "term")[i % 4] for i in range(kills)]
+  rng.shuffle(endings)
+  return faults, [*endings, "restore"]

@@ -48,7 +48,7 @@ from collections.abc import Callable
 
 import pytest
 import warm_start
-from chaos_support import check_after_job, durable_floor, ondemand_step
+from chaos_support import check_after_job, check_ending, draw_plan, durable_floor
 from gcs_server import BUCKET, bucket_objects
 from gcs_server import committed_steps as committed_gs_steps
 from mp_helpers import WORKER, child_env, mp_events, tail
@@ -276,11 +276,7 @@ def test_every_restart_on_any_layout_restores_the_newest_covered_step(tier, shm_
   # Every layout at least once, the rest drawn at random, in random order.
   layouts = [*LAYOUTS, *(rng.choice(LAYOUTS) for _ in range(kills + 1 - len(LAYOUTS)))]
   rng.shuffle(layouts)
-  faults = [FAULT_CYCLE[i % len(FAULT_CYCLE)] for i in range(kills)]
-  rng.shuffle(faults)
-  endings = [("kill", "early", "kill", "term")[i % 4] for i in range(kills)]
-  rng.shuffle(endings)
-  endings.append("restore")
+  faults, endings = draw_plan(rng, kills, FAULT_CYCLE)
   summary: list[str] = []
   kinds: set[str] = set()
   cut_backups: set[str] = set()  # backups cut before their commit, left by the jobs
@@ -307,17 +303,9 @@ def test_every_restart_on_any_layout_restores_the_newest_covered_step(tier, shm_
       check_results(out, procs, expected, every_process=ending != "early")
     except AssertionError as e:
       raise AssertionError(f"{e}\n{context}") from None
+    reached = check_ending(ending, result, out, procs, victim, context)
     if ending == "restore":
-      assert result.returncode == 0 and not result.timed_out, context
       break
-    if ending == "term":
-      # Every process saves the one step they agreed on and exits cleanly.
-      assert result.returncode == 0 and not result.timed_out, context
-      reached = ondemand_step(out, procs)
-      assert reached is not None, f"no one on-demand step:\n{context}"
-    else:
-      assert result.returncodes[victim] == 137 and not result.timed_out, context
-      reached = None
     try:
       check_after_job(shm_root, procs, out, expected[0])
     except AssertionError as e:

@@ -36,7 +36,7 @@ import time
 
 import pytest
 import warm_start
-from chaos_support import check_after_job, durable_floor, ondemand_step
+from chaos_support import check_after_job, check_ending, draw_plan, durable_floor
 from mp_helpers import WORKER, child_env, mp_events, tail
 from sim_nodes import SimNode, simulators
 
@@ -158,11 +158,7 @@ def test_every_restart_under_the_replicator_restores_the_step_it_names(layout, s
   rng = random.Random(f"managed-chaos-{SEED}-{layout}")
   procs = layout[0]
   backup, persistent = tmp_path / "backup", tmp_path / "persistent"
-  faults = [FAULT_CYCLE[i % len(FAULT_CYCLE)] for i in range(KILLS)]
-  rng.shuffle(faults)
-  endings = [("kill", "early", "kill", "term")[i % 4] for i in range(KILLS)]
-  rng.shuffle(endings)
-  endings.append("restore")
+  faults, endings = draw_plan(rng, KILLS, FAULT_CYCLE)
   summary: list[str] = []
   sources: set[str] = set()
   floor: tuple[int, str] | None = None  # a step the next job must reach, and why
@@ -188,15 +184,10 @@ def test_every_restart_under_the_replicator_restores_the_step_it_names(layout, s
         check_results(out, procs, named, every_process=ending != "early")
       except AssertionError as e:
         raise AssertionError(f"{e}\n{context}") from None
+      reached = check_ending(ending, result, out, procs, victim, context)
       if ending == "restore":
-        assert result.returncode == 0 and not result.timed_out, context
         break
-      if ending == "term":
-        assert result.returncode == 0 and not result.timed_out, context
-        reached = ondemand_step(out, procs)
-        assert reached is not None, f"no one on-demand step:\n{context}"
-      else:
-        assert result.returncodes[victim] == 137 and not result.timed_out, context
+      if reached is None:
         reached = durable_floor(out, procs, named or None)
       settle(sims)
       try:
