@@ -328,23 +328,28 @@ def test_resuming_from_latest_step_drops_a_step_one_node_alone_committed(shm_roo
   assert_results(out, 2, step=7, tier="local")
 
 
-def test_parent_style_resume_drops_a_step_one_node_alone_committed(shm_root, tmp_path):
+@pytest.mark.parametrize("node1", ["lacks-5", "replaced"])
+def test_parent_style_resume_over_a_step_one_node_alone_committed(node1, shm_root, tmp_path):
   """The same leftover under the parent-style form (`ocp.CheckpointManager`'s constructor
-  plus a RAM tier): its next save of step 5 failed on node 0 ("already committed"), raised
-  on every process, at every restart."""
+  plus a RAM tier), restored from RAM or (node 1 replaced, no copies) by the parent: its next
+  save of step 5 failed on node 0 ("already committed"), on every process, at every
+  restart. Node 0's old step 5 is now set aside at the new one's commit."""
   persistent = tmp_path / "persistent"
   args = ["--persistent-dir", str(persistent)]
   result, out = run_job(["parent-resume", "--steps", "6", *args], 2, shm_root)
   assert_ok(result, out)
   # As a kill leaves them: node 1 died before committing step 5, and so did Orbax's step 5.
-  for folder in (persistent / "5", shm_root / "node1" / "5",
-                 *shm_root.glob("node*/peers/*/5")):
+  lost = [shm_root / "node1" / "5", *shm_root.glob("node*/peers/*/5")]
+  if node1 == "replaced":
+    lost = [shm_root / "node1", shm_root / "node0" / "peers"]
+  for folder in (persistent / "5", *lost):
     shutil.rmtree(folder)
-  assert [verified_steps(shm_root / f"node{n}")[-1] for n in (0, 1)] == [5, 4]
-  for restored in (4, 7):
+  assert verified_steps(shm_root / "node0")[-1] == 5
+  first = ("persistent" if node1 == "replaced" else "local")
+  for restored, tier in ((4, first), (7, "local")):
     result, out = run_job(["parent-resume", "--steps", "8", *args], 2, shm_root)
     assert_ok(result, out)
-    assert_results(out, 2, step=restored, tier="local")
+    assert_results(out, 2, step=restored, tier=tier)
 
 
 def test_restart_from_scratch_drops_abandoned_local_steps(shm_root, tmp_path):

@@ -177,8 +177,14 @@ class RamSaver:
         backup_wanted = self._backups.interval_due(step, now, saving_anywhere)
       # The on-demand step in some folders only (an earlier save of it failed elsewhere) is
       # written again everywhere, from the same state; a folder of it here is set aside at
-      # the commit instant, not deleted first (rule 10).
-      self._writer.write(staged, replace=aside.REPLACED if ondemand and step in own else None)
+      # the commit instant, not deleted first (rule 10). A parent that saved the step does
+      # not list it, so a folder of it here is a leftover of a timeline the job left (a
+      # restore the parent served drops none): set aside as never to be read again, or the
+      # commit would fail at every restart.
+      replace = None
+      if step in own:
+        replace = aside.REPLACED if ondemand else aside.DAMAGED if parent_saved else None
+      self._writer.write(staged, replace=replace)
     if backup_wanted:
       self._backups.schedule(step, args, trees, jsons, metrics, custom_metadata, now,
                              ledger.summarize)

@@ -255,7 +255,8 @@ def cmd_reduce(args) -> int:
 
 def cmd_parent_resume(args) -> int:
   """The parent-style form (`ocp.CheckpointManager`'s constructor plus a RAM tier) resumed as
-  Orbax users do: `restore(latest_step())` (compared, RESULT), then save up to --steps."""
+  Orbax users do: `restore(latest_step())` (compared, RESULT), then save every step up to
+  --steps (SAVING/SAVED lines)."""
   import os
 
   import jax
@@ -279,10 +280,15 @@ def cmd_parent_resume(args) -> int:
           abstract_state(mesh, args.rows)))
       problems = compare_state(restored, make_state(mesh, args.rows, args.seed, latest))
       ok = not problems
-      emit(f"RESULT process={me} step={latest} tier={mgr.last_restore.tier} ok={int(ok)} "
+      info = mgr.last_restore  # set by a restore from RAM only; else Orbax served it
+      tier = info.tier if info is not None and info.step == latest else "persistent"
+      emit(f"RESULT process={me} step={latest} tier={tier} ok={int(ok)} "
            f"detail={'; '.join(problems)[:500] or '-'}")
     for step in range(0 if latest is None else latest + 1, args.steps):
-      mgr.save(step, args=ocp.args.StandardSave(make_state(mesh, args.rows, args.seed, step)))
+      emit(f"SAVING step={step}")
+      saved = mgr.save(step, args=ocp.args.StandardSave(make_state(mesh, args.rows, args.seed,
+                                                                   step)))
+      emit(f"SAVED step={step} saved={int(saved)}")
     mgr.wait_until_finished()
   emit("DONE")
   return 0 if ok else EXIT_MISMATCH
