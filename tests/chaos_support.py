@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import random
+import shutil
 from collections.abc import Sequence
 
 import pytest
@@ -82,3 +83,24 @@ def draw_plan(rng: random.Random, kills: int, fault_cycle: Sequence[str]
   endings = [("kill", "early", "kill", "term")[i % 4] for i in range(kills)]
   rng.shuffle(endings)
   return faults, [*endings, "restore"]
+
+
+def apply_fault(fault: str, root: pathlib.Path, rng: random.Random, most_nodes: int
+                ) -> tuple[str | None, frozenset[int]]:
+  """Deletes one node's RAM folder ("replace") or exchanges two nodes' folders ("swap": the
+  processes restart with permuted ids); returns what it did and the nodes it touched."""
+  present = [n for n in range(most_nodes) if (root / f"node{n}").is_dir()]
+  if fault == "replace" and present:
+    lost = rng.choice(present)
+    shutil.rmtree(root / f"node{lost}")
+    return f"node{lost} replaced", frozenset({lost})
+  if fault == "swap" and present:
+    first = rng.choice(present)
+    second = rng.choice([n for n in range(most_nodes) if n != first])
+    parked = root / "swapping"
+    (root / f"node{first}").rename(parked)
+    if (root / f"node{second}").exists():
+      (root / f"node{second}").rename(root / f"node{first}")
+    parked.rename(root / f"node{second}")
+    return f"node{first} and node{second} swapped", frozenset({first, second})
+  return None, frozenset()

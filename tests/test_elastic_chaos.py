@@ -39,7 +39,6 @@ import dataclasses
 import os
 import pathlib
 import random
-import shutil
 import signal
 import sys
 import time
@@ -48,7 +47,7 @@ from collections.abc import Callable
 
 import pytest
 import warm_start
-from chaos_support import check_after_job, check_ending, draw_plan, durable_floor
+from chaos_support import apply_fault, check_after_job, check_ending, draw_plan, durable_floor
 from gcs_server import BUCKET, bucket_objects
 from gcs_server import committed_steps as committed_gs_steps
 from mp_helpers import WORKER, child_env, mp_events, tail
@@ -162,27 +161,6 @@ def check_results(out, procs: int, expected: tuple[int | None, str], *,
     assert (fields["step"], got) == (str(step), kind), (
         f"node {node} restored step {fields['step']} from {tier}, expected step {step} from "
         f"{kind}\n{tail(out)}")
-
-
-def apply_fault(fault: str, root: pathlib.Path, rng: random.Random
-                ) -> tuple[str | None, frozenset[int]]:
-  """Deletes one node's RAM folder ("replace") or exchanges two nodes' folders ("swap": the
-  processes restart with permuted ids); returns what it did and the nodes it touched."""
-  present = [n for n in range(MOST_NODES) if (root / f"node{n}").is_dir()]
-  if fault == "replace" and present:
-    lost = rng.choice(present)
-    shutil.rmtree(root / f"node{lost}")
-    return f"node{lost} replaced", frozenset({lost})
-  if fault == "swap" and present:
-    first = rng.choice(present)
-    second = rng.choice([n for n in range(MOST_NODES) if n != first])
-    parked = root / "swapping"
-    (root / f"node{first}").rename(parked)
-    if (root / f"node{second}").exists():
-      (root / f"node{second}").rename(root / f"node{first}")
-    parked.rename(root / f"node{second}")
-    return f"node{first} and node{second} swapped", frozenset({first, second})
-  return None, frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +297,7 @@ def test_every_restart_on_any_layout_restores_the_newest_covered_step(tier, shm_
     cut_now = set(chain.cut_backups())
     cutting_jobs += bool(cut_now - cut_backups)
     cut_backups |= cut_now
-    fault, touched = apply_fault(faults[iteration], shm_root, rng)
+    fault, touched = apply_fault(faults[iteration], shm_root, rng, MOST_NODES)
     # After no fault or a swap every folder of this job is under ranks 0..reach-1.
     floor = None if fault is not None and not fault.endswith("swapped") else (
         reached if ending == "term" else durable_floor(out, procs, expected[0]),
