@@ -333,7 +333,8 @@ def test_parent_style_resume_over_a_step_one_node_alone_committed(node1, shm_roo
   """The same leftover under the parent-style form (`ocp.CheckpointManager`'s constructor
   plus a RAM tier), restored from RAM or (node 1 replaced, no copies) by the parent: its next
   save of step 5 failed on node 0 ("already committed"), on every process, at every
-  restart. Node 0's old step 5 is now set aside at the new one's commit."""
+  restart. Node 0's old step 5 is now dropped by the restore, whichever tier served it (and
+  set aside at the new one's commit where no restore ran)."""
   persistent = tmp_path / "persistent"
   args = ["--persistent-dir", str(persistent)]
   result, out = run_job(["parent-resume", "--steps", "6", *args], 2, shm_root)
@@ -346,10 +347,12 @@ def test_parent_style_resume_over_a_step_one_node_alone_committed(node1, shm_roo
     shutil.rmtree(folder)
   assert verified_steps(shm_root / "node0")[-1] == 5
   first = ("persistent" if node1 == "replaced" else "local")
-  for restored, tier in ((4, first), (7, "local")):
-    result, out = run_job(["parent-resume", "--steps", "8", *args], 2, shm_root)
+  for restored, tier, stop in ((4, first, 6), (5, "local", 8)):
+    result, out = run_job(["parent-resume", "--steps", str(stop), *args], 2, shm_root)
     assert_ok(result, out)
     assert_results(out, 2, step=restored, tier=tier)
+    # Dropped by the restore (its copies too), not only set aside by the save after it.
+    assert not list(shm_root.glob("node*/.damaged-*")), sorted(shm_root.glob("node*/.*"))
 
 
 def test_restart_from_scratch_drops_abandoned_local_steps(shm_root, tmp_path):

@@ -233,8 +233,14 @@ class ParentStyleForm(MultiTierForm):
         if found:
           self.persistent.fix_default_item_mode(single_mode)
           return value
-    return self.persistent.orbax.restore(step, items=items, restore_kwargs=restore_kwargs,
-                                         directory=directory, args=args)
+    restored = self.persistent.orbax.restore(step, items=items, restore_kwargs=restore_kwargs,
+                                             directory=directory, args=args)
+    if directory is None:
+      served = step if step is not None else self.persistent.orbax.latest_step()
+      if served is not None:
+        self.writer.wait()
+        self.tiers.after_other_restore(served)
+    return restored
 
   def finish_all(self, what: str, *, report_backup: bool = False) -> None:
     del report_backup  # Orbax reports its own errors

@@ -169,6 +169,29 @@ class TieredRestore:
     self._ledger.keep_ram(lambda _: False)
     self.last = RestoreInfo(step=None, tier="none", seconds=time.perf_counter() - started)
 
+  def _drop_abandoned(self, step: int, *, every_newer: bool) -> None:
+    # After restore(None), local steps newer than the agreed one exist on some nodes only and
+    # belong to a timeline the job abandons: drop them so that they can neither be restored
+    # later nor block saving those step numbers again. So after an explicit restore of the
+    # newest step listed (`step = latest_step(); restore(step)`, Orbax's and MaxText's
+    # resume): newer local steps are then leftovers no restore can use, and kept they made
+    # the next save of their number raise, at every restart. An explicit restore of an older
+    # step keeps them.
+    listed = {*self._listed, *self._ledger.ram, *self._ledger.persistent}
+    if every_newer or step >= max(listed, default=-1):
+      self._delete_local([s for s in self._local.steps() if s > step])
+      # Peer copies received before this restore are committed on the writer thread: let
+      # them land first, or a newer one could be committed after the drop below.
+      self._writer.drain()
+      self._store.drop_newer(step)
+      self._ledger.keep_ram(lambda s: s <= step)
+
+  def after_other_restore(self, step: int) -> None:
+    """The parent-style form's parent restored `step` (collective order: every process): the
+    leftovers above it go as after a RAM restore of it."""
+    self._listed = {*self._ledger.ram, *self._ledger.persistent}
+    self._drop_abandoned(step, every_newer=False)
+
   def ram_only(self, step: int | None, targets: dict[str, Any], single: bool | None) -> Any:
     """From RAM alone (the parent-style form, whose parent serves the rest).
 
@@ -186,21 +209,7 @@ class TieredRestore:
     self._ledger.add_ram(self._ram.elastic_steps())
 
   def _finish(self, step: int, tier: str, started: float, *, drop_newer: bool) -> None:
-    # After restore(None), local steps newer than the agreed one exist on some nodes only and
-    # belong to a timeline the job abandons: drop them so that they can neither be restored
-    # later nor block saving those step numbers again. So after an explicit restore of the
-    # newest step listed (`step = latest_step(); restore(step)`, Orbax's and MaxText's
-    # resume): newer local steps are then leftovers no restore can use, and kept they made
-    # the next save of their number raise, at every restart. An explicit restore of an older
-    # step keeps them.
-    listed = {*self._listed, *self._ledger.ram, *self._ledger.persistent}
-    if drop_newer or step >= max(listed, default=-1):
-      self._delete_local([s for s in self._local.steps() if s > step])
-      # Peer copies received before this restore are committed on the writer thread: let
-      # them land first, or a newer one could be committed after the drop below.
-      self._writer.drain()
-      self._store.drop_newer(step)
-      self._ledger.keep_ram(lambda s: s <= step)
+    self._drop_abandoned(step, every_newer=drop_newer)
     self.last = RestoreInfo(step=step, tier=tier, seconds=time.perf_counter() - started)
     logging.info("orbax-mtc: restored step %d from the %s tier in %.2fs", step, tier,
                  self.last.seconds)
