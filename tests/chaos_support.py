@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import random
 import shutil
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import pytest
 from mp_helpers import mp_events
@@ -104,3 +106,40 @@ def apply_fault(fault: str, root: pathlib.Path, rng: random.Random, most_nodes: 
     parked.rename(root / f"node{second}")
     return f"node{first} and node{second} swapped", frozenset({first, second})
   return None, frozenset()
+
+
+def after_saving_line(rng: random.Random, victim: int
+                      ) -> tuple[float, Callable[[list[str]], bool], str]:
+  """The usual kill moment, 0-40 ms after the victim's seeded-random 1st-6th "SAVING" line:
+  (the delay, whether the line came, what it says)."""
+  delay_s, saves = rng.uniform(0.0, 0.04), rng.randint(1, 6)
+
+  def ready(lines: list[str]) -> bool:
+    return sum(1 for n, _ in mp_events.events(lines, "SAVING") if n == victim) >= saves
+  return delay_s, ready, f"node {victim} killed {delay_s * 1000:.0f} ms after its SAVING line #{saves}"
+
+
+def strike(job, out, ready: Callable[[list[str]], bool] | None, delay_s: float, victim: int,
+           sig: int, timeout_s: float) -> bool:
+  """Once `ready` holds for the job's lines (None: at once), sends `sig` to process `victim`
+  `delay_s` later; returns whether the moment came within `timeout_s`."""
+  seen = ready is None or out.wait_for(ready, timeout_s=timeout_s)
+  if seen:
+    time.sleep(delay_s)  # the random moment, not a synchronisation
+    os.kill(job.pids[victim], sig)
+  return seen
+
+
+def early_moment(rng: random.Random, victim: int
+                 ) -> tuple[float, Callable[[list[str]], bool] | None, str]:
+  """A kill in a job's start, restore or first saves: half the time 0-1 s after the start,
+  half 0-30 ms after the victim's restore returned (its RESULT line). As `after_saving_line`
+  (None: from the start)."""
+  after_restore = rng.random() < 0.5
+  delay_s = rng.uniform(0.0, 0.03 if after_restore else 1.0)
+
+  def ready(lines: list[str]) -> bool:
+    return any(n == victim for n, _ in mp_events.events(lines, "RESULT"))
+  return delay_s, ready if after_restore else None, (
+      f"node {victim} killed {delay_s * 1000:.0f} ms after "
+      f"{'its restore returned' if after_restore else 'the job started'}")

@@ -41,13 +41,21 @@ import pathlib
 import random
 import signal
 import sys
-import time
 import uuid
 from collections.abc import Callable
 
 import pytest
 import warm_start
-from chaos_support import apply_fault, check_after_job, check_ending, draw_plan, durable_floor
+from chaos_support import (
+  after_saving_line,
+  apply_fault,
+  check_after_job,
+  check_ending,
+  draw_plan,
+  durable_floor,
+  early_moment,
+  strike,
+)
 from gcs_server import BUCKET, bucket_objects
 from gcs_server import committed_steps as committed_gs_steps
 from mp_helpers import WORKER, child_env, mp_events, tail
@@ -200,18 +208,11 @@ def run_job(chain: Chain, ending: str, victim: int, rng: random.Random,
       return job.wait(timeout_s=TIMEOUT_S), out, "restore only", True
   procs = layout[0]
   if ending == "early":
-    after_restore = rng.random() < 0.5
-    delay_s = rng.uniform(0.0, 0.03 if after_restore else 1.0)
+    delay_s, ready, done = early_moment(rng, victim)
     with _job(chain, "chaos", layout, out) as job:
       job.start()
-      seen = not after_restore or out.wait_for(
-          lambda lines: any(n == victim for n, _ in mp_events.events(lines, "RESULT")),
-          timeout_s=TIMEOUT_S)
-      time.sleep(delay_s)  # the random moment, not a synchronisation
-      os.kill(job.pids[victim], signal.SIGKILL)
-      return (job.wait(timeout_s=TIMEOUT_S), out,
-              f"node {victim} killed {delay_s * 1000:.0f} ms after "
-              f"{'its restore returned' if after_restore else 'the job started'}", seen)
+      seen = strike(job, out, ready, delay_s, victim, signal.SIGKILL, TIMEOUT_S)
+      return job.wait(timeout_s=TIMEOUT_S), out, done, seen
   if ending == "term":
     delay_s = rng.uniform(0.0, 0.2)
     ready = lambda lines: {n for n, _ in mp_events.events(lines, "READY")} == set(range(procs))  # noqa: E731
@@ -225,17 +226,11 @@ def run_job(chain: Chain, ending: str, victim: int, rng: random.Random,
     subcommand, extra, sig = "chaos", (), signal.SIGKILL
     done = f"node {victim} killed {delay_s * 1000:.0f} ms after it began saving a backup step"
   else:
-    delay_s, saves = rng.uniform(0.0, 0.04), rng.randint(1, 6)
-    ready = lambda lines: sum(1 for n, _ in mp_events.events(lines, "SAVING")  # noqa: E731
-                              if n == victim) >= saves
+    delay_s, ready, done = after_saving_line(rng, victim)
     subcommand, extra, sig = "chaos", (), signal.SIGKILL
-    done = f"node {victim} killed {delay_s * 1000:.0f} ms after its SAVING line #{saves}"
   with _job(chain, subcommand, layout, out, extra) as job:
     job.start()
-    seen = out.wait_for(ready, timeout_s=TIMEOUT_S)
-    if seen:
-      time.sleep(delay_s)  # the random moment, not a synchronisation
-      os.kill(job.pids[victim], sig)
+    seen = strike(job, out, ready, delay_s, victim, sig, TIMEOUT_S)
     return job.wait(timeout_s=TIMEOUT_S), out, done, seen
 
 

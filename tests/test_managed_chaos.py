@@ -32,11 +32,18 @@ import random
 import shutil
 import signal
 import sys
-import time
 
 import pytest
 import warm_start
-from chaos_support import check_after_job, check_ending, draw_plan, durable_floor
+from chaos_support import (
+  after_saving_line,
+  check_after_job,
+  check_ending,
+  draw_plan,
+  durable_floor,
+  early_moment,
+  strike,
+)
 from mp_helpers import WORKER, child_env, mp_events, tail
 from sim_nodes import SimNode, simulators
 
@@ -116,26 +123,15 @@ def run_job(root: pathlib.Path, persistent: pathlib.Path, layout: tuple[int, int
       return job.wait(timeout_s=TIMEOUT_S), out, "restore only", True
     sig = signal.SIGTERM if ending == "term" else signal.SIGKILL
     if ending == "early":
-      after_restore = rng.random() < 0.5
-      delay_s = rng.uniform(0.0, 0.03 if after_restore else 1.0)
-      seen = not after_restore or out.wait_for(
-          lambda lines: any(n == victim for n, _ in mp_events.events(lines, "RESULT")),
-          timeout_s=TIMEOUT_S)
-      done = (f"node {victim} killed {delay_s * 1000:.0f} ms after "
-              f"{'its restore returned' if after_restore else 'the job started'}")
+      delay_s, ready, done = early_moment(rng, victim)
     elif ending == "term":
       delay_s = rng.uniform(0.0, 0.2)
-      seen = out.wait_for(lambda lines: {n for n, _ in mp_events.events(lines, "READY")}
-                          == set(range(procs)), timeout_s=TIMEOUT_S)
+      ready = lambda lines: {n for n, _ in mp_events.events(lines, "READY")} == set(  # noqa: E731
+          range(procs))
       done = f"SIGTERM to node {victim} {delay_s * 1000:.0f} ms after every process trained"
     else:
-      delay_s, saves = rng.uniform(0.0, 0.04), rng.randint(1, 6)
-      seen = out.wait_for(lambda lines: sum(1 for n, _ in mp_events.events(lines, "SAVING")
-                                            if n == victim) >= saves, timeout_s=TIMEOUT_S)
-      done = f"node {victim} killed {delay_s * 1000:.0f} ms after its SAVING line #{saves}"
-    if seen:
-      time.sleep(delay_s)  # the random moment, not a synchronisation
-      os.kill(job.pids[victim], sig)
+      delay_s, ready, done = after_saving_line(rng, victim)
+    seen = strike(job, out, ready, delay_s, victim, sig, TIMEOUT_S)
     return job.wait(timeout_s=TIMEOUT_S), out, done, seen
 
 

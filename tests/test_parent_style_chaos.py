@@ -24,11 +24,10 @@ import pathlib
 import random
 import signal
 import sys
-import time
 
 import pytest
 import warm_start
-from chaos_support import apply_fault, check_after_job, check_ending
+from chaos_support import after_saving_line, apply_fault, check_after_job, check_ending, strike
 from mp_helpers import WORKER, child_env, mp_events, tail
 
 from orbax_mtc.local.store import committed_steps
@@ -61,16 +60,11 @@ def run_job(root: pathlib.Path, persistent: pathlib.Path, ending: str, victim: i
     if ending == "restore":
       return job.wait(timeout_s=TIMEOUT_S), out, "restore only", True
     if ending == "early":
-      delay_s, seen = rng.uniform(0.0, 1.0), True
+      delay_s, ready = rng.uniform(0.0, 1.0), None
       done = f"node {victim} killed {delay_s * 1000:.0f} ms after the job started"
     else:
-      delay_s, saves = rng.uniform(0.0, 0.04), rng.randint(1, 6)
-      seen = out.wait_for(lambda lines: sum(1 for n, _ in mp_events.events(lines, "SAVING")
-                                            if n == victim) >= saves, timeout_s=TIMEOUT_S)
-      done = f"node {victim} killed {delay_s * 1000:.0f} ms after its SAVING line #{saves}"
-    if seen:
-      time.sleep(delay_s)  # the random moment, not a synchronisation
-      os.kill(job.pids[victim], signal.SIGKILL)
+      delay_s, ready, done = after_saving_line(rng, victim)
+    seen = strike(job, out, ready, delay_s, victim, signal.SIGKILL, TIMEOUT_S)
     return job.wait(timeout_s=TIMEOUT_S), out, done, seen
 
 
