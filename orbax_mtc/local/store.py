@@ -45,6 +45,7 @@ from orbax_mtc.local.format import (
   StepManifest,
   validate_for,
 )
+from orbax_mtc.local.saved_counts import SavedCounts
 from orbax_mtc.local.staging import HostPool, StagedStep
 
 
@@ -210,13 +211,6 @@ def committed_steps(root: Path) -> list[int]:
   return sorted(steps)
 
 
-def _folder_key(folder: Path) -> tuple[int, int]:
-  # A folder renamed into place (a commit, a write-back, a replicator's entry) gets a new
-  # change time even where its inode number is reused.
-  status = os.stat(folder, follow_symlinks=False)
-  return status.st_ino, status.st_ctime_ns
-
-
 def _crc_staged(staged: StagedStep, ranges: Sequence[tuple[int, int]]) -> list[int]:
   return [checksum.crc(staged.bytes_at(offset, nbytes)) for offset, nbytes in ranges]
 
@@ -267,8 +261,7 @@ class LocalTier:
     self.keep_replicated: int | None = None  # newest step whose peer copies landed: kept too
     self.keep_sending: int | None = None  # the step whose peer copies are going out: kept too
     self.spares = 1  # retired steps kept for the next writes to reuse (their pages)
-    # step -> (the folder's inode and change time, the process count that saved it)
-    self._saved_counts: dict[int, tuple[tuple[int, int], int | None]] = {}
+    self.saved_counts = SavedCounts(self.directory, process_count, read_manifest)  # whose saves
     self._lock = threading.Lock()  # guards folder renames between writer and main thread
     lowered = priority.initializer(nice_increment)
     self._crc_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtc-crc",
@@ -418,7 +411,7 @@ class LocalTier:
           aside.clear_way(root, staged.step, replace, self.dir_mode, read_manifest)
         os.rename(tmp, final)  # the commit point
         fsync_dir(root)
-        self._saved_counts[staged.step] = (_folder_key(final), process_count)
+        self.saved_counts.record(staged.step, process_count)
     except BaseException:
       shutil.rmtree(tmp, ignore_errors=True)
       raise
@@ -486,33 +479,6 @@ class LocalTier:
   def steps(self) -> list[int]:
     """The committed steps, oldest first."""
     return committed_steps(self.directory)
-
-  def steps_of_this_count(self) -> list[int]:
-    """The committed steps a job of this process count saved (all, when it is unknown): what
-    the step agreements count as this node's own. A folder another count saved holds another
-    share of the state; only an elastic restore rebuilds it, and lists it where the cluster
-    covers it (restore/executor.elastic_steps), so `latest_step()` never names a step that
-    `restore` cannot build."""
-    steps = self.steps()
-    if self.process_count is None:
-      return steps
-    return [step for step in steps if self._saved_count(step) in (None, self.process_count)]
-
-  def _saved_count(self, step: int) -> int | None:
-    folder = self.directory / str(step)
-    try:
-      key = _folder_key(folder)
-    except OSError:
-      return None
-    known = self._saved_counts.get(step)
-    if known is not None and known[0] == key:
-      return known[1]
-    try:
-      count = read_manifest(folder).process_count
-    except (OSError, ValueError, LocalTierError):
-      count = None  # unreadable: listed as before; a restore finds the damage
-    self._saved_counts[step] = (key, count)
-    return count
 
   def manifest(self, step: int) -> StepManifest:
     """The checked manifest of a committed step (see `read_manifest`)."""
