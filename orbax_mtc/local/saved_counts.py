@@ -49,6 +49,8 @@ class SavedCounts:
     unreadable folder is listed as before, and a restore finds the damage)."""
     if self._process_count is None:
       return list(steps)
+    for gone in set(self._known) - set(steps):  # retired: the cache stays as small as RAM
+      self._known.pop(gone, None)
     return [step for step in steps if self._count(step) in (None, self._process_count)]
 
   def _count(self, step: int) -> int | None:
