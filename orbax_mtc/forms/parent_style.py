@@ -236,6 +236,8 @@ class ParentStyleForm(MultiTierForm):
     restored = self.persistent.orbax.restore(step, items=items, restore_kwargs=restore_kwargs,
                                              directory=directory, args=args)
     if directory is None:
+      # Orbax's restore(None) is its latest step, the one it restored on every process (its
+      # listing is this form's `all_steps`).
       served = step if step is not None else self.persistent.orbax.latest_step()
       if served is not None:
         self.writer.wait()

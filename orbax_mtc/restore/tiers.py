@@ -189,7 +189,7 @@ class TieredRestore:
   def after_other_restore(self, step: int) -> None:
     """The parent-style form's parent restored `step` (collective order: every process): the
     leftovers above it go as after a RAM restore of it."""
-    self._listed = {*self._ledger.ram, *self._ledger.persistent}
+    self._listed = set()  # no census ran since: the ledger's lists are the listing
     self._drop_abandoned(step, every_newer=False)
 
   def ram_only(self, step: int | None, targets: dict[str, Any], single: bool | None) -> Any:
