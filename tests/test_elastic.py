@@ -183,3 +183,46 @@ def test_latest_step_lists_the_step_an_elastic_restore_rebuilds(saved, root, tmp
   for _, fields in listed:
     assert fields["latest"] == "10" and fields["all"] == "0,8,10", fields
   assert_results(out, 4, step=10, tier="elastic")
+
+
+def test_latest_step_never_lists_a_step_only_part_of_an_old_layout_holds(root, tmp_path):
+  """Two processes without copies saved steps 0-6, then node 1 was lost; a 1-process job
+  (both devices) finds node 0's half of steps 5 and 6. `latest_step()` listed them as this
+  node's own steps, and `restore(latest_step())` raised FileNotFoundError at every restart;
+  it must list only what a restore can build: persistent steps 0 and 4."""
+  persistent = tmp_path / "persistent"
+  args = ["--persistent-dir", str(persistent), "--local-interval", "1", "--persistent-interval",
+          "4", "--peers-per-node", "0", "--shape-axes", "2,2", "--explicit-args"]
+  result, out = _job(["save", "--steps", "7", *args], 2, 1, root)
+  assert_ok(result, out)
+  shutil.rmtree(root / "node1")
+  result, out = _job(["steps", "--restore-steps", "latest", *args], 1, 2, root)
+  assert_ok(result, out)
+  assert [fields["all"] for _, fields in mp_events.events(out.lines, "STEPS")] == ["0,4"]
+  assert_results(out, 1, step=4, tier="persistent")
+
+
+def test_latest_step_lists_a_step_only_a_set_aside_folder_of_this_count_covers(root, tmp_path):
+  """A 1-process job (both devices) saved steps 0-6; a 2-process job rebuilt step 6 and wrote
+  it anew (node 0's 1-process folder set aside), then node 1 was lost. Back on one process,
+  node 0's new folder holds only its half, but the set-aside folder is a whole save of this
+  process count: `restore(None)` rebuilds step 6 from it, so `latest_step()` must list it
+  (it named persistent step 4, and `restore(latest_step())` rolled back past step 6)."""
+  persistent = tmp_path / "persistent"
+  args = ["--persistent-dir", str(persistent), "--local-interval", "1", "--persistent-interval",
+          "4", "--peers-per-node", "0", "--shape-axes", "2,2", "--explicit-args"]
+  result, out = _job(["save", "--steps", "7", *args], 1, 2, root)
+  assert_ok(result, out)
+  result, out = _job(["steps", "--restore-steps", "latest", *args], 2, 2, root)
+  assert_ok(result, out)
+  assert_results(out, 2, step=6, tier="elastic")
+  node0 = sorted(p.name for p in (root / "node0").iterdir())
+  assert any(name.startswith(".") and "-6-" in name for name in node0), node0
+  shutil.rmtree(root / "node1")
+  result, out = _job(["steps", "--restore-steps", "latest", *args], 1, 2, root)
+  assert_ok(result, out)
+  assert [fields["latest"] for _, fields in mp_events.events(out.lines, "STEPS")] == ["6"]
+  # Served by node 0's own rank from the set-aside folder (not in place: "peer"), and still
+  # listed after the restore, while its write-back commits.
+  assert_results(out, 1, step=6, tier="peer")
+  assert [fields["latest"] for _, fields in mp_events.events(out.lines, "STEPS-AFTER")] == ["6"]

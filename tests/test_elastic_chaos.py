@@ -4,8 +4,9 @@ One chain of jobs on one set of RAM folders and one persistent folder (a local f
 gs:// on a real GCS JSON-API server on loopback: one chain each). Each job runs on a layout
 drawn at random (1 process x 2 devices, 2 x 1, 2 x 2 or 4 x 1; always two data replicas, and
 state shapes that follow a (data=2, model=2) mesh whatever the job's mesh, so every job's
-state is every other job's on another layout), restores whatever the jobs before it left,
-checks it bit for bit in every process against the state recomputed for that step, then
+state is every other job's on another layout), restores whatever the jobs before it left
+(half of the jobs with `restore(None)`, half with `restore(latest_step())`, Orbax's and
+MaxText's resume, which must give the same step), checks it bit for bit in every process against the state recomputed for that step, then
 saves every step (RAM every step, keep 2; persistent every 4, keep 2) until the test ends it:
 half of the jobs with a SIGKILL to one process a seeded-random 0-40 ms after its
 seeded-random n-th "SAVING" line (3 times in 10, 0-300 ms after it began saving a step the
@@ -184,32 +185,33 @@ class Chain:
 
 
 def _job(chain: Chain, subcommand: str, layout: tuple[int, int], out,
-         extra: tuple[str, ...] = ()) -> warm_start.WarmJob:
+         extra: tuple[str, ...] = (), *, resume: bool) -> warm_start.WarmJob:
   procs, devices = layout
   return warm_start.WarmJob(
       [sys.executable, str(WORKER), subcommand, "--persistent-dir", chain.persistent, *ARGS,
-       *extra], procs, devices_per_process=devices, local_root=chain.root,
+       *extra, *(["--resume-latest"] if resume else [])], procs, devices_per_process=devices, local_root=chain.root,
       env={**child_env(), **chain.env}, output=out)
 
 
 def run_job(chain: Chain, ending: str, victim: int, rng: random.Random,
-            layout: tuple[int, int]):
+            layout: tuple[int, int], resume: bool):
   """One job of the chain, ended as `ending` says: "kill" (SIGKILL to `victim` 0-40 ms after
   its 1st-6th SAVING line, or 3 times in 10 0-300 ms after it began saving a step the
   persistent tier takes), "early" (SIGKILL to `victim` 0-1 s after the job started or
   0-30 ms after its restore returned: in its start, its restore, the restore's write-back or
   its first saves), "term" (SIGTERM to `victim` 0-200 ms after every process is
   training: every process saves on demand and exits) or "restore" (it only restores).
+  `resume`: it restores `latest_step()` by number (Orbax's and MaxText's resume), not None.
   Returns (LaunchResult, its lines, what was done, whether the moment came in time)."""
   out = mp_events.LineCollector()
   if ending == "restore":
-    with _job(chain, "restore", layout, out) as job:
+    with _job(chain, "restore", layout, out, resume=resume) as job:
       job.start()
       return job.wait(timeout_s=TIMEOUT_S), out, "restore only", True
   procs = layout[0]
   if ending == "early":
     delay_s, ready, done = early_moment(rng, victim)
-    with _job(chain, "chaos", layout, out) as job:
+    with _job(chain, "chaos", layout, out, resume=resume) as job:
       job.start()
       seen = strike(job, out, ready, delay_s, victim, signal.SIGKILL, TIMEOUT_S)
       return job.wait(timeout_s=TIMEOUT_S), out, done, seen
@@ -228,7 +230,7 @@ def run_job(chain: Chain, ending: str, victim: int, rng: random.Random,
   else:
     delay_s, ready, done = after_saving_line(rng, victim)
     subcommand, extra, sig = "chaos", (), signal.SIGKILL
-  with _job(chain, subcommand, layout, out, extra) as job:
+  with _job(chain, subcommand, layout, out, extra, resume=resume) as job:
     job.start()
     seen = strike(job, out, ready, delay_s, victim, sig, TIMEOUT_S)
     return job.wait(timeout_s=TIMEOUT_S), out, done, seen
@@ -267,7 +269,10 @@ def test_every_restart_on_any_layout_restores_the_newest_covered_step(tier, shm_
           f"job {iteration} on {procs}x{layout[1]} can restore only {expected}, but the job "
           f"before committed step {floor[0]} on every node ({floor[2]})\n" + "\n".join(summary))
     victim = rng.randrange(procs)
-    result, out, done, seen = run_job(chain, ending, victim, rng, layout)
+    # Drawn apart, so that a seed's chain stays what it was.
+    resume = random.Random(f"resume-{SEED}-{tier}-{iteration}").random() < 0.5
+    result, out, done, seen = run_job(chain, ending, victim, rng, layout, resume)
+    done += ", resumed by restore(latest_step())" if resume else ""
     (tmp_path / f"job{iteration}.log").write_text(out.text())
     context = "\n".join([*summary, f"job {iteration} on {procs}x{layout[1]} expecting "
                          f"{expected}, {done}: {result}", tail(out)])

@@ -117,6 +117,7 @@ class _Ledger:
     self.log.append(("ledger.keep_ram", self.ram))
 
   def add_ram(self, steps):
+    self.ram = tuple(sorted({*self.ram, *steps}))
     self.log.append(("ledger.add_ram", list(steps)))
 
 
@@ -163,8 +164,8 @@ def test_latest_comes_from_ram_first_and_drops_the_abandoned_newer_steps(tmp_pat
   assert rig.restore(None) == "ram-6"
   assert _last(rig) == (6, "local")
   # Recorded (newer RAM steps dropped, in-flight copies landed first) before the write-back.
-  assert rig.log == [("ram.restore", None), ("delete_local", [8]), ("writer.drain",),
-                     ("store.drop_newer", 6), ("ledger.keep_ram", (4, 6)),
+  assert rig.log == [("ram.restore", None), ("ledger.add_ram", [6]), ("delete_local", [8]),
+                     ("writer.drain",), ("store.drop_newer", 6), ("ledger.keep_ram", (4, 6)),
                      ("ram.write_back", "done-6")]
   assert rig.local.steps() == [4, 6]
 
@@ -173,7 +174,7 @@ def test_explicit_ram_step_keeps_newer_steps_and_records_the_result_tier(tmp_pat
   rig = _Rig(tmp_path, results=[_found(4, tier="peer")])
   assert rig.restore(4) == "ram-4"
   assert _last(rig) == (4, "peer")
-  assert rig.log == [("ram.restore", 4), ("ram.write_back", "done-4")]
+  assert rig.log == [("ram.restore", 4), ("ledger.add_ram", [4]), ("ram.write_back", "done-4")]
   assert rig.local.steps() == [4, 6, 8] and rig.ledger.ram == (4, 6, 8)
 
 
@@ -183,8 +184,8 @@ def test_explicit_newest_listed_step_drops_the_leftovers_above_it(tmp_path):
   rig = _Rig(tmp_path, results=[_found(6)], ram=(4, 6))
   assert rig.restore(6) == "ram-6"
   assert _last(rig) == (6, "local")
-  assert rig.log == [("ram.restore", 6), ("delete_local", [8]), ("writer.drain",),
-                     ("store.drop_newer", 6), ("ledger.keep_ram", (4, 6)),
+  assert rig.log == [("ram.restore", 6), ("ledger.add_ram", [6]), ("delete_local", [8]),
+                     ("writer.drain",), ("store.drop_newer", 6), ("ledger.keep_ram", (4, 6)),
                      ("ram.write_back", "done-6")]
   assert rig.local.steps() == [4, 6]
 
@@ -248,7 +249,8 @@ def test_replicator_entry_everyone_names_and_reads_is_restored_from_ram(tmp_path
   assert rig.tiers.replicator_entry is None
   # The entry's step is asked for by number; newer RAM steps belong to the abandoned
   # timeline (kept, the next save of step 8 would raise at every restart).
-  assert rig.log[:3] == [("ram.restore", 6), ("delete_local", [8]), ("writer.drain",)]
+  assert rig.log[:4] == [("ram.restore", 6), ("ledger.add_ram", [6]), ("delete_local", [8]),
+                         ("writer.drain",)]
   assert rig.log[-1] == ("ram.write_back", "done-6")
 
 

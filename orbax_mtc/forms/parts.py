@@ -150,7 +150,8 @@ def build(*, options: CheckpointManagerOptions, local_directory: Path,
         timeout_secs=(options.async_options or ocp.AsyncOptions()).timeout_secs,
         skip_when_busy=options.persistent.skip_backups_when_busy)
     ledger = StepLedger(
-        process_count=process_count, own_steps=local.steps,
+        process_count=process_count,
+        own_steps=lambda: local.saved_counts.of_this_count(local.steps()),
         copies=lambda own: store.servable(own) if peers.enabled else [],
         persistent_steps=persistent.steps,
         listing_groups=lambda: peers.listing_groups(abstract_state, item_args.is_array_target),

@@ -45,6 +45,7 @@ from orbax_mtc.local.format import (
   StepManifest,
   validate_for,
 )
+from orbax_mtc.local.saved_counts import SavedCounts
 from orbax_mtc.local.staging import HostPool, StagedStep
 
 
@@ -260,6 +261,7 @@ class LocalTier:
     self.keep_replicated: int | None = None  # newest step whose peer copies landed: kept too
     self.keep_sending: int | None = None  # the step whose peer copies are going out: kept too
     self.spares = 1  # retired steps kept for the next writes to reuse (their pages)
+    self.saved_counts = SavedCounts(self.directory, process_count, read_manifest)  # whose saves
     self._lock = threading.Lock()  # guards folder renames between writer and main thread
     lowered = priority.initializer(nice_increment)
     self._crc_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtc-crc",
@@ -409,6 +411,7 @@ class LocalTier:
           aside.clear_way(root, staged.step, replace, self.dir_mode, read_manifest)
         os.rename(tmp, final)  # the commit point
         fsync_dir(root)
+        self.saved_counts.record(staged.step, process_count)
     except BaseException:
       shutil.rmtree(tmp, ignore_errors=True)
       raise

@@ -274,20 +274,23 @@ class RamRestore:
             "still has them.", names[0])
 
   def elastic_steps(self) -> list[int]:
-    """Steps saved by a job of another process count that the cluster can rebuild here.
+    """Steps the listing lacks that the cluster can rebuild here: saved by a job of another
+    process count, or held only in set-aside folders (an older layout of this count).
 
-    Collective (the saves round, and a tiers and a cover round only when such folders
-    exist): what `all_steps()` lists besides the steps of this job's own layout, so that
-    `restore(latest_step())` finds them as `restore(None)` does.
+    Collective (the saves round, and a tiers and a cover round only when such saves exist):
+    what `all_steps()` lists besides the steps of this job's own folders, so that
+    `restore(latest_step())` finds every step `restore(None)` can (rule 8: the listing and
+    the saves agreed are the same on every process).
     """
     reduce = self._reduce("listing RAM steps saved on another layout", True)
     mine = census.holdings(self.folders.safe_report(), self._me)
-    foreign = tuple(s for s in census.agree_saves(mine, self._me, reduce, [])
-                    if s[1] != self.count)[:_MAX_CANDIDATES]
-    if not foreign:
+    listed = set(self._ledger.ram)
+    unlisted = tuple(s for s in census.agree_saves(mine, self._me, reduce, [])
+                     if s[0] not in listed)[:_MAX_CANDIDATES]
+    if not unlisted:
       return []
     agreed = census.read_tiers(reduce(reduction.Round(
-        mine, self._me, lambda m, p: census.tiers_parts(m, p, foreign))), foreign)
+        mine, self._me, lambda m, p: census.tiers_parts(m, p, unlisted))), unlisted)
     known, covered = self._facts(mine, agreed)
     covers = census.read_cover(reduce(reduction.Round(
         mine, self._me, lambda m, _: census.cover_parts(m, agreed, known, covered))),

@@ -102,6 +102,9 @@ class TieredRestore:
     re-protected where it is not in place."""
     result = self._ram.restore(step, targets, single)
     if result.found:
+      # Listed from now on, whatever folders served it (another process count's, a set-aside
+      # one): the write-back that makes it this job's own is still on the writer thread.
+      self._ledger.add_ram([result.step])
       self._finish(result.step, tier or result.tier, started, drop_newer=drop_newer)
       self._ram.write_back(result.done)
     return result
