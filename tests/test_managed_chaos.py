@@ -16,7 +16,8 @@ restarted (the volume kept).
 After each job, once every simulator has caught up with the committed steps (its `IDLE` line;
 the real daemon has the minutes a restart takes), the test checks that every committed folder
 verifies and that no node lost a step a returned `save()` had committed. The next job must
-restore exactly the step every simulator names, from the replicator, bit for bit; and unless
+restore exactly the step every simulator names, from the replicator, bit for bit, and
+`latest_step()` (MaxText's resume by number) must have named it too; and unless
 a node was replaced, at least the newest step the job before committed on every node (the
 on-demand step after a SIGTERM) or restored. A last job only restores.
 
@@ -146,6 +147,12 @@ def check_results(out, procs: int, step: int | None, *, every_process: bool) -> 
     assert (fields["step"], fields["tier"]) == want, (
         f"node {node} restored step {fields['step']} from {fields['tier']}, the replicator "
         f"named {step}\n{tail(out)}")
+    # MaxText resumes by restore(latest_step()) in managed mode too: the listing must name
+    # the replicator's step (a step 0 in RAM may be listed where it names none: its entries
+    # cannot name step 0, which means "nothing to restore").
+    assert fields["listed"] in {want[0], *(["0"] if step == 0 else [])}, (
+        f"node {node}: latest_step() was {fields['listed']}, the replicator named {step}\n"
+        f"{tail(out)}")
 
 
 @pytest.mark.parametrize("layout", [(2, 2), (4, 1)], ids=["2x2", "4x1"])

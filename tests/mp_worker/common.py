@@ -115,8 +115,10 @@ def restore_and_check(args, mgr, mesh) -> tuple[int | None, bool]:
   import orbax.checkpoint as ocp
 
   cast = getattr(args, "cast_to", None)
-  # --resume-latest: Orbax's and MaxText's resume idiom, `restore(latest_step())`.
-  wanted = mgr.latest_step() if getattr(args, "resume_latest", False) else None
+  # --resume-latest: Orbax's and MaxText's resume idiom, `restore(latest_step())`. Either
+  # way RESULT says what latest_step() named, which restore(None) must match.
+  listed = mgr.latest_step()
+  wanted = listed if getattr(args, "resume_latest", False) else None
   if args.explicit_args or cast:
     restored = mgr.restore(wanted, args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(item=_cast(abstract_state(mesh, args.rows), cast))))
@@ -140,7 +142,7 @@ def restore_and_check(args, mgr, mesh) -> tuple[int | None, bool]:
   detail = "; ".join(problems)[:2000].replace("\n", " ") or "-"
   seconds = f"{info.seconds:.6f}" if info is not None else "-"
   emit(f"RESULT process={jax.process_index()} step={step} tier={tier} ok={int(ok)} "
-       f"leaves={LEAVES} seconds={seconds} detail={detail}")
+       f"leaves={LEAVES} seconds={seconds} listed={listed} detail={detail}")
   return step, ok and expect_ok
 
 
