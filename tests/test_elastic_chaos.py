@@ -6,8 +6,8 @@ drawn at random (1 process x 2 devices, 2 x 1, 2 x 2 or 4 x 1; always two data r
 state shapes that follow a (data=2, model=2) mesh whatever the job's mesh, so every job's
 state is every other job's on another layout), restores whatever the jobs before it left
 (half of the jobs with `restore(None)`, half with `restore(latest_step())`, Orbax's and
-MaxText's resume, which must give the same step; either way `latest_step()` must have named
-it), checks it bit for bit in every process against the state recomputed for that step, then
+MaxText's resume, which must give the same step; either way `latest_step()` must name it
+before and after), checks it bit for bit in every process against the state recomputed for that step, then
 saves every step (RAM every step, keep 2; persistent every 4, keep 2) until the test ends it:
 half of the jobs with a SIGKILL to one process a seeded-random 0-40 ms after its
 seeded-random n-th "SAVING" line (3 times in 10, 0-300 ms after it began saving a step the
@@ -171,10 +171,11 @@ def check_results(out, procs: int, expected: tuple[int | None, str], *,
     assert (fields["step"], got) == (str(step), kind), (
         f"node {node} restored step {fields['step']} from {tier}, expected step {step} from "
         f"{kind}\n{tail(out)}")
-    # restore(None) and restore(latest_step()) alike: the listing names the step restored.
-    assert fields["listed"] == str(step), (
-        f"node {node}: latest_step() was {fields['listed']} before restoring step {step}\n"
-        f"{tail(out)}")
+    # restore(None) and restore(latest_step()) alike: the listing names the step restored,
+    # before and after (newer leftovers dropped, the step listed while written back).
+    assert (fields["listed"], fields["after"]) == (str(step),) * 2, (
+        f"node {node}: latest_step() was {fields['listed']} before restoring step {step}, "
+        f"{fields['after']} after\n{tail(out)}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,9 +17,9 @@ After each job, once every simulator has caught up with the committed steps (its
 the real daemon has the minutes a restart takes), the test checks that every committed folder
 verifies and that no node lost a step a returned `save()` had committed. The next job must
 restore exactly the step every simulator names, from the replicator, bit for bit, and
-`latest_step()` (MaxText's resume by number) must have named it too; and unless
-a node was replaced, at least the newest step the job before committed on every node (the
-on-demand step after a SIGTERM) or restored. A last job only restores.
+`latest_step()` (MaxText's resume by number) must name it too, before and after; and
+unless a node was replaced, at least the newest step the job before committed on every node
+(the on-demand step after a SIGTERM) or restored. A last job only restores.
 
 ORBAX_MTC_MANAGED_KILLS (jobs ended by a signal, default 6 a chain) and
 ORBAX_MTC_MANAGED_SEED choose the chains; a failure prints the chain so far.
@@ -153,6 +153,8 @@ def check_results(out, procs: int, step: int | None, *, every_process: bool) -> 
     assert fields["listed"] in {want[0], *(["0"] if step == 0 else [])}, (
         f"node {node}: latest_step() was {fields['listed']}, the replicator named {step}\n"
         f"{tail(out)}")
+    assert fields["after"] == want[0], (
+        f"node {node}: latest_step() was {fields['after']} after restoring {step}\n{tail(out)}")
 
 
 @pytest.mark.parametrize("layout", [(2, 2), (4, 1)], ids=["2x2", "4x1"])

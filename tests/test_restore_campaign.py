@@ -5,8 +5,8 @@ its twin the other) saves steps 0..9 to RAM every step (3 kept) and to the persi
 every 4 steps, so the newest step, 9, is in RAM only. Each round starts from a fresh copy of
 its RAM folders, applies one fault drawn at random, restarts, and then restarts once more:
 both restarts must restore step 9 on every process, bit for bit (the worker compares each
-process's shards with the state recomputed for that step), `latest_step()` must have named
-it (so Orbax's resume by number finds the same step), and no process may be left
+process's shards with the state recomputed for that step), `latest_step()` must name
+it before and after (so Orbax's resume by number finds the same step), and no process may be left
 waiting (every job has a bounded timeout). Faults: a wiped node, a flipped byte, a truncated
 data file, a removed or garbled manifest, the two nodes' folders swapped (process ids
 permuted), a restart on another mesh (data=1 x model=4), a kill -9 during the restore, and an
@@ -117,8 +117,9 @@ def _restart(root: pathlib.Path, persistent: pathlib.Path, mesh: list[str], labe
         f"{label}: node {node} restored step {fields['step']} from {fields['tier']} "
         f"(ok={fields['ok']}: {fields['detail']})\n{tail(out)}")
     assert fields["tier"] != "persistent", f"{label}: node {node}\n{tail(out)}"
-    assert fields["listed"] == str(NEWEST), (
-        f"{label}: node {node}: latest_step() was {fields['listed']}\n{tail(out)}")
+    assert (fields["listed"], fields["after"]) == (str(NEWEST),) * 2, (
+        f"{label}: node {node}: latest_step() was {fields['listed']} before the restore, "
+        f"{fields['after']} after\n{tail(out)}")
 
 
 def test_every_restart_restores_the_newest_step_bit_exact_after_any_single_fault(

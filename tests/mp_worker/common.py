@@ -116,7 +116,7 @@ def restore_and_check(args, mgr, mesh) -> tuple[int | None, bool]:
 
   cast = getattr(args, "cast_to", None)
   # --resume-latest: Orbax's and MaxText's resume idiom, `restore(latest_step())`. Either
-  # way RESULT says what latest_step() named, which restore(None) must match.
+  # way RESULT says what latest_step() named before and after, which the campaigns check.
   listed = mgr.latest_step()
   wanted = listed if getattr(args, "resume_latest", False) else None
   if args.explicit_args or cast:
@@ -125,6 +125,7 @@ def restore_and_check(args, mgr, mesh) -> tuple[int | None, bool]:
   else:
     restored = mgr.restore(wanted)
   info = mgr.last_restore
+  after = mgr.latest_step()  # a restore drops the newer leftovers: the step restored
   step, tier = (info.step, info.tier) if info is not None else (None, "?")
   problems: list[str] = []
   if restored is None:
@@ -142,7 +143,7 @@ def restore_and_check(args, mgr, mesh) -> tuple[int | None, bool]:
   detail = "; ".join(problems)[:2000].replace("\n", " ") or "-"
   seconds = f"{info.seconds:.6f}" if info is not None else "-"
   emit(f"RESULT process={jax.process_index()} step={step} tier={tier} ok={int(ok)} "
-       f"leaves={LEAVES} seconds={seconds} listed={listed} detail={detail}")
+       f"leaves={LEAVES} seconds={seconds} listed={listed} after={after} detail={detail}")
   return step, ok and expect_ok
 
 
