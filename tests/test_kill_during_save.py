@@ -104,6 +104,10 @@ def check_results(out, nprocs: int, expected) -> None:
     assert (fields["step"], fields["tier"]) == (str(expected[0]), expected[1][node]), (
         f"node {node} restored step {fields['step']} from {fields['tier']}, expected step "
         f"{expected[0]} from {expected[1][node]}\n{tail(out)}")
+    # Orbax's resume by number finds it too, and nothing newer stays listed after.
+    assert (fields["listed"], fields["after"]) == (str(expected[0]),) * 2, (
+        f"node {node}: latest_step() was {fields['listed']} before restoring step "
+        f"{expected[0]}, {fields['after']} after\n{tail(out)}")
 
 
 def node_steps(root: pathlib.Path, nprocs: int) -> list[list[int]]:
