@@ -177,3 +177,24 @@ def test_a_restore_census_names_the_steps_asked_for_when_they_differ():
       "restore() was called with different steps on different processes: process 0: None, "
       "process 1 and 1 other process(es): 7. Every process must restore the same step; use "
       "step = mgr.latest_step(), which is the same on every process.")
+
+
+def test_a_listing_cuts_its_tiers_rounds_to_a_bounded_size():
+  """The listing (`elastic_steps`) examines every unlisted save: in rounds of at most
+  TIERS_ROUND_BYTES, or one save where one is larger, in order, none lost or repeated."""
+  saves = [(9, 3, 1), (9, 5, 2), (8, 4, 3), (7, 2, 4)]
+  assert census.tiers_batches(saves, budget=8) == [((9, 3, 1), (9, 5, 2)), ((8, 4, 3), (7, 2, 4))]
+  assert census.tiers_batches(saves, budget=4) == [((9, 3, 1),), ((9, 5, 2),), ((8, 4, 3),),
+                                                   ((7, 2, 4),)]
+  assert census.tiers_batches([]) == []
+  # 62 saves of 100,000 hosts each (the most a listing examines): two a round, about
+  # 0.4 MiB received per process; 62 saves of 1,000 hosts share one round.
+  hosts = 100_000
+  big = [(s, hosts, s) for s in range(62)]
+  batches = census.tiers_batches(big)
+  assert [len(b) for b in batches] == [2] * 31
+  assert max(reduction.received_bytes(sum(s[1] for s in b), hosts) for b in batches) < 1 << 20
+  assert census.tiers_batches([(1, 10 * hosts, 1)]) == [((1, 10 * hosts, 1),)]
+  small = census.tiers_batches([(s, 1_000, s) for s in range(62)])
+  assert [s for b in small for s in b] == [(s, 1_000, s) for s in range(62)]
+  assert len(small) == 1 and sum(s[1] for s in small[0]) <= census.TIERS_ROUND_BYTES

@@ -48,6 +48,7 @@ FIRST_BUCKETS = 16
 MAX_BUCKETS = 4096
 MAX_SAVE_ROUNDS = 8
 MAX_COUNT = 1 << 24  # a save of more saved ranks is no candidate (reports hold no such)
+TIERS_ROUND_BYTES = 256 << 10  # a listing's tiers round: about 0.5 MiB received, ring all-reduce
 _FIELDS = 5  # step (two halves), count, digest (two 16-bit halves)
 
 
@@ -187,6 +188,21 @@ def tiers_parts(mine: Mine, me: int, saves: Sequence[Save]) -> Parts:
       parts.flags[at + rank] = 2 * max(TIER[k] for k in kinds) + (rank == me)
     at += save[1]
   return parts
+
+
+def tiers_batches(saves: Sequence[Save], budget: int = TIERS_ROUND_BYTES
+                  ) -> list[tuple[Save, ...]]:
+  """`saves` in order, cut so that each tiers round's vector (a byte per saved rank) stays
+  within `budget` bytes, or holds one save where a single save is larger: a listing that
+  examines many saves at once then receives no more per round at 100,000 hosts."""
+  batches: list[tuple[Save, ...]] = []
+  batch: list[Save] = []
+  for save in saves:
+    if batch and sum(s[1] for s in batch) + save[1] > budget:
+      batches.append(tuple(batch))
+      batch = []
+    batch.append(save)
+  return [*batches, tuple(batch)] if batch else batches
 
 
 def read_tiers(reduced: Parts, saves: Sequence[Save]) -> list[Agreed]:

@@ -287,15 +287,16 @@ class RamRestore:
     listed = set(self._ledger.ram)
     unlisted = tuple(s for s in census.agree_saves(mine, self._me, reduce, [])
                      if s[0] not in listed)[:_MAX_CANDIDATES]
-    if not unlisted:
-      return []
-    agreed = census.read_tiers(reduce(reduction.Round(
-        mine, self._me, lambda m, p: census.tiers_parts(m, p, unlisted))), unlisted)
-    known, covered = self._facts(mine, agreed)
-    covers = census.read_cover(reduce(reduction.Round(
-        mine, self._me, lambda m, _: census.cover_parts(m, agreed, known, covered))),
-        len(agreed))
-    return sorted({a.step for a, c in zip(agreed, covers, strict=True) if c.covered})
+    steps: set[int] = set()
+    for batch in census.tiers_batches(unlisted):  # bounded rounds, whatever the host count
+      agreed = census.read_tiers(reduce(reduction.Round(
+          mine, self._me, lambda m, p, b=batch: census.tiers_parts(m, p, b))), batch)
+      known, covered = self._facts(mine, agreed)
+      covers = census.read_cover(reduce(reduction.Round(
+          mine, self._me, lambda m, _, a=agreed, k=known, c=covered:
+          census.cover_parts(m, a, k, c))), len(agreed))
+      steps |= {a.step for a, c in zip(agreed, covers, strict=True) if c.covered}
+    return sorted(steps)
 
   def _settle(self, step: int, restored: dict[str, Any]) -> dict[str, Any]:
     """Sets the saved iterator states, now that every process has built the step; a state an
