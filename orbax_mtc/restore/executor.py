@@ -282,7 +282,7 @@ class RamRestore:
     `restore(latest_step())` finds every step `restore(None)` can (rule 8: the listing and
     the saves agreed are the same on every process).
     """
-    reduce = self._reduce("listing RAM steps saved on another layout", True)
+    reduce = self._reduce("listing RAM steps the step agreements lack", True)
     mine = census.holdings(self.folders.safe_report(), self._me)
     listed = set(self._ledger.ram)
     unlisted = tuple(s for s in census.agree_saves(mine, self._me, reduce, [])
