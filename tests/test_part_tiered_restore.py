@@ -297,10 +297,8 @@ def test_replicator_entry_zero_without_persistent_steps_starts_from_scratch(tmp_
 
 
 def test_replicator_entry_is_honoured_once_and_only_by_restore_none(tmp_path):
-  rig = _Rig(tmp_path, results=[_found(4), _found(6), _found(6)])
+  rig = _Rig(tmp_path, results=[_found(6), _found(6)])
   rig.tiers.replicator_entry = 6
-  assert rig.restore(4) == "ram-4"  # an explicit step leaves the entry for restore(None)
-  assert rig.tiers.replicator_entry == 6 and rig.agreed == []
   assert rig.restore(None) == "ram-6" and _last(rig) == (6, "replicator")
   assert rig.restore(None) == "ram-6" and _last(rig) == (6, "local")
   assert len(rig.agreed) == 1
@@ -329,3 +327,16 @@ def test_persistent_restore_is_given_composite_args_for_named_items(tmp_path):
   (rig.persistent.step_directory(4) / "state").mkdir()
   assert rig.tiers.restore(4, {"state": None}, False) == "persistent-4"
   assert ("persistent.restore", 4, ocp.args.Composite) in rig.log
+
+
+def test_an_explicit_restore_ends_the_replicator_entry(tmp_path):
+  """MaxText resumes by `restore(latest_step())` in managed mode: a later restore(None) (the
+  job has saved since) must plan as usual, not go back to the entry's step and drop the
+  newer ones."""
+  rig = _Rig(tmp_path, results=[_found(8), _found(8)], entries=[agreement.EntryRecord(6, True)])
+  rig.tiers.replicator_entry = 6
+  assert rig.restore(8) == "ram-8"
+  assert rig.tiers.replicator_entry is None
+  assert rig.restore(None) == "ram-8"
+  assert rig.agreed == []  # no entry agreement
+  assert rig.local.steps() == [4, 6, 8]

@@ -234,6 +234,9 @@ class MultiTierForm:
            force: bool | None = False, args: Any = None,
            custom_metadata: dict[str, Any] | None = None) -> bool:
     del save_kwargs  # Orbax's legacy per-item kwargs: none of our tiers takes them
+    # Managed: a job that trains on without restoring the replicator's entry never goes back
+    # to it (a later restore(None) takes the newest step, not the entry's).
+    self.tiers.replicator_entry = None
     started = time.monotonic()
     action = None
     try:

@@ -68,7 +68,7 @@ class TieredRestore:
     self._ledger = ledger
     self._delete_local = delete_local
     self._summarize = summarize
-    self.replicator_entry: int | None = None  # managed: the entry, until restore(None)
+    self.replicator_entry: int | None = None  # managed: the entry, until a restore or save
     self._listed: set[int] = set()  # the agreed steps as the current restore began
     self.last: RestoreInfo | None = None
 
@@ -93,6 +93,10 @@ class TieredRestore:
     self._listed = {*self._ledger.ram, *self._ledger.persistent}
     if step is None and self.replicator_entry is not None:
       return self._from_replicator_entry(targets, single, started)
+    # An explicit restore (MaxText's `restore(latest_step())` in managed mode too) takes the
+    # place of the first one: a later restore(None) must not go back to the entry's step
+    # and drop what the job saved since.
+    self.replicator_entry = None
     return self._restore(step, targets, single, started)
 
   def _from_ram(self, step: int | None, targets: dict[str, Any], single: bool | None,
