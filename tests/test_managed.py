@@ -245,3 +245,28 @@ def test_a_restart_from_an_older_entry_drops_the_abandoned_newer_step(tmp_path, 
                            "--expect-tier", "replicator"], 2, shm_root, timeout_s=120)
   assert_ok(result, out)
   assert_results(out, 2, step=7, tier="replicator")
+
+
+@pytest.mark.parametrize("first", ["resume-by-number", "no-restore"])
+def test_a_later_restore_never_goes_back_to_the_replicators_entry(first, tmp_path, shm_root):
+  """The replicator names step 8. The job either resumes by `restore(latest_step())`
+  (MaxText's idiom) or trains on without restoring, saves 9-11, then calls restore(None): it
+  must restore 11. The entry stayed pending: restore(None) took the job back to step 8 and
+  deleted 9-11, which it had saved since."""
+  backup = tmp_path / "backup"
+  common = [*_common(tmp_path), "--local-interval", "1", "--local-keep", "5"]
+  with simulators(shm_root, backup, 2):
+    result, out = run_job(["save", *common, "--steps", "9"], 2, shm_root, timeout_s=120)
+    assert_ok(result, out)
+  with simulators(shm_root, backup, 2) as sims:
+    how = (["--restore-first", "--resume-latest", "--expect-step", "8"]
+           if first == "resume-by-number" else ["--start", "9"])
+    result, out = run_job(["save", *common, *how, "--steps", "12", "--restore-after"], 2,
+                          shm_root, timeout_s=120)
+    assert_ok(result, out)
+    assert [s.events("RESTORE")[-1]["step"] for s in sims] == ["8", "8"]
+  again = mp_events.events(out.lines, "AGAIN")
+  assert sorted(n for n, _ in again) == [0, 1], tail(out)
+  for _, fields in again:
+    assert (fields["step"], fields["ok"]) == ("11", "1"), tail(out)
+    assert fields["all"].split(",")[-3:] == ["9", "10", "11"], tail(out)

@@ -139,6 +139,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--start", type=int, default=0)
   p.add_argument("--steps", type=int, required=True, help="save steps [start, steps)")
   p.add_argument("--restore-first", action="store_true")
+  p.add_argument("--restore-after", action="store_true",
+                 help="restore(None) once the saves are done (an AGAIN line)")
   p.add_argument("--die-at-step", type=int, default=None)
   p.add_argument("--die-process", type=int, default=1)
   p.add_argument("--count-rounds", action="store_true",

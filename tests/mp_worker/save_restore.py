@@ -40,8 +40,24 @@ def cmd_save(args) -> int:
       step, ok = restore_and_check(args, mgr, mesh)
       start = 0 if step is None else step + 1
     save_loop(args, mgr, mesh, start, args.steps)
+    if args.restore_after:
+      _restore_again(args, mgr, mesh)
   emit("DONE")
   return 0 if ok else EXIT_MISMATCH
+
+
+def _restore_again(args, mgr, mesh) -> None:
+  """restore(None) once the saves are done (AGAIN: the step, the listing after, its check)."""
+  import jax
+  import orbax.checkpoint as ocp
+
+  mgr.wait_until_finished()
+  restored = mgr.restore(None, args=ocp.args.Composite(
+      state=ocp.args.PyTreeRestore(item=abstract_state(mesh, args.rows))))
+  step = mgr.last_restore.step
+  problems = compare_state(restored.state, make_state(mesh, args.rows, args.seed, step))
+  emit(f"AGAIN process={jax.process_index()} step={step} all={fmt(mgr.all_steps())} "
+       f"ok={int(not problems)}")
 
 
 def cmd_restore(args) -> int:
