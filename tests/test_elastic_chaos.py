@@ -7,10 +7,10 @@ state shapes that follow a (data=2, model=2) mesh whatever the job's mesh, so ev
 state is every other job's on another layout), restores whatever the jobs before it left
 (half of the jobs with `restore(None)`, half with `restore(latest_step())`, Orbax's and
 MaxText's resume, which must give the same step; either way `latest_step()` must name it
-before and after), checks it bit for bit in every process against the state recomputed for that step, then
-saves every step (RAM every step, keep 2; persistent every 4, keep 2) until the test ends it:
-half of the jobs with a SIGKILL to one process a seeded-random 0-40 ms after its
-seeded-random n-th "SAVING" line (3 times in 10, 0-300 ms after it began saving a step the
+before and after), checks it bit for bit in every process against the state recomputed for
+that step, then saves every step (RAM every step, keep 2; persistent every 4, keep 2) until
+the test ends it: half of the jobs with a SIGKILL to one process a seeded-random 0-40 ms
+after its seeded-random n-th "SAVING" line (3 times in 10, 0-300 ms after it began saving a step the
 persistent tier takes, so that backups are cut too), a quarter with a SIGKILL 0-1 s after
 the job started or 0-30 ms after the process's restore returned (in its start, its restore,
 the restore's write-back or its first saves), a quarter with a SIGTERM to one process once
@@ -195,8 +195,9 @@ def _job(chain: Chain, subcommand: str, layout: tuple[int, int], out,
   procs, devices = layout
   return warm_start.WarmJob(
       [sys.executable, str(WORKER), subcommand, "--persistent-dir", chain.persistent, *ARGS,
-       *extra, *(["--resume-latest"] if resume else [])], procs, devices_per_process=devices, local_root=chain.root,
-      env={**child_env(), **chain.env}, output=out)
+       *extra, *(["--resume-latest"] if resume else [])], procs,
+      devices_per_process=devices, local_root=chain.root, env={**child_env(), **chain.env},
+      output=out)
 
 
 def run_job(chain: Chain, ending: str, victim: int, rng: random.Random,

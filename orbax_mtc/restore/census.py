@@ -197,11 +197,13 @@ def tiers_batches(saves: Sequence[Save], budget: int = TIERS_ROUND_BYTES
   examines many saves at once then receives no more per round at 100,000 hosts."""
   batches: list[tuple[Save, ...]] = []
   batch: list[Save] = []
+  size = 0  # bytes of `batch`'s vector
   for save in saves:
-    if batch and sum(s[1] for s in batch) + save[1] > budget:
+    if batch and size + save[1] > budget:
       batches.append(tuple(batch))
-      batch = []
+      batch, size = [], 0
     batch.append(save)
+    size += save[1]
   return [*batches, tuple(batch)] if batch else batches
 
 
