@@ -270,3 +270,26 @@ def test_a_later_restore_never_goes_back_to_the_replicators_entry(first, tmp_pat
   for _, fields in again:
     assert (fields["step"], fields["ok"]) == ("11", "1"), tail(out)
     assert fields["all"].split(",")[-3:] == ["9", "10", "11"], tail(out)
+
+
+
+def test_a_step_0_every_node_holds_is_restored_though_no_entry_can_name_it(tmp_path, shm_root):
+  """The job saved step 0 only: the replicator's entries cannot name it (step 0 means
+  "nothing to restore"), but every node holds it, `latest_step()` lists it and MaxText's
+  resume by number restores it. restore(None) must restore it too: it started from scratch
+  and deleted it."""
+  backup = tmp_path / "backup"
+  with simulators(shm_root, backup, 2):
+    result, out = run_job(["save", *_common(tmp_path), "--steps", "1"], 2, shm_root,
+                          timeout_s=120)
+    assert_ok(result, out)
+  with simulators(shm_root, backup, 2) as sims:
+    result, out = run_job(["restore", *_common(tmp_path), "--expect-step", "0"], 2, shm_root,
+                          timeout_s=120)
+    assert [s.events("RESTORE")[-1]["step"] for s in sims] == ["0", "0"]
+  assert_ok(result, out)
+  assert_results(out, 2, step=0, tier="local")
+  for node, fields in mp_events.parse_results(out.lines).items():
+    assert (fields["listed"], fields["after"]) == ("0", "0"), (node, tail(out))
+  assert [(shm_root / f"node{n}" / "0" / "manifest.json").is_file() for n in (0, 1)] == \
+      [True, True]

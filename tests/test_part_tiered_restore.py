@@ -278,22 +278,35 @@ def test_replicator_entry_not_agreed_uses_the_usual_plan(tmp_path, mine, local, 
   assert [e for e in rig.log if e[0] == "ram.restore"] == [("ram.restore", None)]
 
 
-def test_replicator_entry_zero_takes_the_newest_agreed_persistent_step(tmp_path):
-  rig = _Rig(tmp_path, persistent=(2, 4), entries=[agreement.EntryRecord(0, False)])
+def test_replicator_entry_zero_restores_the_newest_step_the_cluster_holds(tmp_path):
+  """Entries saying "nothing" (a step 0 they cannot name, a daemon that lags) leave the
+  cluster's RAM steps to the usual plan, which `latest_step()` lists: starting from scratch
+  or from an older persistent step dropped them."""
+  rig = _Rig(tmp_path, results=[_found(8)], persistent=(2, 4),
+             entries=[agreement.EntryRecord(0, False)])
+  rig.tiers.replicator_entry = 0
+  assert rig.restore(None) == "ram-8"
+  assert _last(rig) == (8, "local")
+  assert [e for e in rig.log if e[0] == "ram.restore"] == [("ram.restore", None)]
+  assert rig.local.steps() == [4, 6, 8]  # nothing dropped
+  assert rig.tiers.replicator_entry is None
+
+
+def test_replicator_entry_zero_without_ram_steps_takes_the_newest_persistent_step(tmp_path):
+  rig = _Rig(tmp_path, results=[_missed(persistent_step=4)], local=(), ram=(),
+             entries=[agreement.EntryRecord(0, False)])
   rig.tiers.replicator_entry = 0
   assert rig.restore(None) == "persistent-4"
   assert _last(rig) == (4, "persistent")
-  assert not any(e[0] == "ram.restore" for e in rig.log)  # RAM is not asked
-  assert ("delete_local", [6, 8]) in rig.log and ("store.drop_newer", 4) in rig.log
+  assert ("persistent.restore", 4, _JSON) in rig.log
 
 
-def test_replicator_entry_zero_without_persistent_steps_starts_from_scratch(tmp_path):
-  rig = _Rig(tmp_path, persistent=())
+def test_replicator_entry_zero_with_nothing_anywhere_starts_from_scratch(tmp_path):
+  rig = _Rig(tmp_path, results=[_missed()], local=(), ram=(), persistent=())
   rig.tiers.replicator_entry = 0
   assert rig.restore(None) is None
   assert _last(rig) == (None, "none")
-  assert not any(e[0] == "ram.restore" for e in rig.log)
-  assert ("delete_local", [4, 6, 8]) in rig.log and ("store.drop_newer", -1) in rig.log
+  assert ("store.drop_newer", -1) in rig.log
 
 
 def test_replicator_entry_is_honoured_once_and_only_by_restore_none(tmp_path):

@@ -146,12 +146,11 @@ class TieredRestore:
                               drop_newer=True)
       if result.found:
         return result.value
-    elif entry == 0:  # the replicator has nothing: the persistent tier, else scratch
-      if self._ledger.persistent:
-        return self._from_persistent(self._ledger.persistent[-1], targets, single, started,
-                                     drop_newer=True)
-      self._from_scratch(started)
-      return None
+    # The usual plan where the entries disagree, cannot be read, or say "nothing" (0): an
+    # entry cannot name step 0, and a daemon that lags names nothing while every node still
+    # holds a step. So the newest step the cluster holds, as `latest_step()` lists it (a
+    # resume by number agrees) and as Orbax's replicator manager restores its latest step;
+    # starting from scratch dropped those steps.
     return self._restore(None, targets, single, started)
 
   def _from_persistent(self, step: int, targets: dict[str, Any], single: bool | None,
