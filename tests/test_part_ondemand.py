@@ -119,6 +119,9 @@ class _Peers:
   def retire_landing(self):
     return None
 
+  def drop_step(self, step):
+    self.log.append(("peers.drop_step", step))
+
   def settle(self, failed=None):
     pass
 
@@ -216,6 +219,9 @@ def test_the_step_goes_to_ram_then_to_peers_then_to_the_persistent_tier(rig):
            ("backups.drop_pending", "an on-demand checkpoint"), ("backups.poll", True),
            ("agree", _WHAT), ("backups.start", 7), ("backups.poll", True)]  # waited for
   assert [e for e in r.log if e in order] == order
+  # Copies of an on-demand step held here are of the same state (an earlier save of it
+  # failed elsewhere): kept, unlike a regular save's.
+  assert ("peers.drop_step", 7) not in r.log
   (vote,) = r.cluster.votes()
   assert vote.wants_backup and vote.in_budget and not vote.fault.present
   assert record.step == 7 and record.persistent and record.budget_seconds == 3600.0

@@ -88,6 +88,9 @@ class _Peers:
     self.log.append("peers.retire_landing")
     return None
 
+  def drop_step(self, step):
+    self.log.append(("peers.drop_step", step))
+
   def settle(self, failed=None):
     self.log.append("peers.settle")
 
@@ -306,6 +309,8 @@ def test_a_step_orbax_just_saved_is_mirrored_into_ram(rig, mesh):
   r.persistent.listed = [4]  # the parent-style form: Orbax's save wrote it a moment ago
   r.save(4, make_state(mesh), parent_saved=True)
   assert r.local.steps() == [4] and ("peers.schedule", 4) in r.log
+  # A copy of step 4 held here is of a timeline the job left: gone before the write.
+  assert r.log.index(("peers.drop_step", 4)) < r.log.index(("local.write", 4))
   assert _save_records(r)[0][1].has_step_persistent
 
 
@@ -452,6 +457,7 @@ def test_an_ondemand_step_in_some_folders_is_written_again_everywhere(rig, mesh,
   assert steps == [("local.write", 4)] + (
       [("local.replace", 4, aside.REPLACED)] if held_here else [])
   assert r.local.steps() == [2, 4] and ("peers.schedule", 4) in r.log
+  assert ("peers.drop_step", 4) not in r.log  # copies of the same state: kept
 
 
 def test_a_save_that_cannot_be_staged_lists_no_step(rig, mesh):

@@ -291,6 +291,14 @@ class PeerCopies:
     if replicator.finished_steps:
       self._drop_stale_sources(wait=block)
 
+  def drop_step(self, step: int) -> None:
+    """At a local save of `step`, before its write: removes the copies of it held here,
+    which are of a timeline the job left (a leftover the save replaces)."""
+    try:
+      self._store.delete_step(step)
+    except OSError as e:  # this process's alone: a restore still verifies what it reads
+      logging.warning("orbax-mtc: removing the old copies of step %d: %s", step, e)
+
   def retire_landing(self) -> bool | None:
     """At a local save, before its agreement: hands the last chunks of the copies issued
     earlier to the writer; whether they failed here (None: none landing), for the census."""

@@ -184,6 +184,11 @@ class RamSaver:
       replace = None
       if step in own:
         replace = aside.REPLACED if ondemand else aside.DAMAGED if parent_saved else None
+      if not ondemand:
+        # So is a copy of the step held here (this step's own copies go out after its
+        # commit): kept until they land, a restore of the step that needs a lost node's
+        # shards took them from the old timeline beside the other nodes' new ones.
+        self._peers.drop_step(step)
       self._writer.write(staged, replace=replace)
     if backup_wanted:
       self._backups.schedule(step, args, trees, jsons, metrics, custom_metadata, now,

@@ -156,6 +156,12 @@ def _parser() -> argparse.ArgumentParser:
 
   p = _common(sub.add_parser("parent-resume"))
   p.add_argument("--steps", type=int, required=True, help="save steps up to this one")
+  p.add_argument("--phase", choices=FAULT_PHASES, default=None, help="as fault's")
+  p.add_argument("--die-after", type=int, default=None,
+                 help="every process SIGKILLs itself once this step is committed in its RAM "
+                 "folder and the persistent folder, before the next save")
+  p.add_argument("--fault-process", type=int, default=1)
+  p.add_argument("--fault-step", type=int, default=None)
   p.set_defaults(fn=plain.cmd_parent_resume, **no_dying)
 
   p = _common(sub.add_parser("steps"))

@@ -39,6 +39,8 @@ uses the manager's public API:
                         undo is called)
   transient_device_put  jax.device_put (replaced until the returned undo is called)
   exit_at_first_write   LocalTier.write (replaced: the process ends as it starts)
+  die_once_committed    the process SIGKILLs itself once a RAM step folder and a persistent
+                        step are committed (bounded wait on their files)
   faster_gcsfs_retries  gcsfs.retry's asyncio.sleep (scaled: its backoff between retries
                         of a refused request)
 """
@@ -471,3 +473,16 @@ def faster_gcsfs_retries(scale: float) -> None:
 
   retry.asyncio = types.SimpleNamespace(
       sleep=lambda seconds, *a, **k: asyncio.sleep(seconds * scale, *a, **k))
+
+
+def die_once_committed(ram_step: pathlib.Path, persistent_step: pathlib.Path,
+                       timeout_s: float = 60.0) -> None:
+  """SIGKILLs this process once `ram_step` holds its manifest and Orbax has committed
+  `persistent_step` (its final name exists); raises TimeoutError after `timeout_s`."""
+  deadline = time.monotonic() + timeout_s
+  while not ((ram_step / "manifest.json").is_file() and persistent_step.is_dir()):
+    if time.monotonic() > deadline:
+      raise TimeoutError(f"{ram_step} or {persistent_step} not committed in {timeout_s} s")
+    time.sleep(0.01)  # polls the files the background threads commit: they signal nothing
+  emit(f"DYING process=self after={ram_step.name}")
+  os.kill(os.getpid(), signal.SIGKILL)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from orbax_mtc import testing
 
+from . import hooks
 from .common import (
   EXIT_MISMATCH,
   abstract_state,
@@ -256,8 +257,10 @@ def cmd_reduce(args) -> int:
 def cmd_parent_resume(args) -> int:
   """The parent-style form (`ocp.CheckpointManager`'s constructor plus a RAM tier) resumed as
   Orbax users do: `restore(latest_step())` (compared, RESULT), then save every step up to
-  --steps (SAVING/SAVED lines)."""
+  --steps (SAVING/SAVED lines); --phase injects a fault as the fault sub-command does.
+  --die-after: killed before that step's peer copies start (they start at the next save)."""
   import os
+  import pathlib
 
   import jax
   import orbax.checkpoint as ocp
@@ -272,6 +275,8 @@ def cmd_parent_resume(args) -> int:
       args.persistent_dir, options=ocp.CheckpointManagerOptions(save_interval_steps=1,
                                                                 max_to_keep=3),
       local_directory=os.environ["ORBAX_MTC_LOCAL_DIR"])
+  if args.phase is not None:
+    hooks.install_fault(args, mgr, me)
   ok = True
   with mgr:
     latest = mgr.latest_step()
@@ -289,6 +294,9 @@ def cmd_parent_resume(args) -> int:
       saved = mgr.save(step, args=ocp.args.StandardSave(make_state(mesh, args.rows, args.seed,
                                                                    step)))
       emit(f"SAVED step={step} saved={int(saved)}")
+      if step == args.die_after:
+        hooks.die_once_committed(pathlib.Path(os.environ["ORBAX_MTC_LOCAL_DIR"]) / str(step),
+                                 pathlib.Path(args.persistent_dir) / str(step))
     mgr.wait_until_finished()
   emit("DONE")
   return 0 if ok else EXIT_MISMATCH
