@@ -146,11 +146,10 @@ class TieredRestore:
                               drop_newer=True)
       if result.found:
         return result.value
-    # The usual plan where the entries disagree, cannot be read, or say "nothing" (0): an
-    # entry cannot name step 0, and a daemon that lags names nothing while every node still
-    # holds a step. So the newest step the cluster holds, as `latest_step()` lists it (a
-    # resume by number agrees) and as Orbax's replicator manager restores its latest step;
-    # starting from scratch dropped those steps.
+    # The usual plan where the entries disagree, cannot be read, or say "nothing" (0; an
+    # entry cannot name step 0, which every node may hold): the newest step the cluster
+    # holds, as `latest_step()` lists it (a resume by number agrees) and as Orbax's
+    # replicator manager restores its latest local step. Starting from scratch dropped it.
     return self._restore(None, targets, single, started)
 
   def _from_persistent(self, step: int, targets: dict[str, Any], single: bool | None,
