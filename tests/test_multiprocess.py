@@ -356,29 +356,6 @@ def test_parent_style_resume_over_a_step_one_node_alone_committed(node1, shm_roo
 
 
 
-def test_a_parent_style_save_over_a_leftover_drops_its_old_peer_copy(shm_root, tmp_path):
-  """Run A (seed 1) saved steps 0-6 with peer copies (no replicas: node 1 holds node 0's).
-  Run B (seed 2, a new persistent folder: nothing restored) saves 0-6 and is killed once
-  step 6 is committed, before its copies start (at the next save). Node 0 is replaced: the
-  restore of B's step 6 must not take node 0's shards from node 1's copy of run A's step 6
-  (it did, beside node 1's own shards of run B's: a state of two timelines, every checksum
-  valid)."""
-  old, new = tmp_path / "a", tmp_path / "b"
-  args = ["--replicas", "1", "--rows", "64"]
-  result, out = run_job(["parent-resume", "--steps", "7", "--seed", "1",
-                         "--persistent-dir", str(old), *args], 2, shm_root)
-  assert_ok(result, out)
-  assert (shm_root / "node1" / "peers" / "0" / "6" / "manifest.json").is_file()
-  crash, out = run_job(["parent-resume", "--steps", "8", "--seed", "2", "--die-after", "6",
-                        "--persistent-dir", str(new), *args], 2, shm_root)
-  assert crash.returncodes == [137, 137], (crash, tail(out))
-  shutil.rmtree(shm_root / "node0")
-  result, out = run_job(["parent-resume", "--steps", "7", "--seed", "2", "--persistent-dir",
-                         str(new), *args], 2, shm_root)
-  assert_ok(result, out)
-  assert_results(out, 2, step=6, tier="persistent")
-
-
 def test_restart_from_scratch_drops_abandoned_local_steps(shm_root, tmp_path):
   """A restart that restores nothing must not keep (or later restore) the old local steps.
 

@@ -7,7 +7,11 @@ resumes as Orbax users do, `restore(latest_step())`, checks the state bit for bi
 process, then saves every step until the test SIGKILLs one process: 0-40 ms after its
 seeded-random n-th "SAVING" line (three jobs in four), or 0-1 s after the start (in the
 restore, the drop of what it abandoned, the first saves). Between jobs one node's RAM folder
-may be deleted (node replaced) or two nodes' folders exchanged (ids permuted).
+may be deleted (node replaced) or two nodes' folders exchanged (ids permuted), or a new run
+begins over the RAM folders: a fresh persistent folder and another state (seed), nothing
+restored, its first step two below the old run's newest, so that it saves over the old
+run's steps and their peer copies. One chain with two data replicas (twins), one without
+(each node's copy on the next node).
 
 The parent decides: each job must restore the newest step Orbax committed in the persistent
 folder (from RAM when the cluster holds it, else Orbax reads it), and after each kill every
@@ -19,6 +23,7 @@ ORBAX_MTC_PARENT_KILLS (default 6) and ORBAX_MTC_PARENT_SEED choose the chain.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import random
@@ -36,7 +41,7 @@ KILLS = int(os.environ.get("ORBAX_MTC_PARENT_KILLS", "6"))
 SEED = int(os.environ.get("ORBAX_MTC_PARENT_SEED", "20261129"))
 TIMEOUT_S = 120
 PROCS = 2
-FAULT_CYCLE = ("none", "replace", "none", "swap")
+FAULT_CYCLE = ("none", "replace", "none", "swap", "new-run")
 pytestmark = pytest.mark.timeout(60 + (KILLS + 1) * 2 * TIMEOUT_S)
 
 
@@ -47,13 +52,22 @@ def orbax_latest(persistent: pathlib.Path) -> int | None:
   return max(steps, default=None)
 
 
-def run_job(root: pathlib.Path, persistent: pathlib.Path, ending: str, victim: int,
+@dataclasses.dataclass
+class Run:
+  """One training run: its persistent folder, state seed and first step."""
+  persistent: pathlib.Path
+  seed: int = 5
+  start: int = 0
+
+
+def run_job(root: pathlib.Path, run: Run, replicas: int, ending: str, victim: int,
             rng: random.Random):
   """One job ended as `ending` says; (LaunchResult, lines, what was done, in time)."""
   out = mp_events.LineCollector()
   job = warm_start.WarmJob(
-      [sys.executable, str(WORKER), "parent-resume", "--persistent-dir", str(persistent),
-       "--rows", "16384", "--seed", "5", "--steps", "100000" if ending != "restore" else "0"],
+      [sys.executable, str(WORKER), "parent-resume", "--persistent-dir", str(run.persistent),
+       "--rows", "16384", "--seed", str(run.seed), "--start", str(run.start), "--replicas",
+       str(replicas), "--steps", "100000" if ending != "restore" else "0"],
       PROCS, devices_per_process=2, local_root=root, env=child_env(), output=out)
   with job:
     job.start()
@@ -68,9 +82,10 @@ def run_job(root: pathlib.Path, persistent: pathlib.Path, ending: str, victim: i
     return job.wait(timeout_s=TIMEOUT_S), out, done, seen
 
 
-def test_every_resume_restores_orbaxs_latest_step_bit_for_bit(shm_root, tmp_path):
-  rng = random.Random(f"parent-chaos-{SEED}")
-  persistent = tmp_path / "persistent"
+@pytest.mark.parametrize("replicas", [2, 1], ids=["twins", "next-node"])
+def test_every_resume_restores_orbaxs_latest_step_bit_for_bit(shm_root, tmp_path, replicas):
+  rng = random.Random(f"parent-chaos-{SEED}-{replicas}")
+  run = Run(tmp_path / "persistent")
   endings = [("kill", "early", "kill", "kill")[i % 4] for i in range(KILLS)]
   rng.shuffle(endings)
   faults = [FAULT_CYCLE[i % len(FAULT_CYCLE)] for i in range(KILLS)]
@@ -78,9 +93,9 @@ def test_every_resume_restores_orbaxs_latest_step_bit_for_bit(shm_root, tmp_path
   summary: list[str] = []
   tiers: set[str] = set()
   for iteration, ending in enumerate([*endings, "restore"]):
-    expected = orbax_latest(persistent)
+    expected = orbax_latest(run.persistent)
     victim = rng.randrange(PROCS)
-    result, out, done, seen = run_job(shm_root, persistent, ending, victim, rng)
+    result, out, done, seen = run_job(shm_root, run, replicas, ending, victim, rng)
     (tmp_path / f"job{iteration}.log").write_text(out.text())
     context = "\n".join([*summary, f"job {iteration} expecting {expected}, {done}: {result}",
                          tail(out)])
@@ -99,9 +114,14 @@ def test_every_resume_restores_orbaxs_latest_step_bit_for_bit(shm_root, tmp_path
       check_after_job(shm_root, PROCS, out, expected)
     except AssertionError as e:
       raise AssertionError(f"{e}\n{context}") from None
-    after = orbax_latest(persistent)
+    after = orbax_latest(run.persistent)
     assert expected is None or (after is not None and after >= expected), context
-    fault, _ = apply_fault(faults[iteration], shm_root, rng, PROCS)
+    if faults[iteration] == "new-run":
+      run = Run(tmp_path / f"persistent-{iteration}", seed=run.seed + 1,
+                start=max(0, (after or 0) - 2))
+      fault = f"a new run (seed {run.seed}) from step {run.start}"
+    else:
+      fault, _ = apply_fault(faults[iteration], shm_root, rng, PROCS)
     summary.append(f"job {iteration}: restored {expected} ({sorted(tiers)}); {done}; RAM "
                    f"{[committed_steps(shm_root / f'node{n}') for n in range(PROCS)]}, Orbax "
                    f"{after}{'' if fault is None else f', {fault}'}")

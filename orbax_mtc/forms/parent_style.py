@@ -112,6 +112,8 @@ class ParentStyleForm(MultiTierForm):
     self.mirror_orbax_saves = mirror_orbax_saves
     self._saved_with: dict[str, type] = {}
     self._warned: set[str] = set()
+    # The RAM steps this manager saved (the same on every process: each save is agreed).
+    self._ram_saved: set[int] = set()
 
   def start(self) -> None:
     self.ledger.agree_steps("starting the checkpoint manager")
@@ -153,7 +155,11 @@ class ParentStyleForm(MultiTierForm):
                                for name, item in item_args.named_items(args).items()})
     if self.mirror_orbax_saves:
       self._drop_steps_orbax_removed()
-    if self.options.local.read_only or step in self.ledger.ram:
+    # A step this manager's RAM tier saved already is not written twice (Orbax's second save
+    # of it, forced). One it did not save belongs to a timeline the job left (a run before
+    # this one, a step newer than the restored one): written again, or RAM kept the old
+    # state under the number Orbax now holds the new one for, and a restore served it.
+    if self.options.local.read_only or (step in self.ledger.ram and step in self._ram_saved):
       return orbax_saved
     if self.mirror_orbax_saves:
       ram_due = orbax_saved
@@ -178,6 +184,7 @@ class ParentStyleForm(MultiTierForm):
       self._warn_once("ram-leaf", "orbax-mtc: step %d goes to %s alone: %s", step,
                       self.directory, e)
       return orbax_saved
+    self._ram_saved.add(step)
     return True
 
   def _drop_steps_orbax_removed(self) -> None:

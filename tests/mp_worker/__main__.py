@@ -157,6 +157,8 @@ def _parser() -> argparse.ArgumentParser:
   p = _common(sub.add_parser("parent-resume"))
   p.add_argument("--steps", type=int, required=True, help="save steps up to this one")
   p.add_argument("--phase", choices=FAULT_PHASES, default=None, help="as fault's")
+  p.add_argument("--start", type=int, default=0,
+                 help="the first step saved when there is nothing to restore")
   p.add_argument("--die-after", type=int, default=None,
                  help="every process SIGKILLs itself once this step is committed in its RAM "
                  "folder and the persistent folder, before the next save")

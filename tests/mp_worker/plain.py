@@ -289,7 +289,7 @@ def cmd_parent_resume(args) -> int:
       tier = info.tier if info is not None and info.step == latest else "persistent"
       emit(f"RESULT process={me} step={latest} tier={tier} ok={int(ok)} "
            f"detail={'; '.join(problems)[:500] or '-'}")
-    for step in range(0 if latest is None else latest + 1, args.steps):
+    for step in range(args.start if latest is None else latest + 1, args.steps):
       emit(f"SAVING step={step}")
       saved = mgr.save(step, args=ocp.args.StandardSave(make_state(mesh, args.rows, args.seed,
                                                                    step)))
