@@ -94,7 +94,8 @@ def _reduce_fn(shape: tuple[int, int, int]):
   def body(add, top, flags):
     return (jax.lax.psum(add, _AXIS), jax.lax.pmax(top, _AXIS), jax.lax.pmax(flags, _AXIS))
 
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 3))
+  return node_mesh.outside_user_mesh(
+      jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 3)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -102,9 +103,9 @@ def _gather_fn(size: int):
   """One all-gather of every process's `size`-byte row (a gathered round)."""
   del size  # one compiled function per row size
   mesh = node_mesh.node_mesh()
-  return jax.jit(jax.shard_map(lambda row: jax.lax.all_gather(row, _AXIS, tiled=True),
-                               mesh=mesh, in_specs=PartitionSpec(_AXIS),
-                               out_specs=PartitionSpec(), check_vma=False))
+  return node_mesh.outside_user_mesh(jax.jit(jax.shard_map(
+      lambda row: jax.lax.all_gather(row, _AXIS, tiled=True), mesh=mesh,
+      in_specs=PartitionSpec(_AXIS), out_specs=PartitionSpec(), check_vma=False)))
 
 
 def _padded(size: int) -> int:

@@ -17,6 +17,8 @@ stream order: one device per process there.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,6 +28,17 @@ AXIS = "mtc_nodes"
 LOCAL = "mtc_local"
 # A collective over two local devices is enough to make it a collective launch.
 _CPU_LOCAL_DEVICES = 2
+
+
+def outside_user_mesh(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """`fn` (a jitted shard_map over `node_mesh()`) called with no mesh in context: a mesh the
+  user set (`jax.set_mesh`, also as a global setter) must match a shard_map's own, and
+  JAX raised ValueError at the manager's first collective."""
+  @functools.wraps(fn)
+  def call(*args: Any) -> Any:
+    with jax.set_mesh(None):
+      return fn(*args)
+  return call
 
 
 @functools.cache

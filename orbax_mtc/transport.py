@@ -87,8 +87,8 @@ def _permute_fn(pairs: tuple[tuple[int, int], ...]):
       return moved
     return moved, jnp.sum(x[:_DISPATCHED_BYTES].astype(jnp.float32))[None]
 
-  permute = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec,
-                                  out_specs=(spec, spec) if dispatched else spec))
+  permute = node_mesh.outside_user_mesh(jax.jit(jax.shard_map(
+      body, mesh=mesh, in_specs=spec, out_specs=(spec, spec) if dispatched else spec)))
   return (lambda x: permute(x)[0]) if dispatched else permute
 
 

@@ -356,6 +356,23 @@ def test_parent_style_resume_over_a_step_one_node_alone_committed(node1, shm_roo
 
 
 
+
+def test_a_mesh_the_user_set_does_not_stop_the_collectives(shm_root, tmp_path):
+  """`jax.set_mesh(mesh)` (explicit sharding, here as a global setter) before the manager:
+  its collectives run jitted shard_maps over a mesh of their own, and JAX raised ValueError
+  ("The context mesh ... should match the mesh passed to shard_map") at the first one. Saves
+  with peer copies, then node 1 replaced: restored from its peer's copy, bit for bit."""
+  args = ["--persistent-dir", str(tmp_path / "persistent"), "--persistent-interval", "100",
+          "--set-mesh"]
+  result, out = run_job(["save", "--steps", "6", *args], 2, shm_root)
+  assert_ok(result, out)
+  shutil.rmtree(shm_root / "node1")
+  result, out = run_job(["restore", *args], 2, shm_root)
+  assert_ok(result, out)
+  results = mp_events.parse_results(out.lines)
+  assert [(results[n]["step"], results[n]["tier"], results[n]["ok"]) for n in (0, 1)] == [
+      ("4", "local", "1"), ("4", "peer", "1")], tail(out)
+
 def test_restart_from_scratch_drops_abandoned_local_steps(shm_root, tmp_path):
   """A restart that restores nothing must not keep (or later restore) the old local steps.
 

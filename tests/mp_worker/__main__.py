@@ -97,6 +97,8 @@ def _common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
   p.add_argument("--managed-peers-per-node", type=int, default=None)
   p.add_argument("--managed-timeout", type=float, default=60.0)
   p.add_argument("--job-name", default="orbax")
+  p.add_argument("--set-mesh", action="store_true",
+                 help="jax.set_mesh(the job's mesh), globally, before the manager is built")
   p.add_argument("--replicas", type=int, default=None,
                  help="size of the mesh's data axis (default: one row per process)")
   p.add_argument("--layout", choices=("mixed", "dp"), default="mixed",

@@ -65,6 +65,10 @@ def manager(args, mesh, *, exit_after_ondemand_checkpoint: bool | None = None,
   import orbax_mtc as mtc
   from orbax_mtc import distributed
 
+  if args.set_mesh:  # explicit-sharding code sets its mesh for everything that follows
+    import jax
+
+    jax.set_mesh(mesh)
   local_dir = args.local_dir or distributed.local_directory()
   if not local_dir:
     raise SystemExit("no --local-dir and no ORBAX_MTC_LOCAL_DIR")
