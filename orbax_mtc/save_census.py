@@ -69,7 +69,9 @@ class CensusShape:
   salt: int = 0
 
   def bucket(self, step: int) -> int:
-    mixed = ((step + 1) * 0x9E3779B97F4A7C15 + (self.salt + 1) * 0x632BE59BD9B4E019) % 2 ** 64
+    # Python ints: a numpy integer overflows on the constants instead of wrapping.
+    mixed = ((int(step) + 1) * 0x9E3779B97F4A7C15 + (int(self.salt) + 1) * 0x632BE59BD9B4E019
+             ) % 2 ** 64
     return (mixed >> 32) % self.buckets
 
 

@@ -184,3 +184,11 @@ def test_the_combined_bitmap_is_the_or_of_each_process_bit():
   total = reduction.combine(reduction.Parts(w, np.zeros(0, np.int32), np.zeros(0, np.uint8))
                             for w in words).add
   assert reduction.unpack_bits(total, 70).tolist() == [0, 31, 32, 63, 69]
+
+
+def test_a_numpy_step_hashes_as_its_int():
+  """Orbax's single-host load and broadcast lists numpy integers: the bucket's hash raised
+  OverflowError on them (numpy does not wrap on the constants)."""
+  shape = save_census.CensusShape(slots=(), salt=3)
+  for step in (0, 7, 2**40):
+    assert shape.bucket(np.int64(step)) == shape.bucket(step)

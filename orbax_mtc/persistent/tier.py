@@ -67,8 +67,9 @@ class PersistentTier:
   # ----------------------------------------------------------------- steps and metadata
 
   def steps(self, read: bool = False) -> list[int]:
-    """The persistent steps this process sees."""
-    return list(self.orbax.all_steps(read))
+    """The persistent steps this process sees, as Python ints (Orbax's single-host load and
+    broadcast hands numpy integers around)."""
+    return [int(step) for step in self.orbax.all_steps(read)]
 
   def reload(self) -> None:
     self.orbax.reload()
