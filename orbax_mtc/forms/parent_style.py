@@ -112,7 +112,8 @@ class ParentStyleForm(MultiTierForm):
     self.mirror_orbax_saves = mirror_orbax_saves
     self._saved_with: dict[str, type] = {}
     self._warned: set[str] = set()
-    # The RAM steps this manager saved (the same on every process: each save is agreed).
+    # The RAM steps this manager saved and RAM still lists (the same on every process: each
+    # save is agreed).
     self._ram_saved: set[int] = set()
 
   def start(self) -> None:
@@ -184,7 +185,8 @@ class ParentStyleForm(MultiTierForm):
       self._warn_once("ram-leaf", "orbax-mtc: step %d goes to %s alone: %s", step,
                       self.directory, e)
       return orbax_saved
-    self._ram_saved.add(step)
+    # Only listed steps matter: bounded by the RAM tier's retention over a long run.
+    self._ram_saved = {*(s for s in self._ram_saved if s in self.ledger.ram), step}
     return True
 
   def _drop_steps_orbax_removed(self) -> None:
